@@ -1,0 +1,45 @@
+"""The `zocheck-ray` command line.
+
+    zocheck-ray demo                      a short ZO fine-tune with exact replay verification
+    zocheck-ray bench replay [--json F]   fused replay vs eager torch vs memory bandwidth
+
+Each feature module registers its own subcommands (`register(subparsers, bench)`),
+so this file only lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMAND_MODULES = [
+    "zocheck_ray.demo",
+    "zocheck_ray.bench.replay",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zocheck-ray",
+        description="Nearly free, bit-exact checkpointing for zeroth-order fine-tuning on Ray.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    bench_parser = sub.add_parser("bench", help="benchmarks: print a table, optionally write JSON")
+    bench = bench_parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub, bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

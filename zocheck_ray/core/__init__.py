@@ -1,0 +1,24 @@
+"""The replayable ZO core. Ray-free: runs on the trainer's device and in the shadow."""
+
+from zocheck_ray.core.config import ZOConfig
+from zocheck_ray.core.errors import (
+    CorruptRecordError,
+    NonFiniteError,
+    RecordSequenceError,
+    StateMismatchError,
+    ZOCheckError,
+)
+from zocheck_ray.core.generator import perturbation
+from zocheck_ray.core.hashing import state_hash
+from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout, TensorSpec
+from zocheck_ray.core.optimizer import ZOOptimizer
+from zocheck_ray.core.record import IncompleteRecordError, StepRecord
+from zocheck_ray.core.reference import replay_reference
+from zocheck_ray.core.fused import replay
+
+__all__ = [
+    "ZOConfig", "ZOOptimizer", "StepRecord", "Layout", "TensorSpec", "perturbation", "state_hash",
+    "replay", "replay_reference", "EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX",
+    "ZOCheckError", "StateMismatchError", "RecordSequenceError", "CorruptRecordError",
+    "IncompleteRecordError", "NonFiniteError",
+]

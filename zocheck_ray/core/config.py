@@ -1,0 +1,49 @@
+"""`ZOConfig`: everything about the optimizer that replay needs to reproduce a step."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Optimizer = Literal["zo-sgd", "zo-adam", "sparse-mezo"]
+Perturbation = Literal["gaussian", "rademacher"]
+
+
+class ZOConfig(BaseModel):
+    """Zeroth-order optimizer settings, shared by the trainer and every replay."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    optimizer: Optimizer = "zo-sgd"
+    """`zo-sgd` (MeZO), `zo-adam` (Adam moments on the ZO gradient) or `sparse-mezo`."""
+    lr: float = Field(1e-6, ge=0)
+    """Learning rate; a step may carry its own (schedules), recorded with the step."""
+    eps: float = Field(1e-3, gt=0)
+    """Perturbation scale epsilon of the two-point gradient estimate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay; never applied to biases or norm weights (1-D tensors)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """ZO-Adam moment decay rates, each in [0, 1)."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """ZO-Adam denominator epsilon."""
+    sparsity: float = Field(0.75, ge=0, lt=1)
+    """Sparse-MeZO: fraction of each tensor (largest magnitudes) left unperturbed."""
+    perturbation: Perturbation = "gaussian"
+    """Distribution of z: standard `gaussian` or `rademacher` (+1/-1)."""
+
+    @field_validator("lr", "eps", "weight_decay", "adam_eps", "sparsity")
+    @classmethod
+    def _finite(cls, value: float, info) -> float:
+        if not math.isfinite(value):
+            raise ValueError(f"{info.field_name} must be finite, got {value!r}")
+        return value
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        for i, b in enumerate(value):
+            if not (math.isfinite(b) and 0.0 <= b < 1.0):
+                raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}")
+        return value

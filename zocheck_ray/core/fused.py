@@ -1,0 +1,400 @@
+"""`replay`: the fused CPU replay kernel (numba).
+
+One pass over the parameters replays a whole batch of steps: the parameters are cut
+into chunks that fit in cache, and for each chunk every step of the batch is
+applied before moving on (the steps are element-wise, so this order gives the same
+bits). Within a step, z is generated in a cache-resident buffer from Philox words
+and the elementary operations of `update.py` run in the same order with the same
+rounding. Chunks are spread over threads with `prange`; since z depends only on
+(seed, global offset), the partitioning and thread count cannot change a bit.
+
+numba compiles without fastmath (no FMA contraction, no reassociation) and with
+numpy's error model (IEEE division), which is what makes the bits match torch.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Sequence
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from zocheck_ray.core.config import ZOConfig
+from zocheck_ray.core.errors import StateMismatchError
+from zocheck_ray.core.generator import MASK32, PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0, PHILOX_W1, STREAM
+from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX
+from zocheck_ray.core.normal_table import normal_table
+from zocheck_ray.core.record import StepRecord
+from zocheck_ray.core.validation import check_replay
+
+CHUNK_ELEMENTS = 8192
+"""Elements per work item: parameters, z and words of a chunk stay in L2 across a batch."""
+
+OPT_SGD, OPT_ADAM, OPT_SPARSE = 0, 1, 2
+_OPT_CODES = {"zo-sgd": OPT_SGD, "zo-adam": OPT_ADAM, "sparse-mezo": OPT_SPARSE}
+
+# ---------------------------------------------------------------- bit-level helpers
+
+
+@intrinsic
+def _as_voidptr(typingctx, address):
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(types.int64), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, value):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+_U32 = np.uint32
+_F32 = np.float32
+
+
+@njit(inline="always")
+def _bf16_bits(x):
+    """float32 -> bfloat16 bits, round to nearest even (torch's c10 rule)."""
+    u = _f32_bits(x)
+    if x != x:
+        return _U32(0x7FC0)
+    return _U32((u + (_U32(0x7FFF) + ((u >> _U32(16)) & _U32(1)))) >> _U32(16))
+
+
+@njit(inline="always")
+def _bf16_value(bits):
+    return _bits_f32(_U32(bits) << _U32(16))
+
+
+@njit(inline="always")
+def _f16_bits(x):
+    """float32 -> float16 bits, round to nearest even (F. Giesen's float_to_half_rtne)."""
+    u = _f32_bits(x)
+    sign = u & _U32(0x80000000)
+    u = u ^ sign
+    if u >= _U32(0x47800000):  # 2**16 and up: inf, or NaN
+        out = _U32(0x7E00) if u > _U32(0x7F800000) else _U32(0x7C00)
+    elif u < _U32(0x38800000):  # below 2**-14: a subnormal or zero half
+        f = _bits_f32(u) + _bits_f32(_U32(0x3F000000))  # magic 0.5 aligns the mantissa
+        out = _U32(_f32_bits(f) - _U32(0x3F000000))
+    else:
+        odd = (u >> _U32(13)) & _U32(1)
+        u = _U32(u + _U32(0xC8000FFF)) + odd  # rebias exponent (-112 << 23) and round
+        out = u >> _U32(13)
+    return _U32(out | (sign >> _U32(16)))
+
+
+@njit(inline="always")
+def _f16_value(bits):
+    h = _U32(bits)
+    sign = (h & _U32(0x8000)) << _U32(16)
+    exponent = (h >> _U32(10)) & _U32(0x1F)
+    mantissa = h & _U32(0x3FF)
+    if exponent == _U32(0x1F):
+        return _bits_f32(sign | _U32(0x7F800000) | (mantissa << _U32(13)))
+    if exponent == _U32(0):
+        return _bits_f32(_f32_bits(_F32(np.int32(mantissa)) * _F32(5.9604644775390625e-08)) | sign)
+    return _bits_f32(sign | ((exponent + _U32(112)) << _U32(23)) | (mantissa << _U32(13)))
+
+
+@njit(inline="always")
+def _round_f32(x):
+    return x
+
+
+@njit(inline="always")
+def _round_bf16(x):
+    return _bf16_value(_bf16_bits(x))
+
+
+@njit(inline="always")
+def _round_f16(x):
+    return _f16_value(_f16_bits(x))
+
+
+@njit(inline="always")
+def _load_f32(a, i):
+    return a[i]
+
+
+@njit(inline="always")
+def _store_f32(a, i, x):
+    a[i] = x
+
+
+@njit(inline="always")
+def _load_bf16(a, i):
+    return _bf16_value(a[i])
+
+
+@njit(inline="always")
+def _store_bf16(a, i, x):
+    a[i] = np.uint16(_bf16_bits(x))
+
+
+@njit(inline="always")
+def _load_f16(a, i):
+    return _f16_value(a[i])
+
+
+@njit(inline="always")
+def _store_f16(a, i, x):
+    a[i] = np.uint16(_f16_bits(x))
+
+
+# ---------------------------------------------------------------- perturbation
+
+
+@njit(inline="always")
+def _philox_words(key0, key1, offset, n, out):
+    """Words for elements offset .. offset+n-1 into out[(offset & 3):...]; see generator.py."""
+    first = offset >> 2
+    count = ((offset + n - 1) >> 2) - first + 1
+    m0 = np.uint64(PHILOX_M0)
+    m1 = np.uint64(PHILOX_M1)
+    mask = np.uint64(MASK32)
+    for j in range(count):
+        ctr = np.uint64(first + j)
+        c0 = ctr & mask
+        c1 = ctr >> np.uint64(32)
+        c2 = np.uint64(STREAM)
+        c3 = np.uint64(0)
+        k0 = key0
+        k1 = key1
+        for _ in range(PHILOX_ROUNDS):
+            p0 = m0 * c0
+            p1 = m1 * c2
+            n0 = (p1 >> np.uint64(32)) ^ c1 ^ k0
+            n2 = (p0 >> np.uint64(32)) ^ c3 ^ k1
+            c1 = p1 & mask
+            c3 = p0 & mask
+            c0 = n0
+            c2 = n2
+            k0 = (k0 + np.uint64(PHILOX_W0)) & mask
+            k1 = (k1 + np.uint64(PHILOX_W1)) & mask
+        out[4 * j] = np.uint32(c0)
+        out[4 * j + 1] = np.uint32(c1)
+        out[4 * j + 2] = np.uint32(c2)
+        out[4 * j + 3] = np.uint32(c3)
+
+
+@njit(inline="always")
+def _gaussian(words, start, n, nodes, slopes, z):
+    for i in range(n):
+        w = words[start + i]
+        q = np.int32(w & _U32(0x7FFFFFFF))
+        h = (q >> np.int32(7)) | np.int32(1)
+        e = np.int32(_f32_bits(_F32(h)) >> _U32(23)) - np.int32(120)
+        octave = max(e, np.int32(8))
+        shift = octave - np.int32(8)
+        index = np.int32(256) * (octave - np.int32(7)) + (q >> shift) - np.int32(256)
+        rem = q & ((np.int32(1) << shift) - np.int32(1))
+        magnitude = nodes[index] + _F32(rem) * slopes[index]
+        z[i] = -magnitude if (w >> _U32(31)) != _U32(0) else magnitude
+
+
+@njit(inline="always")
+def _rademacher(words, start, n, z):
+    for i in range(n):
+        z[i] = _F32(-1.0) if (words[start + i] >> _U32(31)) != _U32(0) else _F32(1.0)
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+@njit(inline="always")
+def _chunk(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c_plus, c_minus, grads, lrs,
+           bc1s, bc2s, thresholds, consts, nodes, slopes, p, z, words, load, store, rnd):
+    wd, b1, omb1, b2, omb2, adam_eps = consts[0], consts[1], consts[2], consts[3], consts[4], consts[5]
+    use_wd = decay and wd > _F32(0.0)
+    for i in range(n):
+        p[i] = load(param, i)
+    for k in range(keys0.shape[0]):
+        _philox_words(keys0[k], keys1[k], offset, n, words)
+        if gaussian:
+            _gaussian(words, offset & 3, n, nodes, slopes, z)
+        else:
+            _rademacher(words, offset & 3, n, z)
+        cp = c_plus[k]
+        cm = c_minus[k]
+        g = grads[k]
+        lr = lrs[k]
+        if opt == OPT_ADAM:
+            bc1 = bc1s[k]
+            bc2 = bc2s[k]
+            for i in range(n):
+                zd = rnd(z[i])
+                x = p[i]
+                x = rnd(x + rnd(zd * cp))
+                x = rnd(x + rnd(zd * cm))
+                x = rnd(x + rnd(zd * cp))
+                gz = zd * g
+                mi = m[i] * b1 + gz * omb1
+                vi = v[i] * b2 + (gz * gz) * omb2
+                m[i] = mi
+                v[i] = vi
+                u = (mi * bc1) / (np.sqrt(vi * bc2) + adam_eps)
+                if use_wd:
+                    u = u + x * wd
+                p[i] = rnd(x - rnd(u * lr))
+        else:
+            thr = thresholds[k, tensor]
+            sparse = opt == OPT_SPARSE
+            for i in range(n):
+                x = p[i]
+                if sparse and not (abs(x) <= thr):
+                    continue
+                zd = rnd(z[i])
+                x = rnd(x + rnd(zd * cp))
+                x = rnd(x + rnd(zd * cm))
+                x = rnd(x + rnd(zd * cp))
+                u = rnd(zd * g)
+                if use_wd:
+                    u = rnd(u + rnd(x * wd))
+                p[i] = rnd(x - rnd(u * lr))
+    for i in range(n):
+        store(param, i, p[i])
+
+
+@njit(inline="always")
+def _run(param_ptrs, m_ptrs, v_ptrs, offsets, decays, chunk_tensor, chunk_start, chunk_len, opt, gaussian, keys0,
+         keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, consts, nodes, slopes, storage_dtype, itemsize,
+         load, store, rnd):
+    for c in prange(chunk_tensor.shape[0]):
+        t = chunk_tensor[c]
+        s = chunk_start[c]
+        n = chunk_len[c]
+        param = numba.carray(_as_voidptr(param_ptrs[t] + s * itemsize), n, storage_dtype)
+        if opt == OPT_ADAM:
+            m = numba.carray(_as_voidptr(m_ptrs[t] + s * 4), n, np.float32)
+            v = numba.carray(_as_voidptr(v_ptrs[t] + s * 4), n, np.float32)
+        else:
+            m = numba.carray(_as_voidptr(param_ptrs[t]), 0, np.float32)
+            v = m
+        p = np.empty(n, np.float32)
+        z = np.empty(n, np.float32)
+        words = np.empty(n + 8, np.uint32)
+        _chunk(param, m, v, n, offsets[t] + s, t, decays[t], opt, gaussian, keys0, keys1, c_plus, c_minus,
+               grads, lrs, bc1s, bc2s, thresholds, consts, nodes, slopes, p, z, words, load, store, rnd)
+
+
+# One compiled kernel per storage dtype; each is a plain module-level function so
+# numba can cache it on disk (first compilation takes tens of seconds).
+_KERNEL_OPTIONS = dict(parallel=True, cache=True, error_model="numpy", nogil=True)
+
+
+@njit(**_KERNEL_OPTIONS)
+def _kernel_f32(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, nod, slo):
+    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, nod, slo,
+         np.float32, np.int64(4), _load_f32, _store_f32, _round_f32)
+
+
+@njit(**_KERNEL_OPTIONS)
+def _kernel_bf16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, nod, slo):
+    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, nod, slo,
+         np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16)
+
+
+@njit(**_KERNEL_OPTIONS)
+def _kernel_f16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, nod, slo):
+    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, nod, slo,
+         np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16)
+
+
+_KERNELS = {torch.float32: _kernel_f32, torch.bfloat16: _kernel_bf16, torch.float16: _kernel_f16}
+_THREADS_LOCK = threading.Lock()
+
+
+def default_threads() -> int:
+    return numba.config.NUMBA_NUM_THREADS
+
+
+def replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
+           threads: int | None = None, start_step: int | None = None) -> dict[str, torch.Tensor]:
+    """Apply `records` to a CPU `state` in place with the fused kernel; same bits as the trainer.
+
+    >>> # state = opt.state_tensors() copied to the CPU, records from opt.step(...)
+    >>> # replay(state, records, config, threads=8)
+    """
+    layout, scalars = check_replay(state, records, config, start_step)
+    for name, tensor in state.items():
+        if tensor.device.type != "cpu":
+            raise StateMismatchError(
+                f"state[{name!r}] is on {tensor.device}; the fused replay runs on the CPU "
+                "(use replay_reference on other devices)"
+            )
+    if threads is not None and not (isinstance(threads, int) and 1 <= threads <= numba.config.NUMBA_NUM_THREADS):
+        raise ValueError(f"threads must be an integer in [1, {numba.config.NUMBA_NUM_THREADS}], got {threads!r}")
+    if not records:
+        return state
+    k = len(records)
+    seeds = [r.seed for r in records]
+    keys0 = np.array([s & MASK32 for s in seeds], dtype=np.uint64)
+    keys1 = np.array([s >> 32 for s in seeds], dtype=np.uint64)
+    c_plus = np.array([s.plus for s in scalars], dtype=np.float32)
+    c_minus = np.array([s.minus for s in scalars], dtype=np.float32)
+    grads = np.array([s.grad for s in scalars], dtype=np.float32)
+    lrs = np.array([s.lr for s in scalars], dtype=np.float32)
+    bc1s = np.array([s.bias_correction1 for s in scalars], dtype=np.float32)
+    bc2s = np.array([s.bias_correction2 for s in scalars], dtype=np.float32)
+    s0 = scalars[0]
+    consts = np.array([s0.weight_decay, s0.beta1, s0.one_minus_beta1, s0.beta2, s0.one_minus_beta2, s0.adam_eps],
+                      dtype=np.float32)
+    ntensors = len(layout.params)
+    if config.optimizer == "sparse-mezo":
+        thresholds = np.array([r.extras for r in records], dtype=np.float32).reshape(k, ntensors)
+    else:
+        thresholds = np.zeros((k, ntensors), dtype=np.float32)
+    nodes, slopes = normal_table()
+    opt = _OPT_CODES[config.optimizer]
+    gaussian = config.perturbation == "gaussian"
+
+    param_ptrs = np.array([state[s.name].data_ptr() for s in layout.params], dtype=np.int64)
+    if opt == OPT_ADAM:
+        m_ptrs = np.array([state[EXP_AVG_PREFIX + s.name].data_ptr() for s in layout.params], dtype=np.int64)
+        v_ptrs = np.array([state[EXP_AVG_SQ_PREFIX + s.name].data_ptr() for s in layout.params], dtype=np.int64)
+    else:
+        m_ptrs = v_ptrs = np.zeros(ntensors, dtype=np.int64)
+    offsets = np.array([s.offset for s in layout.params], dtype=np.int64)
+    decays = np.array([s.decay for s in layout.params], dtype=np.bool_)
+
+    with _THREADS_LOCK:
+        previous = numba.get_num_threads()
+        numba.set_num_threads(threads or default_threads())
+        try:
+            for dtype, kernel in _KERNELS.items():
+                members = [i for i, s in enumerate(layout.params) if state[s.name].dtype == dtype]
+                if not members:
+                    continue
+                tensor_ids, starts, lens = [], [], []
+                for i in members:
+                    numel = layout.params[i].numel
+                    for a in range(0, numel, CHUNK_ELEMENTS):
+                        tensor_ids.append(i)
+                        starts.append(a)
+                        lens.append(min(CHUNK_ELEMENTS, numel - a))
+                kernel(param_ptrs, m_ptrs, v_ptrs, offsets, decays, np.array(tensor_ids, dtype=np.int64),
+                       np.array(starts, dtype=np.int64), np.array(lens, dtype=np.int64), opt, gaussian,
+                       keys0, keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, consts, nodes, slopes)
+        finally:
+            numba.set_num_threads(previous)
+    return state

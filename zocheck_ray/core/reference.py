@@ -1,0 +1,48 @@
+"""`replay_reference`: replay step records in eager torch, on any device, in place."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from zocheck_ray.core import update
+from zocheck_ray.core.config import ZOConfig
+from zocheck_ray.core.generator import perturbation
+from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX
+from zocheck_ray.core.optimizer import chunks
+from zocheck_ray.core.record import StepRecord
+from zocheck_ray.core.validation import check_replay
+
+
+@torch.no_grad()
+def replay_reference(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
+                     start_step: int | None = None) -> dict[str, torch.Tensor]:
+    """Apply `records` to `state` in order, with the trainer's exact operation sequence.
+
+    z is generated once per step and chunk (it is the same z each time the trainer
+    regenerates it), then the three perturbations and the update run as on the trainer.
+    """
+    layout, all_scalars = check_replay(state, records, config, start_step)
+    for record, s in zip(records, all_scalars):
+        for i, spec in enumerate(layout.params):
+            flat = state[spec.name].view(-1)
+            dtype = flat.dtype
+            for a, b in chunks(spec.numel):
+                z = perturbation(record.seed, spec.offset + a, b - a, config.perturbation, flat.device)
+                zd = update.cast_perturbation(z, dtype)
+                p = flat[a:b].float()
+                mask = update.sparse_mask(p, record.extras[i]) if config.optimizer == "sparse-mezo" else None
+                p = update.perturb(p, zd, s.plus, dtype, mask)
+                p = update.perturb(p, zd, s.minus, dtype, mask)
+                p = update.perturb(p, zd, s.plus, dtype, mask)
+                if config.optimizer == "zo-adam":
+                    m = state[EXP_AVG_PREFIX + spec.name].view(-1)[a:b]
+                    v = state[EXP_AVG_SQ_PREFIX + spec.name].view(-1)[a:b]
+                    p, m_new, v_new = update.adam_update(p, m, v, zd, s, spec.decay, dtype)
+                    m.copy_(m_new)
+                    v.copy_(v_new)
+                else:
+                    p = update.sgd_update(p, zd, s, spec.decay, dtype, mask)
+                flat[a:b].copy_(p)
+    return state
