@@ -16,6 +16,7 @@ import sys
 COMMAND_MODULES = [
     "zocheck_ray.demo",
     "zocheck_ray.bench.replay",
+    "zocheck_ray.policies.cli",
 ]
 
 

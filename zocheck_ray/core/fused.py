@@ -28,9 +28,9 @@ from numba.extending import intrinsic
 
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import StateMismatchError
+from zocheck_ray.core import generator as G
 from zocheck_ray.core.generator import MASK32, PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0, PHILOX_W1, STREAM
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX
-from zocheck_ray.core.normal_table import normal_table
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.validation import check_replay
 
@@ -164,11 +164,83 @@ def _store_f16(a, i, x):
 # ---------------------------------------------------------------- perturbation
 
 
+_LN2 = _F32(G.LN2)
+_SQRT2 = _F32(G.SQRT2)
+_HALF_PI = _F32(G.HALF_PI)
+_TWO_POW_M24 = _F32(G.TWO_POW_M24)
+_L0, _L1, _L2, _L3 = (_F32(c) for c in G.LOG_SERIES)
+_S0, _S1, _S2, _S3, _S4 = (_F32(c) for c in G.SIN_SERIES)
+_C0, _C1, _C2, _C3, _C4, _C5 = (_F32(c) for c in G.COS_SERIES)
+_RSQRT_MAGIC = _U32(G.RSQRT_MAGIC)
+_ONE = _F32(1.0)
+_TWO = _F32(2.0)
+_HALF = _F32(0.5)
+_THREE_HALVES = _F32(1.5)
+
+
 @njit(inline="always")
-def _philox_words(key0, key1, offset, n, out):
-    """Words for elements offset .. offset+n-1 into out[(offset & 3):...]; see generator.py."""
-    first = offset >> 2
-    count = ((offset + n - 1) >> 2) - first + 1
+def _unit_uniform(bits23):
+    return _F32(np.int32(bits23 * _U32(2) + _U32(1))) * _TWO_POW_M24
+
+
+@njit(inline="always")
+def _log_unit(u):
+    bits = _f32_bits(u)
+    e = _F32(np.int32(bits >> _U32(23)) - np.int32(127))
+    m = _bits_f32(_U32((bits & _U32(0x7FFFFF)) | _U32(0x3F800000)))
+    if m > _SQRT2:
+        m = m * _HALF
+        e = e + _ONE
+    t = m - _ONE
+    s = t / (t + _TWO)
+    s2 = s * s
+    acc = _L0 * s2 + _L1
+    acc = acc * s2 + _L2
+    acc = acc * s2 + _L3
+    acc = acc * s2 + _TWO
+    return e * _LN2 + s * acc
+
+
+@njit(inline="always")
+def _sqrt_positive(a):
+    y = _bits_f32(_U32(_RSQRT_MAGIC - (_f32_bits(a) >> _U32(1))))
+    h = a * _HALF
+    y = y * (_THREE_HALVES - (h * y) * y)
+    y = y * (_THREE_HALVES - (h * y) * y)
+    y = y * (_THREE_HALVES - (h * y) * y)
+    return a * y
+
+
+@njit(inline="always")
+def _box_muller(wa, wb):
+    radius = _sqrt_positive(_log_unit(_unit_uniform(wa >> _U32(9))) * _F32(-2.0))
+    x = _unit_uniform((wb >> _U32(7)) & _U32(0x7FFFFF)) * _HALF_PI
+    x2 = x * x
+    acc = _S0 * x2 + _S1
+    acc = acc * x2 + _S2
+    acc = acc * x2 + _S3
+    acc = acc * x2 + _S4
+    sin = x * (acc * x2 + _ONE)
+    acc = _C0 * x2 + _C1
+    acc = acc * x2 + _C2
+    acc = acc * x2 + _C3
+    acc = acc * x2 + _C4
+    acc = acc * x2 + _C5
+    cos = acc * x2 + _ONE
+    quadrant = wb >> _U32(30)
+    odd = (quadrant & _U32(1)) == _U32(1)
+    zx = sin if odd else cos
+    zy = cos if odd else sin
+    if quadrant == _U32(1) or quadrant == _U32(2):
+        zx = -zx
+    if quadrant >= _U32(2):
+        zy = -zy
+    return radius * zx, radius * zy
+
+
+@njit(inline="always")
+def _perturbation_block(key0, key1, first, count, gaussian, out):
+    """z for counters first .. first+count-1 into out[0 : 4*count]; see generator.py."""
     m0 = np.uint64(PHILOX_M0)
     m1 = np.uint64(PHILOX_M1)
     mask = np.uint64(MASK32)
@@ -191,31 +263,19 @@ def _philox_words(key0, key1, offset, n, out):
             c2 = n2
             k0 = (k0 + np.uint64(PHILOX_W0)) & mask
             k1 = (k1 + np.uint64(PHILOX_W1)) & mask
-        out[4 * j] = np.uint32(c0)
-        out[4 * j + 1] = np.uint32(c1)
-        out[4 * j + 2] = np.uint32(c2)
-        out[4 * j + 3] = np.uint32(c3)
-
-
-@njit(inline="always")
-def _gaussian(words, start, n, nodes, slopes, z):
-    for i in range(n):
-        w = words[start + i]
-        q = np.int32(w & _U32(0x7FFFFFFF))
-        h = (q >> np.int32(7)) | np.int32(1)
-        e = np.int32(_f32_bits(_F32(h)) >> _U32(23)) - np.int32(120)
-        octave = max(e, np.int32(8))
-        shift = octave - np.int32(8)
-        index = np.int32(256) * (octave - np.int32(7)) + (q >> shift) - np.int32(256)
-        rem = q & ((np.int32(1) << shift) - np.int32(1))
-        magnitude = nodes[index] + _F32(rem) * slopes[index]
-        z[i] = -magnitude if (w >> _U32(31)) != _U32(0) else magnitude
-
-
-@njit(inline="always")
-def _rademacher(words, start, n, z):
-    for i in range(n):
-        z[i] = _F32(-1.0) if (words[start + i] >> _U32(31)) != _U32(0) else _F32(1.0)
+        w0, w1, w2, w3 = _U32(c0), _U32(c1), _U32(c2), _U32(c3)
+        if gaussian:
+            z0, z1 = _box_muller(w0, w1)
+            z2, z3 = _box_muller(w2, w3)
+        else:
+            z0 = _F32(-1.0) if (w0 >> _U32(31)) != _U32(0) else _ONE
+            z1 = _F32(-1.0) if (w1 >> _U32(31)) != _U32(0) else _ONE
+            z2 = _F32(-1.0) if (w2 >> _U32(31)) != _U32(0) else _ONE
+            z3 = _F32(-1.0) if (w3 >> _U32(31)) != _U32(0) else _ONE
+        out[4 * j] = z0
+        out[4 * j + 1] = z1
+        out[4 * j + 2] = z2
+        out[4 * j + 3] = z3
 
 
 # ---------------------------------------------------------------- the kernel
@@ -223,17 +283,16 @@ def _rademacher(words, start, n, z):
 
 @njit(inline="always")
 def _chunk(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c_plus, c_minus, grads, lrs,
-           bc1s, bc2s, thresholds, consts, nodes, slopes, p, z, words, load, store, rnd):
+           bc1s, bc2s, thresholds, consts, p, z, load, store, rnd):
     wd, b1, omb1, b2, omb2, adam_eps = consts[0], consts[1], consts[2], consts[3], consts[4], consts[5]
     use_wd = decay and wd > _F32(0.0)
     for i in range(n):
         p[i] = load(param, i)
+    first = offset >> 2
+    count = ((offset + n - 1) >> 2) - first + 1
+    lane = offset & 3
     for k in range(keys0.shape[0]):
-        _philox_words(keys0[k], keys1[k], offset, n, words)
-        if gaussian:
-            _gaussian(words, offset & 3, n, nodes, slopes, z)
-        else:
-            _rademacher(words, offset & 3, n, z)
+        _perturbation_block(keys0[k], keys1[k], first, count, gaussian, z)
         cp = c_plus[k]
         cm = c_minus[k]
         g = grads[k]
@@ -242,7 +301,7 @@ def _chunk(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c
             bc1 = bc1s[k]
             bc2 = bc2s[k]
             for i in range(n):
-                zd = rnd(z[i])
+                zd = rnd(z[lane + i])
                 x = p[i]
                 x = rnd(x + rnd(zd * cp))
                 x = rnd(x + rnd(zd * cm))
@@ -263,7 +322,7 @@ def _chunk(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c
                 x = p[i]
                 if sparse and not (abs(x) <= thr):
                     continue
-                zd = rnd(z[i])
+                zd = rnd(z[lane + i])
                 x = rnd(x + rnd(zd * cp))
                 x = rnd(x + rnd(zd * cm))
                 x = rnd(x + rnd(zd * cp))
@@ -277,7 +336,7 @@ def _chunk(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c
 
 @njit(inline="always")
 def _run(param_ptrs, m_ptrs, v_ptrs, offsets, decays, chunk_tensor, chunk_start, chunk_len, opt, gaussian, keys0,
-         keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, consts, nodes, slopes, storage_dtype, itemsize,
+         keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, consts, storage_dtype, itemsize,
          load, store, rnd):
     for c in prange(chunk_tensor.shape[0]):
         t = chunk_tensor[c]
@@ -291,10 +350,9 @@ def _run(param_ptrs, m_ptrs, v_ptrs, offsets, decays, chunk_tensor, chunk_start,
             m = numba.carray(_as_voidptr(param_ptrs[t]), 0, np.float32)
             v = m
         p = np.empty(n, np.float32)
-        z = np.empty(n, np.float32)
-        words = np.empty(n + 8, np.uint32)
+        z = np.empty(n + 8, np.float32)
         _chunk(param, m, v, n, offsets[t] + s, t, decays[t], opt, gaussian, keys0, keys1, c_plus, c_minus,
-               grads, lrs, bc1s, bc2s, thresholds, consts, nodes, slopes, p, z, words, load, store, rnd)
+               grads, lrs, bc1s, bc2s, thresholds, consts, p, z, load, store, rnd)
 
 
 # One compiled kernel per storage dtype; each is a plain module-level function so
@@ -303,20 +361,20 @@ _KERNEL_OPTIONS = dict(parallel=True, cache=True, error_model="numpy", nogil=Tru
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_f32(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, nod, slo):
-    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, nod, slo,
+def _kernel_f32(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con):
+    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
          np.float32, np.int64(4), _load_f32, _store_f32, _round_f32)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_bf16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, nod, slo):
-    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, nod, slo,
+def _kernel_bf16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con):
+    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
          np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_f16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, nod, slo):
-    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, nod, slo,
+def _kernel_f16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con):
+    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
          np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16)
 
 
@@ -364,7 +422,6 @@ def replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config
         thresholds = np.array([r.extras for r in records], dtype=np.float32).reshape(k, ntensors)
     else:
         thresholds = np.zeros((k, ntensors), dtype=np.float32)
-    nodes, slopes = normal_table()
     opt = _OPT_CODES[config.optimizer]
     gaussian = config.perturbation == "gaussian"
 
@@ -394,7 +451,7 @@ def replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config
                         lens.append(min(CHUNK_ELEMENTS, numel - a))
                 kernel(param_ptrs, m_ptrs, v_ptrs, offsets, decays, np.array(tensor_ids, dtype=np.int64),
                        np.array(starts, dtype=np.int64), np.array(lens, dtype=np.int64), opt, gaussian,
-                       keys0, keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, consts, nodes, slopes)
+                       keys0, keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, consts)
         finally:
             numba.set_num_threads(previous)
     return state

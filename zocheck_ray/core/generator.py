@@ -2,23 +2,29 @@
 
 z for the element at global offset `i` (its position in the canonical parameter
 order) is a pure function of (seed, i): counter (i >> 2, 0, STREAM, 0) and key
-(seed low word, seed high word) give four 32-bit words, word i & 3 belongs to
-element i. A Gaussian turns the word into a value through `normal_table`; a
-Rademacher takes its top bit. Only integer operations, one int-to-float conversion
-of a value below 2**24, and a float32 multiply and add are used, so every device
-and every partitioning gives the same bits.
+(seed low word, seed high word) give four 32-bit words w0..w3, and element i takes
+lane i & 3 of what they become:
+
+- Gaussian: a Box-Muller transform of the pairs (w0, w1) and (w2, w3), computed
+  with float32 `+ - * /` and integer operations only: the logarithm from the
+  exponent bits and an atanh series, the square root by three Newton steps of the
+  reciprocal square root, sine and cosine by Taylor polynomials on a quarter turn,
+  the quadrant taken from the word's top bits. No libm, no FMA, every operation
+  rounded on its own, so CPU, CUDA and the fused kernel agree bit for bit.
+  Uniforms are odd multiples of 2**-24 (never 0 or 1); |z| < 5.78.
+- Rademacher: the top bit of the lane's word gives -1 or +1.
 
 This module is the torch implementation (any device); it is the oracle that the
-fused CPU kernel (`fused.py`) is tested against.
+fused CPU kernel (`fused.py`) is tested against, and each helper below spells the
+exact operation sequence the kernel repeats.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+import math
 
+import numpy as np
 import torch
-
-from zocheck_ray.core.normal_table import normal_table
 
 PHILOX_M0 = 0xD2511F53
 PHILOX_M1 = 0xCD9E8D57
@@ -60,45 +66,91 @@ def check_seed(seed: int) -> int:
     return seed
 
 
-def random_words(seed: int, offset: int, numel: int, device="cpu") -> torch.Tensor:
-    """The 32-bit words (as int64) for elements offset .. offset+numel-1."""
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+# Box-Muller constants, float32 values (fused.py uses the same ones).
+LN2 = _f32(math.log(2.0))
+SQRT2 = _f32(math.sqrt(2.0))
+HALF_PI = _f32(math.pi / 2.0)
+TWO_POW_M24 = 2.0**-24
+LOG_SERIES = tuple(_f32(2.0 / k) for k in (9, 7, 5, 3))
+"""atanh series of log(m) = 2s(1 + s^2/3 + s^4/5 + ...), s = (m-1)/(m+1), Horner order."""
+SIN_SERIES = tuple(_f32((-1) ** k / math.factorial(2 * k + 1)) for k in (5, 4, 3, 2, 1))
+COS_SERIES = tuple(_f32((-1) ** k / math.factorial(2 * k)) for k in (6, 5, 4, 3, 2, 1))
+RSQRT_MAGIC = 0x5F375A86
+NEWTON_STEPS = 3
+
+
+def counter_words(seed: int, first: int, count: int, device="cpu") -> torch.Tensor:
+    """Philox words for counters first .. first+count-1, as an int64 tensor [count, 4]."""
     check_seed(seed)
-    first, last = offset >> 2, (offset + numel - 1) >> 2
-    ctr = torch.arange(first, last + 1, dtype=torch.int64, device=device)
-    c0 = ctr & MASK32
-    c1 = ctr >> 32
+    ctr = torch.arange(first, first + count, dtype=torch.int64, device=device)
     c2 = torch.full_like(ctr, STREAM)
     c3 = torch.zeros_like(ctr)
-    words = torch.stack(philox4x32((c0, c1, c2, c3), (seed & MASK32, seed >> 32)), dim=1)
-    start = offset & 3
-    return words.reshape(-1)[start : start + numel]
+    out = philox4x32((ctr & MASK32, ctr >> 32, c2, c3), (seed & MASK32, seed >> 32))
+    return torch.stack(out, dim=1)
 
 
-@lru_cache(maxsize=8)
-def _device_table(device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    nodes, slopes = normal_table()
-    return (torch.from_numpy(nodes.copy()).to(device), torch.from_numpy(slopes.copy()).to(device))
+def unit_uniform(bits23: torch.Tensor) -> torch.Tensor:
+    """(2 * bits23 + 1) * 2**-24: an odd multiple of 2**-24 in (0, 1), exact in float32."""
+    return (bits23 * 2 + 1).to(torch.float32) * TWO_POW_M24
 
 
-def gaussian_from_words(words: torch.Tensor) -> torch.Tensor:
-    """Standard normal float32 values from 32-bit words (int64 tensor)."""
-    nodes, slopes = _device_table(str(words.device))
-    sign = words >> 31
-    q = words & 0x7FFFFFFF
-    # floor(log2 q) from the float32 exponent of q >> 7 (< 2**24, so exact).
-    h = ((q >> 7) | 1).to(torch.float32).view(torch.int32).to(torch.int64)
-    octave = torch.clamp((h >> 23) - 127 + 7, min=8)
-    shift = octave - 8
-    index = 256 * (octave - 7) + (q >> shift) - 256
-    rem = q & ((torch.ones_like(shift) << shift) - 1)
-    magnitude = nodes[index] + rem.to(torch.float32) * slopes[index]
-    return torch.where(sign == 1, -magnitude, magnitude)
+def log_unit(u: torch.Tensor) -> torch.Tensor:
+    """Natural logarithm of normal float32 values in (0, 1)."""
+    bits = u.view(torch.int32)
+    e = ((bits >> 23) - 127).to(torch.float32)
+    m = ((bits & 0x7FFFFF) | 0x3F800000).view(torch.float32)
+    big = m > SQRT2
+    m = torch.where(big, m * 0.5, m)
+    e = torch.where(big, e + 1.0, e)
+    t = m - 1.0
+    s = t / (t + 2.0)
+    s2 = s * s
+    acc = torch.full_like(s, LOG_SERIES[0])
+    for c in LOG_SERIES[1:]:
+        acc = acc * s2 + c
+    acc = acc * s2 + 2.0
+    return e * LN2 + s * acc
 
 
-def rademacher_from_words(words: torch.Tensor) -> torch.Tensor:
-    """+1/-1 float32 values from the top bit of 32-bit words."""
-    one = torch.ones((), dtype=torch.float32, device=words.device)
-    return torch.where((words >> 31) == 1, -one, one)
+def sqrt_positive(a: torch.Tensor) -> torch.Tensor:
+    """sqrt of positive normal float32 values: a * rsqrt(a), rsqrt by Newton steps."""
+    y = (RSQRT_MAGIC - (a.view(torch.int32) >> 1)).view(torch.float32)
+    h = a * 0.5
+    for _ in range(NEWTON_STEPS):
+        y = y * (1.5 - (h * y) * y)
+    return a * y
+
+
+def quarter_sincos(f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """sin and cos of f * pi/2 for f in (0, 1)."""
+    x = f * HALF_PI
+    x2 = x * x
+    acc = torch.full_like(x, SIN_SERIES[0])
+    for c in SIN_SERIES[1:]:
+        acc = acc * x2 + c
+    sin = x * (acc * x2 + 1.0)
+    acc = torch.full_like(x, COS_SERIES[0])
+    for c in COS_SERIES[1:]:
+        acc = acc * x2 + c
+    cos = acc * x2 + 1.0
+    return sin, cos
+
+
+def box_muller(wa: torch.Tensor, wb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two independent standard normals from two 32-bit words (int64 tensors)."""
+    radius = sqrt_positive(log_unit(unit_uniform(wa >> 9)) * -2.0)
+    sin, cos = quarter_sincos(unit_uniform((wb >> 7) & 0x7FFFFF))
+    quadrant = wb >> 30
+    odd = (quadrant & 1) == 1
+    x = torch.where(odd, sin, cos)
+    y = torch.where(odd, cos, sin)
+    x = torch.where((quadrant == 1) | (quadrant == 2), -x, x)
+    y = torch.where(quadrant >= 2, -y, y)
+    return radius * x, radius * y
 
 
 def perturbation(seed: int, offset: int, numel: int, kind: str = "gaussian", device="cpu") -> torch.Tensor:
@@ -108,11 +160,18 @@ def perturbation(seed: int, offset: int, numel: int, kind: str = "gaussian", dev
     >>> torch.equal(z[4:], perturbation(seed=7, offset=4, numel=6))
     True
     """
+    if kind not in ("gaussian", "rademacher"):
+        raise ValueError(f"unknown perturbation kind {kind!r}; expected 'gaussian' or 'rademacher'")
     if numel == 0:
         return torch.empty(0, dtype=torch.float32, device=device)
-    words = random_words(seed, offset, numel, device)
+    first = offset >> 2
+    words = counter_words(seed, first, ((offset + numel - 1) >> 2) - first + 1, device)
     if kind == "gaussian":
-        return gaussian_from_words(words)
-    if kind == "rademacher":
-        return rademacher_from_words(words)
-    raise ValueError(f"unknown perturbation kind {kind!r}; expected 'gaussian' or 'rademacher'")
+        z01 = box_muller(words[:, 0], words[:, 1])
+        z23 = box_muller(words[:, 2], words[:, 3])
+        z = torch.stack((*z01, *z23), dim=1)
+    else:
+        one = torch.ones((), dtype=torch.float32, device=device)
+        z = torch.where((words >> 31) == 1, -one, one)
+    start = offset & 3
+    return z.reshape(-1)[start : start + numel]

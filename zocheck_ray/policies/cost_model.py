@@ -25,11 +25,12 @@ lag, and no dependence on M. In the lag regime the shadow falls behind at
 
 (equivalently the replay backlog grows by (T_rep + C_snap/N - T_gpu) / T_gpu seconds per
 second). Snapshotting less often slows the lag but lengthens the residual replay, so N
-minimises J(N) = W * C_snap / (N * T_rep) + N * T_rep / 2 over a failure window W:
-N ~ sqrt(2 * W * C_snap) / T_rep, the Young-Daly square root. A resync (one blocking copy
-of the trainer's state, cost C_copy) caps the lag at L steps; it is due every L / r(N)
-seconds, and the L that balances resync copies against lag replay is again Young-Daly:
-L* = sqrt(2 * M * r(N) * C_copy / T_rec).
+minimises J(N) = W * C_snap / (N * T_rep) + N * T_rep / 2 over a window W:
+N ~ sqrt(2 * W * C_snap) / T_rep, the Young-Daly square root (`lag_interval`). A resync
+(one blocking copy of the trainer's state, cost C_copy) caps the lag at L steps; it is due
+every L / r(N) seconds, and the L that balances resync copies against lag replay is again
+Young-Daly: L* = sqrt(2 * M * r(N) * C_copy / T_rec). With resyncs the window in J is not
+M but W = M * C_copy / (L * T_rec) (`lag_window_seconds`); N and L are solved together.
 
 Expected wasted time per failure window, for ZOCheck and the baselines, is in `waste.py`.
 
@@ -250,16 +251,43 @@ def lag_interval(timings: Timings, window_seconds: float) -> int:
     return max(best, math.ceil(persistence_bound(timings)))
 
 
-def snapshot_interval(timings: Timings, failures: FailureModel | None = None) -> int:
-    """The policy's N: `keep_pace_interval` in keep-pace; `lag_interval` over one MTBF in the
-    lag regime, or, with no failure model, the persistence bound (snapshot as often as the
-    storage allows and let resyncs cap the lag)."""
+def lag_window_seconds(timings: Timings, failures: FailureModel, lag_bound_steps: float) -> float:
+    """The window W to put in `lag_interval` when resyncs cap the lag at L steps.
+
+    Snapshots only raise the lag growth rate r(N) ~ r_inf + C_snap / (N T_rep^2), and with
+    a bound L that costs resyncs, M r(N) C_copy / L per failure window; N's residual replay
+    costs N T_rec / 2. Their sum is J(N) (times T_rec / T_rep) for W = M C_copy / (L T_rec).
+    """
+    lag_bound_steps = _check_positive(lag_bound_steps, "lag_bound_steps")
+    return failures.mtbf_seconds * timings.state_copy / (lag_bound_steps * timings.recovery_replay_step)
+
+
+def snapshot_interval(
+    timings: Timings, failures: FailureModel | None = None, lag_bound_steps: float | None = None
+) -> int:
+    """The policy's N in closed form.
+
+    keep-pace: `keep_pace_interval`. lag, no failure model: the persistence bound (snapshot
+    as often as storage allows; resyncs cap the lag). lag with a failure model: the fixed
+    point of N = lag_interval(W) and W = `lag_window_seconds` at the resync bound L (given,
+    or `optimal_lag_bound_steps` at N), started from W = M. `waste.configure` then polishes
+    N on the exact expected waste.
+    """
     if regime(timings) == "keep-pace":
         return keep_pace_interval(timings)
+    if lag_bound_steps is not None:
+        _check_positive(lag_bound_steps, "lag_bound_steps")
     if failures is None:
         return max(1, math.ceil(persistence_bound(timings)))
     check_failure_model(timings, failures)
-    return lag_interval(timings, failures.mtbf_seconds)
+    n, window, seen = 1, failures.mtbf_seconds, set()
+    while True:
+        n = lag_interval(timings, window)
+        bound = lag_bound_steps if lag_bound_steps is not None else optimal_lag_bound_steps(timings, n, failures)
+        if bound is None or n in seen:  # no lag at this N, or the iteration has settled
+            return n
+        seen.add(n)
+        window = lag_window_seconds(timings, failures, bound)
 
 
 def shadow_step_seconds(timings: Timings, n: int) -> float:
