@@ -48,6 +48,11 @@ def qwen8b_bf16(**extra) -> Timings:
                    persist_seconds=10.0, **extra)
 
 
+def timings(gpu: float, replay: float, snap: float, persist: float) -> Timings:
+    return Timings(gpu_step_seconds=gpu, replay_step_seconds=replay, snapshot_cost_seconds=snap,
+                   persist_seconds=persist)
+
+
 def ckpt(strategy: str, k: int) -> StrategyConfig:
     return StrategyConfig(strategy=strategy, checkpoint_interval_steps=k)
 
@@ -139,6 +144,17 @@ def test_lag_growth_and_resync_by_hand():
     assert optimal_lag_bound_steps(t, 33, failures) == pytest.approx(math.sqrt(2 * 3600 * rate * 2.0 / 3.68))
     assert lag_window_seconds(t, failures, 10.0) == pytest.approx(3600 * 2.0 / (10.0 * 3.68))
     assert should_resync(12.0, 10.0) and not should_resync(9.0, 10.0) and not should_resync(1e9, None)
+
+
+def test_an_interval_below_the_pacing_bound_lags_and_gets_a_resync_bound():
+    t = Timings(gpu_step_seconds=10.0, replay_step_seconds=9.0, snapshot_cost_seconds=3.5, persist_seconds=1.0)
+    f = FailureModel(mtbf_hours=1.0)
+    below = configure(t, f, "zocheck", snapshot_interval_steps=3)  # 9 + 3.5 / 3 > 10
+    assert lag_growth_steps_per_second(t, 3) == pytest.approx(1 / 10 - 1 / (9 + 3.5 / 3))
+    assert below.lag_bound_steps == pytest.approx(optimal_lag_bound_steps(t, 3, f))
+    at = configure(t, f, "zocheck")
+    assert at.snapshot_interval == 4 and at.lag_bound_steps is None
+    assert expected_waste(t, f, at).waste_seconds < expected_waste(t, f, below).waste_seconds
 
 
 def test_keep_pace_never_needs_a_resync():
@@ -257,7 +273,7 @@ def test_lag_waste_matches_direct_integration_of_the_mechanics():
 @given(gpu=seconds, replay=seconds, snap=seconds, persist=seconds)
 def test_keep_pace_n_meets_both_bounds_and_is_minimal(gpu, replay, snap, persist):
     assume(replay < gpu)
-    t = Timings(gpu_step_seconds=gpu, replay_step_seconds=replay, snapshot_cost_seconds=snap, persist_seconds=persist)
+    t = timings(gpu, replay, snap, persist)
     n = keep_pace_interval(t)
     assert n >= 1 and n >= pacing_bound(t) and n >= persistence_bound(t)
     assert n == 1 or n - 1 < pacing_bound(t) or n - 1 < persistence_bound(t)
@@ -266,7 +282,7 @@ def test_keep_pace_n_meets_both_bounds_and_is_minimal(gpu, replay, snap, persist
 @FAST
 @given(gpu=seconds, replay=seconds, snap=seconds, persist=seconds)
 def test_lag_is_detected_exactly_when_replay_is_not_faster_than_the_gpu(gpu, replay, snap, persist):
-    t = Timings(gpu_step_seconds=gpu, replay_step_seconds=replay, snapshot_cost_seconds=snap, persist_seconds=persist)
+    t = timings(gpu, replay, snap, persist)
     assert (regime(t) == "lag") == (replay >= gpu)
     assert (pacing_bound(t) is None) == (replay >= gpu)
     assert (lag_growth_steps_per_second(t, snapshot_interval(t)) > 0) == (replay >= gpu)
@@ -275,7 +291,7 @@ def test_lag_is_detected_exactly_when_replay_is_not_faster_than_the_gpu(gpu, rep
 @FAST
 @given(gpu=seconds, replay=seconds, snap=seconds, persist=seconds, mtbf=st.floats(0.5, 1000.0))
 def test_policy_n_always_meets_the_persistence_bound(gpu, replay, snap, persist, mtbf):
-    t = Timings(gpu_step_seconds=gpu, replay_step_seconds=replay, snapshot_cost_seconds=snap, persist_seconds=persist)
+    t = timings(gpu, replay, snap, persist)
     n = plan(t, FailureModel(mtbf_hours=mtbf)).snapshot_interval
     assert n >= 1 and n >= persistence_bound(t)
 
@@ -338,7 +354,8 @@ def test_non_positive_or_non_finite_times_are_rejected_by_name(field, value):
         Timings(**values)
 
 
-@pytest.mark.parametrize("field", ["restart_seconds", "load_seconds", "log_step_seconds", "checkpoint_save_seconds"])
+@pytest.mark.parametrize("field", ["restart_seconds", "load_seconds", "log_step_seconds",
+                                   "checkpoint_save_seconds"])
 def test_negative_or_nan_optional_costs_are_rejected_by_name(field):
     for value in (-0.5, math.nan):
         with pytest.raises(ValidationError, match=field):

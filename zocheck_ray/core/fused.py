@@ -29,7 +29,7 @@ from numba.extending import intrinsic
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import StateMismatchError
 from zocheck_ray.core import generator as G
-from zocheck_ray.core.generator import MASK32, PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0, PHILOX_W1, STREAM
+from zocheck_ray.core.generator import MASK32, check_seed, PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0, PHILOX_W1, STREAM
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.validation import check_replay
@@ -380,6 +380,33 @@ def _kernel_f16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr
 
 _KERNELS = {torch.float32: _kernel_f32, torch.bfloat16: _kernel_bf16, torch.float16: _kernel_f16}
 _THREADS_LOCK = threading.Lock()
+
+
+@njit(parallel=True, cache=True, error_model="numpy", nogil=True)
+def _perturbation_kernel(key0, key1, offset, gaussian, out):
+    n = out.shape[0]
+    blocks = (n + CHUNK_ELEMENTS - 1) // CHUNK_ELEMENTS
+    for b in prange(blocks):
+        start = b * CHUNK_ELEMENTS
+        count = min(CHUNK_ELEMENTS, n - start)
+        first = (offset + start) >> 2
+        counters = ((offset + start + count - 1) >> 2) - first + 1
+        lane = (offset + start) & 3
+        z = np.empty(4 * counters, np.float32)
+        _perturbation_block(key0, key1, first, counters, gaussian, z)
+        for i in range(count):
+            out[start + i] = z[lane + i]
+
+
+def perturbation_cpu(seed: int, offset: int, numel: int, kind: str = "gaussian") -> torch.Tensor:
+    """Same values as `generator.perturbation` on the CPU, from the fused generator (fast)."""
+    if kind not in ("gaussian", "rademacher"):
+        raise ValueError(f"unknown perturbation kind {kind!r}; expected 'gaussian' or 'rademacher'")
+    check_seed(seed)
+    out = np.empty(numel, dtype=np.float32)
+    if numel:
+        _perturbation_kernel(np.uint64(seed & MASK32), np.uint64(seed >> 32), offset, kind == "gaussian", out)
+    return torch.from_numpy(out)
 
 
 def default_threads() -> int:

@@ -34,14 +34,15 @@ TIMING_FLAGS = {
                                      "replaying one record on the recovering trainer (default: --replay-step)"),
     "log_step_seconds": ("--log-step", "critical-path cost of logging one step record, seconds (default 0)"),
     "state_copy_seconds": ("--state-copy",
-                           "blocking device-to-host state copy (async staging, resync) (default: --snapshot-cost)"),
+                           "blocking device-to-host state copy, for async staging and resyncs "
+                           "(default: --snapshot-cost)"),
     "checkpoint_save_seconds": ("--checkpoint-save",
                                 "writing one full checkpoint, seconds (default: --persist-time)"),
 }
 OTHER_FLAGS = {
-    "mtbf_hours": "--mtbf-hours", "run_hours": "--run-hours", "failure_kind": "--failure-kind",
-    "lag_bound_steps": "--lag-bound", "checkpoint_interval_steps": "--checkpoint-interval",
-    "trials": "--trials", "confidence": "--confidence",
+    "mtbf_hours": "--mtbf-hours", "mtbf_range": "--mtbf-range", "run_hours": "--run-hours",
+    "failure_kind": "--failure-kind", "lag_bound_steps": "--lag-bound",
+    "checkpoint_interval_steps": "--checkpoint-interval", "trials": "--trials", "confidence": "--confidence",
 }
 
 
@@ -103,7 +104,8 @@ def _format_plan(result: Plan) -> str:
     ]
     lines = [f"{name:<28}{value}" for name, value in rows]
     if result.waste:
-        lines += ["", f"{'strategy':<18}{'N or K':>8}{'overhead s':>12}{'recovery s':>12}{'waste s':>12}{'wasted':>9}"]
+        header = f"{'strategy':<18}{'N or K':>8}{'overhead s':>12}{'recovery s':>12}{'waste s':>12}{'wasted':>9}"
+        lines += ["", header]
         for strategy, estimate in result.waste.items():
             config = estimate.config
             interval = config.snapshot_interval or config.checkpoint_interval_steps
@@ -137,7 +139,7 @@ def _mtbf_points(args: argparse.Namespace) -> list[float]:
         return list(args.mtbf_hours)
     low, high = args.mtbf_range
     if not (0 < low < high) or args.points < 2:
-        raise PolicyInputError("mtbf_hours", f"--mtbf-range needs 0 < LO < HI and --points >= 2, "
+        raise PolicyInputError("mtbf_range", f"--mtbf-range needs 0 < LO < HI and --points >= 2, "
                                              f"got {low!r} {high!r} with {args.points!r} points")
     return [float(v) for v in np.geomspace(low, high, args.points)]
 

@@ -19,13 +19,17 @@ conservative case; a paced shadow has even more time per snapshot.
 
 Regimes: keep-pace when T_rep < T_gpu, lag when T_rep >= T_gpu (the pacing bound has no
 solution). In keep-pace, N* = max(1, ceil(pacing), ceil(persistence)): no snapshot-induced
-lag, and no dependence on M. In the lag regime the shadow falls behind at
+lag, and no dependence on M. After a failure the trainer replays the records since the
+newest usable snapshot: 1 + N/2 on average (the failure's phase in the snapshot period is
+uniform, and the snapshot is usable one step after its boundary). In the lag regime (or
+below the pacing bound) the shadow falls behind at
 
-    r(N) = 1 / T_gpu - 1 / (T_rep + C_snap / N)     steps per second
+    r(N) = 1 / T_t - 1 / (T_rep + C_snap / N)     steps per second, T_t = T_gpu + logging
 
-(equivalently the replay backlog grows by (T_rep + C_snap/N - T_gpu) / T_gpu seconds per
-second). Snapshotting less often slows the lag but lengthens the residual replay, so N
-minimises J(N) = W * C_snap / (N * T_rep) + N * T_rep / 2 over a window W:
+(equivalently the replay backlog grows by (T_rep + C_snap/N - T_t) / T_t seconds per
+second; progress is treated as fluid, in fractional steps, in the lag terms). Snapshotting
+less often slows the lag but lengthens the residual replay, so N minimises
+J(N) = W * C_snap / (N * T_rep) + N * T_rep / 2 over a window W:
 N ~ sqrt(2 * W * C_snap) / T_rep, the Young-Daly square root (`lag_interval`). A resync
 (one blocking copy of the trainer's state, cost C_copy) caps the lag at L steps; it is due
 every L / r(N) seconds, and the L that balances resync copies against lag replay is again
@@ -280,8 +284,8 @@ def snapshot_interval(
     if failures is None:
         return max(1, math.ceil(persistence_bound(timings)))
     check_failure_model(timings, failures)
-    n, window, seen = 1, failures.mtbf_seconds, set()
-    while True:
+    window, seen = failures.mtbf_seconds, set()
+    while True:  # N -> L(N) -> W(L) -> N is a map on a bounded set of integers, so it cycles
         n = lag_interval(timings, window)
         bound = lag_bound_steps if lag_bound_steps is not None else optimal_lag_bound_steps(timings, n, failures)
         if bound is None or n in seen:  # no lag at this N, or the iteration has settled

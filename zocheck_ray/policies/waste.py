@@ -12,13 +12,17 @@ fluid (progress in fractional steps) it says so.
 
 Strategies (symbols of `cost_model`; T = T_gpu, T_t = T_gpu + logging, R0 = restart + load):
 
-zocheck, keep-pace (fluid): overhead = M * log / T_t. The snapshot phase at a failure is
-    uniform (it is stationary under any window length), so the replay distance has mean
-    N/2 + a (`expected_replay_distance`) and recovery is `keep_pace_recovery_seconds`.
-zocheck, lag (fluid): a window starts level (recovery ends with a resync, C_copy); the
-    lag grows at r steps/s until it reaches L, then a blocking resync (C_copy) resets it:
-    cycles of P = L/r + C_copy. At a failure the replay is the lag plus the shadow's
-    progress since its newest snapshot ((t / T_eff) mod N since the reset). With
+zocheck, shadow keeps pace (N at or above the pacing bound; fluid): overhead =
+    M * log / T_t. The snapshot phase at a failure is uniform (uniform is stationary under
+    any window length), so the replay distance has mean N/2 + a, a = 1 step (software) or
+    1 + T_per / T_t (host: the snapshot must be durable); `keep_pace_recovery_seconds`.
+    After a host failure the new shadow replays on the CPU; the baselines recover from
+    storage the same way for both failure kinds.
+zocheck, shadow lags (lag regime, or N below the pacing bound; fluid): a window starts
+    level (recovery ends with a resync, C_copy); the lag grows at r steps/s until it
+    reaches L, then a blocking resync (C_copy) resets it: cycles of P = L/r + C_copy. At
+    a failure the replay is the lag plus the shadow's progress since its newest snapshot
+    ((t / T_eff) mod N since the reset; + T_per / T_eff for a host failure). With
     Y = X mod P (a truncated exponential) every term has a closed form.
 log-only: the only durable image is the run's start, so recovery replays every record so
     far: over a run of H training hours, failures are uniform in it and the mean replay
@@ -49,8 +53,8 @@ from zocheck_ray.policies.cost_model import (
     _check_interval,
     _check_positive,
     check_failure_model,
-    expected_replay_distance,
     availability_delay_steps,
+    expected_replay_distance,
     keep_pace_recovery_seconds,
     lag_growth_steps_per_second,
     optimal_lag_bound_steps,
@@ -145,16 +149,22 @@ def configure(
 
 
 def _zocheck_config(timings, failures, n: int, lag_bound_steps: float | None) -> StrategyConfig:
-    if lag_bound_steps is None and regime(timings) == "lag":
+    # Any N below the pacing bound lags too, in either regime; L* is None where nothing lags.
+    if lag_bound_steps is None:
         lag_bound_steps = optimal_lag_bound_steps(timings, n, failures)
     return StrategyConfig(strategy="zocheck", snapshot_interval=n, lag_bound_steps=lag_bound_steps)
+
+
+_MAX_POLISH_STEPS = 10_000
 
 
 def _polish(timings, failures, config: StrategyConfig, lag_bound_steps: float | None) -> StrategyConfig:
     floor = max(1, math.ceil(persistence_bound(timings)))
     best, best_waste = config, _zocheck(timings, failures, config).waste_seconds
     for step in (-1, 1):
-        while best.snapshot_interval + step >= floor:
+        for _ in range(_MAX_POLISH_STEPS):
+            if best.snapshot_interval + step < floor:
+                break
             trial = _zocheck_config(timings, failures, best.snapshot_interval + step, lag_bound_steps)
             waste = _zocheck(timings, failures, trial).waste_seconds
             if waste >= best_waste:

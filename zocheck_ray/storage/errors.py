@@ -1,0 +1,44 @@
+"""Exceptions a caller of the storage layer may want to handle.
+
+Every message names the URL of the store, object or segment involved and never
+the credentials used to reach it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from zocheck_ray.core import CorruptRecordError, ZOCheckError
+
+
+class StorageError(ZOCheckError, OSError):
+    """A store cannot be opened, read or written (missing, unwritable, unreachable, denied)."""
+
+
+class StorageURLError(StorageError, ValueError):
+    """A storage URL is malformed or names a scheme zocheck-ray does not support."""
+
+
+class CorruptSnapshotError(StorageError):
+    """A committed snapshot fails a hash or does not parse; `url` names the damaged object."""
+
+    def __init__(self, message: str, url: str):
+        super().__init__(message)
+        self.url = url
+
+
+class SnapshotNotFoundError(StorageError, LookupError):
+    """No committed snapshot exists at the requested step."""
+
+
+class CorruptLogError(CorruptRecordError):
+    """A log segment holds a damaged record before its end, or is missing from the middle.
+
+    `url` names the segment; `records` are the contiguous records read before the damage,
+    so a recovery can still use them.
+    """
+
+    def __init__(self, message: str, url: str, records: Sequence = ()):
+        super().__init__(message)
+        self.url = url
+        self.records = list(records)
