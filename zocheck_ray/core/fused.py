@@ -315,21 +315,36 @@ def _chunk(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c
                 if use_wd:
                     u = u + x * wd
                 p[i] = rnd(x - rnd(u * lr))
-        else:
+        elif opt == OPT_SPARSE:
             thr = thresholds[k, tensor]
-            sparse = opt == OPT_SPARSE
             for i in range(n):
                 x = p[i]
-                if sparse and not (abs(x) <= thr):
-                    continue
+                if abs(x) <= thr:
+                    zd = rnd(z[lane + i])
+                    x = rnd(x + rnd(zd * cp))
+                    x = rnd(x + rnd(zd * cm))
+                    x = rnd(x + rnd(zd * cp))
+                    u = rnd(zd * g)
+                    if use_wd:
+                        u = rnd(u + rnd(x * wd))
+                    p[i] = rnd(x - rnd(u * lr))
+        elif use_wd:
+            for i in range(n):
                 zd = rnd(z[lane + i])
+                x = p[i]
                 x = rnd(x + rnd(zd * cp))
                 x = rnd(x + rnd(zd * cm))
                 x = rnd(x + rnd(zd * cp))
-                u = rnd(zd * g)
-                if use_wd:
-                    u = rnd(u + rnd(x * wd))
+                u = rnd(rnd(zd * g) + rnd(x * wd))
                 p[i] = rnd(x - rnd(u * lr))
+        else:
+            for i in range(n):
+                zd = rnd(z[lane + i])
+                x = p[i]
+                x = rnd(x + rnd(zd * cp))
+                x = rnd(x + rnd(zd * cm))
+                x = rnd(x + rnd(zd * cp))
+                p[i] = rnd(x - rnd(rnd(zd * g) * lr))
     for i in range(n):
         store(param, i, p[i])
 
