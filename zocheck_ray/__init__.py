@@ -27,3 +27,20 @@ __all__ = [
     "replay_reference", "ZOCheckError", "StateMismatchError", "RecordSequenceError",
     "CorruptRecordError", "IncompleteRecordError", "NonFiniteError",
 ]
+
+
+def __getattr__(name: str):
+    # Ray-dependent parts load on first use, so `zocheck_ray.core` runs where Ray is absent.
+    if name == "run":
+        from zocheck_ray.controller import run
+
+        return run
+    if name in ("JobConfig", "load_job_config"):
+        from zocheck_ray import config
+
+        return getattr(config, name)
+    if name == "RunSummary":
+        from zocheck_ray.controller import RunSummary
+
+        return RunSummary
+    raise AttributeError(f"module 'zocheck_ray' has no attribute {name!r}")

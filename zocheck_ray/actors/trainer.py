@@ -1,0 +1,133 @@
+"""The trainer: the unmodified ZO loop, publishing each step's record to the shadow.
+
+`Trainer` is Ray-free; `TrainerActor` (ray_actors.py) wraps it. On construction it
+recovers: it asks the shadow for its newest image and the records after it,
+replays them on its own device and resumes at the next step; with no image, it
+starts fresh and hands the shadow its initial state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import threading
+import time
+from typing import Protocol
+
+import torch
+
+from zocheck_ray.config import JobConfig
+from zocheck_ray.core import StepRecord, ZOOptimizer, replay, replay_reference, state_hash
+from zocheck_ray.workload.data import batch_indices, corpus_tensor, step_seed
+from zocheck_ray.workload.models import build_model, trainable_parameters
+
+logger = logging.getLogger(__name__)
+
+FLUSH_SECONDS = 0.005
+"""Records are sent in batches at most this often (one remote call per batch, never per step)."""
+
+
+class ShadowLink(Protocol):
+    def recovery_image(self) -> tuple[dict[str, torch.Tensor] | None, int, list[StepRecord], str]: ...
+    def initialize(self, state: dict[str, torch.Tensor], step: int) -> None: ...
+    def push(self, data: bytes) -> None: ...
+
+
+class Trainer:
+    def __init__(self, job: JobConfig, shadow: ShadowLink, device: str = "cpu"):
+        self.job = job
+        self.shadow = shadow
+        self.device = torch.device(device)
+        started = time.perf_counter()
+        self.model = build_model(job.model, job.dtype, seed=job.run_seed).to(self.device)
+        self.opt = ZOOptimizer(trainable_parameters(self.model), job.zo)
+        vocab = self.model.config.vocab_size
+        self.data = corpus_tensor(job.seq_len, vocab).to(self.device)
+        self.recovery = self._recover()
+        self.recovery["seconds"] = time.perf_counter() - started
+        self._pending = bytearray()
+        self._pending_lock = threading.Lock()
+        self._publish_ns: list[int] = []
+        self.step_hashes: dict[int, str] = {}
+        self.last_loss: float | None = None
+        self._stop = threading.Event()
+        self._flusher = threading.Thread(target=self._flush_loop, name="zocheck-publish", daemon=True)
+        self._flusher.start()
+
+    @property
+    def step(self) -> int:
+        return self.opt.step_index
+
+    def _recover(self) -> dict:
+        state, step, records, source = self.shadow.recovery_image()
+        if state is None:
+            initial = {k: v.detach().to("cpu").clone() for k, v in self.opt.state_tensors().items()}
+            self.shadow.initialize(initial, 0)
+            return {"step": 0, "source": "fresh", "replayed_records": 0}
+        self.opt.load_state_tensors({k: v.to(self.device) for k, v in state.items()}, step=step)
+        if records:
+            live = self.opt.state_tensors()
+            if self.device.type == "cpu":
+                replay(live, records, self.job.zo, start_step=step)
+            else:
+                replay_reference(live, records, self.job.zo, start_step=step)
+            self.opt.step_index = step + len(records)
+        logger.info("trainer recovered at step %d from the %s image of step %d (+%d records)",
+                    self.opt.step_index, source, step, len(records))
+        return {"step": self.opt.step_index, "source": source, "image_step": step, "replayed_records": len(records),
+                "state_hash": state_hash(self.opt.state_tensors()) if self.job.hash_every_step else None}
+
+    def _batch(self, t: int) -> torch.Tensor:
+        rows = batch_indices(self.job.data_seed, t, self.job.batch_size, self.data.shape[0])
+        return self.data[rows]
+
+    def run(self, until_step: int, die_at_step: int | None = None) -> dict:
+        """Train up to `until_step` (exclusive); `die_at_step` kills the process there (failure injection)."""
+        model = self.model
+        while self.step < until_step:
+            t = self.step
+            if die_at_step is not None and t == die_at_step:
+                os._exit(1)  # an abrupt software failure: unsent records are lost
+            ids = self._batch(t)
+            record = self.opt.step(lambda: model(input_ids=ids, labels=ids).loss, seed=step_seed(self.job.run_seed, t))
+            start = time.perf_counter_ns()
+            data = record.to_bytes()
+            with self._pending_lock:
+                self._pending += data
+            self._publish_ns.append(time.perf_counter_ns() - start)
+            self.last_loss = self.opt.last_losses[0]
+            if self.job.hash_every_step:
+                self.step_hashes[self.step] = state_hash(self.opt.state_tensors())
+        self.flush()
+        return self.progress()
+
+    def progress(self) -> dict:
+        recent = self._publish_ns[-1000:]
+        hashes, self.step_hashes = self.step_hashes, {}
+        return {"step": self.step, "loss": self.last_loss, "step_hashes": hashes,
+                "publish_us_median": statistics.median(recent) / 1e3 if recent else None}
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(FLUSH_SECONDS):
+            self.flush()
+
+    def flush(self) -> None:
+        # Submitted under the lock: batches leave in step order, whichever thread sends them.
+        with self._pending_lock:
+            if not self._pending:
+                return
+            data, self._pending = bytes(self._pending), bytearray()
+            self.shadow.push(data)
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], int]:
+        """A CPU copy of the state at the current step boundary (for a resync)."""
+        self.flush()
+        return {k: v.detach().to("cpu").clone() for k, v in self.opt.state_tensors().items()}, self.step
+
+    def state_hash(self) -> tuple[int, str]:
+        return self.step, state_hash(self.opt.state_tensors())
+
+    def close(self) -> None:
+        self._stop.set()
+        self.flush()

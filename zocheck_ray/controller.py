@@ -1,0 +1,203 @@
+"""The driver side: placement, the startup profile, monitoring, resyncs and failures.
+
+    import zocheck_ray
+    summary = zocheck_ray.run(zocheck_ray.JobConfig(steps=100), fail_at=[40])
+
+The trainer and the shadow share a STRICT_PACK placement group (one node). The
+controller drives the trainer in segments of `log_interval` steps; between
+segments it reads the shadow's metrics, prints a progress line and resyncs the
+shadow when its lag exceeds `max_lag_steps`. A trainer that dies is restarted by
+Ray and recovers in its constructor; the controller records how long it took.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Literal
+
+import ray
+from pydantic import BaseModel, ConfigDict
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from zocheck_ray.actors.ray_actors import NAMESPACE, ShadowActor, TrainerActor, shadow_name, trainer_name
+from zocheck_ray.config import JobConfig, JobConfigError
+from zocheck_ray.policies import Timings, plan
+from zocheck_ray.storage import SnapshotStore
+
+
+class Recovery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    failed_at_step: int
+    mode: Literal["software", "host"]
+    recovered_step: int
+    seconds: float
+    image_source: str
+    image_step: int | None
+    replayed_records: int
+
+
+class RunSummary(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    steps: int
+    final_state_hash: str
+    shadow_state_hash: str
+    losses: list[tuple[int, float]]
+    recoveries: list[Recovery]
+    metrics: dict
+    publish_us_median: float | None
+    trainer_seconds_per_step: float
+    snapshot_interval: int
+    profile: dict | None
+    storage: str
+    step_hashes: dict[int, str] = {}
+    """With `hash_every_step`: the trainer's state_hash after each step (the last one computed)."""
+
+
+def _check_resources(job: JobConfig) -> int:
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    max_cpus = max((n["Resources"].get("CPU", 0) for n in nodes), default=0)
+    gpus = max((n["Resources"].get("GPU", 0) for n in nodes), default=0)
+    if job.shadow_cpus + 1 > max_cpus:
+        raise JobConfigError(f"shadow_cpus={job.shadow_cpus} plus one trainer CPU exceed the largest node "
+                             f"({max_cpus:g} CPUs); lower shadow_cpus")
+    if job.use_gpu == "yes" and gpus < 1:
+        raise JobConfigError("use_gpu=yes but no node of the Ray cluster has a GPU; set use_gpu=auto or no")
+    return 1 if (job.use_gpu == "yes" or (job.use_gpu == "auto" and gpus >= 1)) else 0
+
+
+def start_actors(job: JobConfig, gpus: int):
+    bundles = [{"CPU": 1, **({"GPU": gpus} if gpus else {})}, {"CPU": job.shadow_cpus}]
+    pg = placement_group(bundles, strategy="STRICT_PACK", name=f"zocheck-{job.run_id}")
+    ray.get(pg.ready(), timeout=120)
+    payload = job.model_dump(mode="json")
+    shadow = ShadowActor.options(
+        name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=job.shadow_cpus, max_restarts=job.max_restarts,
+        max_task_retries=-1,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1),
+    ).remote(payload)
+    ray.get(shadow.ready.remote())
+    trainer = TrainerActor.options(
+        name=trainer_name(job.run_id), namespace=NAMESPACE, num_cpus=1, num_gpus=gpus,
+        max_restarts=job.max_restarts,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+    ).remote(payload)
+    return pg, shadow, trainer
+
+
+def _call_when_alive(submit, timeout: float = 300.0):
+    """ray.get(submit()), retried while Ray restarts the actor."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get(submit())
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def _profile(job: JobConfig, trainer_seconds: float, metrics: dict) -> dict:
+    """The startup profile: measured step, replay, snapshot and persistence times -> N."""
+    timings = Timings(
+        gpu_step_seconds=max(trainer_seconds, 1e-6),
+        replay_step_seconds=max(metrics["replay_seconds_per_step"], 1e-6),
+        snapshot_cost_seconds=max(trainer_seconds * 0.01, 1e-6),
+        persist_seconds=max(metrics["last_persist_seconds"] or 1e-3, 1e-6),
+    )
+    chosen = plan(timings)
+    return {"timings": timings.model_dump(), "regime": chosen.regime, "snapshot_interval": chosen.snapshot_interval}
+
+
+def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["software", "host"] = "software",
+        progress: Callable[[str], None] | None = print, kill_node: Callable[[], None] | None = None) -> RunSummary:
+    """Run `job` to completion on the connected Ray cluster (a local one is started if none)."""
+    say = progress or (lambda line: None)
+    SnapshotStore(job.run_url, job.storage_options)  # an unreachable storage URL fails here, before any actor
+    if not ray.is_initialized():
+        ray.init(namespace=NAMESPACE, log_to_driver=False)
+    gpus = _check_resources(job)
+    failures = sorted(set(fail_at or []))
+    if any(not 0 < f < job.steps for f in failures):
+        raise JobConfigError(f"fail_at steps must lie in (0, {job.steps}), got {failures}")
+    pg, shadow, trainer = start_actors(job, gpus)
+    recoveries: list[Recovery] = []
+    losses: list[tuple[int, float]] = []
+    profile = None
+    step, started, last = 0, time.perf_counter(), None
+    steps_timed, seconds_timed = 0, 0.0
+    step_hashes: dict[int, str] = {}
+    say(f"run {job.run_id}: {job.model} {job.dtype} {job.zo.optimizer}, {job.steps} steps, storage {job.run_url}")
+    try:
+        while step < job.steps:
+            target = min(job.steps, (step // job.log_interval + 1) * job.log_interval)
+            die = failures[0] if failures and step < failures[0] <= target and fail_mode == "software" else None
+            if die is not None:
+                target = die + 1
+            segment_start = time.perf_counter()
+            try:
+                if failures and fail_mode == "host" and step < failures[0] <= target:
+                    target = failures[0]
+                    last = ray.get(trainer.run.remote(target))
+                    failures.pop(0)
+                    t0 = time.perf_counter()
+                    kill_node()
+                    raise RayActorError()
+                last = ray.get(trainer.run.remote(target, die))
+            except RayActorError:
+                failed_at = die if die is not None else target
+                if die is not None:
+                    failures.pop(0)
+                    t0 = time.perf_counter()
+                info = _call_when_alive(lambda: trainer.recovery.remote())  # the restarted constructor recovered
+                seconds = time.perf_counter() - t0
+                recoveries.append(Recovery(failed_at_step=failed_at, mode=fail_mode, recovered_step=info["step"],
+                                           seconds=seconds, image_source=info["source"],
+                                           image_step=info.get("image_step"),
+                                           replayed_records=info["replayed_records"]))
+                say(f"  trainer lost at step {failed_at} ({fail_mode}); recovered at step {info['step']} from "
+                    f"{info['source']} in {seconds:.2f} s ({info['replayed_records']} records replayed)")
+                step = info["step"]
+                if info.get("state_hash"):
+                    step_hashes[step] = info["state_hash"]
+                continue
+            step_hashes.update(last.get("step_hashes") or {})
+            elapsed = time.perf_counter() - segment_start
+            steps_timed += last["step"] - step
+            seconds_timed += elapsed
+            step = last["step"]
+            losses.append((step, last["loss"]))
+            metrics = ray.get(shadow.metrics.remote())
+            if profile is None and job.snapshot_interval is None and step >= min(job.steps, 2 * job.log_interval):
+                profile = _profile(job, seconds_timed / max(steps_timed, 1), metrics)
+                ray.get(shadow.set_snapshot_interval.remote(profile["snapshot_interval"]))
+                say(f"  profile: {profile['regime']} regime, snapshot every {profile['snapshot_interval']} steps")
+            if metrics["lag_steps"] > job.max_lag_steps:
+                packed = ray.get(trainer.export_state.remote())
+                ray.get(shadow.resync.remote(packed[:2], packed[2]))
+                metrics = ray.get(shadow.metrics.remote())
+                say(f"  shadow lagged {metrics['lag_steps']} steps: resynced from the trainer")
+            say(f"  step {step:5d}  loss {last['loss']:.4f}  lag {metrics['lag_steps']:3d}  "
+                f"snapshot {metrics['snapshot_step']}  durable {metrics['durable_step']}")
+        final_step, final_hash = ray.get(trainer.state_hash.remote())
+        metrics = ray.get(shadow.finish.remote(final_step))
+        _, shadow_hash = ray.get(shadow.replica_hash.remote())
+        return RunSummary(
+            run_id=job.run_id, steps=final_step, final_state_hash=final_hash, shadow_state_hash=shadow_hash,
+            losses=losses, recoveries=recoveries, metrics=metrics,
+            publish_us_median=(last or {}).get("publish_us_median"),
+            trainer_seconds_per_step=seconds_timed / max(steps_timed, 1),
+            snapshot_interval=metrics["snapshot_interval"], profile=profile, storage=job.run_url,
+            step_hashes=step_hashes,
+        )
+    finally:
+        for actor in (trainer, shadow):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        remove_placement_group(pg)
