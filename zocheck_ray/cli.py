@@ -17,6 +17,8 @@ COMMAND_MODULES = [
     "zocheck_ray.demo",
     "zocheck_ray.bench.replay",
     "zocheck_ray.policies.cli",
+    "zocheck_ray.storage.cli",
+    "zocheck_ray.train_cli",
 ]
 
 

@@ -15,6 +15,10 @@ class StorageError(ZOCheckError, OSError):
     """A store cannot be opened, read or written (missing, unwritable, unreachable, denied)."""
 
 
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """A file or object the caller expected does not exist."""
+
+
 class StorageURLError(StorageError, ValueError):
     """A storage URL is malformed or names a scheme zocheck-ray does not support."""
 
@@ -22,9 +26,12 @@ class StorageURLError(StorageError, ValueError):
 class CorruptSnapshotError(StorageError):
     """A committed snapshot fails a hash or does not parse; `url` names the damaged object."""
 
-    def __init__(self, message: str, url: str):
+    def __init__(self, message: str, url: str | None = None):
         super().__init__(message)
         self.url = url
+
+    def __reduce__(self):  # keep `url` when the error crosses a process (Ray) boundary
+        return type(self), (str(self), self.url)
 
 
 class SnapshotNotFoundError(StorageError, LookupError):
@@ -38,7 +45,10 @@ class CorruptLogError(CorruptRecordError):
     so a recovery can still use them.
     """
 
-    def __init__(self, message: str, url: str, records: Sequence = ()):
+    def __init__(self, message: str, url: str | None = None, records: Sequence = ()):
         super().__init__(message)
         self.url = url
         self.records = list(records)
+
+    def __reduce__(self):
+        return type(self), (str(self), self.url, self.records)

@@ -1,0 +1,101 @@
+"""Shared fixtures: a real S3 endpoint on 127.0.0.1 (moto's server, as s3fs's own suite uses)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+
+import pytest
+
+# Nothing may reach real AWS: dummy credentials and no instance-metadata lookups.
+_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MotoS3:
+    """A moto S3 server on 127.0.0.1 that can be stopped and restarted on the same port.
+
+    Buckets and objects live in the process (moto's backends), so they survive a restart,
+    as they would survive an outage of a real endpoint.
+    """
+
+    def __init__(self) -> None:
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.port = free_port()
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self._server = None
+        self.start()
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def options(self, **extra) -> dict:
+        """s3fs storage_options reaching this endpoint; retries kept short so failures are quick."""
+        return {
+            "endpoint_url": self.endpoint_url, "key": "testing", "secret": "testing",
+            "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 2,
+                              "read_timeout": 20},
+            **extra,
+        }
+
+    def new_bucket(self) -> str:
+        import s3fs
+
+        name = f"zocheck-{uuid.uuid4().hex[:12]}"
+        s3fs.S3FileSystem(skip_instance_cache=True, **self.options()).mkdir(name)
+        return name
+
+
+@pytest.fixture(scope="session")
+def aws_env():
+    saved = {k: os.environ.get(k) for k in _AWS_ENV}
+    os.environ.update(_AWS_ENV)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(aws_env):
+    """One moto S3 server for the session (tests that stop a server start their own)."""
+    server = MotoS3()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def private_s3(aws_env):
+    """A moto S3 server of the test's own, for tests that stop and restart it."""
+    server = MotoS3()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    """`(s3://bucket/run URL, storage_options)` in a fresh bucket."""
+    return f"s3://{s3_endpoint.new_bucket()}/run", s3_endpoint.options()

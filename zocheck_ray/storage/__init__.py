@@ -1,0 +1,33 @@
+"""Durable storage: crash-consistent snapshots and a step log over fsspec (local disk, S3).
+
+    from zocheck_ray.storage import SnapshotStore, StepLog, recovery_image
+
+    store = SnapshotStore("s3://bucket/run", storage_options={"endpoint_url": url})
+    log = StepLog("s3://bucket/run")
+    log.append(record); log.flush()                     # every step, buffered
+    store.save(step, state, {"zo_config": config})      # every N steps, from a frozen copy
+    log.collect_garbage(store.committed()[-1].step)     # after a save
+    state, step = recovery_image("s3://bucket/run")     # after a host failure
+
+Storage knows nothing of training: it handles tensors, `StepRecord`s and JSON metadata.
+"""
+
+from zocheck_ray.storage.errors import (
+    CorruptLogError,
+    CorruptSnapshotError,
+    SnapshotNotFoundError,
+    StorageError,
+    StorageURLError,
+)
+from zocheck_ray.storage.fs import FsspecStorage, Storage, open_storage, parse_url
+from zocheck_ray.storage.recovery import Recovery, recover, recovery_image
+from zocheck_ray.storage.manifest import Manifest, SnapshotMeta
+from zocheck_ray.storage.snapshot import SnapshotInfo, SnapshotStore, snapshot_dir
+from zocheck_ray.storage.steplog import StepLog, read_log
+
+__all__ = [
+    "SnapshotStore", "SnapshotInfo", "SnapshotMeta", "Manifest", "snapshot_dir",
+    "StepLog", "read_log", "recovery_image", "recover", "Recovery",
+    "Storage", "FsspecStorage", "open_storage", "parse_url",
+    "StorageError", "StorageURLError", "CorruptSnapshotError", "CorruptLogError", "SnapshotNotFoundError",
+]

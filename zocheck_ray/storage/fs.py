@@ -1,0 +1,393 @@
+"""Where durable state lives: storage URLs and the few file operations snapshots and the log need.
+
+    storage = open_storage("s3://bucket/run", {"endpoint_url": "http://127.0.0.1:9000"})
+    storage.write_atomic("snapshots/step-000000000010/manifest.json", data)
+
+A local path, a `file://` URL, an `s3://` URL (s3fs) and a `memory://` URL (tests, one
+process) all map to a `Storage`. Opening one checks that it exists or can be created,
+is reachable, and (for writing) accepts a write, so a bad URL, a missing bucket or
+wrong credentials fail before training starts. Credentials come from
+`storage_options` or the standard AWS chain and never appear in a message or a log.
+
+Local and object stores differ in one way that matters for crash consistency:
+locally a file is written in place, fsync'd and renamed, and directories are fsync'd
+so a rename survives power loss; on an object store an object appears whole, by a
+single PUT or a completed multipart upload, or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from contextlib import contextmanager
+from typing import BinaryIO, ContextManager, Iterator, Protocol
+
+import fsspec
+
+from zocheck_ray.storage.errors import ObjectNotFoundError, StorageError, StorageURLError
+
+SUPPORTED = "a local path, file://PATH, s3://BUCKET[/PREFIX] or memory://PATH"
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@")
+TMP_MARK = ".tmp-"
+"""Part of the name of every temporary file; what carries it was never committed."""
+PROBE_PREFIX = ".zocheck-probe-"
+
+_NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "urllib3")
+
+
+def redact(url: str) -> str:
+    """The URL without any `user:password@` part, fit for messages and logs."""
+    return _USERINFO.sub(r"\1***@", str(url))
+
+
+def _is_storage_failure(exc: BaseException) -> bool:
+    return isinstance(exc, (OSError, TimeoutError)) or type(exc).__module__.split(".")[0] in _NETWORK_MODULES
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
+
+
+class Storage(Protocol):
+    """The operations snapshots and the log use; paths are relative to the store's root."""
+
+    url: str
+    local: bool
+    """True for a local filesystem: files are fsync'd and renamed; else objects are PUT whole."""
+
+    def url_of(self, rel: str) -> str: ...
+    def local_path(self, rel: str) -> str: ...
+    def open_write(self, rel: str) -> ContextManager[BinaryIO]: ...
+    def write_atomic(self, rel: str, data: bytes) -> None: ...
+    def open_read(self, rel: str) -> ContextManager[BinaryIO]: ...
+    def read_bytes(self, rel: str) -> bytes: ...
+    def list_dir(self, rel: str) -> list[str]: ...
+    def size(self, rel: str) -> int: ...
+    def exists(self, rel: str) -> bool: ...
+    def remove(self, rel: str) -> None: ...
+    def remove_tree(self, rel: str) -> None: ...
+    def make_dirs(self, rel: str) -> None: ...
+    def sync_dir(self, rel: str) -> None: ...
+    def guard(self, action: str, rel: str) -> ContextManager[None]: ...
+    def abort_uploads(self, rel: str) -> int: ...
+
+
+class FsspecStorage:
+    """`Storage` over an fsspec filesystem rooted at `root`; local files use `os` directly."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, local: bool):
+        self.fs = fs
+        self.root = root.rstrip("/") if root not in ("/", "") else root
+        self.url = redact(url)
+        self.local = local
+
+    def __repr__(self) -> str:
+        return f"FsspecStorage({self.url!r})"
+
+    # ------------------------------------------------------------------ paths and errors
+
+    def _path(self, rel: str) -> str:
+        if not rel:
+            return self.root
+        return f"{self.root}/{rel}" if self.root not in ("/", "") else f"{self.root}{rel}"
+
+    def url_of(self, rel: str) -> str:
+        return f"{self.url.rstrip('/')}/{rel}" if rel else self.url
+
+    def local_path(self, rel: str) -> str:
+        if not self.local:
+            raise StorageError(f"{self.url} is not a local filesystem")
+        return self._path(rel)
+
+    def error(self, action: str, rel: str, exc: BaseException) -> StorageError:
+        """A `StorageError` naming the object (never the credentials) and the cause."""
+        target = self.url_of(rel)
+        if isinstance(exc, StorageError):
+            return exc
+        if isinstance(exc, FileNotFoundError):
+            return ObjectNotFoundError(f"cannot {action} {target}: it does not exist")
+        if isinstance(exc, PermissionError):
+            return StorageError(f"cannot {action} {target}: permission denied ({_reason(exc)}); "
+                                "check the path's permissions or the credentials")
+        return StorageError(f"cannot {action} {target}: {_reason(exc)}")
+
+    @contextmanager
+    def guard(self, action: str, rel: str) -> Iterator[None]:
+        try:
+            yield
+        except StorageError:
+            raise
+        except BaseException as exc:
+            if _is_storage_failure(exc):
+                raise self.error(action, rel, exc) from exc
+            raise
+
+    # ------------------------------------------------------------------ writing
+
+    @contextmanager
+    def open_write(self, rel: str) -> Iterator[BinaryIO]:
+        """A file or object to write; whole and durable on a clean exit, discarded on an error."""
+        path = self._path(rel)
+        with self.guard("write", rel):
+            f = open(path, "wb") if self.local else self.fs.open(path, "wb")
+        try:
+            with self.guard("write", rel):
+                yield f
+                if self.local:
+                    f.flush()
+                    os.fsync(f.fileno())
+                f.close()  # on an object store this completes the upload
+        except BaseException:
+            self._discard(f, path)
+            raise
+
+    def _discard(self, f, path: str) -> None:
+        # Best effort: the caller's error matters more than a failed cleanup.
+        try:
+            if self.local:
+                f.close()
+                os.remove(path)
+            elif hasattr(f, "discard"):
+                f.discard()  # s3fs: aborts the multipart upload, nothing becomes visible
+        except Exception:
+            pass
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        """Write a small object so that readers see all of it or none of it, durably."""
+        path = self._path(rel)
+        with self.guard("write", rel):
+            if not self.local:
+                self.fs.pipe_file(path, bytes(data))  # one PUT
+                return
+            directory, name = os.path.split(path)
+            tmp = os.path.join(directory, f".{name}{TMP_MARK}{uuid.uuid4().hex}")
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                raise
+            _fsync_dir(directory)
+
+    # ------------------------------------------------------------------ reading
+
+    @contextmanager
+    def open_read(self, rel: str) -> Iterator[BinaryIO]:
+        """A file to read; `file_size(f)` gives its size without another request."""
+        path = self._path(rel)
+        with self.guard("read", rel):
+            if self.local:
+                f = open(path, "rb")
+            else:
+                self.fs.invalidate_cache(path)
+                # Large sequential reads: each read() is one ranged GET, no read-ahead copy.
+                f = self.fs.open(path, "rb", cache_type="none")
+            with f:
+                yield f
+
+    def read_bytes(self, rel: str) -> bytes:
+        with self.guard("read", rel):
+            if self.local:
+                with open(self._path(rel), "rb") as f:
+                    return f.read()
+            if hasattr(self.fs, "call_s3"):
+                return self.fs.cat_file(self._path(rel), max_concurrency=1)  # one GET, no HEAD first
+            return self.fs.cat_file(self._path(rel))
+
+    def list_dir(self, rel: str) -> list[str]:
+        """Names of the entries under `rel`; empty when it does not exist."""
+        path = self._path(rel)
+        with self.guard("list", rel):
+            if self.local:
+                try:
+                    return sorted(os.listdir(path))
+                except (FileNotFoundError, NotADirectoryError):
+                    return []
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=False)
+            except FileNotFoundError:
+                return []
+            return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != path.rstrip("/")})
+
+    def size(self, rel: str) -> int:
+        path = self._path(rel)
+        with self.guard("stat", rel):
+            if self.local:
+                return os.stat(path).st_size
+            self.fs.invalidate_cache(path)
+            return int(self.fs.info(path)["size"])
+
+    def exists(self, rel: str) -> bool:
+        path = self._path(rel)
+        with self.guard("stat", rel):
+            if self.local:
+                return os.path.exists(path)
+            self.fs.invalidate_cache(path)
+            return bool(self.fs.exists(path))
+
+    # ------------------------------------------------------------------ removing, directories
+
+    def remove(self, rel: str) -> None:
+        path = self._path(rel)
+        with self.guard("delete", rel):
+            try:
+                os.remove(path) if self.local else self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+    def remove_tree(self, rel: str) -> None:
+        path = self._path(rel)
+        with self.guard("delete", rel):
+            if self.local:
+                shutil.rmtree(path, ignore_errors=False) if os.path.isdir(path) else None
+                return
+            self.fs.invalidate_cache(path)
+            try:
+                self.fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                pass
+            self.fs.invalidate_cache(path)
+
+    def make_dirs(self, rel: str) -> None:
+        if self.local:
+            with self.guard("create", rel):
+                os.makedirs(self._path(rel), exist_ok=True)
+        # Object stores have no directories: a prefix exists once an object is under it.
+
+    def sync_dir(self, rel: str) -> None:
+        """Make a directory's entries (creations, renames, removals) durable; no-op off local disk."""
+        if self.local:
+            with self.guard("sync", rel):
+                _fsync_dir(self._path(rel))
+
+    def abort_uploads(self, rel: str) -> int:
+        """Abort unfinished multipart uploads under `rel` (left by a killed writer); returns how many."""
+        if self.local or not hasattr(self.fs, "call_s3"):
+            return 0
+        bucket, _, prefix = self._path(rel).partition("/")
+        with self.guard("list uploads under", rel):
+            listing = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+            uploads = listing.get("Uploads", [])
+            for up in uploads:
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+        return len(uploads)
+
+
+def file_size(f) -> int:
+    """Size of a file opened by `open_read`."""
+    size = getattr(f, "size", None)
+    return int(size) if size is not None else os.fstat(f.fileno()).st_size
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------- opening
+
+
+def parse_url(url: str | os.PathLike) -> tuple[str, str]:
+    """`(scheme, root path)` of a storage URL; scheme is `file`, `s3` or `memory`."""
+    text = os.fspath(url) if isinstance(url, os.PathLike) else url
+    if not isinstance(text, str) or not text.strip():
+        raise StorageURLError(f"storage URL must be a non-empty string ({SUPPORTED}), got {url!r}")
+    match = _SCHEME.match(text)
+    if match is None:
+        return "file", os.path.abspath(os.path.expanduser(text))
+    scheme, rest = match.group(1).lower(), match.group(2)
+    if scheme == "file":
+        if not rest.startswith("/"):
+            raise StorageURLError(f"{redact(text)}: a file:// URL needs an absolute path (file:///data/run)")
+        return "file", os.path.abspath(rest)
+    if scheme == "s3":
+        root = rest.strip("/")
+        if not root or "@" in root.split("/")[0]:
+            raise StorageURLError(f"{redact(text)}: an S3 URL is s3://BUCKET[/PREFIX] "
+                                  "(credentials go in storage_options or the AWS environment, not the URL)")
+        return "s3", root
+    if scheme == "memory":
+        return "memory", "/" + rest.strip("/")
+    raise StorageURLError(f"unsupported storage URL scheme {scheme!r} in {redact(text)}: use {SUPPORTED}")
+
+
+def open_storage(url: str | os.PathLike, storage_options: dict | None = None, *, create: bool = True) -> FsspecStorage:
+    """Open (and with `create`, make and test-write) the store at `url`; raises `StorageError` naming it."""
+    scheme, root = parse_url(url)
+    shown = redact(os.fspath(url))
+    options = dict(storage_options or {})
+    if scheme == "file":
+        if options:
+            raise StorageURLError(f"{shown} is a local path; storage_options {sorted(options)} do not apply")
+        storage = FsspecStorage(fsspec.filesystem("file"), root, shown, local=True)
+        _check_local(storage, root, create)
+    elif scheme == "s3":
+        try:
+            import s3fs
+        except ImportError as exc:  # pragma: no cover - s3fs is a dependency
+            raise StorageError(f"{shown} needs s3fs: pip install s3fs") from exc
+        # Separate instances so a cached listing of another instance never hides an object.
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+        storage = FsspecStorage(fs, root, shown, local=False)
+        _check_bucket(storage, root.split("/")[0])
+    else:
+        storage = FsspecStorage(fsspec.filesystem("memory", **options), root, shown, local=False)
+    if create:
+        _probe_write(storage)
+    elif storage.local and not storage.exists(""):
+        raise StorageError(f"{shown} does not exist")  # an object store has no empty directories to check
+    return storage
+
+
+def _check_local(storage: FsspecStorage, root: str, create: bool) -> None:
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise StorageError(f"{storage.url} is a file, not a directory")
+    if create:
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create {storage.url}: {_reason(exc)}") from exc
+
+
+def _check_bucket(storage: FsspecStorage, bucket: str) -> None:
+    try:
+        storage.fs.call_s3("head_bucket", Bucket=bucket)
+    except FileNotFoundError as exc:
+        raise StorageError(f"bucket {bucket!r} of {storage.url} does not exist; create it first") from exc
+    except PermissionError as exc:
+        raise StorageError(f"access to bucket {bucket!r} of {storage.url} is denied: check the "
+                           "credentials (storage_options key/secret or the AWS environment)") from exc
+    except BaseException as exc:
+        if _is_storage_failure(exc):
+            raise StorageError(f"cannot reach {storage.url}: {_reason(exc)} (check endpoint_url and the network)") from exc
+        raise
+
+
+def _probe_write(storage: FsspecStorage) -> None:
+    """Write and remove a tiny object so a read-only path or credential fails now, not at step 10,000."""
+    rel = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    try:
+        if storage.local:
+            with open(storage.local_path(rel), "wb") as f:
+                f.write(b"ok")
+            os.remove(storage.local_path(rel))
+        else:
+            storage.fs.pipe_file(storage._path(rel), b"ok")
+            storage.fs.rm_file(storage._path(rel))
+    except BaseException as exc:
+        if not _is_storage_failure(exc):
+            raise
+        raise StorageError(f"{storage.url} is not writable: {_reason(exc)}") from exc

@@ -1,0 +1,344 @@
+"""`SnapshotStore`: crash-consistent snapshots of a state, on local disk or an object store.
+
+    store = SnapshotStore("s3://bucket/run", storage_options={"endpoint_url": ...})
+    info = store.save(step, state, {"run_id": "r1", "zo_config": config.model_dump(mode="json")})
+    tensors, meta = store.load(store.latest())
+
+A snapshot is a directory `snapshots/step-000000001234/` holding
+`model.safetensors` (the parameters under their Hugging Face names), `optimizer.safetensors`
+(tensors named `optimizer.*`, when there are any), `config.json` (a Hugging Face model
+config, when given; then `from_pretrained` loads the directory) and `manifest.json`.
+The manifest lists every tensor in canonical order and the SHA-256 of every file, and
+is written last: it is the commit marker. A directory without one was never committed
+and is never loaded; a manifest carries its own checksum, so a damaged one is never
+trusted. Retention deletes an old snapshot's manifest first, so it stops being
+committed before any of its files go.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from zocheck_ray.core import state_hash
+from zocheck_ray.storage.errors import CorruptSnapshotError, SnapshotNotFoundError, StorageError
+from zocheck_ray.storage.fs import PROBE_PREFIX, TMP_MARK, Storage, file_size, open_storage
+from zocheck_ray.storage.manifest import FileEntry, Manifest, SnapshotMeta, TensorEntry
+from zocheck_ray.storage.tensorfile import DTYPE_BY_NAME, dtype_name, read_tensors, write_tensors
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOTS_DIR = "snapshots"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+HF_CONFIG_FILE = "config.json"
+MANIFEST_FILE = "manifest.json"
+OPTIMIZER_PREFIX = "optimizer."
+"""Tensors whose names start with this go to `optimizer.safetensors`; the rest are the model."""
+_STEP_DIR = re.compile(r"^step-(\d{12,})$")
+
+
+def snapshot_dir(step: int) -> str:
+    """Relative directory of the snapshot at `step`; sorts by step."""
+    return f"{SNAPSHOTS_DIR}/step-{step:012d}"
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A committed snapshot: its step, where it is, and its parsed manifest."""
+
+    step: int
+    url: str
+    manifest: Manifest
+
+    @property
+    def state_hash(self) -> str:
+        return self.manifest.state_hash
+
+
+class SnapshotStore:
+    """Snapshots under `<url>/snapshots/`, committed by their manifest, newest `keep` retained.
+
+    One writer per store: `save` is not safe to call from two threads or processes at once.
+    `create=False` opens an existing store read-only (no cleanup, no test write).
+    """
+
+    def __init__(self, url: str, storage_options: dict | None = None, *, keep: int = 2, create: bool = True):
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 2:
+            raise ValueError(f"keep must be an integer >= 2 (one snapshot to load, one to fall back to), got {keep!r}")
+        self.keep = keep
+        self.storage: Storage = open_storage(url, storage_options, create=create)
+        self.url = self.storage.url
+        if create:
+            self.storage.make_dirs(SNAPSHOTS_DIR)
+            self.storage.sync_dir("")
+            self.clean_uncommitted()
+        else:
+            _check_is_root(self.storage)
+
+    def __repr__(self) -> str:
+        return f"SnapshotStore({self.url!r}, keep={self.keep})"
+
+    # ------------------------------------------------------------------ listing
+
+    def _steps(self) -> list[tuple[int, str]]:
+        """(step, directory) of every snapshot directory, committed or not, newest first."""
+        out = []
+        for name in self.storage.list_dir(SNAPSHOTS_DIR):
+            match = _STEP_DIR.match(name)
+            if match:
+                out.append((int(match.group(1)), f"{SNAPSHOTS_DIR}/{name}"))
+        return sorted(out, reverse=True)
+
+    def _info(self, step: int, directory: str, strict: bool = False) -> SnapshotInfo | None:
+        """The snapshot in `directory` if it is committed and its manifest is sound, else None.
+
+        With `strict`, a manifest that exists but is damaged raises `CorruptSnapshotError`.
+        """
+        rel = f"{directory}/{MANIFEST_FILE}"
+        url = self.storage.url_of(rel)
+        try:
+            data = self.storage.read_bytes(rel)
+        except FileNotFoundError:
+            return None  # never committed, or being deleted
+        try:
+            manifest = Manifest.decode(data, url)
+            if manifest.step != step:
+                raise CorruptSnapshotError(f"{url} says step {manifest.step} but lies in {directory}", url)
+        except CorruptSnapshotError as exc:
+            if strict:
+                raise
+            logger.warning("skipping snapshot: %s", exc)
+            return None
+        return SnapshotInfo(step, self.storage.url_of(directory), manifest)
+
+    def committed(self) -> list[SnapshotInfo]:
+        """Every committed snapshot whose manifest is sound, newest first."""
+        return [info for step, d in self._steps() if (info := self._info(step, d)) is not None]
+
+    def latest(self) -> SnapshotInfo | None:
+        """The newest committed snapshot whose manifest parses, or None."""
+        for step, directory in self._steps():
+            info = self._info(step, directory)
+            if info is not None:
+                return info
+        return None
+
+    def get(self, step: int) -> SnapshotInfo:
+        info = self._info(step, snapshot_dir(step), strict=True)
+        if info is None:
+            raise SnapshotNotFoundError(f"no committed snapshot at step {step} under {self.url}")
+        return info
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, step: int, tensors: Mapping[str, torch.Tensor],
+             meta: SnapshotMeta | Mapping[str, Any] | None = None) -> SnapshotInfo:
+        """Write a snapshot of `tensors` (canonical order) at `step`, commit it, then prune old ones.
+
+        Returns once the snapshot is durable. Saving a step that is already committed
+        with the same `state_hash` returns it unchanged; with another state, raises.
+        The tensors must not change while this runs (pass a frozen copy).
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        meta = meta if isinstance(meta, SnapshotMeta) else SnapshotMeta.model_validate(dict(meta or {}))
+        entries = _entries(tensors)
+        directory = snapshot_dir(step)
+        leftovers = self.storage.list_dir(directory)
+        if MANIFEST_FILE in leftovers and (existing := self._info(step, directory)) is not None:
+            if existing.state_hash == state_hash(dict(tensors)):
+                return existing
+            raise StorageError(f"{existing.url} is already committed with another state (state_hash "
+                               f"{existing.state_hash[:12]}...); a step is snapshotted once")
+        if leftovers:
+            self.storage.remove_tree(directory)  # a save that never committed (or a damaged manifest)
+        self.storage.make_dirs(directory)
+        self.storage.sync_dir(SNAPSHOTS_DIR)
+
+        model = {n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
+        optim = {n: t for n, t in tensors.items() if n.startswith(OPTIMIZER_PREFIX)}
+        files: dict[str, FileEntry] = {}
+        with ThreadPoolExecutor(3, thread_name_prefix="zocheck-snapshot-hash") as pool:
+            # Hashes run beside the writes and fsyncs (hashlib releases the GIL), each on its own thread.
+            state_digest = pool.submit(state_hash, dict(tensors))
+            pending = {}
+            for name, part in ((MODEL_FILE, model), (OPTIMIZER_FILE, optim)):
+                if part:
+                    with self.storage.open_write(f"{directory}/{name}") as f:
+                        pending[name] = write_tensors(f, part, {"format": "pt"}, pool)
+            if meta.hf_config is not None:
+                data = json.dumps(meta.hf_config, indent=2, sort_keys=True).encode()
+                with self.storage.open_write(f"{directory}/{HF_CONFIG_FILE}") as f:
+                    f.write(data)
+                files[HF_CONFIG_FILE] = FileEntry(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+            for name, future in pending.items():
+                digest = future.result()
+                files[name] = FileEntry(sha256=digest.sha256, size=digest.size)
+            digest_of_state = state_digest.result()
+        self.storage.sync_dir(directory)
+        if not self.storage.local:
+            self._check_objects(directory, files)
+
+        manifest = Manifest(step=step, run_id=meta.run_id, created_unix=time.time(), state_hash=digest_of_state,
+                            tensors=[TensorEntry(name=n, file=MODEL_FILE if n in model else OPTIMIZER_FILE,
+                                                 dtype=d, shape=s, nbytes=b) for n, d, s, b in entries],
+                            files=files, zo_config=meta.zo_config, user=meta.user)
+        self.storage.write_atomic(f"{directory}/{MANIFEST_FILE}", manifest.encode())  # the commit
+        info = SnapshotInfo(step, self.storage.url_of(directory), manifest)
+        self.prune()
+        return info
+
+    def _check_objects(self, directory: str, files: dict[str, FileEntry]) -> None:
+        # Every object must be complete and whole before the manifest may name it.
+        for name, entry in files.items():
+            rel = f"{directory}/{name}"
+            if self.storage.size(rel) != entry.size:
+                raise StorageError(f"{self.storage.url_of(rel)} is not complete after its upload; not committing")
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, which: SnapshotInfo | int, out: Mapping[str, torch.Tensor] | None = None
+             ) -> tuple[dict[str, torch.Tensor], SnapshotMeta]:
+        """The tensors (canonical order) and metadata of a committed snapshot, every hash verified.
+
+        With `out`, the data is read into those CPU tensors in place (names, order, dtypes
+        and shapes must match); their contents are undefined if the load raises.
+        Raises `CorruptSnapshotError` naming the damaged object.
+        """
+        info = which if isinstance(which, SnapshotInfo) else self.get(which)
+        directory = snapshot_dir(info.step)
+        manifest = info.manifest
+        tensors = _allocate(manifest, out, info.url)
+        with ThreadPoolExecutor(1, thread_name_prefix="zocheck-snapshot-hash") as pool:
+            for name in (MODEL_FILE, OPTIMIZER_FILE):
+                members = {e.name: tensors[e.name] for e in manifest.tensors if e.file == name}
+                if not members and name not in manifest.files:
+                    continue
+                entry = self._file_entry(manifest, directory, name)
+                rel = f"{directory}/{name}"
+                url = self.storage.url_of(rel)
+                try:
+                    with self.storage.open_read(rel) as f:
+                        digest = read_tensors(f, url, members, file_size(f), pool)
+                except FileNotFoundError as exc:
+                    raise CorruptSnapshotError(f"{url} is missing from a committed snapshot", url) from exc
+                if digest.sha256 != entry.sha256 or digest.size != entry.size:
+                    raise CorruptSnapshotError(f"{url} fails its SHA-256 check (the file is damaged)", url)
+        hf_config = None
+        if HF_CONFIG_FILE in manifest.files:
+            rel = f"{directory}/{HF_CONFIG_FILE}"
+            url = self.storage.url_of(rel)
+            data = self._read(rel)
+            if hashlib.sha256(data).hexdigest() != manifest.files[HF_CONFIG_FILE].sha256:
+                raise CorruptSnapshotError(f"{url} fails its SHA-256 check (the file is damaged)", url)
+            hf_config = json.loads(data)
+        if state_hash(tensors) != manifest.state_hash:
+            url = self.storage.url_of(f"{directory}/{MANIFEST_FILE}")
+            raise CorruptSnapshotError(f"the tensors of {info.url} do not hash to the state_hash in {url}", url)
+        meta = SnapshotMeta(run_id=manifest.run_id, zo_config=manifest.zo_config, hf_config=hf_config,
+                            user=manifest.user)
+        return tensors, meta
+
+    def _file_entry(self, manifest: Manifest, directory: str, name: str) -> FileEntry:
+        if name not in manifest.files:
+            url = self.storage.url_of(f"{directory}/{MANIFEST_FILE}")
+            raise CorruptSnapshotError(f"{url} lists tensors in {name} but no hash for it", url)
+        return manifest.files[name]
+
+    def _read(self, rel: str) -> bytes:
+        try:
+            return self.storage.read_bytes(rel)
+        except FileNotFoundError as exc:
+            url = self.storage.url_of(rel)
+            raise CorruptSnapshotError(f"{url} is missing from a committed snapshot", url) from exc
+
+    # ------------------------------------------------------------------ retention and cleanup
+
+    def prune(self) -> list[int]:
+        """Delete all but the newest `keep` committed snapshots (and older debris); returns the steps removed."""
+        kept: list[int] = []
+        removed = []
+        for step, directory in self._steps():
+            if len(kept) < self.keep:
+                if self._info(step, directory) is not None:
+                    kept.append(step)
+                continue  # an uncommitted directory newer than a kept snapshot may be a save in flight
+            # Uncommit first: once the manifest is gone, no reader can pick a half-deleted snapshot.
+            self.storage.remove(f"{directory}/{MANIFEST_FILE}")
+            self.storage.sync_dir(directory)
+            self.storage.remove_tree(directory)
+            removed.append(step)
+        if removed:
+            self.storage.sync_dir(SNAPSHOTS_DIR)
+            logger.info("retention removed snapshots %s under %s (keeping %s)", removed, self.url, kept)
+        return removed
+
+    def clean_uncommitted(self) -> list[str]:
+        """Remove what killed saves left: directories without a manifest, temporary files, open uploads."""
+        removed = []
+        for _, directory in self._steps():
+            names = self.storage.list_dir(directory)
+            if MANIFEST_FILE not in names:
+                self.storage.remove_tree(directory)
+                removed.append(directory)
+                continue
+            for name in names:
+                if TMP_MARK in name:
+                    self.storage.remove(f"{directory}/{name}")
+                    removed.append(f"{directory}/{name}")
+        for name in self.storage.list_dir(""):
+            if name.startswith(PROBE_PREFIX):
+                self.storage.remove(name)
+        self.storage.abort_uploads(SNAPSHOTS_DIR)
+        if removed:
+            self.storage.sync_dir(SNAPSHOTS_DIR)
+            logger.info("removed uncommitted leftovers under %s: %s", self.url, removed)
+        return removed
+
+
+def _entries(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, str, list[int], int]]:
+    if not isinstance(tensors, Mapping) or not tensors:
+        raise ValueError("tensors must be a non-empty mapping of name -> tensor")
+    out = []
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError(f"tensor names must be non-empty strings other than '__metadata__', got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{name!r}] is a {type(t).__name__}, not a tensor")
+        out.append((name, dtype_name(t, name), list(t.shape), t.numel() * t.element_size()))
+    return out
+
+
+def _allocate(manifest: Manifest, out: Mapping[str, torch.Tensor] | None, url: str) -> dict[str, torch.Tensor]:
+    if out is None:
+        try:
+            return {e.name: torch.empty(e.shape, dtype=DTYPE_BY_NAME[e.dtype]) for e in manifest.tensors}
+        except KeyError as exc:
+            raise CorruptSnapshotError(f"{url}: the manifest names an unknown dtype {exc}", url) from exc
+    if list(out) != [e.name for e in manifest.tensors]:
+        raise ValueError(f"out holds other tensors (or another order) than the snapshot {url}")
+    for e in manifest.tensors:
+        t = out[e.name]
+        if (str(t.dtype).removeprefix("torch.") != e.dtype or list(t.shape) != e.shape
+                or t.device.type != "cpu" or not t.is_contiguous()):
+            raise ValueError(f"out[{e.name!r}] must be a contiguous CPU {e.dtype} tensor of shape {e.shape}, "
+                             f"got {t.dtype} {list(t.shape)} on {t.device}")
+    return dict(out)
+
+
+def _check_is_root(storage: Storage) -> None:
+    names = storage.list_dir("")
+    if MANIFEST_FILE in names:
+        raise StorageError(f"{storage.url} is a single snapshot directory; open the storage root that holds "
+                           f"{SNAPSHOTS_DIR}/ (two levels up)")
+    if SNAPSHOTS_DIR not in names:
+        raise StorageError(f"{storage.url} is not a zocheck-ray storage root: it holds no {SNAPSHOTS_DIR}/ directory")

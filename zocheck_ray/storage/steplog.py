@@ -1,0 +1,389 @@
+"""`StepLog`: the durable log of step records, so a host failure loses no logged step.
+
+    log = StepLog("s3://bucket/run", seal_records=4096, seal_seconds=60)
+    log.append(record)          # buffered, a few microseconds
+    log.flush()                 # durable: fsync locally; on S3, seals and uploads the segment
+    records = read_log("s3://bucket/run", after_step=snapshot.step - 1)
+
+The log is a sequence of segments under `<url>/log/`, each the 8-byte magic
+`ZOLOG\\0\\0\\1` followed by `StepRecord` encodings (each with its CRC). A segment is
+named by its first step, `seg-000000000123.zlog` once sealed; locally the segment being
+appended is `seg-000000000123.open`, fsync'd on `flush` and renamed when sealed (by
+record count or age). Object stores have no append, so there the open segment stays in
+memory and a sealed one is uploaded as one immutable object.
+
+Reading tolerates a torn tail only where one can happen, at the end of a local open
+segment; anything else that does not parse is corruption and is reported with the
+segment's URL (`CorruptLogError`, carrying the records read before it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+
+from zocheck_ray.core import IncompleteRecordError, RecordSequenceError, StepRecord
+from zocheck_ray.core.errors import CorruptRecordError
+from zocheck_ray.core.record import MAGIC as RECORD_MAGIC
+from zocheck_ray.storage.errors import CorruptLogError, StorageError
+from zocheck_ray.storage.fs import Storage, open_storage
+
+logger = logging.getLogger(__name__)
+
+LOG_DIR = "log"
+SEGMENT_MAGIC = b"ZOLOG\x00\x00\x01"
+SEALED_SUFFIX = ".zlog"
+OPEN_SUFFIX = ".open"
+_RECORD_MAGIC = RECORD_MAGIC.to_bytes(2, "little")
+AUTO_SEAL_RETRY_SECONDS = 5.0
+_SEGMENT = re.compile(r"^seg-(\d{12,})(\.zlog|\.open)$")
+
+
+def segment_name(first_step: int, sealed: bool = True) -> str:
+    return f"{LOG_DIR}/seg-{first_step:012d}{SEALED_SUFFIX if sealed else OPEN_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class Segment:
+    first_step: int
+    rel: str
+    sealed: bool
+
+
+def list_segments(storage: Storage) -> list[Segment]:
+    """The log's segments in step order."""
+    out = []
+    for name in storage.list_dir(LOG_DIR):
+        match = _SEGMENT.match(name)
+        if match:
+            out.append(Segment(int(match.group(1)), f"{LOG_DIR}/{name}", match.group(2) == SEALED_SUFFIX))
+    return sorted(out, key=lambda s: (s.first_step, not s.sealed))
+
+
+def parse_segment(data: bytes, segment: Segment, url: str, torn_tail_ok: bool) -> tuple[list[StepRecord], int]:
+    """The records of one segment and the byte length of its valid part.
+
+    With `torn_tail_ok`, a last record cut short (or a zero-filled tail) ends the
+    segment silently; otherwise it, like any damage, raises `CorruptLogError`.
+    """
+    records: list[StepRecord] = []
+    if data[: len(SEGMENT_MAGIC)] != SEGMENT_MAGIC[: len(data)] or (len(data) < len(SEGMENT_MAGIC) and not torn_tail_ok):
+        raise CorruptLogError(f"{url} is not a step-log segment (bad magic)", url)
+    if len(data) < len(SEGMENT_MAGIC):
+        return records, 0
+    offset = len(SEGMENT_MAGIC)
+    while offset < len(data):
+        try:
+            record, end = StepRecord.read_from(data, offset)
+        except IncompleteRecordError as exc:
+            if torn_tail_ok:
+                break
+            raise CorruptLogError(f"{url} ends inside a record at byte {offset} but is sealed: {exc}", url, records) from exc
+        except CorruptRecordError as exc:
+            if torn_tail_ok and not _intact_record_after(data, offset + 1):
+                # Damage with nothing intact after it, at the end of the segment being written:
+                # a write cut short (a power loss can leave garbage or zeros), not a lost record.
+                logger.warning("ignoring the damaged tail of %s from byte %d: %s", url, offset, exc)
+                break
+            raise CorruptLogError(f"{url}: corrupt record at byte {offset}: {exc}", url, records) from exc
+        expected = segment.first_step + len(records)
+        if record.step != expected:
+            raise CorruptLogError(f"{url}: record at byte {offset} is step {record.step}, step {expected} belongs "
+                                  "there", url, records)
+        records.append(record)
+        offset = end
+    return records, offset
+
+
+def _intact_record_after(data: bytes, start: int) -> bool:
+    """Whether a record with a valid CRC starts anywhere at or after `start`."""
+    position = data.find(_RECORD_MAGIC, start)
+    while position != -1:
+        try:
+            StepRecord.read_from(data, position)
+            return True
+        except CorruptRecordError:
+            position = data.find(_RECORD_MAGIC, position + 1)
+    return False
+
+
+def read_log(url: str, after_step: int, storage_options: dict | None = None) -> list[StepRecord]:
+    """The contiguous records after `after_step` (steps after_step+1, after_step+2, ...).
+
+    Stops at a gap; raises `CorruptLogError` naming the segment on damage. Use
+    `after_step = snapshot.step - 1` to get the records a snapshot needs.
+    """
+    _check_after_step(after_step)
+    return read_records(open_storage(url, storage_options, create=False), after_step)
+
+
+def _check_after_step(after_step: int) -> None:
+    if isinstance(after_step, bool) or not isinstance(after_step, int) or after_step < -1:
+        raise ValueError(f"after_step must be an integer >= -1, got {after_step!r}")
+
+
+def read_records(storage: Storage, after_step: int) -> list[StepRecord]:
+    """`read_log` on an opened `Storage` (the run's root)."""
+    _check_after_step(after_step)
+    segments = list_segments(storage)
+    out: list[StepRecord] = []
+    for i, seg in enumerate(segments):
+        expected = after_step + 1 + len(out)
+        following = segments[i + 1] if i + 1 < len(segments) else None
+        if following is not None and following.first_step <= expected:
+            continue  # wholly before the records asked for
+        url = storage.url_of(seg.rel)
+        try:
+            records, _ = parse_segment(storage.read_bytes(seg.rel), seg, url,
+                                       torn_tail_ok=not seg.sealed and following is None)
+        except CorruptLogError as exc:
+            _extend(out, exc.records, after_step, storage.url)
+            exc.records = out
+            raise
+        if not _extend(out, records, after_step, storage.url):
+            break
+    return out
+
+
+def _extend(out: list[StepRecord], records: list[StepRecord], after_step: int, url: str) -> bool:
+    """Append the records continuing `out`; False (with a warning) at a gap."""
+    for record in records:
+        expected = after_step + 1 + len(out)
+        if record.step < expected:
+            continue
+        if record.step > expected:
+            logger.warning("log %s has a gap: step %d is missing, records from step %d on are not used",
+                           url, expected, record.step)
+            return False
+        out.append(record)
+    return True
+
+
+class StepLog:
+    """Append-only, segmented, CRC'd log of `StepRecord`s under `<url>/log/`.
+
+    Records must be appended in step order without gaps. On opening, a local open
+    segment left by a crash is repaired (torn tail cut, segment sealed), and appends
+    continue after the last durable step. `resume_step` declares where the caller's
+    state resumes instead: logged records from that step on are dropped (a deterministic
+    trainer regenerates them identically), which also removes a corrupt tail.
+    One writer per log, and not thread-safe: serialize `append`, `flush` and `seal`.
+    """
+
+    def __init__(self, url: str, storage_options: dict | None = None, *, seal_records: int = 4096,
+                 seal_seconds: float = 60.0, fsync: bool = True, resume_step: int | None = None):
+        if isinstance(seal_records, bool) or not isinstance(seal_records, int) or seal_records < 1:
+            raise ValueError(f"seal_records must be a positive integer, got {seal_records!r}")
+        if not seal_seconds > 0:
+            raise ValueError(f"seal_seconds must be > 0, got {seal_seconds!r}")
+        if resume_step is not None and (isinstance(resume_step, bool) or not isinstance(resume_step, int)
+                                        or resume_step < 0):
+            raise ValueError(f"resume_step must be a non-negative integer, got {resume_step!r}")
+        self.seal_records = seal_records
+        self.seal_seconds = float(seal_seconds)
+        self.fsync = bool(fsync)
+        self.storage = open_storage(url, storage_options, create=True)
+        self.url = self.storage.url
+        self.storage.make_dirs(LOG_DIR)
+        self.storage.sync_dir("")
+        self._buffer = bytearray()         # appended, not yet written (local) or uploaded (object store)
+        self._segment_first: int | None = None
+        self._segment_records = 0
+        self._segment_started = 0.0
+        self._file = None                  # local: the open segment, once flushed to
+        self._file_good_bytes = 0          # local: bytes of the open segment known to hold whole records
+        self._next_auto_seal = 0.0         # after a failed automatic seal, when to try again
+        self._repair()
+        last = self._truncate_from(resume_step) if resume_step is not None else self._last_durable_step()
+        self.durable_step: int | None = last
+        """The last step known durable (None if the log is empty)."""
+        self._next_step: int | None = resume_step if resume_step is not None else (None if last is None else last + 1)
+
+    def __repr__(self) -> str:
+        return f"StepLog({self.url!r}, seal_records={self.seal_records}, fsync={self.fsync})"
+
+    def __enter__(self) -> "StepLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def next_step(self) -> int | None:
+        """The step the next `append` must carry (None before the first append to an empty log)."""
+        return self._next_step
+
+    # ------------------------------------------------------------------ appending
+
+    def append(self, record: StepRecord) -> None:
+        """Buffer one record (durable after `flush` or a seal); seals by count or age."""
+        if self._next_step is not None and record.step != self._next_step:
+            raise RecordSequenceError(f"step log {self.url} expects step {self._next_step}, got step {record.step} "
+                                      "(records are appended in order, without gaps or repeats)")
+        if self._segment_first is None:
+            self._segment_first = record.step
+            self._segment_started = time.monotonic()
+        self._buffer += record.to_bytes()
+        self._segment_records += 1
+        self._next_step = record.step + 1
+        now = time.monotonic()
+        if (self._segment_records >= self.seal_records or now - self._segment_started >= self.seal_seconds) \
+                and now >= self._next_auto_seal:
+            try:
+                self.seal()
+            except StorageError as exc:
+                # The record is accepted and stays buffered; an explicit flush or seal reports the
+                # failure. Appends must stay cheap, so the next automatic attempt waits a while.
+                self._next_auto_seal = now + min(self.seal_seconds, AUTO_SEAL_RETRY_SECONDS)
+                logger.warning("could not seal a segment of %s, will retry: %s", self.url, exc)
+
+    def flush(self) -> None:
+        """Make every appended record durable: write and fsync locally; seal and upload on an object store."""
+        if not self.storage.local:
+            self.seal()
+            return
+        if self._buffer:
+            self._write_local()
+        if self._segment_first is not None and time.monotonic() - self._segment_started >= self.seal_seconds:
+            self.seal()
+
+    def _write_local(self) -> None:
+        rel = segment_name(self._segment_first, sealed=False)
+        with self.storage.guard("append to", rel):
+            if self._file is None and self._file_good_bytes:
+                # Reopened after a failed write: continue after the last whole record.
+                self._file = open(self.storage.local_path(rel), "r+b")
+                self._file.truncate(self._file_good_bytes)
+                self._file.seek(self._file_good_bytes)
+            elif self._file is None:
+                self._file = open(self.storage.local_path(rel), "wb")
+                self._file.write(SEGMENT_MAGIC)
+                self._file_good_bytes = len(SEGMENT_MAGIC)
+                self.storage.sync_dir(LOG_DIR)
+            try:
+                self._file.write(self._buffer)
+                self._file.flush()
+                if self.fsync:
+                    os.fsync(self._file.fileno())
+            except BaseException:
+                self._rewind()  # so the retry does not leave a torn record in the middle
+                raise
+        self._file_good_bytes += len(self._buffer)
+        self._buffer.clear()
+        self.durable_step = self._next_step - 1
+
+    def _rewind(self) -> None:
+        try:
+            self._file.seek(self._file_good_bytes)
+            self._file.truncate(self._file_good_bytes)
+        except (OSError, ValueError):
+            try:
+                self._file.close()
+            except (OSError, ValueError):
+                pass
+            self._file = None  # the next write reopens the segment and cuts it to its whole records
+
+    def seal(self) -> None:
+        """Close the current segment for good: rename it locally, upload it as one object elsewhere."""
+        if self._segment_first is None:
+            return
+        first = self._segment_first
+        if self.storage.local:
+            if self._buffer or self._file is None:
+                self._write_local()
+            self._file.close()
+            self._file = None
+            self._file_good_bytes = 0
+            with self.storage.guard("seal", segment_name(first)):
+                os.replace(self.storage.local_path(segment_name(first, sealed=False)),
+                           self.storage.local_path(segment_name(first)))
+            self.storage.sync_dir(LOG_DIR)
+        else:
+            self.storage.write_atomic(segment_name(first), SEGMENT_MAGIC + bytes(self._buffer))
+            self._buffer.clear()
+            self.durable_step = self._next_step - 1
+        self._segment_first = None
+        self._segment_records = 0
+
+    def close(self) -> None:
+        """Seal what was appended; the log can be reopened later to continue."""
+        self.seal()
+
+    # ------------------------------------------------------------------ reading and cleanup
+
+    def read(self, after_step: int) -> list[StepRecord]:
+        """The contiguous durable records after `after_step` (see `read_log`)."""
+        return read_records(self.storage, after_step)
+
+    def collect_garbage(self, keep_from_step: int) -> list[str]:
+        """Delete sealed segments holding only steps before `keep_from_step` (the oldest retained snapshot)."""
+        removed = []
+        segments = list_segments(self.storage)
+        for seg, following in zip(segments, segments[1:]):
+            if seg.sealed and following.first_step <= keep_from_step:
+                self.storage.remove(seg.rel)
+                removed.append(self.storage.url_of(seg.rel))
+        if removed:
+            self.storage.sync_dir(LOG_DIR)
+        return removed
+
+    # ------------------------------------------------------------------ opening
+
+    def _repair(self) -> None:
+        """Seal a local open segment a crash left behind, without its torn tail."""
+        for seg in list_segments(self.storage):
+            if seg.sealed:
+                continue
+            url = self.storage.url_of(seg.rel)
+            records, valid = parse_segment(self.storage.read_bytes(seg.rel), seg, url, torn_tail_ok=True)
+            path = self.storage.local_path(seg.rel)
+            if not records:
+                os.remove(path)
+            else:
+                with open(path, "r+b") as f:
+                    f.truncate(valid)
+                    os.fsync(f.fileno())
+                os.replace(path, self.storage.local_path(segment_name(seg.first_step)))
+                logger.info("sealed %s left open by an earlier writer (%d records)", url, len(records))
+            self.storage.sync_dir(LOG_DIR)
+
+    def _last_durable_step(self) -> int | None:
+        for seg in reversed(list_segments(self.storage)):
+            url = self.storage.url_of(seg.rel)
+            try:
+                records, _ = parse_segment(self.storage.read_bytes(seg.rel), seg, url, torn_tail_ok=False)
+            except CorruptLogError as exc:
+                raise CorruptLogError(f"{exc} -- to continue, open the log with resume_step set to the step the "
+                                      "recovered state is at; the damaged records are then dropped", url,
+                                      exc.records) from exc
+            if records:
+                return records[-1].step
+        return None
+
+    def _truncate_from(self, resume_step: int) -> int | None:
+        """Drop logged records at or after `resume_step` (and any damage); returns the last step kept."""
+        last = None
+        for seg in reversed(list_segments(self.storage)):  # newest first, so a crash leaves a prefix
+            if seg.first_step >= resume_step:
+                self.storage.remove(seg.rel)
+                continue
+            url = self.storage.url_of(seg.rel)
+            damaged = False
+            try:
+                records, _ = parse_segment(self.storage.read_bytes(seg.rel), seg, url, torn_tail_ok=False)
+            except CorruptLogError as exc:
+                records, damaged = exc.records, True
+                logger.warning("dropping the damaged end of %s: %s", url, exc)
+            kept = [r for r in records if r.step < resume_step]
+            if not kept:
+                self.storage.remove(seg.rel)
+                continue
+            if damaged or len(kept) != len(records):
+                self.storage.write_atomic(seg.rel, SEGMENT_MAGIC + b"".join(r.to_bytes() for r in kept))
+            last = kept[-1].step
+            break
+        self.storage.sync_dir(LOG_DIR)
+        return last

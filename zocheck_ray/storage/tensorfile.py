@@ -1,0 +1,168 @@
+"""Streaming safetensors files: written straight from tensor memory, read straight into tensors.
+
+The format (https://huggingface.co/docs/safetensors) is small enough to say in one
+paragraph: an unsigned little-endian 64-bit header length N, N bytes of JSON mapping
+each tensor name to its dtype, shape and `[begin, end)` byte offsets in the data
+section (plus an optional `__metadata__` map of strings), then the data section, the
+tensors' raw little-endian bytes. Files written here load with `safetensors` and
+Hugging Face `from_pretrained`.
+
+Writing it here rather than with `safetensors.torch.save_file` lets a save stream each
+tensor's memory to the store while hashing it on a second thread, with no serialized
+copy of the state; reading fills preallocated tensors chunk by chunk while hashing.
+Nothing here unpickles anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import BinaryIO, Mapping
+
+import torch
+
+from zocheck_ray.storage.errors import CorruptSnapshotError
+
+CHUNK_BYTES = 16 << 20
+"""Bytes written or read (and hashed) at a time: large enough for full speed, small enough to pipeline."""
+MAX_HEADER_BYTES = 100 << 20
+
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {d: str(d).removeprefix("torch.") for d in SAFETENSORS_DTYPES}
+DTYPE_BY_NAME: dict[str, torch.dtype] = {name: d for d, name in DTYPE_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    sha256: str
+    size: int
+
+
+def dtype_name(tensor: torch.Tensor, name: str) -> str:
+    try:
+        return DTYPE_NAMES[tensor.dtype]
+    except KeyError:
+        raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors snapshots do not hold; "
+                        f"use one of {sorted(DTYPE_BY_NAME)}") from None
+
+
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy when it is a contiguous CPU tensor (else one tensor's copy)."""
+    t = tensor.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to("cpu").contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, t in tensors.items():
+        dtype_name(t, name)
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors aligns the data section to 8 bytes
+    return struct.pack("<Q", len(text)) + text
+
+
+def _digest(header: bytes, tensors: Mapping[str, torch.Tensor]) -> FileDigest:
+    h = hashlib.sha256(header)
+    size = len(header)
+    for t in tensors.values():
+        data = raw_bytes(t)
+        h.update(data)  # hashlib releases the GIL: this runs beside the writes on another core
+        size += len(data)
+    return FileDigest(h.hexdigest(), size)
+
+
+def write_tensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
+                  pool: ThreadPoolExecutor) -> Future:
+    """Stream a safetensors file to `f`; returns the future `FileDigest` that `pool` computes meanwhile.
+
+    The digest is hashed from tensor memory, not read back, so hashing, writing and the
+    caller's fsync overlap. The tensors must not change until the future is done.
+    """
+    header = encode_header(tensors, metadata)
+    digest = pool.submit(_digest, header, tensors)
+    f.write(header)
+    for t in tensors.values():
+        data = raw_bytes(t)
+        for a in range(0, len(data), CHUNK_BYTES):
+            f.write(data[a : a + CHUNK_BYTES])
+    return digest
+
+
+def _read_exact(f: BinaryIO, n: int, url: str, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise CorruptSnapshotError(f"{url} is truncated: {what} needs {n} bytes, {len(data)} present", url)
+    return data
+
+
+def _fill(f: BinaryIO, target: memoryview, url: str) -> None:
+    got = 0
+    while got < len(target):
+        n = f.readinto(target[got:])
+        if not n:
+            raise CorruptSnapshotError(f"{url} is truncated inside its data section", url)
+        got += n
+
+
+def read_tensors(f: BinaryIO, url: str, out: Mapping[str, torch.Tensor], size: int,
+                 pool: ThreadPoolExecutor) -> FileDigest:
+    """Fill the preallocated CPU tensors `out` from the safetensors stream `f`; returns its digest.
+
+    The file must hold exactly the tensors of `out`, with their dtypes and shapes.
+    Every deviation raises `CorruptSnapshotError` naming `url`.
+    """
+    h = hashlib.sha256()
+    prefix = _read_exact(f, 8, url, "the header length")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > min(MAX_HEADER_BYTES, max(size - 8, 0)):
+        raise CorruptSnapshotError(f"{url} has an impossible header length {n} (file size {size})", url)
+    raw_header = _read_exact(f, n, url, "the header")
+    h.update(prefix)
+    h.update(raw_header)
+    try:
+        header = json.loads(raw_header)
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        header.pop("__metadata__", None)
+        entries = sorted(((v["data_offsets"][0], v["data_offsets"][1], k, v) for k, v in header.items()))
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise CorruptSnapshotError(f"{url} has an unreadable safetensors header: {exc}", url) from exc
+    if set(header) != set(out):
+        missing, extra = sorted(set(out) - set(header)), sorted(set(header) - set(out))
+        raise CorruptSnapshotError(f"{url} holds other tensors than its manifest lists "
+                                   f"(missing {missing[:3]}, unexpected {extra[:3]})", url)
+    position = 0
+    for begin, end, name, entry in entries:
+        t = out[name]
+        if (entry.get("dtype") != SAFETENSORS_DTYPES[t.dtype] or entry.get("shape") != list(t.shape)
+                or begin != position or end - begin != t.numel() * t.element_size()):
+            raise CorruptSnapshotError(f"{url}: tensor {name!r} is stored as {entry} but the manifest says "
+                                       f"{SAFETENSORS_DTYPES[t.dtype]} {list(t.shape)} at offset {position}", url)
+        position = end
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        pending = None
+        for a in range(0, len(data), CHUNK_BYTES):
+            chunk = data[a : a + CHUNK_BYTES]
+            _fill(f, chunk, url)
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(h.update, chunk)
+        if pending is not None:
+            pending.result()
+    if f.read(1):
+        raise CorruptSnapshotError(f"{url} has bytes after its last tensor", url)
+    return FileDigest(h.hexdigest(), 8 + n + position)
