@@ -17,11 +17,13 @@ from typing import Callable, Literal
 
 import ray
 from pydantic import BaseModel, ConfigDict
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from zocheck_ray.actors.ray_actors import NAMESPACE, ShadowActor, TrainerActor, shadow_name, trainer_name
+from zocheck_ray.actors.ray_actors import (
+    NAMESPACE, ShadowActor, TrainerActor, call_when_alive, shadow_name, trainer_name,
+)
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.policies import Timings, plan
 from zocheck_ray.storage import SnapshotStore
@@ -89,16 +91,15 @@ def start_actors(job: JobConfig, gpus: int):
     return pg, shadow, trainer
 
 
-def _call_when_alive(submit, timeout: float = 300.0):
-    """ray.get(submit()), retried while Ray restarts the actor."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return ray.get(submit())
-        except ActorUnavailableError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
+def _lose_processes(trainer, shadow) -> Callable[[], None]:
+    """Host-failure emulation on a cluster whose nodes cannot be removed: both processes
+    die with the shadow's in-memory images, so the pair must come back from durable storage."""
+
+    def kill() -> None:
+        for actor in (shadow, trainer):
+            ray.kill(actor, no_restart=False)
+
+    return kill
 
 
 def _profile(job: JobConfig, trainer_seconds: float, metrics: dict) -> dict:
@@ -132,39 +133,41 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
     steps_timed, seconds_timed = 0, 0.0
     step_hashes: dict[int, str] = {}
     say(f"run {job.run_id}: {job.model} {job.dtype} {job.zo.optimizer}, {job.steps} steps, storage {job.run_url}")
+    def recovered(failed_at: int, failure_started: float) -> None:
+        nonlocal step
+        info = call_when_alive(lambda: trainer.recovery.remote())  # the restarted constructor recovered
+        seconds = time.perf_counter() - failure_started
+        recoveries.append(Recovery(failed_at_step=failed_at, mode=fail_mode, recovered_step=info["step"],
+                                   seconds=seconds, image_source=info["source"], image_step=info.get("image_step"),
+                                   replayed_records=info["replayed_records"]))
+        say(f"  trainer lost at step {failed_at} ({fail_mode}); recovered at step {info['step']} from "
+            f"{info['source']} image in {seconds:.2f} s ({info['replayed_records']} records replayed)")
+        step = info["step"]
+        if info.get("state_hash"):
+            step_hashes[step] = info["state_hash"]
+
     try:
         while step < job.steps:
             target = min(job.steps, (step // job.log_interval + 1) * job.log_interval)
-            die = failures[0] if failures and step < failures[0] <= target and fail_mode == "software" else None
-            if die is not None:
-                target = die + 1
+            fail = failures[0] if failures and step < failures[0] <= target else None
             segment_start = time.perf_counter()
-            try:
-                if failures and fail_mode == "host" and step < failures[0] <= target:
-                    target = failures[0]
-                    last = ray.get(trainer.run.remote(target))
-                    failures.pop(0)
-                    t0 = time.perf_counter()
-                    kill_node()
-                    raise RayActorError()
-                last = ray.get(trainer.run.remote(target, die))
-            except RayActorError:
-                failed_at = die if die is not None else target
-                if die is not None:
-                    failures.pop(0)
-                    t0 = time.perf_counter()
-                info = _call_when_alive(lambda: trainer.recovery.remote())  # the restarted constructor recovered
-                seconds = time.perf_counter() - t0
-                recoveries.append(Recovery(failed_at_step=failed_at, mode=fail_mode, recovered_step=info["step"],
-                                           seconds=seconds, image_source=info["source"],
-                                           image_step=info.get("image_step"),
-                                           replayed_records=info["replayed_records"]))
-                say(f"  trainer lost at step {failed_at} ({fail_mode}); recovered at step {info['step']} from "
-                    f"{info['source']} in {seconds:.2f} s ({info['replayed_records']} records replayed)")
-                step = info["step"]
-                if info.get("state_hash"):
-                    step_hashes[step] = info["state_hash"]
+            if fail is not None:
+                failures.pop(0)
+                if fail_mode == "software":
+                    try:
+                        ray.get(trainer.run.remote(fail + 1, fail))  # the trainer process exits at `fail`
+                    except RayActorError:
+                        pass
+                    else:
+                        raise RuntimeError(f"the trainer survived its injected failure at step {fail}")
+                    recovered(fail, time.perf_counter())
+                    continue
+                ray.get(trainer.run.remote(fail))
+                started_failure = time.perf_counter()
+                (kill_node or _lose_processes(trainer, shadow))()
+                recovered(fail, started_failure)
                 continue
+            last = ray.get(trainer.run.remote(target))
             step_hashes.update(last.get("step_hashes") or {})
             elapsed = time.perf_counter() - segment_start
             steps_timed += last["step"] - step

@@ -10,9 +10,11 @@ trainer, and a node loss by the durable snapshot and log.
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
 import torch
+from ray.exceptions import ActorUnavailableError
 
 from zocheck_ray.actors.image import unpack
 from zocheck_ray.actors.shadow import Shadow
@@ -21,6 +23,18 @@ from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord
 
 NAMESPACE = "zocheck"
+
+
+def call_when_alive(submit, timeout: float = 300.0):
+    """ray.get(submit()), retried while Ray restarts the actor behind it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get(submit())
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def shadow_name(run_id: str) -> str:
@@ -124,7 +138,7 @@ class RayShadowLink:
 
     @ray.method(concurrency_group="control")
     def recovery_image(self):
-        found = ray.get(self.actor.recovery_image.remote())
+        found = call_when_alive(lambda: self.actor.recovery_image.remote())
         if found is None:
             return None, 0, [], "fresh"
         buffer = ray.get(found["ref"][0])
@@ -140,7 +154,8 @@ class RayShadowLink:
         from zocheck_ray.actors.image import pack
 
         buffer, layout = pack(state)
-        ray.get(self.actor.initialize.remote([ray.put(buffer), layout], step))
+        ref = ray.put(buffer)
+        call_when_alive(lambda: self.actor.initialize.remote([ref, layout], step))
 
     def push(self, data: bytes) -> None:
         self.actor.push.remote(data)
@@ -171,6 +186,9 @@ class TrainerActor:
 
     def state_hash(self) -> tuple[int, str]:
         return self.trainer.state_hash()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     def step_time(self) -> dict:
         return self.trainer.progress()

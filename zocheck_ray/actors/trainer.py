@@ -13,6 +13,7 @@ import os
 import statistics
 import threading
 import time
+from collections import deque
 from typing import Protocol
 
 import torch
@@ -46,8 +47,8 @@ class Trainer:
         self.data = corpus_tensor(job.seq_len, vocab).to(self.device)
         self.recovery = self._recover()
         self.recovery["seconds"] = time.perf_counter() - started
-        self._pending = bytearray()
-        self._pending_lock = threading.Lock()
+        self._pending: deque[StepRecord] = deque()   # appended by the training loop, no lock
+        self._send_lock = threading.Lock()
         self._publish_ns: list[int] = []
         self.step_hashes: dict[int, str] = {}
         self.last_loss: float | None = None
@@ -92,9 +93,7 @@ class Trainer:
             ids = self._batch(t)
             record = self.opt.step(lambda: model(input_ids=ids, labels=ids).loss, seed=step_seed(self.job.run_seed, t))
             start = time.perf_counter_ns()
-            data = record.to_bytes()
-            with self._pending_lock:
-                self._pending += data
+            self._pending.append(record)  # the whole critical-path cost of publishing
             self._publish_ns.append(time.perf_counter_ns() - start)
             self.last_loss = self.opt.last_losses[0]
             if self.job.hash_every_step:
@@ -113,12 +112,17 @@ class Trainer:
             self.flush()
 
     def flush(self) -> None:
-        # Submitted under the lock: batches leave in step order, whichever thread sends them.
-        with self._pending_lock:
-            if not self._pending:
-                return
-            data, self._pending = bytes(self._pending), bytearray()
-            self.shadow.push(data)
+        """Encode and send the pending records (off the training loop's critical path).
+
+        Sends happen under one lock, so batches leave in step order whichever thread
+        (the publisher or the end of `run`) sends them.
+        """
+        with self._send_lock:
+            parts = []
+            while self._pending:
+                parts.append(self._pending.popleft().to_bytes())
+            if parts:
+                self.shadow.push(b"".join(parts))
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], int]:
         """A CPU copy of the state at the current step boundary (for a resync)."""
