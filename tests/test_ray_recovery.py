@@ -43,6 +43,15 @@ def test_one_failure_before_the_first_snapshot(tmp_path):
     assert_exact(summary, uninterrupted_hashes(job))
 
 
+def test_a_failure_during_recovery_itself(tmp_path):
+    job = job_for(tmp_path, optimizer="zo-adam", faults={"crash_in_recovery_marker": str(tmp_path / "crashed")})
+    summary = run(job, fail_at=[13], progress=None)
+    assert (tmp_path / "crashed").exists()  # the first recovery attempt died
+    (recovery,) = summary.recoveries
+    assert recovery.failed_at_step == 13
+    assert_exact(summary, uninterrupted_hashes(job))
+
+
 def test_metrics_are_consistent_after_a_run(tmp_path):
     job = job_for(tmp_path, hash_every_step=False)
     summary = run(job, progress=None)
@@ -58,9 +67,10 @@ def test_metrics_are_consistent_after_a_run(tmp_path):
 
 
 def test_a_slow_shadow_is_resynced_and_recovery_stays_exact(tmp_path):
-    job = job_for(tmp_path, replay_delay_seconds=0.05, max_lag_steps=4, log_interval=6)
+    job = job_for(tmp_path, faults={"replay_delay_seconds": 0.25}, max_lag_steps=4, log_interval=6)
     summary = run(job, fail_at=[25], progress=None)
     assert summary.metrics["resync_count"] >= 1
+    assert summary.lag_samples and all(lag <= job.max_lag_steps for _, lag in summary.lag_samples)
     assert_exact(summary, uninterrupted_hashes(job))
 
 
@@ -72,3 +82,44 @@ def test_a_config_that_cannot_run_fails_before_any_actor(tmp_path):
     with pytest.raises(JobConfigError, match="model"):
         load_job_config(overrides=["model=no-such-model"])
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True)]
+
+
+def test_status_and_metrics_agree_during_a_run(tmp_path, capsys):
+    import json
+    import threading
+    import time
+
+    from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name
+    from zocheck_ray.cli import main
+
+    job = job_for(tmp_path, hash_every_step=False, faults={"replay_delay_seconds": 0.02}, max_lag_steps=1000)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(summary=run(job, progress=None)))
+    worker.start()
+    samples = []
+    while worker.is_alive() and len(samples) < 8:
+        try:
+            shadow = ray.get_actor(shadow_name(job.run_id), namespace=NAMESPACE)
+        except ValueError:
+            time.sleep(0.1)
+            continue
+        capsys.readouterr()
+        if main(["status", job.run_id, "--json"]) != 0:
+            time.sleep(0.1)
+            continue
+        reported = json.loads(capsys.readouterr().out)
+        direct = ray.get(shadow.metrics.remote())
+        samples.append((reported, direct))
+        time.sleep(0.2)
+    worker.join()
+    assert len(samples) >= 3
+    for reported, direct in samples:
+        assert reported["run_id"] == direct["run_id"] == job.run_id
+        for m in (reported, direct):
+            assert m["lag_steps"] == m["received_step"] - m["replayed_step"] >= 0
+            assert m["replayed_step"] <= m["received_step"] <= m["trainer_step"] <= STEPS
+            assert m["snapshot_step"] is None or m["snapshot_step"] <= m["replayed_step"]
+            assert m["snapshot_interval"] == 8
+        for key in ("received_step", "replayed_step", "snapshots_taken"):
+            assert reported[key] <= direct[key]  # status was read first; counters only grow
+    assert result["summary"].steps == STEPS

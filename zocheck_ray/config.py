@@ -20,6 +20,17 @@ class JobConfigError(ValueError):
     """A job configuration that cannot run; the message names the field or file."""
 
 
+class FaultInjection(BaseModel):
+    """Faults a test or a demonstration injects on purpose."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    replay_delay_seconds: float = Field(0.0, ge=0)
+    """Extra seconds the shadow spends per replayed step (makes it lag)."""
+    crash_in_recovery_marker: str | None = None
+    """A file path: the first recovering trainer that finds it missing creates it and dies mid-recovery."""
+
+
 class JobConfig(BaseModel):
     """A ZO fine-tuning job run by the trainer and shadow actors."""
 
@@ -63,8 +74,8 @@ class JobConfig(BaseModel):
     """Records per durable log segment."""
     hash_every_step: bool = False
     """Record the trainer's `state_hash` after every step (for verification; costs a hash per step)."""
-    replay_delay_seconds: float = Field(0.0, ge=0)
-    """Testing aid: extra seconds the shadow waits per replayed step (makes it lag)."""
+    faults: "FaultInjection" = Field(default_factory=lambda: FaultInjection())
+    """Fault injection for tests and demonstrations."""
 
     @field_validator("model")
     @classmethod

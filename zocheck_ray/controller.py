@@ -56,6 +56,8 @@ class RunSummary(BaseModel):
     snapshot_interval: int
     profile: dict | None
     storage: str
+    lag_samples: list[tuple[int, int]] = []
+    """(step, lag_steps) at each metrics poll, after any resync."""
     step_hashes: dict[int, str] = {}
     """With `hash_every_step`: the trainer's state_hash after each step (the last one computed)."""
 
@@ -132,6 +134,7 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
     step, started, last = 0, time.perf_counter(), None
     steps_timed, seconds_timed = 0, 0.0
     step_hashes: dict[int, str] = {}
+    lag_samples: list[tuple[int, int]] = []
     say(f"run {job.run_id}: {job.model} {job.dtype} {job.zo.optimizer}, {job.steps} steps, storage {job.run_url}")
     def recovered(failed_at: int, failure_started: float) -> None:
         nonlocal step
@@ -184,6 +187,7 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
                 ray.get(shadow.resync.remote(packed[:2], packed[2]))
                 metrics = ray.get(shadow.metrics.remote())
                 say(f"  shadow lagged {metrics['lag_steps']} steps: resynced from the trainer")
+            lag_samples.append((step, metrics["lag_steps"]))
             say(f"  step {step:5d}  loss {last['loss']:.4f}  lag {metrics['lag_steps']:3d}  "
                 f"snapshot {metrics['snapshot_step']}  durable {metrics['durable_step']}")
         final_step, final_hash = ray.get(trainer.state_hash.remote())
@@ -195,7 +199,7 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
             publish_us_median=(last or {}).get("publish_us_median"),
             trainer_seconds_per_step=seconds_timed / max(steps_timed, 1),
             snapshot_interval=metrics["snapshot_interval"], profile=profile, storage=job.run_url,
-            step_hashes=step_hashes,
+            step_hashes=step_hashes, lag_samples=lag_samples,
         )
     finally:
         for actor in (trainer, shadow):

@@ -67,7 +67,8 @@ def status(args: argparse.Namespace) -> int:
 
     from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name
 
-    ray.init(address=args.address or "auto", namespace=NAMESPACE, log_to_driver=False)
+    if not ray.is_initialized():
+        ray.init(address=args.address or "auto", namespace=NAMESPACE, log_to_driver=False)
     try:
         shadow = ray.get_actor(shadow_name(args.run_id), namespace=NAMESPACE)
     except ValueError:

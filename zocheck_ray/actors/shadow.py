@@ -193,8 +193,8 @@ class Shadow:
                     continue
                 start = time.perf_counter()
                 replay(self.replica, batch, self.zo, threads=self.threads, start_step=start_step)
-                if self.job.replay_delay_seconds:
-                    time.sleep(self.job.replay_delay_seconds * len(batch))
+                if self.job.faults.replay_delay_seconds:
+                    time.sleep(self.job.faults.replay_delay_seconds * len(batch))
                 per_step = (time.perf_counter() - start) / len(batch)
                 with self._lock:
                     self.replay_ema = per_step if self.replay_ema == 0 else 0.8 * self.replay_ema + 0.2 * per_step

@@ -67,6 +67,10 @@ class Trainer:
             self.shadow.initialize(initial, 0)
             return {"step": 0, "source": "fresh", "replayed_records": 0}
         self.opt.load_state_tensors({k: v.to(self.device) for k, v in state.items()}, step=step)
+        marker = self.job.faults.crash_in_recovery_marker
+        if marker and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)  # injected: die with the image loaded and its records not yet replayed
         if records:
             live = self.opt.state_tensors()
             if self.device.type == "cpu":
