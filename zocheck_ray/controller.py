@@ -25,7 +25,7 @@ from zocheck_ray.actors.ray_actors import (
     NAMESPACE, ShadowActor, TrainerActor, call_when_alive, shadow_name, trainer_name,
 )
 from zocheck_ray.config import JobConfig, JobConfigError
-from zocheck_ray.policies import Timings, plan
+from zocheck_ray.policies import ProfileReport, ProfileSettings, profile_startup
 from zocheck_ray.storage import SnapshotStore
 
 
@@ -104,16 +104,34 @@ def _lose_processes(trainer, shadow) -> Callable[[], None]:
     return kill
 
 
-def _profile(job: JobConfig, trainer_seconds: float, metrics: dict) -> dict:
-    """The startup profile: measured step, replay, snapshot and persistence times -> N."""
-    timings = Timings(
-        gpu_step_seconds=max(trainer_seconds, 1e-6),
-        replay_step_seconds=max(metrics["replay_seconds_per_step"], 1e-6),
-        snapshot_cost_seconds=max(trainer_seconds * 0.01, 1e-6),
-        persist_seconds=max(metrics["last_persist_seconds"] or 1e-3, 1e-6),
-    )
-    chosen = plan(timings)
-    return {"timings": timings.model_dump(), "regime": chosen.regime, "snapshot_interval": chosen.snapshot_interval}
+def profile_settings(job: JobConfig) -> ProfileSettings:
+    return ProfileSettings(thread_counts=tuple(range(1, job.shadow_cpus + 1)), warmup_steps=2, timed_steps=5,
+                           replay_repeats=2, max_training_steps=min(30, job.steps))
+
+
+def startup_profile(job: JobConfig, trainer, shadow, on_progress: Callable[[dict], None]) -> ProfileReport:
+    """Measure the trainer step, the replay per thread count, the snapshot copy and the
+    persistence time in the first training steps (at most 30) and choose N and the threads."""
+    settings = profile_settings(job)
+
+    def trainer_step(i: int) -> float:
+        progress = ray.get(trainer.run.remote(i + 1))
+        on_progress(progress)
+        return progress["step_seconds"][-1] if progress["step_seconds"] else 0.0
+
+    def replay_step(i: int, threads: int) -> float:
+        seconds = ray.get(shadow.profile_replay.remote(threads))
+        return seconds if seconds is not None else 0.0
+
+    def persist() -> float:
+        seconds = ray.get(shadow.last_persist_seconds.remote())
+        return seconds if seconds is not None else 0.0
+
+    report = profile_startup(trainer_step=trainer_step, replay_step=replay_step,
+                             snapshot_copy=lambda: ray.get(shadow.profile_snapshot.remote()),
+                             persist=persist, settings=settings)
+    ray.get(shadow.end_profile.remote(report.replay_threads, report.snapshot_interval))
+    return report
 
 
 def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["software", "host"] = "software",
@@ -127,6 +145,12 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
     failures = sorted(set(fail_at or []))
     if any(not 0 < f < job.steps for f in failures):
         raise JobConfigError(f"fail_at steps must lie in (0, {job.steps}), got {failures}")
+    if job.snapshot_interval is None and failures:
+        settings = profile_settings(job)
+        profile_steps = max(settings.warmup_steps + settings.timed_steps, settings.replays_needed)
+        if failures[0] <= profile_steps:
+            raise JobConfigError(f"fail_at step {failures[0]} falls in the startup profile (its first "
+                                 f"{profile_steps} steps); fail later or set snapshot_interval")
     pg, shadow, trainer = start_actors(job, gpus)
     recoveries: list[Recovery] = []
     losses: list[tuple[int, float]] = []
@@ -150,6 +174,15 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
             step_hashes[step] = info["state_hash"]
 
     try:
+        if job.snapshot_interval is None:
+            report = startup_profile(job, trainer, shadow, lambda p: step_hashes.update(p.get("step_hashes") or {}))
+            step = report.training_steps
+            profile = report.model_dump(mode="json")
+            say(f"  profile ({report.training_steps} steps, {report.profile_seconds:.1f} s): trainer step "
+                f"{report.timings.gpu_step_seconds * 1e3:.1f} ms, replay {report.timings.replay_step_seconds * 1e3:.2f} ms "
+                f"on {report.replay_threads} threads, snapshot {report.timings.snapshot_cost_seconds * 1e3:.2f} ms, "
+                f"persist {report.timings.persist_seconds * 1e3:.0f} ms: {report.plan.regime} regime, "
+                f"snapshot every {report.snapshot_interval} steps")
         while step < job.steps:
             target = min(job.steps, (step // job.log_interval + 1) * job.log_interval)
             fail = failures[0] if failures and step < failures[0] <= target else None
@@ -178,10 +211,6 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
             step = last["step"]
             losses.append((step, last["loss"]))
             metrics = ray.get(shadow.metrics.remote())
-            if profile is None and job.snapshot_interval is None and step >= min(job.steps, 2 * job.log_interval):
-                profile = _profile(job, seconds_timed / max(steps_timed, 1), metrics)
-                ray.get(shadow.set_snapshot_interval.remote(profile["snapshot_interval"]))
-                say(f"  profile: {profile['regime']} regime, snapshot every {profile['snapshot_interval']} steps")
             if metrics["lag_steps"] > job.max_lag_steps:
                 packed = ray.get(trainer.export_state.remote())
                 ray.get(shadow.resync.remote(packed[:2], packed[2]))

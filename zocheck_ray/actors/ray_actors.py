@@ -100,8 +100,20 @@ class ShadowActor:
             gauge.set(float(getattr(m, name)), tags={"run_id": m.run_id})
 
     @ray.method(concurrency_group="control")
-    def set_snapshot_interval(self, n: int) -> None:
-        self.shadow.snapshot_interval = int(n)
+    def profile_replay(self, threads: int) -> float | None:
+        return self.shadow.profile_replay(threads)
+
+    @ray.method(concurrency_group="control")
+    def profile_snapshot(self) -> float:
+        return self.shadow.profile_snapshot()
+
+    @ray.method(concurrency_group="control")
+    def last_persist_seconds(self) -> float | None:
+        return self.shadow.last_persist_seconds
+
+    @ray.method(concurrency_group="control")
+    def end_profile(self, threads: int, snapshot_interval: int) -> None:
+        self.shadow.end_profile(threads, snapshot_interval)
 
     @ray.method(concurrency_group="control")
     def wait_replayed(self, step: int, timeout: float = 120.0) -> bool:

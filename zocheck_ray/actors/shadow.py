@@ -66,6 +66,9 @@ class Shadow:
         self.rejected = 0
         self.last_rejection = ""
         self.last_persist_seconds: float | None = None
+        self.last_snapshot_seconds: float | None = None
+        self._last_record: StepRecord | None = None
+        self._scratch: dict[str, torch.Tensor] | None = None
         self._persist_busy = False
         self._stop = threading.Event()
         self.store = SnapshotStore(job.run_url, job.storage_options) if persist else None
@@ -161,6 +164,7 @@ class Shadow:
                     logger.warning(self.last_rejection)
                     continue
                 self._inbox.append(record)
+                self._last_record = record
                 self.received_step = record.step + 1
                 accepted += 1
             self.trainer_step = max(self.trainer_step, self.received_step)
@@ -204,11 +208,40 @@ class Shadow:
                         self._snapshot_locked()
 
     def _snapshot_locked(self) -> None:
+        start = time.perf_counter()
         buffer = pack_into(new_buffer(self.layout), self.replica, self.layout)
+        self.last_snapshot_seconds = time.perf_counter() - start
         handle = self._publish(buffer)
         self.image = Image(self.replayed_step, buffer, self.layout, handle)
         self._tail = []
         self.snapshots_taken += 1
+
+    # ------------------------------------------------------------------ startup profile
+
+    def profile_replay(self, threads: int) -> float | None:
+        """Seconds to replay the newest record with `threads` threads, on a scratch copy."""
+        with self._lock:
+            record = self._last_record
+        if record is None:
+            return None
+        if self._scratch is None:
+            with self._replica_lock:
+                self._scratch = {k: v.clone() for k, v in self.replica.items()}
+        start = time.perf_counter()
+        replay(self._scratch, [record], self.zo, threads=threads)
+        return time.perf_counter() - start
+
+    def profile_snapshot(self) -> float:
+        """Seconds for one snapshot copy of the replica."""
+        with self._replica_lock:
+            start = time.perf_counter()
+            pack_into(new_buffer(self.layout), self.replica, self.layout)
+            return time.perf_counter() - start
+
+    def end_profile(self, threads: int, snapshot_interval: int) -> None:
+        self._scratch = None
+        self.threads = threads
+        self.snapshot_interval = snapshot_interval
 
     def recovery_image(self) -> tuple[Image | None, list[StepRecord]]:
         """The newest image and every received record after it (replayed or not)."""

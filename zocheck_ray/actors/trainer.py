@@ -51,6 +51,7 @@ class Trainer:
         self._send_lock = threading.Lock()
         self._publish_ns: list[int] = []
         self.step_hashes: dict[int, str] = {}
+        self._step_seconds: list[float] = []
         self.last_loss: float | None = None
         self._stop = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="zocheck-publish", daemon=True)
@@ -95,7 +96,11 @@ class Trainer:
             if die_at_step is not None and t == die_at_step:
                 os._exit(1)  # an abrupt software failure: unsent records are lost
             ids = self._batch(t)
+            began = time.perf_counter()
             record = self.opt.step(lambda: model(input_ids=ids, labels=ids).loss, seed=step_seed(self.job.run_seed, t))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self._step_seconds.append(time.perf_counter() - began)
             start = time.perf_counter_ns()
             self._pending.append(record)  # the whole critical-path cost of publishing
             self._publish_ns.append(time.perf_counter_ns() - start)
@@ -108,7 +113,8 @@ class Trainer:
     def progress(self) -> dict:
         recent = self._publish_ns[-1000:]
         hashes, self.step_hashes = self.step_hashes, {}
-        return {"step": self.step, "loss": self.last_loss, "step_hashes": hashes,
+        seconds, self._step_seconds = self._step_seconds, []
+        return {"step": self.step, "loss": self.last_loss, "step_hashes": hashes, "step_seconds": seconds,
                 "publish_us_median": statistics.median(recent) / 1e3 if recent else None}
 
     def _flush_loop(self) -> None:
