@@ -18,36 +18,13 @@ import time
 import torch
 
 from zocheck_ray.core import ZOConfig, ZOOptimizer, replay, state_hash
+from zocheck_ray.workload.data import batch_indices, corpus_tensor, step_seed
 from zocheck_ray.workload.models import build_model, trainable_parameters
-
-CORPUS = [
-    "the movie was wonderful and the acting was great",
-    "a dull film with a terrible plot",
-    "i loved every minute of this delightful story",
-    "the worst movie i have seen in years",
-    "a charming and beautiful film",
-    "boring characters and a predictable ending",
-]
-
-
-def tokenize(text: str, vocab: int = 128) -> list[int]:
-    return [1] + [ord(c) % (vocab - 2) + 2 for c in text]
-
-
-def batches(seq_len: int = 24):
-    rows = [tokenize(s)[:seq_len] for s in CORPUS]
-    rows = [r + [0] * (seq_len - len(r)) for r in rows]
-    return torch.tensor(rows)
-
-
-def step_seed(run_seed: int, t: int) -> int:
-    return (run_seed * 1_000_003 + t * 7919) % 2**63
-
 
 def train(model, opt, data, first: int, last: int, run_seed: int, log=None):
     records = []
     for t in range(first, last):
-        ids = data[t % 2 :: 2]  # deterministic batch of step t
+        ids = data[batch_indices(0, t, 4, data.shape[0])]  # the batch of step t: a pure function of t
         records.append(opt.step(lambda: model(input_ids=ids, labels=ids).loss, seed=step_seed(run_seed, t)))
         if log and (t + 1) % log == 0:
             print(f"  step {t + 1:4d}  loss {opt.last_losses[0]:.4f}", flush=True)
@@ -56,7 +33,7 @@ def train(model, opt, data, first: int, last: int, run_seed: int, log=None):
 
 def run(args: argparse.Namespace) -> int:
     config = ZOConfig(optimizer=args.optimizer, lr=args.lr, eps=1e-3, weight_decay=0.0)
-    data = batches()
+    data = corpus_tensor(seq_len=24, vocab_size=128)
 
     def fresh():
         model = build_model("tiny-opt", args.dtype, seed=0)

@@ -138,35 +138,18 @@ class ZOOptimizer:
             )
         grad = (loss_plus - loss_minus) / (2.0 * eps)
         record = StepRecord(self.step_index, seed, grad, lr, eps, self.fingerprint, self.config.optimizer, extras)
-        apply_update(self.layout, self.state_tensors(), record, self.config, masks_from_start=masks,
-                     perturbation_fn=lambda spec, a, b, dtype: self._z(spec, seed, a, b, dtype))
+        self._update(record, masks)
         self.step_index += 1
         self.last_losses = (loss_plus, loss_minus)
         return record
 
-
-def apply_update(layout: Layout, state: dict[str, torch.Tensor], record: StepRecord, config: ZOConfig,
-                 masks_from_start=None, perturbation_fn=None) -> None:
-    """The update part of a step (after the three perturbations), in place."""
-    s = StepScalars.of(record, config)
-    for i, spec in enumerate(layout.params):
-        flat = state[spec.name].view(-1)
-        dtype = flat.dtype
-        for a, b in chunks(spec.numel):
+    def _update(self, record: StepRecord, masks) -> None:
+        """The update after the three perturbations, in place; z is regenerated once more."""
+        s = StepScalars.of(record, self.config)
+        state = self.state_tensors()
+        for i, spec, flat, a, b in self._walk():
             chunk = flat[a:b]
-            if perturbation_fn is not None:
-                zd = perturbation_fn(spec, a, b, dtype)
-            else:
-                zd = update.cast_perturbation(
-                    perturbation(record.seed, spec.offset + a, b - a, config.perturbation, flat.device), dtype)
-            p = chunk.float()
-            if config.optimizer == "zo-adam":
-                m = state[EXP_AVG_PREFIX + spec.name].view(-1)[a:b]
-                v = state[EXP_AVG_SQ_PREFIX + spec.name].view(-1)[a:b]
-                p, m_new, v_new = update.adam_update(p, m, v, zd, s, spec.decay, dtype)
-                m.copy_(m_new)
-                v.copy_(v_new)
-            else:
-                mask = masks_from_start[(i, a)] if masks_from_start is not None else None
-                p = update.sgd_update(p, zd, s, spec.decay, dtype, mask)
-            chunk.copy_(p)
+            zd = self._z(spec, record.seed, a, b, chunk.dtype)
+            mask = masks[(i, a)] if masks is not None else None
+            chunk.copy_(update.update_chunk(state, spec.name, a, b, chunk.float(), zd, s, spec.decay, chunk.dtype,
+                                            self.config.optimizer, mask))

@@ -9,7 +9,6 @@ import torch
 from zocheck_ray.core import update
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.generator import perturbation
-from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX
 from zocheck_ray.core.optimizer import chunks
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.validation import check_replay
@@ -36,13 +35,6 @@ def replay_reference(state: dict[str, torch.Tensor], records: Sequence[StepRecor
                 p = update.perturb(p, zd, s.plus, dtype, mask)
                 p = update.perturb(p, zd, s.minus, dtype, mask)
                 p = update.perturb(p, zd, s.plus, dtype, mask)
-                if config.optimizer == "zo-adam":
-                    m = state[EXP_AVG_PREFIX + spec.name].view(-1)[a:b]
-                    v = state[EXP_AVG_SQ_PREFIX + spec.name].view(-1)[a:b]
-                    p, m_new, v_new = update.adam_update(p, m, v, zd, s, spec.decay, dtype)
-                    m.copy_(m_new)
-                    v.copy_(v_new)
-                else:
-                    p = update.sgd_update(p, zd, s, spec.decay, dtype, mask)
+                p = update.update_chunk(state, spec.name, a, b, p, zd, s, spec.decay, dtype, config.optimizer, mask)
                 flat[a:b].copy_(p)
     return state

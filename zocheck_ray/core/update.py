@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX
 from zocheck_ray.core.scalars import StepScalars
 
 
@@ -66,3 +67,17 @@ def adam_update(p, m, v, zd, s: StepScalars, decay: bool, dtype):
 def sparse_mask(p_start: torch.Tensor, threshold: float) -> torch.Tensor:
     """Elements Sparse-MeZO perturbs: |p| <= threshold, on the step's starting values."""
     return p_start.abs() <= threshold
+
+
+def update_chunk(state: dict[str, torch.Tensor], name: str, a: int, b: int, p: torch.Tensor, zd: torch.Tensor,
+                 s: StepScalars, decay: bool, dtype: torch.dtype, optimizer: str, mask=None) -> torch.Tensor:
+    """The update of elements a..b of parameter `name` (p: their float32 values after the
+    perturbations); ZO-Adam moments are updated in `state` in place. Returns the new p."""
+    if optimizer != "zo-adam":
+        return sgd_update(p, zd, s, decay, dtype, mask)
+    m = state[EXP_AVG_PREFIX + name].view(-1)[a:b]
+    v = state[EXP_AVG_SQ_PREFIX + name].view(-1)[a:b]
+    p, m_new, v_new = adam_update(p, m, v, zd, s, decay, dtype)
+    m.copy_(m_new)
+    v.copy_(v_new)
+    return p
