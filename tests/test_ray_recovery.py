@@ -43,6 +43,14 @@ def test_one_failure_before_the_first_snapshot(tmp_path):
     assert_exact(summary, uninterrupted_hashes(job))
 
 
+def test_losing_both_processes_recovers_from_durable_storage(tmp_path):
+    job = job_for(tmp_path, optimizer="zo-adam")
+    summary = run(job, fail_at=[21], fail_mode="host", progress=None)
+    (recovery,) = summary.recoveries
+    assert recovery.mode == "host" and recovery.image_source == "durable"
+    assert_exact(summary, uninterrupted_hashes(job))
+
+
 def test_a_failure_during_recovery_itself(tmp_path):
     job = job_for(tmp_path, optimizer="zo-adam", faults={"crash_in_recovery_marker": str(tmp_path / "crashed")})
     summary = run(job, fail_at=[13], progress=None)
@@ -81,6 +89,14 @@ def test_a_config_that_cannot_run_fails_before_any_actor(tmp_path):
         run(job_for(tmp_path, use_gpu="yes"), progress=None) if not torch.cuda.is_available() else None
     with pytest.raises(JobConfigError, match="model"):
         load_job_config(overrides=["model=no-such-model"])
+    with pytest.raises(JobConfigError, match="storage='ftp://nowhere/runs'"):
+        run(job_for(tmp_path, storage="ftp://nowhere/runs"), progress=None)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(JobConfigError, match="storage="):
+        run(job_for(tmp_path, storage=str(blocker)), progress=None)
+    with pytest.raises(JobConfigError, match="fail_at step 3 falls in the startup profile"):
+        run(job_for(tmp_path, snapshot_interval=None), fail_at=[3], progress=None)
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True)]
 
 

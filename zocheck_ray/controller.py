@@ -26,7 +26,7 @@ from zocheck_ray.actors.ray_actors import (
 )
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.policies import ProfileReport, ProfileSettings, profile_startup
-from zocheck_ray.storage import SnapshotStore
+from zocheck_ray.storage import SnapshotStore, StorageError
 
 
 class Recovery(BaseModel):
@@ -138,7 +138,10 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
         progress: Callable[[str], None] | None = print, kill_node: Callable[[], None] | None = None) -> RunSummary:
     """Run `job` to completion on the connected Ray cluster (a local one is started if none)."""
     say = progress or (lambda line: None)
-    SnapshotStore(job.run_url, job.storage_options)  # an unreachable storage URL fails here, before any actor
+    try:  # an unusable storage URL fails here, before any actor starts
+        SnapshotStore(job.run_url, job.storage_options)
+    except StorageError as exc:
+        raise JobConfigError(f"storage={job.storage!r} cannot be used: {exc}") from exc
     if not ray.is_initialized():
         ray.init(namespace=NAMESPACE, log_to_driver=False)
     gpus = _check_resources(job)

@@ -91,7 +91,9 @@ def register(commands, bench) -> None:
     p.add_argument("--steps", type=int)
     p.add_argument("--storage", help="durable storage root URL (path, file://, s3://)")
     p.add_argument("--fail-at", type=_fail_at, default=[], help="kill the trainer at these steps")
-    p.add_argument("--fail-mode", choices=["software"], default="software")
+    p.add_argument("--fail-mode", choices=["software", "host"], default="software",
+                   help="software: kill the trainer process; host: lose both processes and their in-memory "
+                        "images, so the pair comes back from durable storage")
     p.add_argument("--address", help="Ray cluster address (default: start a local one)")
     p.add_argument("--json", metavar="FILE", help="write the run summary as JSON")
     p.set_defaults(func=train)

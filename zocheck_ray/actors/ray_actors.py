@@ -14,7 +14,7 @@ import time
 
 import ray
 import torch
-from ray.exceptions import ActorUnavailableError
+from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError
 
 from zocheck_ray.actors.image import unpack
 from zocheck_ray.actors.shadow import Shadow
@@ -149,11 +149,21 @@ class RayShadowLink:
         self.actor = ray.get_actor(shadow_name(run_id), namespace=NAMESPACE)
 
     @ray.method(concurrency_group="control")
-    def recovery_image(self):
-        found = call_when_alive(lambda: self.actor.recovery_image.remote())
-        if found is None:
-            return None, 0, [], "fresh"
-        buffer = ray.get(found["ref"][0])
+    def recovery_image(self, timeout: float = 300.0):
+        # The image may belong to a shadow that is dying right now (both processes lost):
+        # ask again until the shadow that answers is one that lives.
+        deadline = time.monotonic() + timeout
+        while True:
+            found = call_when_alive(lambda: self.actor.recovery_image.remote())
+            if found is None:
+                return None, 0, [], "fresh"
+            try:
+                buffer = ray.get(found["ref"][0])
+                break
+            except (ObjectLostError, RayActorError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         records, offset, data = [], 0, found["records"]
         while offset < len(data):
             record, offset = StepRecord.read_from(data, offset)

@@ -26,6 +26,7 @@ from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord, replay, state_hash
 from zocheck_ray.core.record import IncompleteRecordError
 from zocheck_ray.storage import SnapshotStore, StepLog, recover
+from zocheck_ray.workload.models import model_config_dict
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class Shadow:
         self._persist_busy = False
         self._stop = threading.Event()
         self.store = SnapshotStore(job.run_url, job.storage_options) if persist else None
+        self._hf_config = model_config_dict(job.model)  # so a snapshot directory loads with from_pretrained
         self.log: StepLog | None = None
         self._log_lock = threading.Lock()
         self._persist_lock = threading.Lock()
@@ -285,7 +287,7 @@ class Shadow:
         start = time.perf_counter()
         try:
             tensors = unpack(image.buffer, image.layout, copy=False)
-            self.store.save(image.step, tensors, {"run_id": self.job.run_id,
+            self.store.save(image.step, tensors, {"run_id": self.job.run_id, "hf_config": self._hf_config,
                                                   "zo_config": self.zo.model_dump(mode="json")})
             self.durable_step = image.step
             self.snapshots_persisted += 1

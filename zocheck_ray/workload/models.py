@@ -37,6 +37,16 @@ def _config(name: str, overrides: dict | None):
     return cls(**spec)
 
 
+def model_config_dict(name: str, overrides: dict | None = None) -> dict:
+    """The Hugging Face config of a named small model or a model directory, as JSON-ready dict."""
+    import json
+
+    path = Path(name)
+    if name not in SMALL_MODELS and (path / "config.json").is_file():
+        return json.loads((path / "config.json").read_text())
+    return _config(name, overrides).to_dict()
+
+
 def build_model(name: str, dtype: str = "fp32", seed: int = 0, overrides: dict | None = None,
                 device: str | torch.device = "cpu") -> torch.nn.Module:
     """A named small causal LM (see `SMALL_MODELS`) or a model directory saved by `save_pretrained`.

@@ -1,0 +1,107 @@
+"""The shadow without Ray: ordering of records, snapshots at clean boundaries, recovery images."""
+
+import time
+
+import pytest
+import torch
+
+from zocheck_ray.actors.image import pack, unpack
+from zocheck_ray.actors.shadow import Shadow
+from zocheck_ray.config import JobConfig
+from zocheck_ray.core import ZOOptimizer, state_hash
+from zocheck_ray.workload.models import build_model, trainable_parameters
+
+
+@pytest.fixture
+def job(tmp_path):
+    return JobConfig(storage=str(tmp_path), snapshot_interval=4, zo=dict(lr=1e-3, eps=1e-3))
+
+
+def trained(job, steps):
+    model = build_model(job.model, job.dtype)
+    opt = ZOOptimizer(trainable_parameters(model), job.zo)
+    initial = {k: v.detach().clone() for k, v in opt.state_tensors().items()}
+    ids = torch.arange(24).reshape(2, 12) % 100
+    records = [opt.step(lambda: model(input_ids=ids, labels=ids).loss, seed=t) for t in range(steps)]
+    return initial, opt, records
+
+
+def wait_for(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_records_from_the_past_or_the_future_are_rejected_and_never_applied(job):
+    initial, opt, records = trained(job, 6)
+    shadow = Shadow(job)
+    try:
+        shadow.initialize(initial, 0)
+        assert shadow.push(b"".join(r.to_bytes() for r in records[:3])) == 3
+        assert shadow.push(records[5].to_bytes()) == 0          # the future: a gap
+        assert shadow.push(records[1].to_bytes()) == 0          # the past: a repeat
+        m = shadow.metrics()
+        assert m.rejected_records == 2
+        assert "step 1" in shadow.last_rejection and "past" in shadow.last_rejection
+        assert shadow.push(b"".join(r.to_bytes() for r in records[3:])) == 3
+        assert wait_for(lambda: shadow.metrics().replayed_step == 6)
+        step, digest = shadow.replica_hash()
+        assert (step, digest) == (6, state_hash(opt.state_tensors()))
+    finally:
+        shadow.close()
+
+
+def test_snapshots_fall_on_multiples_of_n_and_recovery_images_are_exact(job):
+    initial, opt, records = trained(job, 10)
+    shadow = Shadow(job)
+    try:
+        shadow.initialize(initial, 0)
+        shadow.push(b"".join(r.to_bytes() for r in records))
+        assert wait_for(lambda: shadow.metrics().replayed_step == 10)
+        image, tail = shadow.recovery_image()
+        assert image.step == 8                                   # the newest multiple of N = 4
+        assert [r.step for r in tail] == [8, 9]
+        state = unpack(image.buffer, image.layout)
+        from zocheck_ray.core import replay
+        replay(state, tail, job.zo, start_step=8)
+        assert state_hash(state) == state_hash(opt.state_tensors())
+        assert wait_for(lambda: shadow.metrics().durable_step == 8)  # persisted in the background
+        assert shadow.metrics().snapshots_taken == 3             # steps 0, 4, 8
+        # the durable snapshot directory is a Hugging Face model directory
+        from transformers import AutoModelForCausalLM
+        from zocheck_ray.storage import snapshot_dir
+        loaded = AutoModelForCausalLM.from_pretrained(f"{job.run_url}/{snapshot_dir(8)}")
+        expected = unpack(image.buffer, image.layout)
+        for name, tensor in trainable_parameters(loaded):
+            assert torch.equal(tensor.detach(), expected[name]), name
+    finally:
+        shadow.close()
+
+
+def test_a_new_shadow_over_the_same_storage_rebuilds_from_the_durable_image_and_log(job):
+    initial, opt, records = trained(job, 7)
+    first = Shadow(job)
+    first.initialize(initial, 0)
+    first.push(b"".join(r.to_bytes() for r in records))
+    assert wait_for(lambda: first.metrics().durable_step == 4 and first.metrics().durable_log_step == 6)
+    first.close()
+    second = Shadow(job)  # as after a node loss
+    try:
+        m = second.metrics()
+        assert m.source == "durable" and m.replayed_step == 7 and m.durable_step == 4
+        assert second.replica_hash() == (7, state_hash(opt.state_tensors()))
+    finally:
+        second.close()
+
+
+def test_image_packing_round_trips_every_dtype():
+    state = {"a": torch.randn(3, 5), "b": torch.randn(7).bfloat16(), "c": torch.randn(2, 3).half(),
+             "d": torch.randn(1)}
+    buffer, layout = pack(state)
+    assert all(offset % 64 == 0 for offset in layout.offsets)
+    back = unpack(buffer, layout)
+    assert list(back) == list(state)
+    assert all(torch.equal(back[k], state[k]) and back[k].dtype == state[k].dtype for k in state)
