@@ -33,7 +33,7 @@ class Recovery(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     failed_at_step: int
-    mode: Literal["software", "host"]
+    mode: Literal["software", "host", "unplanned"]
     recovered_step: int
     seconds: float
     image_source: str
@@ -163,14 +163,21 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
     step_hashes: dict[int, str] = {}
     lag_samples: list[tuple[int, int]] = []
     say(f"run {job.run_id}: {job.model} {job.dtype} {job.zo.optimizer}, {job.steps} steps, storage {job.run_url}")
-    def recovered(failed_at: int, failure_started: float) -> None:
-        nonlocal step
-        info = call_when_alive(lambda: trainer.recovery.remote())  # the restarted constructor recovered
+    incarnation = call_when_alive(lambda: trainer.recovery.remote())["incarnation"]
+
+    def recovered(failed_at: int, failure_started: float, mode: str) -> None:
+        nonlocal step, incarnation
+        while True:  # until the restarted trainer (a new incarnation) has recovered in its constructor
+            info = call_when_alive(lambda: trainer.recovery.remote())
+            if info["incarnation"] != incarnation:
+                break
+            time.sleep(0.02)
+        incarnation = info["incarnation"]
         seconds = time.perf_counter() - failure_started
-        recoveries.append(Recovery(failed_at_step=failed_at, mode=fail_mode, recovered_step=info["step"],
+        recoveries.append(Recovery(failed_at_step=failed_at, mode=mode, recovered_step=info["step"],
                                    seconds=seconds, image_source=info["source"], image_step=info.get("image_step"),
                                    replayed_records=info["replayed_records"]))
-        say(f"  trainer lost at step {failed_at} ({fail_mode}); recovered at step {info['step']} from "
+        say(f"  trainer lost at step {failed_at} ({mode}); recovered at step {info['step']} from "
             f"{info['source']} image in {seconds:.2f} s ({info['replayed_records']} records replayed)")
         step = info["step"]
         if info.get("state_hash"):
@@ -199,14 +206,18 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
                         pass
                     else:
                         raise RuntimeError(f"the trainer survived its injected failure at step {fail}")
-                    recovered(fail, time.perf_counter())
+                    recovered(fail, time.perf_counter(), "software")
                     continue
                 ray.get(trainer.run.remote(fail))
                 started_failure = time.perf_counter()
                 (kill_node or _lose_processes(trainer, shadow))()
-                recovered(fail, started_failure)
+                recovered(fail, started_failure, "host")
                 continue
-            last = ray.get(trainer.run.remote(target))
+            try:
+                last = ray.get(trainer.run.remote(target))
+            except RayActorError:  # a failure nobody injected: Ray restarts the trainer, it recovers
+                recovered(step, time.perf_counter(), "unplanned")
+                continue
             step_hashes.update(last.get("step_hashes") or {})
             elapsed = time.perf_counter() - segment_start
             steps_timed += last["step"] - step

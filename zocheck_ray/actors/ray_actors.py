@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 import ray
 import torch
@@ -191,10 +192,11 @@ class TrainerActor:
         logging.basicConfig(level=logging.INFO)
         self.job = JobConfig.model_validate(job)
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
+        self.incarnation = uuid.uuid4().hex  # tells a restarted trainer from the one before
         self.trainer = Trainer(self.job, RayShadowLink(self.job.run_id), device=device)
 
     def recovery(self) -> dict:
-        return self.trainer.recovery
+        return {**self.trainer.recovery, "incarnation": self.incarnation}
 
     def run(self, until_step: int, die_at_step: int | None = None) -> dict:
         return self.trainer.run(until_step, die_at_step)
