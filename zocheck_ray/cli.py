@@ -16,6 +16,7 @@ import sys
 COMMAND_MODULES = [
     "zocheck_ray.demo",
     "zocheck_ray.bench.replay",
+    "zocheck_ray.bench.overhead", "zocheck_ray.bench.recovery",
     "zocheck_ray.policies.cli",
     "zocheck_ray.storage.cli",
     "zocheck_ray.train_cli",

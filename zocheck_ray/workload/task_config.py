@@ -1,0 +1,96 @@
+"""`TaskConfig`: what a fine-tuning task reads, how it prompts, samples and evaluates.
+
+    TaskConfig()                                   # SST-2 style on the shipped data
+    TaskConfig(kind="lm", data_path="notes.jsonl", text_field="text")
+    TaskConfig(kind="classification", data_path="reviews.csv", verbalizer={"neg": "", "pos": ""})
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from zocheck_ray.workload.datafiles import DataFormat
+from zocheck_ray.workload.tokenization import TokenizerChoice
+
+TaskKind = Literal["sst2", "lm", "classification"]
+
+
+class TaskConfig(BaseModel):
+    """A ZO fine-tuning task: data, prompt, sampling and evaluation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: TaskKind = "sst2"
+    """`sst2`: a causal LM scores each verbalizer word after the prompt (MeZO's prompt-based
+    classification); `lm`: next-token loss on the text; `classification`: an encoder's
+    classification head on the text."""
+    data_path: str | None = None
+    """Training rows, a JSONL or CSV file; None uses the shipped SST-2 style dataset."""
+    eval_path: str | None = None
+    """Held-out rows in their own file; None holds out `eval_size` rows of `data_path` (see `split_rows`)."""
+    data_format: DataFormat = "auto"
+    """`jsonl`, `csv`, or `auto` (by the file's suffix)."""
+    text_field: str = Field("sentence", min_length=1)
+    """The field (JSONL) or column (CSV) holding the text."""
+    label_field: str = Field("label", min_length=1)
+    """The field or column holding the label (not read by `lm`)."""
+    verbalizer: dict[int | str, str] = Field(default_factory=lambda: {0: "terrible", 1: "great"})
+    """Label -> word, in class order: the labels a row may carry. `sst2` scores the words;
+    `classification` uses only the keys (class i is the i-th key)."""
+    template: str = "{text} It was"
+    """`sst2` prompt; `{text}` is replaced by the row's text and each candidate is
+    appended as " <word>" (MeZO's SST-2 template for causal LMs)."""
+    batch_size: int = Field(16, ge=1)
+    """Rows per training step."""
+    max_length: int = Field(64, ge=2)
+    """Tokens per sequence at most (prompt and word for `sst2`); longer prompts lose their start,
+    longer `lm`/`classification` texts their end."""
+    data_seed: int = Field(0, ge=0)
+    """The batch of step t is a pure function of (data_seed, t)."""
+    eval_size: int = Field(96, ge=1)
+    """Held-out rows evaluated by `Task.evaluate` (at most this many from `eval_path`)."""
+    eval_batch_size: int = Field(64, ge=1)
+    """Rows per forward pass during evaluation (memory only; the metrics do not depend on it)."""
+    tokenizer: TokenizerChoice = "auto"
+    """`auto`: the model directory's tokenizer if it has one, else byte-level; `model`: require
+    the directory's; `byte`: byte-level ids folded into the model's vocabulary."""
+
+    @field_validator("template")
+    @classmethod
+    def _template(cls, value: str) -> str:
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
+        except ValueError as exc:
+            raise ValueError(f"template {value!r} is not a valid format string ({exc}); escape braces as {{{{ }}}}")
+        if fields != ["text"]:
+            raise ValueError(f"template {value!r} must contain the placeholder {{text}} exactly once and no other "
+                             f"placeholders (found {fields})")
+        return value
+
+    @field_validator("verbalizer")
+    @classmethod
+    def _verbalizer(cls, value: dict[int | str, str]) -> dict[int | str, str]:
+        if len(value) < 2:
+            raise ValueError(f"verbalizer needs at least two labels, got {value}")
+        keys = [str(k) for k in value]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"verbalizer labels {list(value)} collide once written as text (CSV labels are text)")
+        return value
+
+    @model_validator(mode="after")
+    def _words(self) -> "TaskConfig":
+        if self.kind == "sst2":
+            words = list(self.verbalizer.values())
+            if any(not w.strip() for w in words):
+                raise ValueError(f"verbalizer words must be non-empty for kind 'sst2', got {self.verbalizer}")
+            if len(set(words)) != len(words):
+                raise ValueError(f"verbalizer words must differ for kind 'sst2', got {self.verbalizer}")
+        return self
+
+    @property
+    def labels(self) -> list[str]:
+        """The labels in class order, as text (how rows are matched to classes)."""
+        return [str(k) for k in self.verbalizer]

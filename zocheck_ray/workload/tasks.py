@@ -1,0 +1,380 @@
+"""Tasks: the batches, loss and held-out metrics a ZO trainer needs, built before any model.
+
+    task = build_task(TaskConfig(), "tiny-opt")            # checks data, labels, model fit
+    model = build_model("tiny-opt")
+    opt = ZOOptimizer(trainable_parameters(model), ZOConfig(lr=1e-3))
+    for t in range(steps):
+        batch = task.batch(t)                              # a pure function of (data_seed, t)
+        opt.step(lambda: task.loss(model, batch), seed=step_seed(run_seed, t))
+    task.evaluate(model)                                   # {"accuracy": ..., "loss": ...}
+
+Kinds:
+
+- `sst2` (causal LMs): MeZO's prompt-based classification. Each row becomes the prompt
+  `template` ("<text> It was") followed by each verbalizer word (" great", " terrible");
+  a candidate's score is the mean log-probability of its tokens after the prompt
+  (length-normalised, as MeZO's `train_as_classification`), and the loss is the cross-
+  entropy of the correct candidate among the candidates' scores. Accuracy: the argmax
+  of the scores (the first candidate wins a tie).
+- `lm` (causal LMs): mean next-token cross-entropy over the text's tokens; evaluation
+  reports the token-weighted loss and its perplexity.
+- `classification` (models with a classification head, e.g. BERT-style encoders):
+  cross-entropy of the head's logits; accuracy by argmax.
+
+Batches are padded on the right to the longest sequence of the batch; padding is
+masked from attention and loss. Every error about the data, the labels or the
+model's fit is raised by `build_task`, before training starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from zocheck_ray.workload.data import batch_indices
+from zocheck_ray.workload.datafiles import SHIPPED_SST2, Row, read_rows
+from zocheck_ray.workload.errors import DataFormatError, LabelError, TaskModelMismatchError, WorkloadError
+from zocheck_ray.workload.models import model_config_dict, model_directory, model_kind
+from zocheck_ray.workload.task_config import TaskConfig
+from zocheck_ray.workload.tokenization import TextTokenizer, load_tokenizer
+
+__all__ = ["Task", "PromptClassificationTask", "LanguageModelingTask", "SequenceClassificationTask",
+           "TaskConfig", "build_task", "split_rows"]
+
+IGNORE = -100
+"""Target id that contributes no loss (padding, prompt tokens)."""
+
+
+def split_rows(rows: Sequence[Row], eval_size: int) -> tuple[list[Row], list[Row]]:
+    """(train, held-out): the held-out rows are the `eval_size` rows whose text has the smallest SHA-256.
+
+    So the split depends on the texts only, not on the file's order, and a row never
+    moves between splits when others are added elsewhere in the file. Both keep file order.
+    """
+    if eval_size >= len(rows):
+        raise WorkloadError(f"task.eval_size={eval_size} holds out every row of {rows[0].path} ({len(rows)} rows); "
+                            "lower eval_size or give held-out rows in task.eval_path")
+    ranked = sorted(range(len(rows)), key=lambda i: (hashlib.sha256(rows[i].text.encode()).digest(), i))
+    held = set(ranked[:eval_size])
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
+def _pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) right-padded to the longest sequence."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, seq in enumerate(seqs):
+        ids[r, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[r, :len(seq)] = 1
+    return ids, mask
+
+
+def _target_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) at every position with a target, 0 elsewhere; float32 whatever the model's dtype."""
+    picked = targets != IGNORE
+    out = torch.zeros(targets.shape, dtype=torch.float32, device=logits.device)
+    rows = logits[picked].float().log_softmax(-1)
+    out[picked] = rows.gather(-1, targets[picked].unsqueeze(-1)).squeeze(-1)
+    return out
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device | str | None) -> dict[str, torch.Tensor]:
+    return batch if device is None else {k: v.to(device) for k, v in batch.items()}
+
+
+class Task(ABC):
+    """What the trainer calls: `batch(step)`, `loss(model, batch)`, `evaluate(model)`."""
+
+    metric: str
+    """The key of `evaluate`'s result that tells progress (`accuracy` or `loss`)."""
+    higher_is_better: bool
+
+    def __init__(self, config: TaskConfig, tokenizer: TextTokenizer, train: list, held_out: list):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.train_examples = train
+        self.eval_examples = held_out
+
+    @property
+    def n_train(self) -> int:
+        return len(self.train_examples)
+
+    @property
+    def n_eval(self) -> int:
+        return len(self.eval_examples)
+
+    def batch(self, step: int, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """The batch of step `step`: a pure function of (data_seed, step), on `device` (CPU if None)."""
+        rows = batch_indices(self.config.data_seed, step, self.config.batch_size, self.n_train)
+        return _to(self._collate([self.train_examples[i] for i in rows]), device)
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The scalar training loss of `model` on `batch` (float32)."""
+        return self._loss(model, _to(batch, _device_of(model)))
+
+    def closure(self, model: torch.nn.Module, step: int) -> Callable[[], torch.Tensor]:
+        """`ZOOptimizer.step`'s closure for step `step`: one batch, evaluated at each perturbation."""
+        batch = self.batch(step, _device_of(model))
+        return lambda: self._loss(model, batch)
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """Metrics on the held-out rows, in `eval_batch_size` chunks (the chunking does not change them)."""
+        device = _device_of(model)
+        sums: dict[str, float] = {}
+        size = self.config.eval_batch_size
+        for start in range(0, self.n_eval, size):
+            batch = _to(self._collate(self.eval_examples[start:start + size]), device)
+            for key, value in self._eval_sums(model, batch).items():
+                sums[key] = sums.get(key, 0.0) + value
+        return self._finish(sums)
+
+    def summary(self) -> dict:
+        """What a progress line or a run summary shows about the task."""
+        return {"kind": self.config.kind, "train_rows": self.n_train, "eval_rows": self.n_eval,
+                "metric": self.metric, "tokenizer": self.tokenizer.describe()}
+
+    @abstractmethod
+    def _collate(self, examples: list) -> dict[str, torch.Tensor]: ...
+
+    @abstractmethod
+    def _loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, float]: ...
+
+    @abstractmethod
+    def _finish(self, sums: dict[str, float]) -> dict[str, float]: ...
+
+
+def _classification_finish(sums: dict[str, float]) -> dict[str, float]:
+    return {"accuracy": sums["correct"] / sums["rows"], "loss": sums["loss"] / sums["rows"]}
+
+
+@dataclass(frozen=True)
+class PromptExample:
+    prompt: list[int]
+    """Prompt ids, specials included."""
+    options: list[list[int]]
+    """Ids of each verbalizer word as it continues the prompt, in class order."""
+    label: int
+
+
+class PromptClassificationTask(Task):
+    """`sst2`: a causal LM scores the verbalizer words after the prompt (see the module docstring)."""
+
+    metric = "accuracy"
+    higher_is_better = True
+
+    def _collate(self, examples: list[PromptExample]) -> dict[str, torch.Tensor]:
+        seqs, spans = [], []
+        for ex in examples:
+            for option in ex.options:
+                keep = self.config.max_length - len(option)  # a long prompt loses its start, never the word
+                seq = ex.prompt[-keep:] + option
+                seqs.append(seq)
+                spans.append((len(seq) - len(option), len(seq)))
+        ids, mask = _pad(seqs, self.tokenizer.pad_id)
+        targets = torch.full(ids.shape, IGNORE, dtype=torch.long)
+        for r, (a, b) in enumerate(spans):
+            targets[r, a - 1:b - 1] = ids[r, a:b]  # position t predicts token t + 1
+        labels = torch.tensor([ex.label for ex in examples], dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": mask, "targets": targets, "labels": labels}
+
+    def scores(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[rows, candidates]: each candidate's mean token log-probability after the prompt."""
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        log_probs = _target_log_probs(logits, batch["targets"])
+        counts = (batch["targets"] != IGNORE).sum(-1)
+        return (log_probs.sum(-1) / counts).view(batch["labels"].shape[0], -1)
+
+    def _loss(self, model, batch):
+        return F.cross_entropy(self.scores(model, batch), batch["labels"])
+
+    def _eval_sums(self, model, batch):
+        scores = self.scores(model, batch)
+        labels = batch["labels"]
+        return {"correct": float((scores.argmax(-1) == labels).sum()), "rows": float(labels.numel()),
+                "loss": float(F.cross_entropy(scores, labels, reduction="sum"))}
+
+    _finish = staticmethod(_classification_finish)
+
+
+@dataclass(frozen=True)
+class TextExample:
+    ids: list[int]
+    label: int
+
+
+class SequenceClassificationTask(Task):
+    """`classification`: cross-entropy of a classification head's logits."""
+
+    metric = "accuracy"
+    higher_is_better = True
+
+    def _collate(self, examples: list[TextExample]) -> dict[str, torch.Tensor]:
+        ids, mask = _pad([ex.ids for ex in examples], self.tokenizer.pad_id)
+        return {"input_ids": ids, "attention_mask": mask,
+                "labels": torch.tensor([ex.label for ex in examples], dtype=torch.long)}
+
+    def _logits(self, model, batch):
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+
+    def _loss(self, model, batch):
+        return F.cross_entropy(self._logits(model, batch), batch["labels"])
+
+    def _eval_sums(self, model, batch):
+        logits = self._logits(model, batch)
+        labels = batch["labels"]
+        return {"correct": float((logits.argmax(-1) == labels).sum()), "rows": float(labels.numel()),
+                "loss": float(F.cross_entropy(logits, labels, reduction="sum"))}
+
+    _finish = staticmethod(_classification_finish)
+
+
+class LanguageModelingTask(Task):
+    """`lm`: next-token cross-entropy over each text's tokens (padding excluded)."""
+
+    metric = "loss"
+    higher_is_better = False
+
+    def _collate(self, examples: list[TextExample]) -> dict[str, torch.Tensor]:
+        ids, mask = _pad([ex.ids for ex in examples], self.tokenizer.pad_id)
+        targets = torch.full(ids.shape, IGNORE, dtype=torch.long)
+        targets[:, :-1] = torch.where(mask[:, 1:] == 1, ids[:, 1:], IGNORE)
+        return {"input_ids": ids, "attention_mask": mask, "targets": targets}
+
+    def _nll(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return -_target_log_probs(logits, batch["targets"]).sum(), (batch["targets"] != IGNORE).sum()
+
+    def _loss(self, model, batch):
+        total, count = self._nll(model, batch)
+        return total / count
+
+    def _eval_sums(self, model, batch):
+        total, count = self._nll(model, batch)
+        return {"nll": float(total), "tokens": float(count)}
+
+    def _finish(self, sums):
+        loss = sums["nll"] / sums["tokens"]
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+
+
+# ---------------------------------------------------------------- building a task
+
+
+def _class_index(config: TaskConfig, row: Row) -> int:
+    labels = config.labels
+    try:
+        return labels.index(str(row.label))
+    except ValueError:
+        raise LabelError(row.path, row.line, row.label, labels) from None
+
+
+def _split_prompt(prompt: list[int], whole: list[int]) -> tuple[list[int], list[int]]:
+    # Tokenise prompt and prompt+word, and take what follows the shared prefix as the word's
+    # tokens (as lm-evaluation-harness does): robust to tokenizers that merge across the boundary.
+    n = 0
+    while n < min(len(prompt), len(whole)) and prompt[n] == whole[n]:
+        n += 1
+    return whole[:n], whole[n:]
+
+
+def _prompt_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list[Row]) -> list[PromptExample]:
+    prompts = [config.template.format(text=r.text) for r in rows]
+    prompt_ids = tokenizer.encode(prompts)
+    per_word = [tokenizer.encode([p + " " + word for p in prompts]) for word in config.verbalizer.values()]
+    examples = []
+    for i, row in enumerate(rows):
+        options = []
+        for word, encoded in zip(config.verbalizer.values(), per_word):
+            prefix, option = _split_prompt(prompt_ids[i], encoded[i])
+            if not option or len(option) >= config.max_length:
+                raise TaskModelMismatchError(
+                    f"verbalizer word {word!r} takes {len(option)} tokens with {tokenizer.describe()}, which leaves "
+                    f"no room for the prompt within task.max_length={config.max_length}; raise max_length or "
+                    "choose shorter words")
+            options.append(option)
+        examples.append(PromptExample(prefix, options, _class_index(config, row)))
+    return examples
+
+
+def _text_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list[Row], labelled: bool) -> list[TextExample]:
+    encoded = tokenizer.encode([r.text for r in rows], max_length=config.max_length)
+    examples = []
+    for row, ids in zip(rows, encoded):
+        if not labelled and len(ids) < 2:
+            raise DataFormatError(row.path, row.line, f"the text encodes to {len(ids)} token(s) with "
+                                                      f"{tokenizer.describe()}; language modelling needs at least 2")
+        examples.append(TextExample(ids, _class_index(config, row) if labelled else -1))
+    return examples
+
+
+def _check_fit(config: TaskConfig, name: str, kind: str, hf: dict, tokenizer: TextTokenizer) -> None:
+    arch = ", ".join(hf.get("architectures") or [hf.get("model_type", "?")])
+    if config.kind in ("sst2", "lm") and kind != "causal-lm":
+        raise TaskModelMismatchError(
+            f"task kind {config.kind!r} needs a causal LM, but model {name!r} is an encoder with a classification "
+            f"head ({arch}); use task kind 'classification', or a causal LM such as tiny-opt, tiny-llama, tiny-qwen3")
+    if config.kind == "classification":
+        if kind != "sequence-classification":
+            raise TaskModelMismatchError(
+                f"task kind 'classification' needs a model with a classification head, but model {name!r} is a "
+                f"causal LM ({arch}); use task kind 'sst2' to classify with the LM's verbalizer scores, or an "
+                "encoder such as tiny-bert or minilm")
+        n_labels = len(hf.get("id2label") or {}) or 2
+        if n_labels != len(config.verbalizer):
+            raise TaskModelMismatchError(
+                f"model {name!r} has {n_labels} output classes but task.verbalizer has {len(config.verbalizer)} "
+                f"labels {config.labels}; build the model with overrides={{'num_labels': {len(config.verbalizer)}}}")
+    vocab = int(hf["vocab_size"])
+    if tokenizer.vocab_size > vocab:
+        raise TaskModelMismatchError(f"the tokenizer ({tokenizer.describe()}) has {tokenizer.vocab_size} ids but "
+                                     f"model {name!r} embeds only vocab_size={vocab}; use the model's own tokenizer")
+    positions = hf.get("max_position_embeddings")
+    if positions is not None and config.max_length > int(positions):
+        raise TaskModelMismatchError(f"task.max_length={config.max_length} exceeds model {name!r}'s "
+                                     f"max_position_embeddings={positions}; lower task.max_length")
+
+
+def build_task(config: TaskConfig, model: str, overrides: dict | None = None,
+               tokenizer: TextTokenizer | None = None) -> Task:
+    """The task `config` for model `model` (a name `build_model` accepts, with the same `overrides`).
+
+    Reads and checks every row, the labels and the model's fit without building the
+    model, so bad input fails here, before training starts. `tokenizer` replaces
+    the one `config.tokenizer` selects.
+    """
+    kind = model_kind(model, overrides)
+    hf = model_config_dict(model, overrides)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(model_directory(model), int(hf["vocab_size"]), config.tokenizer)
+    _check_fit(config, model, kind, hf, tokenizer)
+
+    label_field = None if config.kind == "lm" else config.label_field
+    rows = read_rows(config.data_path or SHIPPED_SST2, config.text_field, label_field, config.data_format)
+    if config.eval_path is None:
+        train, held_out = split_rows(rows, config.eval_size)
+    else:
+        train = rows
+        held_out = read_rows(config.eval_path, config.text_field, label_field, config.data_format)[:config.eval_size]
+
+    if config.kind == "sst2":
+        return PromptClassificationTask(config, tokenizer, _prompt_examples(config, tokenizer, train),
+                                        _prompt_examples(config, tokenizer, held_out))
+    labelled = config.kind == "classification"
+    cls = SequenceClassificationTask if labelled else LanguageModelingTask
+    return cls(config, tokenizer, _text_examples(config, tokenizer, train, labelled),
+               _text_examples(config, tokenizer, held_out, labelled))

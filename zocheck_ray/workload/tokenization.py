@@ -1,0 +1,102 @@
+"""Text to token ids: a byte-level tokenizer for models built from config, or the model's own.
+
+Models built from a named config (tiny-opt, tiny-bert, ...) have no pretrained
+tokenizer, so they read text as UTF-8 bytes folded into their vocabulary, exactly
+as `data.encode` does: id 0 pads, id 1 starts a sequence, byte b is 2 + b % (V - 2).
+A model directory that carries tokenizer files (tokenizer.json, vocab.txt, ...)
+is read with its own Hugging Face tokenizer, loaded from the directory only.
+
+    tok = load_tokenizer("tiny-opt", vocab_size=128)
+    tok.encode(["It was great"])[0]       # [1, 75, 118, 34, ...]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Protocol, Sequence
+
+from zocheck_ray.workload.data import encode as byte_encode
+from zocheck_ray.workload.errors import ModelNotFoundError
+
+TokenizerChoice = Literal["auto", "byte", "model"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
+"""Any of these in a model directory means it carries its own tokenizer."""
+
+
+class TextTokenizer(Protocol):
+    """What a task needs from a tokenizer."""
+
+    pad_id: int
+    """Id used for padding (always masked out by the attention mask and the loss)."""
+    vocab_size: int
+    """Ids are below this; it must not exceed the model's embedding rows."""
+
+    def encode(self, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
+        """Ids with the sequence-start specials the model expects; right-truncated to `max_length`."""
+        ...
+
+    def describe(self) -> str:
+        """A short human-readable name, for logs and error messages."""
+        ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes folded into `vocab_size` ids (`data.encode`): 0 pads, 1 starts a sequence."""
+
+    pad_id = 0
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < 3:
+            raise ValueError(f"a byte tokenizer needs vocab_size >= 3, got {vocab_size}")
+        self.vocab_size = vocab_size
+
+    def encode(self, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
+        return [byte_encode(t, self.vocab_size)[:max_length] for t in texts]
+
+    def describe(self) -> str:
+        return f"byte-level (vocab {self.vocab_size})"
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer loaded from a local directory (no network)."""
+
+    def __init__(self, directory: str | Path):
+        from transformers import AutoTokenizer
+
+        self.directory = Path(directory)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.directory, local_files_only=True)
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+        self.vocab_size = len(tok)
+
+    def encode(self, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
+        # The tokenizer's own truncation keeps trailing specials such as BERT's [SEP].
+        out = self.tokenizer(list(texts), add_special_tokens=True, truncation=max_length is not None,
+                             max_length=max_length)
+        return [list(ids) for ids in out["input_ids"]]
+
+    def describe(self) -> str:
+        return f"{type(self.tokenizer).__name__} from {self.directory}"
+
+
+def has_tokenizer(directory: str | Path | None) -> bool:
+    return directory is not None and any((Path(directory) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def load_tokenizer(model_dir: str | Path | None, vocab_size: int, choice: TokenizerChoice = "auto") -> TextTokenizer:
+    """The tokenizer for a model: `model_dir` is None for models built from a named config.
+
+    `auto` uses the directory's own tokenizer when it has one and the byte-level one
+    otherwise (e.g. a snapshot of a model built from config); `model` requires the
+    directory's; `byte` always uses the byte-level one.
+    """
+    if choice == "byte" or (choice == "auto" and not has_tokenizer(model_dir)):
+        return ByteTokenizer(vocab_size)
+    if not has_tokenizer(model_dir):
+        where = "a model built from a named config" if model_dir is None else f"model directory {model_dir}"
+        raise ModelNotFoundError(f"task.tokenizer is 'model' but {where} has no tokenizer files "
+                                 f"({', '.join(TOKENIZER_FILES)}); save one with tokenizer.save_pretrained "
+                                 "or set task.tokenizer to 'byte'")
+    return HFTokenizer(model_dir)
