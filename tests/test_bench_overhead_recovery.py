@@ -12,7 +12,7 @@ import ray
 
 from zocheck_ray.bench.baselines import AsyncCheckpointTrainer
 from zocheck_ray.bench.overhead import overhead_benchmark, parse_count, percentile
-from zocheck_ray.bench.recovery import Scenario, catch_up_seconds, failure_steps, recovery_benchmark
+from zocheck_ray.bench.recovery import Scenario, catch_up_seconds, check_targets, failure_steps, recovery_benchmark
 from zocheck_ray.cli import build_parser
 from zocheck_ray.config import JobConfig
 
@@ -37,7 +37,8 @@ def overhead(tmp_path_factory):
 def recovery(tmp_path_factory):
     path = tmp_path_factory.mktemp("recovery") / "recovery.json"
     early = failure_steps(5, 1, spacing=3)
-    scenario = Scenario("depth", "tiny-opt", 23_360, {"early": early, "late": failure_steps(16, 1, 3, align_to=early[0])})
+    late = failure_steps(16, 1, spacing=3, align_to=early[0])
+    scenario = Scenario("depth", "tiny-opt", 23_360, {"early": early, "late": late})
     doc = recovery_benchmark([scenario], storage=str(path.parent), snapshot_interval=4, log_interval=3,
                              json_path=str(path), say=lambda line: None)
     return doc, path
@@ -87,7 +88,7 @@ def test_recovery_reports_both_systems_at_both_points(recovery):
     for point in scenario["points"]:
         assert point["zocheck_seconds"] > 0 and point["baseline_seconds"] > 0
         assert point["zocheck_over_baseline"] == pytest.approx(point["zocheck_seconds"] / point["baseline_seconds"])
-    assert set(scenario["late_over_early"]) == {"zocheck", "baseline"}
+    assert set(scenario["late_over_early"]) == {"zocheck", "baseline", "zocheck_process", "baseline_process"}
     assert set(doc["targets"]) == {"independent_of_depth", "faster_than_async_checkpoint", "met", "notes"}
 
 
@@ -99,6 +100,8 @@ def test_zocheck_recoveries_come_from_the_shadow_image_and_catch_up_to_the_faile
         assert r["recovered_step"] == r["image_step"] + r["replayed_records"] <= r["failed_at_step"]
         assert r["catch_up_measured"] or r["lost_steps"] > 3  # more unsent records than a segment holds
         assert r["seconds_to_failure_step"] == pytest.approx(r["seconds"] + r["catch_up_seconds"])
+        assert 0 < r["constructor_seconds"] < r["seconds"]  # the restarted trainer's own account
+        assert r["process_seconds"] == pytest.approx(r["constructor_seconds"] + r["catch_up_seconds"])
 
 
 def test_the_baseline_recomputes_from_its_newest_persisted_checkpoint(recovery):
@@ -108,6 +111,7 @@ def test_the_baseline_recomputes_from_its_newest_persisted_checkpoint(recovery):
         assert r["checkpoint_step"] % 7 == 0 and r["checkpoint_step"] <= r["failed_at_step"]
         assert r["recomputed_steps"] == r["failed_at_step"] - r["checkpoint_step"]
         assert r["seconds"] >= r["constructor_seconds"] > r["load_seconds"] >= 0
+        assert r["process_seconds"] == pytest.approx(r["constructor_seconds"] + r["recompute_seconds"])
 
 
 def test_both_systems_end_in_the_same_state_bit_for_bit(recovery):
@@ -133,6 +137,24 @@ def test_failures_end_segments_and_late_ones_share_the_early_ones_checkpoint_pha
     assert early == [100, 110, 120]
     assert all(s % 10 == 0 for s in late) and late[0] >= 10_000
     assert [s % 7 for s in late] == [s % 7 for s in early]
+
+
+def test_targets_are_checked_only_where_the_baseline_was_run():
+    zocheck = [{"failed_at_step": 100, "seconds_to_failure_step": 4.0, "catch_up_seconds": 0.1},
+               {"failed_at_step": 10_040, "seconds_to_failure_step": 4.4, "catch_up_seconds": 0.1}]
+    baseline = [{"failed_at_step": 100, "seconds": 5.0, "load_seconds": 0.1, "recompute_seconds": 1.0}]
+    points = [{"point": "early", "failure_steps": [100], "zocheck_seconds": 4.0, "baseline_seconds": 5.0,
+               "zocheck_over_baseline": 0.8, "zocheck_replayed_records": 3, "baseline_recomputed_steps": 2},
+              {"point": "late", "failure_steps": [10_040], "zocheck_seconds": 4.4, "baseline_seconds": None,
+               "zocheck_over_baseline": None, "zocheck_replayed_records": 3, "baseline_recomputed_steps": None}]
+    scenario = {"name": "depth", "points": points, "late_over_early": {"zocheck": 1.1},
+                "zocheck": {"recoveries": zocheck}, "baseline": {"recoveries": baseline}}
+    targets = check_targets([scenario])
+    assert targets["met"] and targets["notes"] == []
+    points[0]["zocheck_over_baseline"], scenario["late_over_early"]["zocheck"] = 1.25, 1.3
+    targets = check_targets([scenario])
+    assert not targets["independent_of_depth"]["met"] and not targets["faster_than_async_checkpoint"]["met"]
+    assert len(targets["notes"]) == 2 and targets["notes"][0].startswith("depth: late/early = 1.30")
 
 
 def test_catch_up_is_timed_from_the_recovery_line_to_the_segment_at_the_failed_step():

@@ -73,7 +73,10 @@ def test_shipped_data_split(sst2):
 
 
 def test_prompt_batch_layout(tmp_path):
-    """Each row gives one sequence per word: prompt ids then word ids; only the word's tokens are targets."""
+    """Each row gives one sequence per word: prompt ids then word ids; only the word's tokens are targets.
+
+    The byte tokenizer's space before the word is shared by both words, so it counts as prompt.
+    """
     path = write_jsonl(tmp_path / "rows.jsonl")
     task = build_task(TaskConfig(data_path=path, eval_path=path, text_field="text", label_field="y",
                                  batch_size=3), "tiny-opt")
@@ -81,8 +84,8 @@ def test_prompt_batch_layout(tmp_path):
     rows = batch_indices(0, 0, 3, len(ROWS))
     assert batch["input_ids"].shape[0] == 6 and torch.equal(batch["labels"], torch.tensor([ROWS[i][1] for i in rows]))
     for r, (i, word) in enumerate((i, w) for i in rows for w in ("terrible", "great")):
-        prompt = encode(f"{ROWS[i][0]} It was", 128)
-        option = encode(" " + word, 128)[1:]  # without the start id
+        prompt = encode(f"{ROWS[i][0]} It was ", 128)
+        option = encode(word, 128)[1:]  # without the start id
         n = len(prompt) + len(option)
         assert batch["input_ids"][r, :n].tolist() == prompt + option
         assert batch["attention_mask"][r].tolist() == [1] * n + [0] * (batch["input_ids"].shape[1] - n)

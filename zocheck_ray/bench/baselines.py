@@ -183,6 +183,7 @@ def run_async_checkpoint(job: JobConfig, fail_at: list[int], every: int = CHECKP
                 "failed_at_step": fail, "seconds": seconds, "checkpoint_step": info["step"],
                 "recomputed_steps": fail - info["step"], "constructor_seconds": info["seconds"],
                 "load_seconds": info["load_seconds"], "recompute_seconds": redo["seconds"],
+                "load_average": os.getloadavg()[0],
             })
         last = ray.get(actor.run.remote(job.steps))
         ray.get(actor.close.remote())

@@ -269,7 +269,8 @@ def overhead_benchmark(params: list[int], dtype: str = "auto", storage: str | No
         ("publish_us_median", "publish us p50", ".2f"), ("publish_us_p99", "p99", ".2f"),
         ("publish_loop_us_median", "loop p50", ".2f"), ("publish_loop_us_p99", "loop p99", ".2f"),
         ("ray_call_us_median", "Ray call us p50", ".0f"), ("ray_call_us_p99", "p99", ".0f"),
-        ("ray_call_in_steps_us_median", "after a step", ".0f"), ("ray_submit_us_median", "Ray submit us", ".0f"), ("staging_copy_ms", "staging copy ms", ".1f"),
+        ("ray_call_in_steps_us_median", "after a step", ".0f"), ("ray_submit_us_median", "Ray submit us", ".0f"),
+        ("staging_copy_ms", "staging copy ms", ".1f"),
         ("sync_save_ms", "sync save ms", ".0f"),
     ])
     medians = [r["publish_us_median"] for r in rows] + [r["publish_loop_us_median"] for r in rows]

@@ -52,6 +52,8 @@ class TaskConfig(BaseModel):
     """The batch of step t is a pure function of (data_seed, t)."""
     eval_size: int = Field(96, ge=1)
     """Held-out rows evaluated by `Task.evaluate` (at most this many from `eval_path`)."""
+    eval_interval: int = Field(50, ge=1)
+    """Steps between held-out evaluations in the progress output (the trainer also evaluates at the end)."""
     eval_batch_size: int = Field(64, ge=1)
     """Rows per forward pass during evaluation (memory only; the metrics do not depend on it)."""
     tokenizer: TokenizerChoice = "auto"

@@ -13,7 +13,8 @@ Kinds:
 - `sst2` (causal LMs): MeZO's prompt-based classification. Each row becomes the prompt
   `template` ("<text> It was") followed by each verbalizer word (" great", " terrible");
   a candidate's score is the mean log-probability of its tokens after the prompt
-  (length-normalised, as MeZO's `train_as_classification`), and the loss is the cross-
+  (length-normalised, as MeZO's `train_as_classification`; tokens all candidates share, such
+  as a byte tokenizer's leading space, count as prompt), and the loss is the cross-
   entropy of the correct candidate among the candidates' scores. Accuracy: the argmax
   of the scores (the first candidate wins a tie).
 - `lm` (causal LMs): mean next-token cross-entropy over the text's tokens; evaluation
@@ -292,6 +293,15 @@ def _split_prompt(prompt: list[int], whole: list[int]) -> tuple[list[int], list[
     return whole[:n], whole[n:]
 
 
+def _shared_prefix(options: list[list[int]]) -> int:
+    # Tokens every candidate starts with (a byte tokenizer's leading space) say nothing about the
+    # label but would weigh differently in each length-normalised score: they join the prompt.
+    n = 0
+    while n < min(len(o) for o in options) - 1 and all(o[n] == options[0][n] for o in options):
+        n += 1
+    return n
+
+
 def _prompt_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list[Row]) -> list[PromptExample]:
     prompts = [config.template.format(text=r.text) for r in rows]
     prompt_ids = tokenizer.encode(prompts)
@@ -307,7 +317,9 @@ def _prompt_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list[Ro
                     f"no room for the prompt within task.max_length={config.max_length}; raise max_length or "
                     "choose shorter words")
             options.append(option)
-        examples.append(PromptExample(prefix, options, _class_index(config, row)))
+        shared = _shared_prefix(options)
+        examples.append(PromptExample(prefix + options[0][:shared], [o[shared:] for o in options],
+                                      _class_index(config, row)))
     return examples
 
 
