@@ -18,7 +18,7 @@ from typing import Callable, Literal
 import ray
 from pydantic import BaseModel, ConfigDict
 from ray.exceptions import RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from zocheck_ray.actors.ray_actors import (
@@ -60,6 +60,8 @@ class RunSummary(BaseModel):
     """(step, lag_steps) at each metrics poll, after any resync."""
     step_hashes: dict[int, str] = {}
     """With `hash_every_step`: the trainer's state_hash after each step (the last one computed)."""
+    resumed_from_step: int | None = None
+    """The step a run found in its durable storage and resumed from; None for a fresh run."""
 
 
 def _check_resources(job: JobConfig) -> int:
@@ -74,21 +76,23 @@ def _check_resources(job: JobConfig) -> int:
     return 1 if (job.use_gpu == "yes" or (job.use_gpu == "auto" and gpus >= 1)) else 0
 
 
-def start_actors(job: JobConfig, gpus: int):
-    bundles = [{"CPU": 1, **({"GPU": gpus} if gpus else {})}, {"CPU": job.shadow_cpus}]
-    pg = placement_group(bundles, strategy="STRICT_PACK", name=f"zocheck-{job.run_id}")
+def start_actors(job: JobConfig, gpus: int, pg: PlacementGroup | None = None, first_bundle: int = 0):
+    """Trainer in bundle `first_bundle`, shadow in the next; a new STRICT_PACK group unless `pg` is given."""
+    if pg is None:
+        bundles = [{"CPU": 1, **({"GPU": gpus} if gpus else {})}, {"CPU": job.shadow_cpus}]
+        pg = placement_group(bundles, strategy="STRICT_PACK", name=f"zocheck-{job.run_id}")
     ray.get(pg.ready(), timeout=120)
     payload = job.model_dump(mode="json")
     shadow = ShadowActor.options(
         name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=job.shadow_cpus, max_restarts=job.max_restarts,
         max_task_retries=-1,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + 1),
     ).remote(payload)
     ray.get(shadow.ready.remote())
     trainer = TrainerActor.options(
         name=trainer_name(job.run_id), namespace=NAMESPACE, num_cpus=1, num_gpus=gpus,
         max_restarts=job.max_restarts,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle),
     ).remote(payload)
     return pg, shadow, trainer
 
@@ -104,18 +108,20 @@ def _lose_processes(trainer, shadow) -> Callable[[], None]:
     return kill
 
 
-def profile_settings(job: JobConfig) -> ProfileSettings:
+def profile_settings(job: JobConfig, remaining_steps: int | None = None) -> ProfileSettings:
     return ProfileSettings(thread_counts=tuple(range(1, job.shadow_cpus + 1)), warmup_steps=2, timed_steps=5,
-                           replay_repeats=2, max_training_steps=min(30, job.steps))
+                           replay_repeats=2, max_training_steps=min(30, job.steps if remaining_steps is None
+                                                                   else remaining_steps))
 
 
-def startup_profile(job: JobConfig, trainer, shadow, on_progress: Callable[[dict], None]) -> ProfileReport:
+def startup_profile(job: JobConfig, trainer, shadow, on_progress: Callable[[dict], None],
+                    first_step: int = 0) -> ProfileReport:
     """Measure the trainer step, the replay per thread count, the snapshot copy and the
     persistence time in the first training steps (at most 30) and choose N and the threads."""
-    settings = profile_settings(job)
+    settings = profile_settings(job, job.steps - first_step)
 
     def trainer_step(i: int) -> float:
-        progress = ray.get(trainer.run.remote(i + 1))
+        progress = ray.get(trainer.run.remote(first_step + i + 1))
         on_progress(progress)
         return progress["step_seconds"][-1] if progress["step_seconds"] else 0.0
 
@@ -135,8 +141,17 @@ def startup_profile(job: JobConfig, trainer, shadow, on_progress: Callable[[dict
 
 
 def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["software", "host"] = "software",
-        progress: Callable[[str], None] | None = print, kill_node: Callable[[], None] | None = None) -> RunSummary:
-    """Run `job` to completion on the connected Ray cluster (a local one is started if none)."""
+        progress: Callable[[str], None] | None = print, kill_node: Callable[[], None] | None = None,
+        placement_group: PlacementGroup | None = None, first_bundle: int = 0,
+        on_segment: Callable[[dict, dict], None] | None = None) -> RunSummary:
+    """Run `job` to completion on the connected Ray cluster (a local one is started if none).
+
+    A run whose storage already holds a snapshot of `job.run_id` resumes from it (the newest
+    durable image plus the log, exactly). `placement_group`: an existing, reserved group (a Ray
+    Tune trial's) whose bundles `first_bundle` (trainer) and `first_bundle + 1` (shadow) the
+    actors use; it is left in place. `on_segment(progress, metrics)` is called after each
+    segment with the trainer's progress and the shadow's metrics.
+    """
     say = progress or (lambda line: None)
     try:  # an unusable storage URL fails here, before any actor starts
         SnapshotStore(job.run_url, job.storage_options)
@@ -144,7 +159,12 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
         raise JobConfigError(f"storage={job.storage!r} cannot be used: {exc}") from exc
     if not ray.is_initialized():
         ray.init(namespace=NAMESPACE, log_to_driver=False)
-    gpus = _check_resources(job)
+    if placement_group is None:
+        gpus = _check_resources(job)
+    else:
+        gpus = int(placement_group.bundle_specs[first_bundle].get("GPU", 0))
+        if job.use_gpu == "yes" and gpus < 1:
+            raise JobConfigError(f"use_gpu=yes but bundle {first_bundle} of the given placement group has no GPU")
     failures = sorted(set(fail_at or []))
     if any(not 0 < f < job.steps for f in failures):
         raise JobConfigError(f"fail_at steps must lie in (0, {job.steps}), got {failures}")
@@ -154,7 +174,7 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
         if failures[0] <= profile_steps:
             raise JobConfigError(f"fail_at step {failures[0]} falls in the startup profile (its first "
                                  f"{profile_steps} steps); fail later or set snapshot_interval")
-    pg, shadow, trainer = start_actors(job, gpus)
+    pg, shadow, trainer = start_actors(job, gpus, placement_group, first_bundle)
     recoveries: list[Recovery] = []
     losses: list[tuple[int, float]] = []
     profile = None
@@ -163,7 +183,12 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
     step_hashes: dict[int, str] = {}
     lag_samples: list[tuple[int, int]] = []
     say(f"run {job.run_id}: {job.model} {job.dtype} {job.zo.optimizer}, {job.steps} steps, storage {job.run_url}")
-    incarnation = call_when_alive(lambda: trainer.recovery.remote())["incarnation"]
+    started_from = call_when_alive(lambda: trainer.recovery.remote())
+    incarnation = started_from["incarnation"]
+    resumed_from = started_from["step"] if started_from["source"] != "fresh" else None
+    if resumed_from is not None:
+        step = resumed_from
+        say(f"  resumed from the {started_from['source']} image at step {step}")
 
     def recovered(failed_at: int, failure_started: float, mode: str) -> None:
         nonlocal step, incarnation
@@ -184,9 +209,10 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
             step_hashes[step] = info["state_hash"]
 
     try:
-        if job.snapshot_interval is None:
-            report = startup_profile(job, trainer, shadow, lambda p: step_hashes.update(p.get("step_hashes") or {}))
-            step = report.training_steps
+        if job.snapshot_interval is None and step < job.steps:
+            report = startup_profile(job, trainer, shadow, lambda p: step_hashes.update(p.get("step_hashes") or {}),
+                                     first_step=step)
+            step += report.training_steps
             profile = report.model_dump(mode="json")
             say(f"  profile ({report.training_steps} steps, {report.profile_seconds:.1f} s): trainer step "
                 f"{report.timings.gpu_step_seconds * 1e3:.1f} ms, replay {report.timings.replay_step_seconds * 1e3:.2f} ms "
@@ -231,6 +257,8 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
                 metrics = ray.get(shadow.metrics.remote())
                 say(f"  shadow lagged {metrics['lag_steps']} steps: resynced from the trainer")
             lag_samples.append((step, metrics["lag_steps"]))
+            if on_segment is not None:
+                on_segment(last, metrics)
             say(f"  step {step:5d}  loss {last['loss']:.4f}  lag {metrics['lag_steps']:3d}  "
                 f"snapshot {metrics['snapshot_step']}  durable {metrics['durable_step']}")
         final_step, final_hash = ray.get(trainer.state_hash.remote())
@@ -242,7 +270,7 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
             publish_us_median=(last or {}).get("publish_us_median"),
             trainer_seconds_per_step=seconds_timed / max(steps_timed, 1),
             snapshot_interval=metrics["snapshot_interval"], profile=profile, storage=job.run_url,
-            step_hashes=step_hashes, lag_samples=lag_samples,
+            step_hashes=step_hashes, lag_samples=lag_samples, resumed_from_step=resumed_from,
         )
     finally:
         for actor in (trainer, shadow):
@@ -250,4 +278,5 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass
-        remove_placement_group(pg)
+        if placement_group is None:
+            remove_placement_group(pg)
