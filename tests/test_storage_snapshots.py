@@ -22,7 +22,7 @@ from zocheck_ray.storage import (
     StorageURLError,
     recover,
 )
-from zocheck_ray.storage.snapshot import OPTIMIZER_PREFIX, snapshot_dir
+from zocheck_ray.storage.snapshot import DELETED_DIR, OPTIMIZER_PREFIX, snapshot_dir
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -132,6 +132,22 @@ def test_load_fills_preallocated_tensors_in_place(tmp_path):
     assert {n: t.data_ptr() for n, t in tensors.items()} == pointers
     with pytest.raises(ValueError, match="must be a contiguous CPU float32"):
         store.load(2, out={**out, "model.embed_tokens.weight": torch.empty(64, 16, dtype=torch.float16)})
+
+
+def test_a_state_hash_the_caller_already_has_is_recorded_and_checked_on_load(root):
+    url, options = root
+    state = make_state(4, torch.bfloat16)
+    digest = state_hash(state)
+    store = SnapshotStore(url, options)
+    assert store.save(4, state, state_hash=digest).state_hash == digest
+    tensors, _ = SnapshotStore(url, options, create=False).load(4)
+    assert_same_state(tensors, state)
+
+    store.save(5, state, state_hash="0" * 64)  # not this state's hash: the snapshot never loads
+    with pytest.raises(CorruptSnapshotError, match=r"do not hash to the state_hash in .*step-000000000005/manifest"):
+        store.load(5)
+    with pytest.raises(ValueError, match="state_hash must be the 64 lowercase hex digits"):
+        store.save(6, state, state_hash=digest.upper())
 
 
 def test_latest_is_the_newest_commit_and_a_step_is_saved_once(root):
@@ -271,39 +287,68 @@ def test_retention_keeps_the_newest_k(root, keep):
 
 
 class CheckEveryDeletion:
-    """Passes storage calls through; after every deletion, a fresh reader must load a snapshot."""
+    """Passes storage calls through; after every deletion or move, a fresh reader must load a snapshot.
+
+    Files of pruned snapshots are deleted on a background thread, so failures are collected, not raised.
+    """
 
     def __init__(self, inner, url, options):
         self._inner, self._url, self._options = inner, url, options
         self.checks = 0
+        self.failures: list[str] = []
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def _check(self):
+    def _check(self, what):
         reader = SnapshotStore(self._url, self._options, create=False)
         info = reader.latest()
-        assert info is not None, "no committed snapshot left"
+        if info is None:
+            self.failures.append(f"no committed snapshot left after {what}")
+            return
         tensors, _ = reader.load(info)
-        assert state_hash(tensors) == info.state_hash
+        if state_hash(tensors) != info.state_hash:
+            self.failures.append(f"the latest snapshot does not load exactly after {what}")
         self.checks += 1
 
     def remove(self, rel):
         self._inner.remove(rel)
-        self._check()
+        self._check(f"remove {rel}")
 
     def remove_tree(self, rel):
         self._inner.remove_tree(rel)
-        self._check()
+        self._check(f"remove_tree {rel}")
+
+    def rename(self, rel, new_rel):
+        self._inner.rename(rel, new_rel)
+        self._check(f"rename {rel}")
 
 
 def test_retention_never_leaves_no_loadable_snapshot(root):
     url, options = root
-    store = SnapshotStore(url, options, keep=2)
-    store.storage = spy = CheckEveryDeletion(store.storage, url, options)
-    for step in range(1, 6):
-        store.save(step, make_state(step, adam=False))
+    with SnapshotStore(url, options, keep=2) as store:
+        store.storage = spy = CheckEveryDeletion(store.storage, url, options)
+        for step in range(1, 6):
+            store.save(step, make_state(step, adam=False))
+    assert spy.failures == []
     assert spy.checks >= 6  # every pruned snapshot: manifest first, then the rest
+
+
+def test_pruned_files_are_deleted_in_the_background_and_after_a_crash_at_the_next_open(tmp_path):
+    root = tmp_path / "run"
+    store = SnapshotStore(str(root), keep=2)
+    for step in range(4):
+        store.save(step, make_state(step, adam=False))
+    assert sorted(os.listdir(root / "snapshots")) == [os.path.basename(snapshot_dir(s)) for s in (2, 3)]
+    store.close()
+    assert os.listdir(root / DELETED_DIR) == []  # both pruned snapshots are gone from the disk
+
+    # A crash after a pruned snapshot was moved aside but before its files were deleted:
+    (root / DELETED_DIR / "step-000000000001-0badf00d").mkdir()
+    (root / DELETED_DIR / "step-000000000001-0badf00d" / "model.safetensors").write_bytes(b"x" * 1000)
+    assert [i.step for i in SnapshotStore(str(root), create=False).committed()] == [3, 2]
+    SnapshotStore(str(root))
+    assert os.listdir(root / DELETED_DIR) == []
 
 
 # ---------------------------------------------------------------------- bad input

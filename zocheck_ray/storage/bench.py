@@ -4,23 +4,32 @@
 
 Measures, in one run and on the same bytes:
 
-- snapshot save (`SnapshotStore.save`: safetensors + per-file SHA-256 + state_hash +
-  fsync + atomic manifest commit + retention) against a plain fsspec write of the state's
-  bytes, without and with an fsync (locally), and load (every hash verified) against a
-  plain read; locally and against S3 served by moto on 127.0.0.1;
+- snapshot save against a plain fsspec write of the state's raw bytes, under the same
+  durability policy: locally the baseline is written and fsync'd once (a save fsyncs each
+  file once, then commits its manifest); on S3 (moto served by a separate process on
+  127.0.0.1, as a remote endpoint would be) both are plain uploads, durable once the
+  PUT or multipart upload completes. A save includes everything a caller waits for: the
+  safetensors files, the SHA-256 of every file, the `state_hash` of the state, the fsyncs,
+  the manifest commit and the retention of the newest two snapshots. A second row gives
+  a save whose caller passes the `state_hash` it already has. Load (every hash verified)
+  is shown beside a plain read;
 - `StepLog.append` cost per record under several flush/fsync policies.
 
-Results are medians over `repeats`, interleaved so that page-cache and background
-writeback noise hits baseline and candidate alike.
+Rounds interleave baseline and saves so that background load and writeback noise hits
+both alike; every measurement starts after `os.sync()` and after the background deletion
+of the previously pruned snapshot (on local disk retention deletes files off the save's
+path, as the plain baseline's file is deleted outside its timing). Ratios are of medians;
+the machine and its load average before and after each case are recorded with them.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Callable
@@ -28,7 +37,7 @@ from typing import Callable
 import torch
 
 from zocheck_ray.bench.common import machine, print_table, write_json
-from zocheck_ray.core import StepRecord
+from zocheck_ray.core import StepRecord, state_hash
 from zocheck_ray.storage.fs import open_storage
 from zocheck_ray.storage.snapshot import SnapshotStore
 from zocheck_ray.storage.steplog import StepLog
@@ -67,50 +76,60 @@ def _plain_read(fs, path: str, state) -> None:
                 view[a : a + len(chunk)] = chunk
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    os.sync()  # start each measurement with no dirty pages of the previous one being written back
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def _load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def bench_snapshots(target: str, url: str, options: dict | None, size_mb: int, repeats: int) -> dict:
     state = make_state(size_mb)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    digest = state_hash(state)  # what a caller that already hashed the state would pass
     storage = open_storage(url, options)
     fs, base = storage.fs, storage.local_path("") if storage.local else storage.url.removeprefix("s3://")
     store = SnapshotStore(url, options, keep=2)
-    samples: dict[str, list[float]] = {"plain": [], "plain_fsync": [], "save": [], "plain_read": [], "load": []}
-    for i in range(repeats + 1):  # the first round warms caches and is discarded
-        plain = f"{base}/plain-{i}.bin"
-        rounds = {"plain": lambda: _plain_write(fs, plain, state, fsync=False),
-                  "save": lambda: store.save(i, state)}
-        if storage.local:
-            rounds["plain_fsync"] = lambda: _plain_write(fs, plain, state, fsync=True)
-        for name, fn in rounds.items():
-            seconds = _timed(fn)
-            if i:
-                samples[name].append(seconds)
-        read_seconds = _timed(lambda: _plain_read(fs, plain, state))
-        load_seconds = _timed(lambda: store.load(i))
-        if i:
-            samples["plain_read"].append(read_seconds)
-            samples["load"].append(load_seconds)
+    fsync = storage.local
+    baseline = "plain_fsync" if fsync else "plain"
+    samples: dict[str, list[float]] = {k: [] for k in ("plain", "plain_fsync", "save", "save_given_hash",
+                                                       "background_delete", "plain_read", "load")}
+
+    def timed(fn: Callable[[], object]) -> float:
+        store.wait_for_deletions()
+        os.sync()  # no dirty pages of the previous measurement are being written back
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def record(name: str, seconds: float) -> None:
+        if round_ > 0:  # the first round warms caches and is discarded
+            samples[name].append(seconds)
+
+    load_before = _load_average()
+    for round_ in range(repeats + 1):
+        plain = f"{base}/plain-{round_}.bin"
+        record(baseline, timed(lambda: _plain_write(fs, plain, state, fsync=fsync)))
+        record("save", timed(lambda: store.save(2 * round_, state)))
+        start = time.perf_counter()
+        store.wait_for_deletions()  # the pruned snapshot's files, deleted after the save returned
+        record("background_delete", time.perf_counter() - start)
+        record("save_given_hash", timed(lambda: store.save(2 * round_ + 1, state, state_hash=digest)))
+        if fsync:
+            record("plain", timed(lambda: _plain_write(fs, plain, state, fsync=False)))  # for reference only
+        record("plain_read", timed(lambda: _plain_read(fs, plain, state)))
+        record("load", timed(lambda: store.load(2 * round_)))
         fs.rm_file(plain)
-    best = {k: nbytes / min(v) / 1e6 for k, v in samples.items() if v}
-    median = {k: nbytes / statistics.median(v) / 1e6 for k, v in samples.items() if v}
-    result = {"target": target, "bytes": nbytes, "repeats": repeats}
-    for key, name in (("plain", "plain_write"), ("plain_fsync", "plain_write_fsync"), ("save", "save"),
-                      ("plain_read", "plain_read"), ("load", "load")):
-        if key in best:
-            result[f"{name}_MBps"] = round(best[key], 1)
-            result[f"{name}_MBps_median"] = round(median[key], 1)
-    # Locally a save is fsync'd, so the like-for-like baseline is a write with an fsync.
-    baseline = "plain_fsync" if "plain_fsync" in best else "plain"
-    result["baseline"] = "plain fsspec write + fsync" if baseline == "plain_fsync" else "plain fsspec write"
-    result["save_vs_baseline"] = round(best["save"] / best[baseline], 3)
-    result["save_vs_baseline_median"] = round(median["save"] / median[baseline], 3)
-    result["save_vs_plain_write"] = round(best["save"] / best["plain"], 3)
+    store.close()
+    result = {"target": target, "bytes": nbytes, "repeats": repeats,
+              "baseline": "plain fsspec write + one fsync" if fsync else "plain fsspec write (upload complete)",
+              "load_average_before": load_before, "load_average_after": _load_average()}
+    for key, values in samples.items():
+        if values:
+            result[f"{key}_s_median"] = round(statistics.median(values), 4)
+            result[f"{key}_s_all"] = [round(v, 4) for v in values]
+            if key != "background_delete":
+                result[f"{key}_MBps_median"] = round(nbytes / statistics.median(values) / 1e6, 1)
+    for key in ("save", "save_given_hash"):
+        result[f"{key}_vs_baseline"] = round(statistics.median(samples[baseline]) / statistics.median(samples[key]), 3)
+        result[f"{key}_vs_baseline_best"] = round(min(samples[baseline]) / min(samples[key]), 3)
     result["meets_target"] = result["save_vs_baseline"] >= TARGET_SAVE_RATIO
     return result
 
@@ -139,27 +158,45 @@ def bench_log(target: str, url: str, options: dict | None, records: list[StepRec
             "meets_target": us < TARGET_APPEND_US if flush_every is None else None}
 
 
-def _moto() -> tuple[object, dict]:
-    from moto.server import ThreadedMotoServer
+class _MotoProcess:
+    """moto's S3 server in a process of its own on 127.0.0.1: its CPU time is not the client's."""
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "bench", "secret": "bench"}
-    import s3fs
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    break
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("moto's S3 server did not start (pip install 'moto[server]')") from None
+                time.sleep(0.1)
+        self.options = {"endpoint_url": f"http://127.0.0.1:{self.port}", "key": "bench", "secret": "bench"}
+        import s3fs
 
-    s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir("zocheck-bench")
-    return server, options
+        s3fs.S3FileSystem(skip_instance_cache=True, **self.options).mkdir("zocheck-bench")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
 
 def run(size_mb: int = 256, s3_size_mb: int = 64, repeats: int = 5, records: int = 200_000, s3: bool = True,
         json_path: str | None = None, directory: str | None = None) -> dict:
     work = tempfile.mkdtemp(prefix="zocheck-bench-", dir=directory)
     recs = _records(records)
-    out = {"benchmark": "storage", "machine": machine(),
+    out = {"benchmark": "storage", "machine": {**machine(), "load_average_at_start": _load_average()},
            "targets": {"save_vs_plain_write_min": TARGET_SAVE_RATIO, "append_us_per_record_max": TARGET_APPEND_US},
            "snapshot": [], "log": []}
     server = None
@@ -171,16 +208,18 @@ def run(size_mb: int = 256, s3_size_mb: int = 64, repeats: int = 5, records: int
             out["log"].append(bench_log("local", os.path.join(work, f"log-{i}"), None, recs[:n], flush_every, fsync))
         if s3:
             try:
-                server, options = _moto()
-            except ImportError:
-                out["s3_skipped"] = "moto[server] is not installed (pip install 'moto[server]')"
+                server = _MotoProcess()
+            except (ImportError, RuntimeError) as exc:
+                out["s3_skipped"] = str(exc)
             else:
-                out["snapshot"].append(bench_snapshots("s3", "s3://zocheck-bench/run", options, s3_size_mb, repeats))
-                out["log"].append(bench_log("s3", "s3://zocheck-bench/log", options, recs, None, True))
+                out["snapshot"].append(bench_snapshots("s3", "s3://zocheck-bench/run", server.options, s3_size_mb,
+                                                       repeats))
+                out["log"].append(bench_log("s3", "s3://zocheck-bench/log", server.options, recs, None, True))
     finally:
         if server is not None:
             server.stop()
         shutil.rmtree(work, ignore_errors=True)
+    out["machine"]["load_average_at_end"] = _load_average()
     report(out)
     write_json(json_path, out)
     return out
@@ -188,15 +227,24 @@ def run(size_mb: int = 256, s3_size_mb: int = 64, repeats: int = 5, records: int
 
 def report(out: dict) -> None:
     m = out["machine"]
-    print(f"storage benchmark on {m['cpu_count']} CPUs ({m['cpu']}), {m['platform']}")
-    print("snapshot save and load vs plain fsspec I/O of the same bytes, MB/s (best of repeats)")
+    print(f"storage benchmark on {m['cpu_count']} CPUs ({m['cpu']}), {m['platform']}; load average "
+          f"(1, 5, 15 min) {m['load_average_at_start']} at start, {m['load_average_at_end']} at end")
+    print("snapshot save vs a plain fsspec write of the same bytes under the same durability policy, "
+          "MB/s (medians)")
     print_table(out["snapshot"], [
-        ("target", "target", "s"), ("bytes", "bytes", ",d"), ("plain_write_MBps", "plain write", ".0f"),
-        ("plain_write_fsync_MBps", "plain+fsync", ".0f"), ("save_MBps", "save", ".0f"),
-        ("save_vs_baseline", "save/baseline", ".2f"), ("save_vs_baseline_median", "(medians)", ".2f"),
-        ("plain_read_MBps", "plain read", ".0f"), ("load_MBps", "load", ".0f"),
+        ("target", "target", "s"), ("bytes", "bytes", ",d"), ("plain_MBps_median", "plain write", ".0f"),
+        ("plain_fsync_MBps_median", "plain+fsync", ".0f"), ("save_MBps_median", "save", ".0f"),
+        ("save_vs_baseline", "save/baseline", ".2f"), ("save_vs_baseline_best", "(best)", ".2f"),
+        ("save_given_hash_vs_baseline", "given hash/baseline", ".2f"),
+        ("plain_read_MBps_median", "plain read", ".0f"), ("load_MBps_median", "load", ".0f"),
     ])
-    print("baseline: plain write + fsync locally (a save is fsync'd), plain write on S3 (a PUT is durable)")
+    for row in out["snapshot"]:
+        verdict = "met" if row["meets_target"] else "NOT met"
+        print(f"{row['target']}: save/baseline {row['save_vs_baseline']:.2f} vs target >= {TARGET_SAVE_RATIO:.2f}: "
+              f"{verdict} (baseline: {row['baseline']}; {row['repeats']} rounds; load average "
+              f"{row['load_average_before'][0]} -> {row['load_average_after'][0]})")
+    print("a save includes its SHA-256 of every file, the state_hash, fsyncs, the manifest commit and retention; "
+          "'given hash' is a save whose caller passes the state_hash")
     print()
     print(f"step log append, microseconds per record (target < {TARGET_APPEND_US} buffered)")
     print_table(out["log"], [("target", "target", "s"), ("us_per_record", "us/record", ".2f"), ("policy", "policy", "s")])

@@ -12,7 +12,10 @@ The manifest lists every tensor in canonical order and the SHA-256 of every file
 is written last: it is the commit marker. A directory without one was never committed
 and is never loaded; a manifest carries its own checksum, so a damaged one is never
 trusted. Retention deletes an old snapshot's manifest first, so it stops being
-committed before any of its files go.
+committed before any of its files go; on local disk the uncommitted directory is then
+moved to `.deleted-snapshots/` and its files are deleted on a background thread (freeing
+gigabytes takes the filesystem a while, and nothing waits for it); what a crash leaves
+there is removed when the store is next opened for writing.
 """
 
 from __future__ import annotations
@@ -21,14 +24,16 @@ import hashlib
 import json
 import logging
 import re
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
-from zocheck_ray.core import state_hash
+from zocheck_ray.core import state_hash as compute_state_hash
 from zocheck_ray.storage.errors import CorruptSnapshotError, SnapshotNotFoundError, StorageError
 from zocheck_ray.storage.fs import PROBE_PREFIX, TMP_MARK, Storage, file_size, open_storage
 from zocheck_ray.storage.manifest import FileEntry, Manifest, SnapshotMeta, TensorEntry
@@ -41,9 +46,12 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 HF_CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
+DELETED_DIR = ".deleted-snapshots"
+"""Local disk: uncommitted snapshot directories waiting for their files to be deleted."""
 OPTIMIZER_PREFIX = "optimizer."
 """Tensors whose names start with this go to `optimizer.safetensors`; the rest are the model."""
 _STEP_DIR = re.compile(r"^step-(\d{12,})$")
+_HEX_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def snapshot_dir(step: int) -> str:
@@ -69,6 +77,7 @@ class SnapshotStore:
 
     One writer per store: `save` is not safe to call from two threads or processes at once.
     `create=False` opens an existing store read-only (no cleanup, no test write).
+    `close()` (or leaving a `with` block) waits for the background deletion of pruned snapshots.
     """
 
     def __init__(self, url: str, storage_options: dict | None = None, *, keep: int = 2, create: bool = True):
@@ -77,6 +86,9 @@ class SnapshotStore:
         self.keep = keep
         self.storage: Storage = open_storage(url, storage_options, create=create)
         self.url = self.storage.url
+        self._deleter: ThreadPoolExecutor | None = None
+        self._deletions: list[Future] = []
+        self._deleter_lock = threading.Lock()
         if create:
             self.storage.make_dirs(SNAPSHOTS_DIR)
             self.storage.sync_dir("")
@@ -86,6 +98,16 @@ class SnapshotStore:
 
     def __repr__(self) -> str:
         return f"SnapshotStore({self.url!r}, keep={self.keep})"
+
+    def __enter__(self) -> "SnapshotStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for the background deletion of pruned snapshots; the store stays usable."""
+        self.wait_for_deletions()
 
     # ------------------------------------------------------------------ listing
 
@@ -141,21 +163,29 @@ class SnapshotStore:
     # ------------------------------------------------------------------ saving
 
     def save(self, step: int, tensors: Mapping[str, torch.Tensor],
-             meta: SnapshotMeta | Mapping[str, Any] | None = None) -> SnapshotInfo:
+             meta: SnapshotMeta | Mapping[str, Any] | None = None, *, state_hash: str | None = None) -> SnapshotInfo:
         """Write a snapshot of `tensors` (canonical order) at `step`, commit it, then prune old ones.
 
         Returns once the snapshot is durable. Saving a step that is already committed
         with the same `state_hash` returns it unchanged; with another state, raises.
         The tensors must not change while this runs (pass a frozen copy).
+
+        `state_hash`: the caller's `zocheck_ray.core.state_hash(tensors)`, when it has it
+        already; the save then skips that pass over the state. It is recorded as given: a
+        wrong one makes the snapshot fail its check on every load (`CorruptSnapshotError`).
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if state_hash is not None and (not isinstance(state_hash, str) or not _HEX_SHA256.match(state_hash)):
+            raise ValueError(f"state_hash must be the 64 lowercase hex digits of zocheck_ray.core.state_hash, "
+                             f"got {state_hash!r}")
         meta = meta if isinstance(meta, SnapshotMeta) else SnapshotMeta.model_validate(dict(meta or {}))
         entries = _entries(tensors)
+        self.wait_for_deletions()  # disk holds at most one pruned snapshot besides the kept ones and this one
         directory = snapshot_dir(step)
         leftovers = self.storage.list_dir(directory)
         if MANIFEST_FILE in leftovers and (existing := self._info(step, directory)) is not None:
-            if existing.state_hash == state_hash(dict(tensors)):
+            if existing.state_hash == (state_hash or compute_state_hash(dict(tensors))):
                 return existing
             raise StorageError(f"{existing.url} is already committed with another state (state_hash "
                                f"{existing.state_hash[:12]}...); a step is snapshotted once")
@@ -169,7 +199,7 @@ class SnapshotStore:
         files: dict[str, FileEntry] = {}
         with ThreadPoolExecutor(3, thread_name_prefix="zocheck-snapshot-hash") as pool:
             # Hashes run beside the writes and fsyncs (hashlib releases the GIL), each on its own thread.
-            state_digest = pool.submit(state_hash, dict(tensors))
+            state_digest = pool.submit(compute_state_hash, dict(tensors)) if state_hash is None else None
             pending = {}
             for name, part in ((MODEL_FILE, model), (OPTIMIZER_FILE, optim)):
                 if part:
@@ -183,7 +213,7 @@ class SnapshotStore:
             for name, future in pending.items():
                 digest = future.result()
                 files[name] = FileEntry(sha256=digest.sha256, size=digest.size)
-            digest_of_state = state_digest.result()
+            digest_of_state = state_hash if state_digest is None else state_digest.result()
         self.storage.sync_dir(directory)
         if not self.storage.local:
             self._check_objects(directory, files)
@@ -241,7 +271,7 @@ class SnapshotStore:
             if hashlib.sha256(data).hexdigest() != manifest.files[HF_CONFIG_FILE].sha256:
                 raise CorruptSnapshotError(f"{url} fails its SHA-256 check (the file is damaged)", url)
             hf_config = json.loads(data)
-        if state_hash(tensors) != manifest.state_hash:
+        if compute_state_hash(tensors) != manifest.state_hash:
             url = self.storage.url_of(f"{directory}/{MANIFEST_FILE}")
             raise CorruptSnapshotError(f"the tensors of {info.url} do not hash to the state_hash in {url}", url)
         meta = SnapshotMeta(run_id=manifest.run_id, zo_config=manifest.zo_config, hf_config=hf_config,
@@ -264,9 +294,13 @@ class SnapshotStore:
     # ------------------------------------------------------------------ retention and cleanup
 
     def prune(self) -> list[int]:
-        """Delete all but the newest `keep` committed snapshots (and older debris); returns the steps removed."""
+        """Delete all but the newest `keep` committed snapshots (and older debris); returns the steps removed.
+
+        On return the removed snapshots are uncommitted and gone from `snapshots/`; on local
+        disk their files are then deleted in the background (see `wait_for_deletions`).
+        """
         kept: list[int] = []
-        removed = []
+        removed, doomed = [], []
         for step, directory in self._steps():
             if len(kept) < self.keep:
                 if self._info(step, directory) is not None:
@@ -275,12 +309,39 @@ class SnapshotStore:
             # Uncommit first: once the manifest is gone, no reader can pick a half-deleted snapshot.
             self.storage.remove(f"{directory}/{MANIFEST_FILE}")
             self.storage.sync_dir(directory)
-            self.storage.remove_tree(directory)
+            if self.storage.local:
+                self.storage.make_dirs(DELETED_DIR)
+                doomed.append(f"{DELETED_DIR}/{directory.rsplit('/', 1)[-1]}-{uuid.uuid4().hex[:8]}")
+                self.storage.rename(directory, doomed[-1])
+            else:
+                self.storage.remove_tree(directory)  # an object store cannot move a prefix; deletes are cheap
             removed.append(step)
         if removed:
             self.storage.sync_dir(SNAPSHOTS_DIR)
             logger.info("retention removed snapshots %s under %s (keeping %s)", removed, self.url, kept)
+        for rel in doomed:
+            self._delete_in_background(rel)
         return removed
+
+    def _delete_in_background(self, rel: str) -> None:
+        with self._deleter_lock:
+            if self._deleter is None:
+                self._deleter = ThreadPoolExecutor(1, thread_name_prefix="zocheck-snapshot-delete")
+            self._deletions = [f for f in self._deletions if not f.done()]
+            self._deletions.append(self._deleter.submit(self._delete, rel))
+
+    def _delete(self, rel: str) -> None:
+        try:
+            self.storage.remove_tree(rel)
+        except Exception as exc:  # housekeeping: what stays is removed when the store is next opened
+            logger.warning("could not delete the pruned snapshot %s: %s", self.storage.url_of(rel), exc)
+
+    def wait_for_deletions(self) -> None:
+        """Return once the files of every pruned snapshot are deleted."""
+        with self._deleter_lock:
+            pending, self._deletions = self._deletions, []
+        for future in pending:
+            future.result()
 
     def clean_uncommitted(self) -> list[str]:
         """Remove what killed saves left: directories without a manifest, temporary files, open uploads."""
@@ -298,6 +359,9 @@ class SnapshotStore:
         for name in self.storage.list_dir(""):
             if name.startswith(PROBE_PREFIX):
                 self.storage.remove(name)
+        for name in self.storage.list_dir(DELETED_DIR):
+            self._delete(f"{DELETED_DIR}/{name}")  # pruned, but a crash came before their files were gone
+            removed.append(f"{DELETED_DIR}/{name}")
         self.storage.abort_uploads(SNAPSHOTS_DIR)
         if removed:
             self.storage.sync_dir(SNAPSHOTS_DIR)
