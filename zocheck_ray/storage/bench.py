@@ -24,6 +24,7 @@ the machine and its load average before and after each case are recorded with th
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -76,6 +77,15 @@ def _plain_read(fs, path: str, state) -> None:
                 view[a : a + len(chunk)] = chunk
 
 
+def _sha256_pass(state) -> str:
+    h = hashlib.sha256()
+    for t in state.values():
+        data = raw_bytes(t)
+        for a in range(0, len(data), CHUNK_BYTES):
+            h.update(data[a : a + CHUNK_BYTES])
+    return h.hexdigest()
+
+
 def _load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -90,7 +100,7 @@ def bench_snapshots(target: str, url: str, options: dict | None, size_mb: int, r
     fsync = storage.local
     baseline = "plain_fsync" if fsync else "plain"
     samples: dict[str, list[float]] = {k: [] for k in ("plain", "plain_fsync", "save", "save_given_hash",
-                                                       "background_delete", "plain_read", "load")}
+                                                       "background_delete", "sha256_pass", "plain_read", "load")}
 
     def timed(fn: Callable[[], object]) -> float:
         store.wait_for_deletions()
@@ -114,18 +124,19 @@ def bench_snapshots(target: str, url: str, options: dict | None, size_mb: int, r
         record("save_given_hash", timed(lambda: store.save(2 * round_ + 1, state, state_hash=digest)))
         if fsync:
             record("plain", timed(lambda: _plain_write(fs, plain, state, fsync=False)))  # for reference only
+        record("sha256_pass", timed(lambda: _sha256_pass(state)))  # a save makes two: files and state_hash
         record("plain_read", timed(lambda: _plain_read(fs, plain, state)))
         record("load", timed(lambda: store.load(2 * round_)))
         fs.rm_file(plain)
     store.close()
-    result = {"target": target, "bytes": nbytes, "repeats": repeats,
+    result = {"target": target, "bytes": nbytes, "repeats": repeats, "baseline_key": baseline,
               "baseline": "plain fsspec write + one fsync" if fsync else "plain fsspec write (upload complete)",
               "load_average_before": load_before, "load_average_after": _load_average()}
     for key, values in samples.items():
         if values:
             result[f"{key}_s_median"] = round(statistics.median(values), 4)
             result[f"{key}_s_all"] = [round(v, 4) for v in values]
-            if key != "background_delete":
+            if key not in ("background_delete", "sha256_pass"):
                 result[f"{key}_MBps_median"] = round(nbytes / statistics.median(values) / 1e6, 1)
     for key in ("save", "save_given_hash"):
         result[f"{key}_vs_baseline"] = round(statistics.median(samples[baseline]) / statistics.median(samples[key]), 3)
@@ -245,6 +256,12 @@ def report(out: dict) -> None:
               f"{row['load_average_before'][0]} -> {row['load_average_after'][0]})")
     print("a save includes its SHA-256 of every file, the state_hash, fsyncs, the manifest commit and retention; "
           "'given hash' is a save whose caller passes the state_hash")
+    for row in out["snapshot"]:
+        print(f"{row['target']} medians, seconds: baseline {row[row['baseline_key'] + '_s_median']:.3f}, "
+              f"save {row['save_s_median']:.3f}, given hash {row['save_given_hash_s_median']:.3f}, "
+              f"one SHA-256 pass over the state {row['sha256_pass_s_median']:.3f} (a save makes two, on "
+              f"{out['machine']['cpu_count']} cores), pruned snapshot deleted in the background "
+              f"{row['background_delete_s_median']:.3f}")
     print()
     print(f"step log append, microseconds per record (target < {TARGET_APPEND_US} buffered)")
     print_table(out["log"], [("target", "target", "s"), ("us_per_record", "us/record", ".2f"), ("policy", "policy", "s")])
