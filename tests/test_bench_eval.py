@@ -113,7 +113,7 @@ def test_waste_rejects_a_bad_mtbf_by_name():
     waste.register(sub, bench)
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "waste", "--mtbf", "0"])
-    with pytest.raises(SystemExit, match="--from"):
+    with pytest.raises(ValueError, match="--from /nonexistent/results"):
         waste.from_results("/nonexistent/results", None, {})
 
 
@@ -193,3 +193,12 @@ def test_bench_all_rejects_an_unknown_benchmark(tmp_path):
     args = parser.parse_args(["bench", "all", "--out", str(tmp_path), "--only", "waste", "nonsense"])
     with pytest.raises(SystemExit, match="nonsense"):
         args.func(args)
+
+
+def test_waste_sensitivity_covers_every_variant_and_agrees_as_stated(waste_doc):
+    sets = {s["name"]: s for s in waste_doc["sets"]}
+    for name, rows in waste_doc["sensitivity"].items():
+        assert [r["variant"] for r in rows] == [v for v, _ in waste.SENSITIVITY]
+        stated = rows[0]
+        assert stated["ratios"][0] == pytest.approx(sets[name]["points"][0]["best_async_over_zocheck"])
+        assert stated["ratios"][-1] == pytest.approx(sets[name]["points"][-1]["best_async_over_zocheck"])
