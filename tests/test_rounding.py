@@ -74,3 +74,38 @@ def test_every_fp16_and_bf16_value_widens_exactly():
         finite = ~np.isnan(expected)
         assert np.array_equal(out[finite].view(np.uint32), expected[finite].view(np.uint32))
         assert np.isnan(out[~finite]).all()
+
+
+@njit
+def _round_all(x, out):
+    for i in range(x.shape[0]):
+        out[0, i] = fused._round_bf16(x[i])
+        out[1, i] = fused._round_bf16_inner(x[i])
+        out[2, i] = fused._round_f16(x[i])
+        out[3, i] = fused._round_f16_inner(x[i])
+
+
+def test_update_roundings_equal_torch_round_trips():
+    """The update's float32 -> dtype -> float32 roundings, full and inner, are torch's."""
+    x = interesting_floats()
+    out = np.empty((4, x.size), np.float32)
+    _round_all(x, out)
+    t = torch.from_numpy(x)
+    for row, dtype in ((0, torch.bfloat16), (1, torch.bfloat16), (2, torch.float16), (3, torch.float16)):
+        expected = t.to(dtype).float().numpy()
+        assert np.array_equal(out[row].view(np.uint32), expected.view(np.uint32)), (row, dtype)
+
+
+def test_inner_roundings_keep_nans_from_rounded_operands():
+    # NaNs the update can meet have the dtype's dropped mantissa bits zero; they stay NaN
+    rng = np.random.default_rng(1)
+    payload = rng.integers(1, 2**22, 100_000, dtype=np.uint64).astype(np.uint32)
+    sign = rng.integers(0, 2, payload.size, dtype=np.uint64).astype(np.uint32) << np.uint32(31)
+    for row, dropped in ((1, 0xFFFF), (3, 0x1FFF)):
+        nans = (np.uint32(0x7F800000) | sign | (payload & np.uint32(0x7FFFFF & ~dropped))).astype(np.uint32)
+        nans = nans[(nans & np.uint32(0x7FFFFF)) != 0].view(np.float32)
+        out = np.empty((4, nans.size), np.float32)
+        _round_all(nans, out)
+        assert np.isnan(out[row]).all()
+        full = out[row - 1].view(np.uint32) & np.uint32(0x7FFFFFFF if row == 3 else 0xFFFFFFFF)
+        assert (full == np.uint32(0x7FC00000)).all()  # the full roundings: quiet NaN (fp16 keeps the sign)

@@ -2,19 +2,29 @@
 
     zocheck-ray bench replay --params 20000000 --dtype fp32 bf16 --json replay.json
 
-For each dtype and optimizer, in one run on one state:
+For each dtype and optimizer, on one state, in interleaved rounds (so a loaded
+machine slows every contender alike; each figure is the best of its rounds):
 - fused: `zocheck_ray.replay`, one record per call (how a shadow keeping pace
   replays) and a batch of records per call (how it catches up);
 - eager: a MeZO-style replay in eager torch, as published systems replay: z is
   regenerated with torch's generator four times per step (three perturbations
   and the update), each operation a separate pass over the parameters;
 - bandwidth limit: the fastest of one read plus one write of the parameter bytes
-  (an in-place scale with the same threads, and torch's copy).
+  (an in-place scale with the same threads, and torch's copy);
+- generator: the perturbation alone (Philox words and their transform into z, in
+  cache, nothing read or written in memory) for every parameter, same threads.
+  The replay cannot be faster than this, so `limit / generator` is the highest
+  fraction of the bandwidth limit the replay can reach with this generator.
+
+The targets (fused >= 20x eager for fp32 and bf16; >= 50% of the bandwidth limit
+for fp32; ZO-Adam within 2.5x of ZO-SGD) are checked against the measured figures
+and printed as met or not met, with the load average before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numba
@@ -22,12 +32,16 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from zocheck_ray.bench.common import best_seconds, machine, print_table, write_json
+from zocheck_ray.bench.common import machine, print_table, write_json
 from zocheck_ray.core import StepRecord, ZOConfig, replay
+from zocheck_ray.core.fused import _perturbation_block
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout, applies_weight_decay
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TENSOR_COLUMNS = 4096
+SPEEDUP_TARGET = 20.0
+BANDWIDTH_TARGET = 0.5
+ADAM_OVER_SGD_TARGET = 2.5
 
 
 def make_state(params: int, dtype: torch.dtype, optimizer: str) -> dict[str, torch.Tensor]:
@@ -87,7 +101,7 @@ def eager_mezo_replay(params: dict[str, torch.Tensor], moments, records, config:
                 p.copy_(p - r.lr * grad)
 
 
-# ------------------------------------------------------------------ the bandwidth limit
+# ------------------------------------------------------------------ the limits
 
 
 @njit(parallel=True, cache=True)
@@ -99,100 +113,205 @@ def _scale_in_place(x, factor):
             x[i] = x[i] * factor
 
 
-def bandwidth_limit_seconds(nbytes: int, threads: int) -> float:
+@njit(parallel=True, cache=True, error_model="numpy", nogil=True)
+def _generate_in_cache(key0, key1, numel, gaussian, chunk):
+    """z for elements 0 .. numel-1, chunk by chunk into cache-resident scratch (then dropped)."""
+    chunks = (numel + chunk - 1) // chunk
+    firsts = np.empty(chunks, np.float32)
+    for c in prange(chunks):
+        count = (min(chunk, numel - c * chunk) + 3) // 4
+        z = np.empty(4 * count, np.float32)
+        wa = np.empty(2 * count, np.uint32)
+        wb = np.empty(2 * count, np.uint32)
+        radius = np.empty(2 * count, np.float32)
+        _perturbation_block(key0, key1, (c * chunk) >> 2, count, gaussian, z, wa, wb, radius)
+        firsts[c] = z[0]
+    return firsts
+
+
+class Limits:
+    """The memory-bandwidth limit and the generator-alone time for `params` elements."""
+
+    def __init__(self, params: int, nbytes: int, threads: int, gaussian: bool | None = None):
+        """`gaussian`: the perturbation kind `generator_seconds` measures (None: not measured)."""
+        self.params, self.threads, self.gaussian = params, threads, gaussian
+        self.words = np.ones(nbytes // 4, dtype=np.float32)
+        self.src = torch.from_numpy(self.words)
+        self.dst = torch.empty_like(self.src)
+        self._with_threads(lambda: _scale_in_place(self.words, np.float32(1.0)))
+        self.dst.copy_(self.src)
+        if gaussian is not None:
+            self._with_threads(self._generate)
+
+    def _with_threads(self, fn):
+        previous = numba.get_num_threads()
+        numba.set_num_threads(self.threads)
+        try:
+            return fn()
+        finally:
+            numba.set_num_threads(previous)
+
+    def _generate(self):
+        from zocheck_ray.core.fused import CHUNK_ELEMENTS
+
+        _generate_in_cache(np.uint64(12345), np.uint64(678), self.params, self.gaussian, CHUNK_ELEMENTS)
+
+    def bandwidth_seconds(self) -> float:
+        """One read plus one write of the bytes: the faster of an in-place scale and a copy."""
+        in_place = self._with_threads(lambda: _timed(lambda: _scale_in_place(self.words, np.float32(1.0))))
+        copy = _timed(lambda: self.dst.copy_(self.src))
+        return min(in_place, copy)
+
+    def generator_seconds(self) -> float:
+        return self._with_threads(lambda: _timed(self._generate))
+
+
+def bandwidth_limit_seconds(nbytes: int, threads: int, repeats: int = 5) -> float:
     """Fastest one read plus one write of `nbytes` (in-place scale; torch copy)."""
-    words = np.ones(nbytes // 4, dtype=np.float32)
-    previous = numba.get_num_threads()
-    numba.set_num_threads(threads)
-    try:
-        _scale_in_place(words, np.float32(1.0))
-        in_place = best_seconds(lambda: _scale_in_place(words, np.float32(1.0)), repeats=5)
-    finally:
-        numba.set_num_threads(previous)
-    src = torch.from_numpy(words)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    copy = best_seconds(lambda: dst.copy_(src), repeats=5)
-    return min(in_place, copy)
+    limits = Limits(nbytes // 4, nbytes, threads)
+    return min(limits.bandwidth_seconds() for _ in range(repeats))
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 # ------------------------------------------------------------------ the benchmark
 
 
-def bench_one(params: int, dtype_name: str, optimizer: str, threads: int, steps: int, eager_steps: int) -> dict:
+def bench_one(params: int, dtype_name: str, optimizer: str, perturbation: str, threads: int, steps: int,
+              eager_steps: int, rounds: int) -> dict:
     dtype = DTYPES[dtype_name]
-    config = ZOConfig(optimizer=optimizer, lr=1e-6, eps=1e-3, weight_decay=0.01 if optimizer != "zo-adam" else 0.0)
+    config = ZOConfig(optimizer=optimizer, perturbation=perturbation, lr=1e-6, eps=1e-3,
+                      weight_decay=0.01 if optimizer != "zo-adam" else 0.0)
     state = make_state(params, dtype, optimizer)
-    records = make_records(state, config, 1 + 2 * steps)
-    replay(state, records[:1], config, threads=threads)  # compile or load the kernel
+    records = make_records(state, config, 1 + rounds * (2 * steps + eager_steps))
     start = time.perf_counter()
-    for r in records[1 : 1 + steps]:
-        replay(state, [r], config, threads=threads)
-    streaming = (time.perf_counter() - start) / steps
-    start = time.perf_counter()
-    replay(state, records[1 + steps :], config, threads=threads)
-    batched = (time.perf_counter() - start) / steps
+    replay(state, records[:1], config, threads=threads)  # compile, or load the compiled kernel
+    first_call = time.perf_counter() - start
 
     param_names = [n for n in state if not n.startswith("optimizer.")]
     eager_params = {n: state[n].clone() for n in param_names}
     moments = {n: (torch.zeros(state[n].shape), torch.zeros(state[n].shape)) for n in param_names}
-    previous = torch.get_num_threads()
+    nbytes = sum(state[n].numel() * state[n].element_size() for n in param_names)
+    limits = Limits(params, nbytes, threads, perturbation == "gaussian")
+    torch_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         eager_mezo_replay(eager_params, moments, records[:1], config)  # warm-up
-        start = time.perf_counter()
-        eager_mezo_replay(eager_params, moments, records[1 : 1 + eager_steps], config)
-        eager = (time.perf_counter() - start) / eager_steps
+        best = {"stream": np.inf, "batched": np.inf, "eager": np.inf, "limit": np.inf, "generator": np.inf}
+        next_record = 1
+        for _ in range(rounds):
+            for r in records[next_record : next_record + steps]:
+                best["stream"] = min(best["stream"], _timed(lambda: replay(state, [r], config, threads=threads)))
+            next_record += steps
+            batch = records[next_record : next_record + steps]
+            best["batched"] = min(best["batched"], _timed(lambda: replay(state, batch, config, threads=threads)) / steps)
+            next_record += steps
+            eager = records[next_record : next_record + eager_steps]
+            best["eager"] = min(best["eager"],
+                                _timed(lambda: eager_mezo_replay(eager_params, moments, eager, config)) / eager_steps)
+            next_record += eager_steps
+            best["limit"] = min(best["limit"], limits.bandwidth_seconds())
+            best["generator"] = min(best["generator"], limits.generator_seconds())
     finally:
-        torch.set_num_threads(previous)
+        torch.set_num_threads(torch_threads)
 
-    nbytes = sum(state[n].numel() * state[n].element_size() for n in param_names)
-    limit = bandwidth_limit_seconds(nbytes, threads)
+    per_thread_ns = 1e9 * threads / params
     return {
-        "dtype": dtype_name, "optimizer": optimizer, "params": params, "threads": threads,
-        "fused_step_seconds": streaming, "fused_batched_step_seconds": batched, "batch": steps,
-        "eager_step_seconds": eager, "bandwidth_limit_seconds": limit,
-        "params_per_second_per_thread": params / streaming / threads,
-        "speedup_over_eager": eager / streaming,
-        "bandwidth_fraction": limit / streaming,
-        "bandwidth_fraction_batched": limit / batched,
+        "dtype": dtype_name, "optimizer": optimizer, "perturbation": perturbation, "params": params,
+        "threads": threads, "rounds": rounds, "batch": steps,
+        "first_call_seconds": first_call,
+        "fused_step_seconds": best["stream"], "fused_batched_step_seconds": best["batched"],
+        "eager_step_seconds": best["eager"], "bandwidth_limit_seconds": best["limit"],
+        "generator_seconds": best["generator"],
+        "params_per_second_per_thread": params / best["stream"] / threads,
+        "ns_per_element_per_thread": best["stream"] * per_thread_ns,
+        "batched_ns_per_element_per_thread": best["batched"] * per_thread_ns,
+        "generator_ns_per_element_per_thread": best["generator"] * per_thread_ns,
+        "limit_ns_per_element_per_thread": best["limit"] * per_thread_ns,
+        "speedup_over_eager": best["eager"] / best["stream"],
+        "bandwidth_fraction": best["limit"] / best["stream"],
+        "bandwidth_fraction_batched": best["limit"] / best["batched"],
+        "generator_bound_fraction": best["limit"] / best["generator"],
     }
+
+
+def check_targets(rows: list[dict], ratios: dict[str, float]) -> list[dict]:
+    """Each target against the measured rows: what was asked, what was measured, met or not."""
+    targets = []
+    for row in rows:
+        name = f"{row['dtype']} {row['optimizer']} {row['perturbation']}"
+        if row["dtype"] in ("fp32", "bf16"):
+            targets.append({"target": f"{name}: fused >= {SPEEDUP_TARGET:.0f}x eager",
+                            "measured": f"{row['speedup_over_eager']:.1f}x",
+                            "met": row["speedup_over_eager"] >= SPEEDUP_TARGET})
+        if row["dtype"] == "fp32":
+            reachable = row["generator_bound_fraction"]
+            targets.append({"target": f"{name}: >= {BANDWIDTH_TARGET:.0%} of the bandwidth limit",
+                            "measured": f"{row['bandwidth_fraction']:.0%} (generator alone allows {reachable:.0%})",
+                            "met": row["bandwidth_fraction"] >= BANDWIDTH_TARGET})
+    for dtype_name, ratio in ratios.items():
+        targets.append({"target": f"{dtype_name}: zo-adam within {ADAM_OVER_SGD_TARGET}x of zo-sgd",
+                        "measured": f"{ratio:.2f}x", "met": ratio <= ADAM_OVER_SGD_TARGET})
+    return targets
 
 
 def run(args: argparse.Namespace) -> int:
     if args.params < 1:
         raise SystemExit("--params must be at least 1")
+    if args.steps < 1 or args.eager_steps < 1 or args.rounds < 1:
+        raise SystemExit("--steps, --eager-steps and --rounds must be at least 1")
     threads = args.threads or numba.config.NUMBA_NUM_THREADS
     if not 1 <= threads <= numba.config.NUMBA_NUM_THREADS:
         raise SystemExit(f"--threads must be in [1, {numba.config.NUMBA_NUM_THREADS}], got {threads}")
     info = machine()
-    print(f"replay benchmark: {args.params:,} parameters, {threads} threads, {info['cpu']}")
+    load_before = os.getloadavg()
+    print(f"replay benchmark: {args.params:,} parameters, {threads} threads, {info['cpu']}, "
+          f"load average {load_before[0]:.2f}")
     rows = []
     for dtype_name in args.dtype:
         for optimizer in args.optimizer:
-            print(f"  measuring {dtype_name} {optimizer} ...", flush=True)
-            rows.append(bench_one(args.params, dtype_name, optimizer, threads, args.steps, args.eager_steps))
+            print(f"  measuring {dtype_name} {optimizer} {args.perturbation} ...", flush=True)
+            rows.append(bench_one(args.params, dtype_name, optimizer, args.perturbation, threads, args.steps,
+                                  args.eager_steps, args.rounds))
+    load_after = os.getloadavg()
     for row in rows:
         row["fused_ms"] = row["fused_step_seconds"] * 1e3
         row["batched_ms"] = row["fused_batched_step_seconds"] * 1e3
         row["eager_ms"] = row["eager_step_seconds"] * 1e3
         row["limit_ms"] = row["bandwidth_limit_seconds"] * 1e3
+        row["generator_ms"] = row["generator_seconds"] * 1e3
         row["mps_thread"] = row["params_per_second_per_thread"] / 1e6
     print()
     print_table(rows, [
         ("dtype", "dtype", ""), ("optimizer", "optimizer", ""), ("fused_ms", "fused ms/step", ".1f"),
         ("batched_ms", "batched ms/step", ".1f"), ("eager_ms", "eager ms/step", ".0f"),
+        ("ns_per_element_per_thread", "ns/elem/thread", ".2f"),
         ("mps_thread", "M params/s/thread", ".0f"), ("speedup_over_eager", "x eager", ".1f"),
         ("limit_ms", "1R+1W ms", ".1f"), ("bandwidth_fraction", "of bandwidth", ".0%"),
         ("bandwidth_fraction_batched", "batched", ".0%"),
+        ("generator_ms", "generator ms", ".1f"), ("generator_bound_fraction", "generator allows", ".0%"),
     ])
+    print("\ngenerator: Philox words and their transform alone, in cache, for every parameter (the replay's "
+          "compute floor);\n'generator allows' = 1R+1W / generator: the highest fraction of the bandwidth limit "
+          "a replay with this generator can reach.")
     ratios = {}
     for dtype_name in args.dtype:
         by_opt = {r["optimizer"]: r for r in rows if r["dtype"] == dtype_name}
         if "zo-sgd" in by_opt and "zo-adam" in by_opt:
             ratios[dtype_name] = by_opt["zo-adam"]["fused_step_seconds"] / by_opt["zo-sgd"]["fused_step_seconds"]
-            print(f"\nzo-adam / zo-sgd replay time ({dtype_name}): {ratios[dtype_name]:.2f}x")
-    write_json(args.json, {"benchmark": "replay", "machine": info, "results": rows, "adam_over_sgd": ratios})
+            print(f"zo-adam / zo-sgd replay time ({dtype_name}): {ratios[dtype_name]:.2f}x")
+    targets = check_targets(rows, ratios)
+    print("\ntargets:")
+    for t in targets:
+        print(f"  {'met    ' if t['met'] else 'NOT MET'}  {t['target']}: {t['measured']}")
+    print(f"\nload average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f} on {info['cpu_count']} CPUs; "
+          f"each figure is the best of {args.rounds} interleaved rounds")
+    write_json(args.json, {"benchmark": "replay", "machine": info, "results": rows, "adam_over_sgd": ratios,
+                           "targets": targets, "load_average_before": load_before, "load_average_after": load_after})
     return 0
 
 
@@ -203,8 +322,11 @@ def register(commands, bench) -> None:
     parser.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     parser.add_argument("--optimizer", nargs="+", choices=["zo-sgd", "zo-adam", "sparse-mezo"],
                         default=["zo-sgd", "zo-adam"])
+    parser.add_argument("--perturbation", choices=["gaussian", "rademacher"], default="gaussian",
+                        help="perturbation kind (default gaussian)")
     parser.add_argument("--threads", type=int, default=None, help="replay threads (default: all cores)")
-    parser.add_argument("--steps", type=int, default=8, help="timed fused steps (default 8)")
-    parser.add_argument("--eager-steps", type=int, default=2, help="timed eager steps (default 2)")
+    parser.add_argument("--steps", type=int, default=8, help="fused steps timed per round (default 8)")
+    parser.add_argument("--eager-steps", type=int, default=1, help="eager steps timed per round (default 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; figures are the best (default 3)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.set_defaults(func=run)

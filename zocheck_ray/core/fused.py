@@ -87,19 +87,18 @@ def _bf16_value(bits):
 
 @njit(inline="always")
 def _f16_bits(x):
-    """float32 -> float16 bits, round to nearest even (F. Giesen's float_to_half_rtne)."""
+    """float32 -> float16 bits, round to nearest even (F. Giesen's float_to_half_rtne).
+
+    Every case is computed and one selected, so loops over it vectorize."""
     u = _f32_bits(x)
     sign = u & _U32(0x80000000)
     u = u ^ sign
-    if u >= _U32(0x47800000):  # 2**16 and up: inf, or NaN
-        out = _U32(0x7E00) if u > _U32(0x7F800000) else _U32(0x7C00)
-    elif u < _U32(0x38800000):  # below 2**-14: a subnormal or zero half
-        f = _bits_f32(u) + _bits_f32(_U32(0x3F000000))  # magic 0.5 aligns the mantissa
-        out = _U32(_f32_bits(f) - _U32(0x3F000000))
-    else:
-        odd = (u >> _U32(13)) & _U32(1)
-        u = _U32(u + _U32(0xC8000FFF)) + odd  # rebias exponent (-112 << 23) and round
-        out = u >> _U32(13)
+    special = _U32(0x7E00) if u > _U32(0x7F800000) else _U32(0x7C00)  # NaN, or inf and overflow
+    # below 2**-14 the half is subnormal or zero: adding 0.5 aligns the mantissa, rounding to nearest even
+    tiny = _U32(_f32_bits(_bits_f32(u) + _bits_f32(_U32(0x3F000000))) - _U32(0x3F000000))
+    odd = (u >> _U32(13)) & _U32(1)
+    normal = (_U32(u + _U32(0xC8000FFF)) + odd) >> _U32(13)  # rebias exponent (-112 << 23) and round
+    out = special if u >= _U32(0x47800000) else (tiny if u < _U32(0x38800000) else normal)
     return _U32(out | (sign >> _U32(16)))
 
 
@@ -107,13 +106,13 @@ def _f16_bits(x):
 def _f16_value(bits):
     h = _U32(bits)
     sign = (h & _U32(0x8000)) << _U32(16)
-    exponent = (h >> _U32(10)) & _U32(0x1F)
+    exponent = h & _U32(0x7C00)
     mantissa = h & _U32(0x3FF)
-    if exponent == _U32(0x1F):
-        return _bits_f32(sign | _U32(0x7F800000) | (mantissa << _U32(13)))
-    if exponent == _U32(0):
-        return _bits_f32(_f32_bits(_F32(np.int32(mantissa)) * _F32(5.9604644775390625e-08)) | sign)
-    return _bits_f32(sign | ((exponent + _U32(112)) << _U32(23)) | (mantissa << _U32(13)))
+    special = _U32(0x7F800000) | (mantissa << _U32(13))
+    tiny = _f32_bits(_F32(np.int32(mantissa)) * _F32(5.9604644775390625e-08))
+    normal = ((h & _U32(0x7FFF)) << _U32(13)) + _U32(112 << 23)
+    out = special if exponent == _U32(0x7C00) else (tiny if exponent == _U32(0) else normal)
+    return _bits_f32(out | sign)
 
 
 @njit(inline="always")
@@ -123,12 +122,51 @@ def _round_f32(x):
 
 @njit(inline="always")
 def _round_bf16(x):
-    return _bf16_value(_bf16_bits(x))
+    """_bf16_value(_bf16_bits(x)) without the shifts."""
+    u = _f32_bits(x)
+    r = _U32(_U32(u + _U32(_U32(0x7FFF) + _U32((u >> _U32(16)) & _U32(1)))) & _U32(0xFFFF0000))
+    return _bits_f32(_U32(0x7FC00000) if x != x else r)
 
 
 @njit(inline="always")
 def _round_f16(x):
-    return _f16_value(_f16_bits(x))
+    """_f16_value(_f16_bits(x)) in the float32 domain: the nearest-even half, as a float32."""
+    u = _f32_bits(x)
+    a = _U32(u & _U32(0x7FFFFFFF))
+    normal = _U32(_U32(a + _U32(_U32(0xFFF) + _U32((a >> _U32(13)) & _U32(1)))) & _U32(0xFFFFE000))
+    normal = _U32(0x7F800000) if normal >= _U32(0x47800000) else normal  # rounds to 2**16 and up: inf
+    # subnormal halves are multiples of 2**-24: adding and removing 0.5 rounds to one, exactly
+    tiny = _f32_bits((_bits_f32(a) + _HALF) - _HALF)
+    out = tiny if a < _U32(0x38800000) else normal
+    out = _U32(0x7FC00000) if a > _U32(0x7F800000) else out
+    return _bits_f32(_U32(out | _U32(u ^ a)))
+
+
+# The update's intermediate roundings skip the NaN case. Their operands are parameter
+# values (stored bf16/fp16: low mantissa bits zero), finite scalars, and results of
+# these roundings, so any NaN among them has its low 16 (bf16) or 13 (fp16) bits
+# zero, and the rounding leaves it a NaN (its sign and payload differ from torch's
+# canonical NaN, which only a NaN result can carry on). The one rounding of a value
+# made from float32 optimizer state (ZO-Adam's u * lr) and the final store use the
+# complete conversions. So NaNs land where they would, with the store's canonical bits.
+
+
+@njit(inline="always")
+def _round_bf16_inner(x):
+    u = _f32_bits(x)
+    return _bits_f32(_U32(_U32(u + _U32(_U32(0x7FFF) + _U32((u >> _U32(16)) & _U32(1)))) & _U32(0xFFFF0000)))
+
+
+@njit(inline="always")
+def _round_f16_inner(x):
+    u = _f32_bits(x)
+    a = _U32(u & _U32(0x7FFFFFFF))
+    normal = _U32(_U32(a + _U32(_U32(0xFFF) + _U32((a >> _U32(13)) & _U32(1)))) & _U32(0xFFFFE000))
+    # overflow to inf; inf and NaN stay as they are
+    normal = max(normal, _U32(0x7F800000)) if normal >= _U32(0x47800000) else normal
+    tiny = _f32_bits((_bits_f32(a) + _HALF) - _HALF)
+    out = tiny if a < _U32(0x38800000) else normal
+    return _bits_f32(_U32(out | _U32(u ^ a)))
 
 
 @njit(inline="always")
@@ -212,8 +250,35 @@ def _sqrt_positive(a):
 
 
 @njit(inline="always")
-def _box_muller(wa, wb):
-    radius = _sqrt_positive(_log_unit(_unit_uniform(wa >> _U32(9))) * _F32(-2.0))
+def _philox(ctr, key0, key1):
+    """The four Philox4x32-10 words of counter (ctr, STREAM) under key (key0, key1).
+
+    uint64 products of 32-bit values give the high and low words of one vpmuludq;
+    the low words are never masked, as only their low 32 bits are ever read."""
+    m0 = np.uint64(PHILOX_M0)
+    m1 = np.uint64(PHILOX_M1)
+    mask = np.uint64(MASK32)
+    c0 = ctr & mask
+    c1 = ctr >> np.uint64(32)
+    c2 = np.uint64(STREAM)
+    c3 = np.uint64(0)
+    k0 = key0
+    k1 = key1
+    for _ in range(PHILOX_ROUNDS):
+        p0 = m0 * (c0 & mask)
+        p1 = m1 * (c2 & mask)
+        c0 = (p1 >> np.uint64(32)) ^ c1 ^ k0
+        c2 = (p0 >> np.uint64(32)) ^ c3 ^ k1
+        c1 = p1
+        c3 = p0
+        k0 = (k0 + np.uint64(PHILOX_W0)) & mask
+        k1 = (k1 + np.uint64(PHILOX_W1)) & mask
+    return _U32(c0 & mask), _U32(c1 & mask), _U32(c2 & mask), _U32(c3 & mask)
+
+
+@njit(inline="always")
+def _angle(wb, radius):
+    """radius * (cos, sin) of the angle in word `wb` (see generator.box_muller)."""
     x = _unit_uniform((wb >> _U32(7)) & _U32(0x7FFFFF)) * _HALF_PI
     x2 = x * x
     acc = _S0 * x2 + _S1
@@ -239,39 +304,40 @@ def _box_muller(wa, wb):
 
 
 @njit(inline="always")
-def _perturbation_block(key0, key1, first, count, gaussian, out):
-    """z for counters first .. first+count-1 into out[0 : 4*count]; see generator.py."""
-    m0 = np.uint64(PHILOX_M0)
-    m1 = np.uint64(PHILOX_M1)
-    mask = np.uint64(MASK32)
+def _box_muller(wa, wb):
+    return _angle(wb, _sqrt_positive(_log_unit(_unit_uniform(wa >> _U32(9))) * _F32(-2.0)))
+
+
+@njit(inline="always")
+def _perturbation_block(key0, key1, first, count, gaussian, out, wa, wb, radius):
+    """z for counters first .. first+count-1 into out[0 : 4*count]; see generator.py.
+
+    Gaussian values are made in passes over cache-resident scratch (wa, wb, radius:
+    2*count each): Philox words, then the logarithm, the square root, and the angle.
+    Each pass is a short dependency chain per element, so the vectorized loops keep
+    many elements in flight; one pass doing it all is latency-bound."""
+    if not gaussian:
+        for j in range(count):
+            w0, w1, w2, w3 = _philox(np.uint64(first + j), key0, key1)
+            out[4 * j] = _F32(-1.0) if (w0 >> _U32(31)) != _U32(0) else _ONE
+            out[4 * j + 1] = _F32(-1.0) if (w1 >> _U32(31)) != _U32(0) else _ONE
+            out[4 * j + 2] = _F32(-1.0) if (w2 >> _U32(31)) != _U32(0) else _ONE
+            out[4 * j + 3] = _F32(-1.0) if (w3 >> _U32(31)) != _U32(0) else _ONE
+        return
+    # pair q < count is (w0, w1) of counter q; pair count + q is (w2, w3)
     for j in range(count):
-        ctr = np.uint64(first + j)
-        c0 = ctr & mask
-        c1 = ctr >> np.uint64(32)
-        c2 = np.uint64(STREAM)
-        c3 = np.uint64(0)
-        k0 = key0
-        k1 = key1
-        for _ in range(PHILOX_ROUNDS):
-            p0 = m0 * c0
-            p1 = m1 * c2
-            n0 = (p1 >> np.uint64(32)) ^ c1 ^ k0
-            n2 = (p0 >> np.uint64(32)) ^ c3 ^ k1
-            c1 = p1 & mask
-            c3 = p0 & mask
-            c0 = n0
-            c2 = n2
-            k0 = (k0 + np.uint64(PHILOX_W0)) & mask
-            k1 = (k1 + np.uint64(PHILOX_W1)) & mask
-        w0, w1, w2, w3 = _U32(c0), _U32(c1), _U32(c2), _U32(c3)
-        if gaussian:
-            z0, z1 = _box_muller(w0, w1)
-            z2, z3 = _box_muller(w2, w3)
-        else:
-            z0 = _F32(-1.0) if (w0 >> _U32(31)) != _U32(0) else _ONE
-            z1 = _F32(-1.0) if (w1 >> _U32(31)) != _U32(0) else _ONE
-            z2 = _F32(-1.0) if (w2 >> _U32(31)) != _U32(0) else _ONE
-            z3 = _F32(-1.0) if (w3 >> _U32(31)) != _U32(0) else _ONE
+        w0, w1, w2, w3 = _philox(np.uint64(first + j), key0, key1)
+        wa[j] = w0
+        wb[j] = w1
+        wa[count + j] = w2
+        wb[count + j] = w3
+    for q in range(2 * count):
+        radius[q] = _log_unit(_unit_uniform(wa[q] >> _U32(9))) * _F32(-2.0)
+    for q in range(2 * count):
+        radius[q] = _sqrt_positive(radius[q])
+    for j in range(count):
+        z0, z1 = _angle(wb[j], radius[j])
+        z2, z3 = _angle(wb[count + j], radius[count + j])
         out[4 * j] = z0
         out[4 * j + 1] = z1
         out[4 * j + 2] = z2
@@ -283,7 +349,7 @@ def _perturbation_block(key0, key1, first, count, gaussian, out):
 
 @njit(inline="always")
 def _chunk(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c_plus, c_minus, grads, lrs,
-           bc1s, bc2s, thresholds, consts, p, z, load, store, rnd):
+           bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, load, store, rnd, rnd_full):
     wd, b1, omb1, b2, omb2, adam_eps = consts[0], consts[1], consts[2], consts[3], consts[4], consts[5]
     use_wd = decay and wd > _F32(0.0)
     for i in range(n):
@@ -292,7 +358,7 @@ def _chunk(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c
     count = ((offset + n - 1) >> 2) - first + 1
     lane = offset & 3
     for k in range(keys0.shape[0]):
-        _perturbation_block(keys0[k], keys1[k], first, count, gaussian, z)
+        _perturbation_block(keys0[k], keys1[k], first, count, gaussian, z, wa, wb, radius)
         cp = c_plus[k]
         cm = c_minus[k]
         g = grads[k]
@@ -314,7 +380,7 @@ def _chunk(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c
                 u = (mi * bc1) / (np.sqrt(vi * bc2) + adam_eps)
                 if use_wd:
                     u = u + x * wd
-                p[i] = rnd(x - rnd(u * lr))
+                p[i] = rnd(x - rnd_full(u * lr))
         elif opt == OPT_SPARSE:
             thr = thresholds[k, tensor]
             for i in range(n):
@@ -352,7 +418,7 @@ def _chunk(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c
 @njit(inline="always")
 def _run(param_ptrs, m_ptrs, v_ptrs, offsets, decays, chunk_tensor, chunk_start, chunk_len, opt, gaussian, keys0,
          keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, consts, storage_dtype, itemsize,
-         load, store, rnd):
+         load, store, rnd, rnd_full):
     for c in prange(chunk_tensor.shape[0]):
         t = chunk_tensor[c]
         s = chunk_start[c]
@@ -366,8 +432,12 @@ def _run(param_ptrs, m_ptrs, v_ptrs, offsets, decays, chunk_tensor, chunk_start,
             v = m
         p = np.empty(n, np.float32)
         z = np.empty(n + 8, np.float32)
+        pairs = 2 * (n // 4 + 2)
+        wa = np.empty(pairs, np.uint32)
+        wb = np.empty(pairs, np.uint32)
+        radius = np.empty(pairs, np.float32)
         _chunk(param, m, v, n, offsets[t] + s, t, decays[t], opt, gaussian, keys0, keys1, c_plus, c_minus,
-               grads, lrs, bc1s, bc2s, thresholds, consts, p, z, load, store, rnd)
+               grads, lrs, bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, load, store, rnd, rnd_full)
 
 
 # One compiled kernel per storage dtype; each is a plain module-level function so
@@ -378,19 +448,19 @@ _KERNEL_OPTIONS = dict(parallel=True, cache=True, error_model="numpy", nogil=Tru
 @njit(**_KERNEL_OPTIONS)
 def _kernel_f32(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con):
     _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-         np.float32, np.int64(4), _load_f32, _store_f32, _round_f32)
+         np.float32, np.int64(4), _load_f32, _store_f32, _round_f32, _round_f32)
 
 
 @njit(**_KERNEL_OPTIONS)
 def _kernel_bf16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con):
     _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-         np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16)
+         np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16)
 
 
 @njit(**_KERNEL_OPTIONS)
 def _kernel_f16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con):
     _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-         np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16)
+         np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16)
 
 
 _KERNELS = {torch.float32: _kernel_f32, torch.bfloat16: _kernel_bf16, torch.float16: _kernel_f16}
@@ -408,7 +478,10 @@ def _perturbation_kernel(key0, key1, offset, gaussian, out):
         counters = ((offset + start + count - 1) >> 2) - first + 1
         lane = (offset + start) & 3
         z = np.empty(4 * counters, np.float32)
-        _perturbation_block(key0, key1, first, counters, gaussian, z)
+        wa = np.empty(2 * counters, np.uint32)
+        wb = np.empty(2 * counters, np.uint32)
+        radius = np.empty(2 * counters, np.float32)
+        _perturbation_block(key0, key1, first, counters, gaussian, z, wa, wb, radius)
         for i in range(count):
             out[start + i] = z[lane + i]
 
