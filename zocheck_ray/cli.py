@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "zocheck_ray.policies.cli",
     "zocheck_ray.storage.cli",
     "zocheck_ray.train_cli",
+    "zocheck_ray.tune",
 ]
 
 

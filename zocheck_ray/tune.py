@@ -1,0 +1,334 @@
+"""Ray Tune: one ZOCheck job per trial, restored exactly from the trial's durable image.
+
+    from zocheck_ray.config import load_job_config
+    from zocheck_ray.tune import sweep
+
+    job = load_job_config("deploy/examples/sst2-opt.yaml")
+    results = sweep(job, {"zo.lr": [1e-3, 3e-3], "zo.eps": [1e-3, 1e-2]})
+
+    zocheck-ray tune --config deploy/examples/sst2-opt.yaml --grid zo.lr=1e-3,3e-3 --grid zo.eps=1e-3,1e-2
+
+Each trial reserves one STRICT_PACK placement group (`trial_resources`): a bundle for the
+trial's controller, one for the trainer (with a GPU where there is one) and one for the
+shadow. The trial runs `controller.run` in that group and reports the trainer's progress
+and the shadow's metrics with `tune.report` after every segment. Whenever the shadow has
+made a newer snapshot durable, the report carries a Tune checkpoint: a directory holding
+one small JSON pointer (`CheckpointPointer`: storage URL, run id, step, state_hash), never
+the weights. A trial that Tune restores after a failure reads the pointer, checks it
+against the durable storage and resumes the same run from its newest durable snapshot plus
+the step log, so it ends with the state an uninterrupted trial reaches, bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from zocheck_ray.config import JobConfig, JobConfigError, check_task, load_job_config
+
+POINTER_FILE = "zocheck_pointer.json"
+"""The only file in a ZOCheck Tune checkpoint."""
+
+FAIL_ONCE_KEY = "fail_once_at_step"
+"""Trial config key for fault injection: the trial raises `InjectedTrialFailure` at the first
+segment that reaches this step, unless it was restored from a checkpoint."""
+
+TRAINABLE_BUNDLE = {"CPU": 1}
+"""The trial's own process (the controller): it waits on the actors most of the time."""
+
+
+class CheckpointPointerError(ValueError):
+    """A Tune checkpoint that does not point at a usable durable ZOCheck image; the message names it."""
+
+
+class InjectedTrialFailure(RuntimeError):
+    """Raised on purpose by a trial whose config sets `fail_once_at_step`."""
+
+
+class CheckpointPointer(BaseModel):
+    """What a Tune checkpoint holds: where the trial's durable image is, and which one it was."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Literal["zocheck-ray/durable-image"] = "zocheck-ray/durable-image"
+    """Identifies the file."""
+    storage: str
+    """The job's storage root (credentials live in the job's `storage_options`, never here)."""
+    run_id: str
+    """The run, under `<storage>/<run_id>`."""
+    step: int = Field(ge=0)
+    """The newest durable snapshot when the checkpoint was reported."""
+    state_hash: str = Field(min_length=64, max_length=64)
+    """That snapshot's state_hash (from its manifest)."""
+
+    @property
+    def run_url(self) -> str:
+        return self.storage.rstrip("/") + "/" + self.run_id
+
+
+def write_pointer(pointer: CheckpointPointer, directory: str | Path) -> Path:
+    path = Path(directory) / POINTER_FILE
+    path.write_text(pointer.model_dump_json(indent=2))
+    return path
+
+
+def read_pointer(directory: str | Path) -> CheckpointPointer:
+    """The pointer in a checkpoint directory (JSON only; nothing else in it is read)."""
+    path = Path(directory) / POINTER_FILE
+    if not path.is_file():
+        raise CheckpointPointerError(f"{path} does not exist: the checkpoint is not a ZOCheck trial's")
+    try:
+        return CheckpointPointer.model_validate_json(path.read_text())
+    except ValidationError as exc:
+        raise CheckpointPointerError(f"{path} is not a valid ZOCheck checkpoint pointer:\n{exc}") from exc
+
+
+def durable_pointer(job: JobConfig) -> CheckpointPointer | None:
+    """A pointer to the newest committed snapshot of `job`'s run, or None before the first."""
+    from zocheck_ray.storage import SnapshotStore
+
+    latest = SnapshotStore(job.run_url, job.storage_options, create=False).latest()
+    if latest is None:
+        return None
+    return CheckpointPointer(storage=job.storage, run_id=job.run_id, step=latest.step, state_hash=latest.state_hash)
+
+
+def check_pointer(pointer: CheckpointPointer, storage_options: dict) -> None:
+    """Fail unless the storage still holds the run the pointer names, at its step or later."""
+    from zocheck_ray.storage import SnapshotStore, StorageError
+
+    try:
+        store = SnapshotStore(pointer.run_url, storage_options, create=False)
+        committed = store.committed()
+    except StorageError as exc:
+        raise CheckpointPointerError(f"checkpoint points at {pointer.run_url}, which cannot be read: {exc}") from exc
+    if not committed or committed[0].step < pointer.step:
+        newest = committed[0].step if committed else None
+        raise CheckpointPointerError(f"checkpoint points at step {pointer.step} of {pointer.run_url}, but its newest "
+                                     f"committed snapshot is {newest}: the durable storage was changed or lost")
+    for info in committed:
+        if info.step == pointer.step and info.state_hash != pointer.state_hash:
+            raise CheckpointPointerError(f"checkpoint says step {pointer.step} of {pointer.run_url} has state_hash "
+                                         f"{pointer.state_hash}, the snapshot there has {info.state_hash}")
+
+
+def trial_resources(job: JobConfig, gpus: int = 0):
+    """The placement-group factory of one trial: controller, trainer (`gpus` GPUs), shadow; one node."""
+    from ray.tune import PlacementGroupFactory
+
+    trainer = {"CPU": 1, **({"GPU": gpus} if gpus else {})}
+    return PlacementGroupFactory([TRAINABLE_BUNDLE, trainer, {"CPU": job.shadow_cpus}], strategy="STRICT_PACK")
+
+
+def trial_job(job: dict, config: dict, trial_id: str) -> JobConfig:
+    """The base job with the trial's dotted overrides (`{"zo.lr": 1e-3}`) and its own run id."""
+    doc = json.loads(json.dumps(job))
+    doc["run_id"] = f"{job['run_id']}-{trial_id}"
+    for dotted, value in config.items():
+        if dotted == FAIL_ONCE_KEY:
+            continue
+        *sections, field = dotted.split(".")
+        node = doc
+        for key in sections:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise JobConfigError(f"trial field {dotted!r}: {key!r} is not a section of JobConfig")
+        node[field] = value
+    try:
+        return JobConfig.model_validate(doc)
+    except ValidationError as exc:
+        trial = {k: v for k, v in config.items() if k != FAIL_ONCE_KEY}
+        raise JobConfigError(f"the trial {trial} makes an invalid job:\n{exc}") from exc
+
+
+def _scalars(values: dict) -> dict:
+    return {k: v for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def train_trial(config: dict, job: dict) -> None:
+    """The Tune trainable: one ZOCheck job, reported after each segment, restorable exactly."""
+    import ray
+    from ray import tune
+
+    from zocheck_ray.controller import run
+
+    trial = trial_job(job, config, tune.get_context().get_trial_id())
+    restored = tune.get_checkpoint()
+    last_reported: int | None = None
+    if restored is not None:
+        with restored.as_directory() as directory:
+            pointer = read_pointer(directory)
+        check_pointer(pointer, trial.storage_options)
+        trial = JobConfig.model_validate({**trial.model_dump(), "run_id": pointer.run_id, "storage": pointer.storage})
+        last_reported = pointer.step
+    fail_at = config.get(FAIL_ONCE_KEY) if restored is None else None
+
+    def report(values: dict, durable_step: int | None) -> None:
+        nonlocal last_reported
+        if durable_step is None or durable_step == last_reported:
+            tune.report(values)
+            return
+        pointer = durable_pointer(trial)
+        with tempfile.TemporaryDirectory() as directory:
+            write_pointer(pointer, directory)
+            tune.report({**values, "checkpoint_step": pointer.step},
+                        checkpoint=tune.Checkpoint.from_directory(directory))
+        last_reported = durable_step
+
+    held_out: dict[str, float] = {}  # the newest held-out metrics, repeated until the next evaluation
+
+    def absorb(evaluations: dict) -> None:
+        if evaluations:
+            newest = evaluations[max(evaluations, key=int)]
+            held_out.update({f"eval_{name}": value for name, value in _scalars(newest).items()})
+
+    def on_segment(progress: dict, metrics: dict) -> None:
+        absorb(progress.get("evaluations") or {})
+        report({**_scalars(metrics), **_scalars(progress), **held_out, "run_id": trial.run_id},
+               metrics["durable_step"])
+        if fail_at is not None and progress["step"] >= fail_at:
+            raise InjectedTrialFailure(f"injected trial failure at step {progress['step']} ({FAIL_ONCE_KEY})")
+
+    summary = run(trial, progress=print, placement_group=ray.util.get_current_placement_group(), first_bundle=1,
+                  on_segment=on_segment)
+    absorb(summary.evaluations)
+    final = {**_scalars(summary.metrics), **held_out, "step": summary.steps, "run_id": trial.run_id,
+             "final_state_hash": summary.final_state_hash, "shadow_state_hash": summary.shadow_state_hash,
+             "exact": summary.final_state_hash == summary.shadow_state_hash,
+             "resumed_from_step": -1 if summary.resumed_from_step is None else summary.resumed_from_step}
+    if summary.losses:
+        final["loss"] = summary.losses[-1][1]
+    report(final, summary.metrics["durable_step"])
+
+
+def _absolute(job: JobConfig) -> dict:
+    """Local paths made absolute: Tune runs each trial in its own working directory."""
+    doc = job.model_dump(mode="json")
+    if "://" not in doc["storage"]:
+        doc["storage"] = os.path.abspath(doc["storage"])
+    if Path(doc["model"]).is_dir():
+        doc["model"] = os.path.abspath(doc["model"])
+    task = doc.get("task")
+    if isinstance(task, dict):
+        for key in ("data_path", "eval_path"):
+            if task.get(key) and Path(task[key]).exists():
+                task[key] = os.path.abspath(task[key])
+    return doc
+
+
+def sweep(job: JobConfig, grid: dict[str, list], *, tune_storage: str | None = None, name: str | None = None,
+          max_failures: int = 1, max_concurrent_trials: int | None = None, metric: str = "loss",
+          mode: Literal["min", "max"] = "min", param_space: dict[str, Any] | None = None):
+    """Run one trial per point of `grid` (dotted JobConfig fields -> values) and return Tune's `ResultGrid`.
+
+    `param_space` adds raw Tune search entries (e.g. `{"zo.lr": tune.loguniform(1e-4, 1e-2)}`);
+    `tune_storage` holds Tune's own experiment state (default: `~/ray_results`).
+    """
+    import ray
+    from ray import tune
+
+    if not grid and not param_space:
+        raise JobConfigError("a sweep needs at least one field in grid or param_space")
+    space: dict[str, Any] = {key: tune.grid_search(list(values)) for key, values in grid.items()}
+    space.update(param_space or {})
+    for key, values in grid.items():  # every point must be a valid job, its task too, before any trial starts
+        for value in values:
+            check_task(trial_job(job.model_dump(mode="json"), {key: value}, "check"))
+    if not ray.is_initialized():
+        from zocheck_ray.actors.ray_actors import NAMESPACE
+
+        ray.init(namespace=NAMESPACE, log_to_driver=False)
+    gpus = 1 if job.use_gpu == "yes" or (job.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1) else 0
+    trainable = tune.with_resources(tune.with_parameters(train_trial, job=_absolute(job)), trial_resources(job, gpus))
+    tuner = tune.Tuner(
+        trainable, param_space=space,
+        tune_config=tune.TuneConfig(metric=metric, mode=mode, max_concurrent_trials=max_concurrent_trials),
+        run_config=tune.RunConfig(
+            name=name or f"zocheck-{job.run_id}",
+            storage_path=os.path.abspath(tune_storage) if tune_storage and "://" not in tune_storage else tune_storage,
+            failure_config=tune.FailureConfig(max_failures=max_failures),
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
+            verbose=1,
+        ),
+    )
+    return tuner.fit()
+
+
+# ---------------------------------------------------------------------------- command line
+
+def _value(text: str) -> Any:
+    try:  # JSON first: YAML 1.1 reads 1e-3 as a string
+        return json.loads(text)
+    except ValueError:
+        return yaml.safe_load(text)
+
+
+def _grid_entry(text: str) -> tuple[str, list]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--grid {text!r}: expected field=v1,v2,...")
+    key, raw = text.split("=", 1)
+    values = [_value(v.strip()) for v in raw.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"--grid {text!r}: no values")
+    return key.strip(), values
+
+
+def tune_command(args: argparse.Namespace) -> int:
+    import ray
+
+    from zocheck_ray.actors.ray_actors import NAMESPACE
+
+    try:
+        job = load_job_config(args.config, args.set, steps=args.steps, storage=args.storage)
+        if args.address:
+            ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+        results = sweep(job, dict(args.grid), tune_storage=args.tune_storage, max_failures=args.max_failures,
+                        metric=args.metric, mode=args.mode)
+    except (JobConfigError, CheckpointPointerError) as exc:
+        print(f"zocheck-ray tune: {exc}", file=sys.stderr)
+        return 2
+    keys = [key for key, _ in args.grid]
+    rows = []
+    for result in results:
+        m = result.metrics or {}
+        rows.append({**{k: result.config.get(k) for k in keys}, "run_id": m.get("run_id"), "step": m.get("step"),
+                     args.metric: m.get(args.metric), "state_hash": m.get("final_state_hash"),
+                     "exact": m.get("exact"), "error": str(result.error) if result.error else None})
+    print()
+    header = keys + ["run_id", "step", args.metric, "exact", "state_hash"]
+    print("  " + "  ".join(h.ljust(14) for h in header))
+    for row in rows:
+        cells = [str(row[h] if h != "state_hash" else (row[h] or "-")[:16]) for h in header]
+        print("  " + "  ".join(c.ljust(14) for c in cells) + (f"  error: {row['error']}" if row["error"] else ""))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+        print(f"wrote {args.json}")
+    return 0 if all(r["exact"] and not r["error"] for r in rows) else 1
+
+
+def register(commands, bench) -> None:
+    p = commands.add_parser("tune", help="a Ray Tune sweep: one ZOCheck job per trial, restored exactly",
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="base job YAML (see JobConfig)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a base config field")
+    p.add_argument("--grid", action="append", type=_grid_entry, required=True, metavar="FIELD=V1,V2",
+                   help="sweep a dotted JobConfig field over these values (repeat for a grid)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--storage", help="durable storage root URL for every trial's run")
+    p.add_argument("--tune-storage", help="where Tune keeps its experiment state (default ~/ray_results)")
+    p.add_argument("--max-failures", type=int, default=1, help="restores per trial after a failure")
+    p.add_argument("--metric", default="loss")
+    p.add_argument("--mode", choices=["min", "max"], default="min")
+    p.add_argument("--address", help="Ray cluster address (default: start a local one)")
+    p.add_argument("--json", metavar="FILE", help="write one row per trial as JSON")
+    p.set_defaults(func=tune_command)
