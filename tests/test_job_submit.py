@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -26,7 +27,7 @@ import pytest
 from conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 40
+STEPS = 30
 
 
 def our_processes(marker: str) -> list[int]:
@@ -74,8 +75,9 @@ def command_path(bin_dir: Path) -> str:
 @pytest.fixture(scope="module")
 def head():
     temp_dir = tempfile.mkdtemp(prefix="zjs", dir="/tmp")  # short: Ray's socket paths are length-limited
+    # token authentication with a token of this cluster's own (Ray 2.60 enables it by default)
     env = {**os.environ, "PATH": command_path(Path(temp_dir) / "bin"), "RAY_AUTH_MODE": "token",
-           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": ""}
+           "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": ""}
     env.pop("RAY_ADDRESS", None)
     gcs, dashboard = free_port(), free_port()
     ports = {"--port": gcs, "--dashboard-port": dashboard, "--ray-client-server-port": free_port(),
@@ -123,7 +125,8 @@ def test_submitted_job_runs_reports_status_and_prints_its_summary(head, tmp_path
         "--working-dir", ".", "--runtime-env", "deploy/runtime_env.yaml",
         "--", "zocheck-ray", "train", "--config", "deploy/examples/sst2-opt.yaml",
         "--steps", str(STEPS), "--storage", str(tmp_path / "runs"), "--set", f"run_id={run_id}",
-        "--set", "task.batch_size=4", "--set", "task.max_length=32", "--set", "task.eval_interval=20",
+        "--set", "task.batch_size=4", "--set", "task.max_length=32", "--set", "task.eval_interval=10",
+        "--set", "snapshot_interval=5", "--set", "log_interval=5",
     )
     assert submitted.returncode == 0, submitted.stderr
     assert "submitted successfully" in submitted.stdout + submitted.stderr
@@ -147,6 +150,7 @@ def test_submitted_job_runs_reports_status_and_prints_its_summary(head, tmp_path
     assert 0 < status["trainer_step"] <= STEPS
     assert status["replayed_step"] <= status["received_step"] <= status["trainer_step"]
 
+    deadline = time.monotonic() + 300  # a ceiling for a loaded machine, not a timing
     while (state := job_status(head, submission_id)) in ("PENDING", "RUNNING") and time.monotonic() < deadline:
         time.sleep(2)
     logs = ray_cli(head, "job", "logs", "--address", head["dashboard"], submission_id).stdout
