@@ -200,6 +200,9 @@ def test_rayjob_is_a_kuberay_v1_job_on_the_pinned_ray(rayjob):
     spec = rayjob["spec"]
     assert spec["rayClusterSpec"]["rayVersion"] == pinned_ray_version()
     assert spec["shutdownAfterJobFinishes"] is True
+    cluster = spec["rayClusterSpec"]
+    for params in [cluster["headGroupSpec"]["rayStartParams"], *(g["rayStartParams"] for g in cluster["workerGroupSpecs"])]:
+        assert all(isinstance(v, str) for v in params.values()), f"rayStartParams is a map of strings: {params}"
     runtime = yaml.safe_load(spec["runtimeEnvYAML"])
     assert not {"pip", "conda", "uv"} & set(runtime)
     assert runtime["env_vars"] == runtime_env()["env_vars"]
