@@ -64,16 +64,21 @@ def test_sigkill_during_saves_never_exposes_a_torn_snapshot(tmp_path):
     root = str(tmp_path / "run")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     rng = random.Random(3)
-    delays = [0.0, 0.02, 0.05, 0.09, 0.14, 0.2] + [rng.uniform(0.0, 0.8) for _ in range(6)]
+    # Kills early in a first save, then (after a commit, so the test does not depend on how fast
+    # this machine saves) at random points of the saves that follow.
+    kills = [(0.0, False), (0.02, False), (0.05, False), (0.09, False), (0.14, False), (0.2, False)]
+    kills += [(rng.uniform(0.0, 0.8), True) for _ in range(6)]
     next_step, last_printed, kills_after_commit = 0, -1, 0
-    for delay in delays:
+    for delay, after_a_commit in kills:
         proc = subprocess.Popen([sys.executable, str(script), root, str(next_step)], stdout=subprocess.PIPE,
                                 text=True, env=env)
         assert proc.stdout.readline().strip() == "ready"
+        lines = [proc.stdout.readline()] if after_a_commit else []
         time.sleep(delay)
         proc.kill()
         proc.wait()
-        printed = [int(line.split()[1]) for line in proc.stdout.read().splitlines() if line.startswith("committed")]
+        lines += proc.stdout.read().splitlines()
+        printed = [int(line.split()[1]) for line in lines if line.startswith("committed")]
         proc.stdout.close()
         last_printed = max([last_printed, *printed])
         kills_after_commit += bool(printed)

@@ -19,7 +19,11 @@ Rounds interleave baseline and saves so that background load and writeback noise
 both alike; every measurement starts after `os.sync()` and after the background deletion
 of the previously pruned snapshot (on local disk retention deletes files off the save's
 path, as the plain baseline's file is deleted outside its timing). Ratios are of medians;
-the machine and its load average before and after each case are recorded with them.
+the machine and its load average before and after each case are recorded with them, and
+so is the CPU time each case cost this process: a save hashes the state twice (SHA-256
+per file and the `state_hash`), so on a machine whose cores are busy with other work its
+wall-clock ratio falls towards the ratio of CPU costs, while the baseline mostly waits on
+the disk.
 """
 
 from __future__ import annotations
@@ -86,6 +90,11 @@ def _sha256_pass(state) -> str:
     return h.hexdigest()
 
 
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
 def _load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -102,16 +111,20 @@ def bench_snapshots(target: str, url: str, options: dict | None, size_mb: int, r
     samples: dict[str, list[float]] = {k: [] for k in ("plain", "plain_fsync", "save", "save_given_hash",
                                                        "background_delete", "sha256_pass", "plain_read", "load")}
 
-    def timed(fn: Callable[[], object]) -> float:
+    cpu: dict[str, list[float]] = {k: [] for k in samples}
+
+    def timed(fn: Callable[[], object]) -> tuple[float, float]:
+        """Wall seconds, and CPU seconds of this process (all threads, user + kernel)."""
         store.wait_for_deletions()
         os.sync()  # no dirty pages of the previous measurement are being written back
-        start = time.perf_counter()
+        cpu_start, start = _cpu_seconds(), time.perf_counter()
         fn()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, _cpu_seconds() - cpu_start
 
-    def record(name: str, seconds: float) -> None:
+    def record(name: str, seconds: tuple[float, float]) -> None:
         if round_ > 0:  # the first round warms caches and is discarded
-            samples[name].append(seconds)
+            samples[name].append(seconds[0])
+            cpu[name].append(seconds[1])
 
     load_before = _load_average()
     for round_ in range(repeats + 1):
@@ -120,7 +133,7 @@ def bench_snapshots(target: str, url: str, options: dict | None, size_mb: int, r
         record("save", timed(lambda: store.save(2 * round_, state)))
         start = time.perf_counter()
         store.wait_for_deletions()  # the pruned snapshot's files, deleted after the save returned
-        record("background_delete", time.perf_counter() - start)
+        record("background_delete", (time.perf_counter() - start, 0.0))
         record("save_given_hash", timed(lambda: store.save(2 * round_ + 1, state, state_hash=digest)))
         if fsync:
             record("plain", timed(lambda: _plain_write(fs, plain, state, fsync=False)))  # for reference only
@@ -138,6 +151,7 @@ def bench_snapshots(target: str, url: str, options: dict | None, size_mb: int, r
             result[f"{key}_s_all"] = [round(v, 4) for v in values]
             if key not in ("background_delete", "sha256_pass"):
                 result[f"{key}_MBps_median"] = round(nbytes / statistics.median(values) / 1e6, 1)
+                result[f"{key}_cpu_s_median"] = round(statistics.median(cpu[key]), 4)
     for key in ("save", "save_given_hash"):
         result[f"{key}_vs_baseline"] = round(statistics.median(samples[baseline]) / statistics.median(samples[key]), 3)
         result[f"{key}_vs_baseline_best"] = round(min(samples[baseline]) / min(samples[key]), 3)
@@ -261,7 +275,9 @@ def report(out: dict) -> None:
               f"save {row['save_s_median']:.3f}, given hash {row['save_given_hash_s_median']:.3f}, "
               f"one SHA-256 pass over the state {row['sha256_pass_s_median']:.3f} (a save makes two, on "
               f"{out['machine']['cpu_count']} cores), pruned snapshot deleted in the background "
-              f"{row['background_delete_s_median']:.3f}")
+              f"{row['background_delete_s_median']:.3f}; CPU seconds of this process: baseline "
+              f"{row[row['baseline_key'] + '_cpu_s_median']:.3f}, save {row['save_cpu_s_median']:.3f}, "
+              f"given hash {row['save_given_hash_cpu_s_median']:.3f}")
     print()
     print(f"step log append, microseconds per record (target < {TARGET_APPEND_US} buffered)")
     print_table(out["log"], [("target", "target", "s"), ("us_per_record", "us/record", ".2f"), ("policy", "policy", "s")])

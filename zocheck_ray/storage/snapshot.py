@@ -27,7 +27,7 @@ import re
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -86,6 +86,7 @@ class SnapshotStore:
         self.keep = keep
         self.storage: Storage = open_storage(url, storage_options, create=create)
         self.url = self.storage.url
+        self._hashers: ThreadPoolExecutor | None = None
         self._deleter: ThreadPoolExecutor | None = None
         self._deletions: list[Future] = []
         self._deleter_lock = threading.Lock()
@@ -106,8 +107,20 @@ class SnapshotStore:
         self.close()
 
     def close(self) -> None:
-        """Wait for the background deletion of pruned snapshots; the store stays usable."""
+        """Wait for the background deletion of pruned snapshots and stop idle threads; the store stays usable."""
         self.wait_for_deletions()
+        with self._deleter_lock:
+            for pool in (self._hashers, self._deleter):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._hashers = self._deleter = None
+
+    def _hash_pool(self) -> ThreadPoolExecutor:
+        # Kept between saves: starting threads costs a save milliseconds on a busy machine.
+        with self._deleter_lock:
+            if self._hashers is None:
+                self._hashers = ThreadPoolExecutor(3, thread_name_prefix="zocheck-snapshot-hash")
+            return self._hashers
 
     # ------------------------------------------------------------------ listing
 
@@ -197,10 +210,11 @@ class SnapshotStore:
         model = {n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
         optim = {n: t for n, t in tensors.items() if n.startswith(OPTIMIZER_PREFIX)}
         files: dict[str, FileEntry] = {}
-        with ThreadPoolExecutor(3, thread_name_prefix="zocheck-snapshot-hash") as pool:
-            # Hashes run beside the writes and fsyncs (hashlib releases the GIL), each on its own thread.
-            state_digest = pool.submit(compute_state_hash, dict(tensors)) if state_hash is None else None
-            pending = {}
+        pool = self._hash_pool()
+        # Hashes run beside the writes and fsyncs (hashlib releases the GIL), each on its own thread.
+        state_digest = pool.submit(compute_state_hash, dict(tensors)) if state_hash is None else None
+        pending: dict[str, Future] = {}
+        try:
             for name, part in ((MODEL_FILE, model), (OPTIMIZER_FILE, optim)):
                 if part:
                     with self.storage.open_write(f"{directory}/{name}") as f:
@@ -214,6 +228,8 @@ class SnapshotStore:
                 digest = future.result()
                 files[name] = FileEntry(sha256=digest.sha256, size=digest.size)
             digest_of_state = state_hash if state_digest is None else state_digest.result()
+        finally:  # nothing reads the caller's tensors once save has returned or raised
+            wait([f for f in (state_digest, *pending.values()) if f is not None])
         self.storage.sync_dir(directory)
         if not self.storage.local:
             self._check_objects(directory, files)
@@ -248,21 +264,21 @@ class SnapshotStore:
         directory = snapshot_dir(info.step)
         manifest = info.manifest
         tensors = _allocate(manifest, out, info.url)
-        with ThreadPoolExecutor(1, thread_name_prefix="zocheck-snapshot-hash") as pool:
-            for name in (MODEL_FILE, OPTIMIZER_FILE):
-                members = {e.name: tensors[e.name] for e in manifest.tensors if e.file == name}
-                if not members and name not in manifest.files:
-                    continue
-                entry = self._file_entry(manifest, directory, name)
-                rel = f"{directory}/{name}"
-                url = self.storage.url_of(rel)
-                try:
-                    with self.storage.open_read(rel) as f:
-                        digest = read_tensors(f, url, members, file_size(f), pool)
-                except FileNotFoundError as exc:
-                    raise CorruptSnapshotError(f"{url} is missing from a committed snapshot", url) from exc
-                if digest.sha256 != entry.sha256 or digest.size != entry.size:
-                    raise CorruptSnapshotError(f"{url} fails its SHA-256 check (the file is damaged)", url)
+        pool = self._hash_pool()
+        for name in (MODEL_FILE, OPTIMIZER_FILE):
+            members = {e.name: tensors[e.name] for e in manifest.tensors if e.file == name}
+            if not members and name not in manifest.files:
+                continue
+            entry = self._file_entry(manifest, directory, name)
+            rel = f"{directory}/{name}"
+            url = self.storage.url_of(rel)
+            try:
+                with self.storage.open_read(rel) as f:
+                    digest = read_tensors(f, url, members, file_size(f), pool)
+            except FileNotFoundError as exc:
+                raise CorruptSnapshotError(f"{url} is missing from a committed snapshot", url) from exc
+            if digest.sha256 != entry.sha256 or digest.size != entry.size:
+                raise CorruptSnapshotError(f"{url} fails its SHA-256 check (the file is damaged)", url)
         hf_config = None
         if HF_CONFIG_FILE in manifest.files:
             rel = f"{directory}/{HF_CONFIG_FILE}"
@@ -308,8 +324,9 @@ class SnapshotStore:
                 continue  # an uncommitted directory newer than a kept snapshot may be a save in flight
             # Uncommit first: once the manifest is gone, no reader can pick a half-deleted snapshot.
             self.storage.remove(f"{directory}/{MANIFEST_FILE}")
-            self.storage.sync_dir(directory)
             if self.storage.local:
+                # No file is deleted before the move out of snapshots/ is durable (the sync below),
+                # so after a crash the directory is either whole where it was or gone from there.
                 self.storage.make_dirs(DELETED_DIR)
                 doomed.append(f"{DELETED_DIR}/{directory.rsplit('/', 1)[-1]}-{uuid.uuid4().hex[:8]}")
                 self.storage.rename(directory, doomed[-1])

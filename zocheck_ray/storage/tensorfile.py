@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import BinaryIO, Mapping
 
@@ -94,11 +94,15 @@ def write_tensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Ma
     """
     header = encode_header(tensors, metadata)
     digest = pool.submit(_digest, header, tensors)
-    f.write(header)
-    for t in tensors.values():
-        data = raw_bytes(t)
-        for a in range(0, len(data), CHUNK_BYTES):
-            f.write(data[a : a + CHUNK_BYTES])
+    try:
+        f.write(header)
+        for t in tensors.values():
+            data = raw_bytes(t)
+            for a in range(0, len(data), CHUNK_BYTES):
+                f.write(data[a : a + CHUNK_BYTES])
+    except BaseException:
+        wait([digest])  # the tensors are not read once this raises
+        raise
     return digest
 
 
@@ -155,14 +159,16 @@ def read_tensors(f: BinaryIO, url: str, out: Mapping[str, torch.Tensor], size: i
         position = end
         data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         pending = None
-        for a in range(0, len(data), CHUNK_BYTES):
-            chunk = data[a : a + CHUNK_BYTES]
-            _fill(f, chunk, url)
+        try:
+            for a in range(0, len(data), CHUNK_BYTES):
+                chunk = data[a : a + CHUNK_BYTES]
+                _fill(f, chunk, url)
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(h.update, chunk)
+        finally:  # the tensor is not read once this returns or raises
             if pending is not None:
                 pending.result()
-            pending = pool.submit(h.update, chunk)
-        if pending is not None:
-            pending.result()
     if f.read(1):
         raise CorruptSnapshotError(f"{url} has bytes after its last tensor", url)
     return FileDigest(h.hexdigest(), 8 + n + position)
