@@ -1,10 +1,10 @@
-# `make demo` runs the main job on the embedded default; `make test` runs the tests.
+# `make demo` runs the embedded default job on Ray; `make test` runs the tests.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench venv clean reference
 
 $(STAMP): pyproject.toml scripts/install_torch.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,14 +15,20 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 
 venv: $(STAMP)
 
+# A local Ray instance, storage under ./runs/, tiny-opt built from config, the shipped data;
+# one injected trainer failure, automatic recovery, verification against the durable log.
 demo: $(STAMP)
-	$(VENV)/bin/zocheck-ray demo
+	$(VENV)/bin/zocheck-ray train
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
 	$(VENV)/bin/zocheck-ray bench replay --json benchmarks/results/replay.json
+
+# Regenerate the README's configuration and metrics reference from the schemas.
+reference: $(STAMP)
+	$(VENV)/bin/zocheck-ray config-reference --write README.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,28 +2,32 @@
 
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, state_hash
-from zocheck_ray.workload.data import batch_indices, corpus_tensor, step_seed
+from zocheck_ray.workload.data import step_seed
 from zocheck_ray.workload.models import build_model, trainable_parameters
+from zocheck_ray.workload.tasks import build_task
 
 STEPS = 36
+SMALL_TASK = dict(batch_size=4, max_length=32, eval_size=16, eval_interval=10)
+"""The shipped sentiment task, small: 4 rows a step, 16 held-out rows evaluated every 10 steps (and at the
+last step), so the evaluations run between the steps whose hashes are checked."""
 
 
 def uninterrupted_hashes(job: JobConfig) -> dict[int, str]:
     """The run that would have happened: a plain loop, no Ray, no failures."""
     model = build_model(job.model, job.dtype, seed=job.run_seed)
     opt = ZOOptimizer(trainable_parameters(model), job.zo)
-    data = corpus_tensor(job.seq_len, model.config.vocab_size)
+    task = build_task(job.task, job.model)
     hashes = {0: state_hash(opt.state_tensors())}
     for t in range(job.steps):
-        ids = data[batch_indices(job.data_seed, t, job.batch_size, data.shape[0])]
-        opt.step(lambda: model(input_ids=ids, labels=ids).loss, seed=step_seed(job.run_seed, t))
+        opt.step(task.closure(model, t), seed=step_seed(job.run_seed, t))
         hashes[t + 1] = state_hash(opt.state_tensors())
     return hashes
 
 
 def job_for(tmp_path, optimizer="zo-sgd", dtype="fp32", **kw) -> JobConfig:
     fields = dict(steps=STEPS, storage=str(tmp_path), snapshot_interval=8, log_interval=6, hash_every_step=True,
-                  dtype=dtype, zo=dict(optimizer=optimizer, lr=2e-3, eps=1e-2 if dtype != "fp32" else 1e-3))
+                  dtype=dtype, zo=dict(optimizer=optimizer, lr=2e-3, eps=1e-2 if dtype != "fp32" else 1e-3),
+                  task=SMALL_TASK)
     fields.update(kw)
     return JobConfig.model_validate(fields)
 

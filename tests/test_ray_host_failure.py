@@ -12,7 +12,7 @@ from ray.cluster_utils import Cluster
 from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
 from zocheck_ray.config import JobConfig
 from zocheck_ray.controller import run
-from reference_runs import STEPS, assert_exact, uninterrupted_hashes
+from reference_runs import SMALL_TASK, STEPS, assert_exact, uninterrupted_hashes
 
 NODE_CPUS = 2
 
@@ -48,7 +48,8 @@ def test_node_loss_rebuilds_the_pair_from_durable_storage(cluster, tmp_path, sto
     else:
         root, options = request.getfixturevalue("s3_bucket")
     job = JobConfig.model_validate(dict(steps=STEPS, storage=root, storage_options=options, snapshot_interval=8,
-                                        log_interval=6, hash_every_step=True, zo=dict(lr=2e-3, eps=1e-3)))
+                                        log_interval=6, hash_every_step=True, zo=dict(lr=2e-3, eps=1e-3),
+                                        task=SMALL_TASK))
     lost: list = []
     summary = run(job, fail_at=[21], fail_mode="host", progress=None, kill_node=lose_trainer_node(c, job, lost))
     assert len(lost) == 1

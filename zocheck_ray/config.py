@@ -1,19 +1,26 @@
 """`JobConfig`: one schema for a fine-tuning job, from YAML and `--set key=value` overrides.
 
-    config = load_job_config("job.yaml", overrides=["zo.lr=1e-5", "steps=500"])
+    config = load_job_config("job.yaml", overrides=["zo.lr=1e-5", "task.batch_size=32"])
+
+`load_job_config` also builds the task once (reads every data row, checks the labels
+and the model's fit), so bad input fails with a `JobConfigError` naming the field or
+file before any actor starts.
 """
 
 from __future__ import annotations
 
+import copy
 import uuid
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from zocheck_ray.core.config import ZOConfig
-from zocheck_ray.workload.models import SMALL_MODELS
+from zocheck_ray.workload.errors import WorkloadError
+from zocheck_ray.workload.models import model_directory
+from zocheck_ray.workload.task_config import TaskConfig
 
 
 class JobConfigError(ValueError):
@@ -31,6 +38,10 @@ class FaultInjection(BaseModel):
     """A file path: the first recovering trainer that finds it missing creates it and dies mid-recovery."""
 
 
+MOVED_FIELDS = {"batch_size": "task.batch_size", "seq_len": "task.max_length", "data_seed": "task.data_seed"}
+"""Fields an older job file may still carry, and where each setting lives now."""
+
+
 class JobConfig(BaseModel):
     """A ZO fine-tuning job run by the trainer and shadow actors."""
 
@@ -39,21 +50,20 @@ class JobConfig(BaseModel):
     run_id: str = Field(default_factory=lambda: "run-" + uuid.uuid4().hex[:8])
     """Names the run: its actors, its directory under `storage`, its metrics."""
     model: str = "tiny-opt"
-    """A built-in small model (tiny-opt, tiny-llama, tiny-qwen3) or a saved Hugging Face model directory."""
+    """A built-in small model built from its config (tiny-opt, tiny-llama, tiny-qwen3, tiny-bert), a packaged
+    one (minilm), or a Hugging Face model directory saved with `save_pretrained`."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Parameter dtype."""
     zo: ZOConfig = ZOConfig(lr=2e-3, eps=1e-3)
-    """The zeroth-order optimizer."""
+    """The zeroth-order optimizer (`zo.optimizer`, `zo.lr`, `zo.eps`, ...)."""
+    task: TaskConfig = TaskConfig()
+    """What the model is fine-tuned on: data files, prompt, batch size, sequence length, evaluation
+    (`task.kind`, `task.data_path`, `task.batch_size`, `task.max_length`, `task.eval_interval`, ...)."""
     steps: int = Field(200, ge=1)
     """Training steps to run."""
-    batch_size: int = Field(4, ge=1)
-    """Sequences per step."""
-    seq_len: int = Field(24, ge=2)
-    """Tokens per sequence."""
     run_seed: int = Field(0, ge=0)
-    """The seed of step t is a pure function of (run_seed, t)."""
-    data_seed: int = Field(0, ge=0)
-    """The batch of step t is a pure function of (data_seed, t)."""
+    """Initial weights and the perturbation seed of step t are pure functions of (run_seed, t);
+    the batch of step t is a function of (`task.data_seed`, t)."""
     storage: str = "./runs"
     """Root URL for durable state (local path, file:// or s3://); the run writes under <storage>/<run_id>."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
@@ -77,12 +87,22 @@ class JobConfig(BaseModel):
     faults: "FaultInjection" = Field(default_factory=lambda: FaultInjection())
     """Fault injection for tests and demonstrations."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in MOVED_FIELDS.items():
+                if old in data:
+                    raise ValueError(f"{old} is no longer a job field: set {new} (one place for each setting)")
+        return data
+
     @field_validator("model")
     @classmethod
     def _model(cls, value: str) -> str:
-        if value not in SMALL_MODELS and not Path(value).is_dir():
-            raise ValueError(f"model {value!r} is neither a built-in small model {sorted(SMALL_MODELS)} "
-                             "nor an existing directory")
+        try:
+            model_directory(value)
+        except WorkloadError as exc:
+            raise ValueError(str(exc)) from None
         return value
 
     @field_validator("run_id")
@@ -108,9 +128,12 @@ def _set(doc: dict, dotted: str, value: Any) -> None:
 
 
 def load_job_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                    **fields: Any) -> JobConfig:
-    """Read YAML (safe_load), apply `key=value` overrides (values parsed as YAML), then `fields`."""
-    doc: dict = {}
+                    base: dict | None = None, **fields: Any) -> JobConfig:
+    """Read YAML (safe_load), apply `key=value` overrides (values parsed as YAML), then `fields`.
+
+    `base`: the document to start from when there is no `path` (the embedded default job).
+    """
+    doc: dict = copy.deepcopy(base or {})
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -131,7 +154,23 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | None 
         if value is not None:
             _set(doc, key, value)
     try:
-        return JobConfig.model_validate(doc)
+        job = JobConfig.model_validate(doc)
     except ValidationError as exc:
         where = f" in {path}" if path is not None else ""
         raise JobConfigError(f"invalid job configuration{where}:\n{exc}") from exc
+    check_task(job)
+    return job
+
+
+def check_task(job: JobConfig):
+    """Build `job`'s task for `job.model`: every data row read, labels and the model's fit checked.
+
+    Returns the task (see `zocheck_ray.workload.build_task`); raises `JobConfigError`
+    naming the field or the file and line, before any model or actor exists.
+    """
+    from zocheck_ray.workload.tasks import build_task
+
+    try:
+        return build_task(job.task, job.model)
+    except WorkloadError as exc:
+        raise JobConfigError(f"task ({job.task.kind} on model {job.model!r}): {exc}") from exc

@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from zocheck_ray.actors.ray_actors import (
     NAMESPACE, ShadowActor, TrainerActor, call_when_alive, shadow_name, trainer_name,
 )
-from zocheck_ray.config import JobConfig, JobConfigError
+from zocheck_ray.config import JobConfig, JobConfigError, check_task
 from zocheck_ray.policies import ProfileReport, ProfileSettings, profile_startup
 from zocheck_ray.storage import SnapshotStore, StorageError
 
@@ -33,35 +33,67 @@ class Recovery(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     failed_at_step: int
+    """The step the trainer was at when it was lost."""
     mode: Literal["software", "host", "unplanned"]
+    """`software`: the trainer process died; `host`: trainer and shadow were lost (durable storage);
+    `unplanned`: a failure nobody injected."""
     recovered_step: int
+    """The step the restarted trainer resumed at (the image's step plus the records it replayed)."""
     seconds: float
+    """From the failure seen by the controller to the recovered trainer answering."""
     image_source: str
+    """Where the image came from: `memory` (the shadow's object-store image) or `durable` (snapshot + log)."""
     image_step: int | None
+    """The step of that image."""
     replayed_records: int
+    """Records after the image, replayed by the trainer on its own device."""
 
 
 class RunSummary(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run_id: str
+    """The run's id."""
     steps: int
+    """Steps the trainer completed."""
     final_state_hash: str
+    """The trainer's `state_hash` after the last step."""
     shadow_state_hash: str
+    """The shadow replica's `state_hash` at the same step (equal when the run is exact)."""
     losses: list[tuple[int, float]]
+    """(step, training loss of the last step of each segment: the loss at +eps of the perturbed model)."""
     recoveries: list[Recovery]
+    """One per trainer loss, in order."""
     metrics: dict
+    """The shadow's `ShadowMetrics` after the final snapshot was persisted."""
     publish_us_median: float | None
+    """Median time the training loop spends publishing one step record (microseconds)."""
     trainer_seconds_per_step: float
+    """Wall time per step seen by the controller (evaluation excluded)."""
     snapshot_interval: int
+    """N: steps between shadow snapshots (set, or chosen by the startup profile)."""
     profile: dict | None
+    """The startup profile's report (timings, plan), when it ran."""
     storage: str
+    """The run's durable storage URL (`<storage>/<run_id>`)."""
     lag_samples: list[tuple[int, int]] = []
     """(step, lag_steps) at each metrics poll, after any resync."""
     step_hashes: dict[int, str] = {}
     """With `hash_every_step`: the trainer's state_hash after each step (the last one computed)."""
     resumed_from_step: int | None = None
     """The step a run found in its durable storage and resumed from; None for a fresh run."""
+    task: dict = {}
+    """The task: kind, training and held-out rows, metric, tokenizer."""
+    metric: str = "accuracy"
+    """The held-out metric that tells progress (`accuracy`, or `loss` for language modelling)."""
+    evaluations: dict[int, dict[str, float]] = {}
+    """Held-out metrics by step: at step 0, every `task.eval_interval` steps and at the last step."""
+    metric_before: float | None = None
+    """`metric` at the first evaluated step (step 0 for a fresh run)."""
+    metric_after: float | None = None
+    """`metric` at the last step."""
+    eval_seconds: float = 0.0
+    """Trainer time spent evaluating (not counted in `trainer_seconds_per_step`)."""
 
 
 def _check_resources(job: JobConfig) -> int:
@@ -153,6 +185,7 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
     segment with the trainer's progress and the shadow's metrics.
     """
     say = progress or (lambda line: None)
+    task = check_task(job)  # bad data, labels or a task/model mismatch fail here, before any actor starts
     try:  # an unusable storage URL fails here, before any actor starts
         SnapshotStore(job.run_url, job.storage_options)
     except StorageError as exc:
@@ -182,7 +215,20 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
     steps_timed, seconds_timed = 0, 0.0
     step_hashes: dict[int, str] = {}
     lag_samples: list[tuple[int, int]] = []
+    evaluations: dict[int, dict[str, float]] = {}
+    eval_seconds = 0.0
+
+    def absorb(p: dict) -> float:
+        """Take a trainer progress report's hashes and evaluations; returns its evaluation seconds."""
+        nonlocal eval_seconds
+        step_hashes.update(p.get("step_hashes") or {})
+        evaluations.update(p.get("evaluations") or {})
+        eval_seconds += p.get("eval_seconds", 0.0)
+        return p.get("eval_seconds", 0.0)
+
     say(f"run {job.run_id}: {job.model} {job.dtype} {job.zo.optimizer}, {job.steps} steps, storage {job.run_url}")
+    say(f"  task {task.config.kind}: {task.n_train} training rows, {task.n_eval} held-out rows "
+        f"({task.metric}), batch {task.config.batch_size}, {task.tokenizer.describe()}")
     started_from = call_when_alive(lambda: trainer.recovery.remote())
     incarnation = started_from["incarnation"]
     resumed_from = started_from["step"] if started_from["source"] != "fresh" else None
@@ -210,8 +256,7 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
 
     try:
         if job.snapshot_interval is None and step < job.steps:
-            report = startup_profile(job, trainer, shadow, lambda p: step_hashes.update(p.get("step_hashes") or {}),
-                                     first_step=step)
+            report = startup_profile(job, trainer, shadow, absorb, first_step=step)
             step += report.training_steps
             profile = report.model_dump(mode="json")
             say(f"  profile ({report.training_steps} steps, {report.profile_seconds:.1f} s): trainer step "
@@ -234,7 +279,7 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
                         raise RuntimeError(f"the trainer survived its injected failure at step {fail}")
                     recovered(fail, time.perf_counter(), "software")
                     continue
-                ray.get(trainer.run.remote(fail))
+                absorb(ray.get(trainer.run.remote(fail)))
                 started_failure = time.perf_counter()
                 (kill_node or _lose_processes(trainer, shadow))()
                 recovered(fail, started_failure, "host")
@@ -244,8 +289,7 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
             except RayActorError:  # a failure nobody injected: Ray restarts the trainer, it recovers
                 recovered(step, time.perf_counter(), "unplanned")
                 continue
-            step_hashes.update(last.get("step_hashes") or {})
-            elapsed = time.perf_counter() - segment_start
+            elapsed = time.perf_counter() - segment_start - absorb(last)
             steps_timed += last["step"] - step
             seconds_timed += elapsed
             step = last["step"]
@@ -259,8 +303,11 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
             lag_samples.append((step, metrics["lag_steps"]))
             if on_segment is not None:
                 on_segment(last, metrics)
+            evaluated = max(last.get("evaluations") or {}, default=None)
+            held_out = (f"  held-out {task.metric} {last['evaluations'][evaluated][task.metric]:.4f}"
+                        if evaluated is not None else "")
             say(f"  step {step:5d}  loss {last['loss']:.4f}  lag {metrics['lag_steps']:3d}  "
-                f"snapshot {metrics['snapshot_step']}  durable {metrics['durable_step']}")
+                f"snapshot {metrics['snapshot_step']}  durable {metrics['durable_step']}{held_out}")
         final_step, final_hash = ray.get(trainer.state_hash.remote())
         metrics = ray.get(shadow.finish.remote(final_step))
         _, shadow_hash = ray.get(shadow.replica_hash.remote())
@@ -271,6 +318,10 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
             trainer_seconds_per_step=seconds_timed / max(steps_timed, 1),
             snapshot_interval=metrics["snapshot_interval"], profile=profile, storage=job.run_url,
             step_hashes=step_hashes, lag_samples=lag_samples, resumed_from_step=resumed_from,
+            task=task.summary(), metric=task.metric, evaluations=dict(sorted(evaluations.items())),
+            metric_before=evaluations[min(evaluations)][task.metric] if evaluations else None,
+            metric_after=evaluations[final_step][task.metric] if final_step in evaluations else None,
+            eval_seconds=eval_seconds,
         )
     finally:
         for actor in (trainer, shadow):

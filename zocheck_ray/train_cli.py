@@ -1,8 +1,16 @@
-"""`zocheck-ray train` and `zocheck-ray status`.
+"""`zocheck-ray train`, `zocheck-ray status` and `zocheck-ray config-reference`.
 
+    zocheck-ray train                     # the embedded default job (see zocheck_ray/demo.py)
     zocheck-ray train [--config FILE] [--set key=value ...] [--steps N] [--storage URL]
-                      [--fail-at 20,35,50|none] [--fail-mode software] [--json FILE]
+                      [--fail-at 20,35,50|none] [--fail-mode software|host] [--verify] [--json FILE]
     zocheck-ray status RUN_ID [--json]
+    zocheck-ray config-reference [--check README.md | --write README.md]
+
+With no --config, `train` runs the embedded default: one injected trainer failure at
+60% of the steps and `--verify` (the durable log replayed and compared with every
+step). With a --config, nothing is injected unless --fail-at says so.
+Exit status: 0 when the shadow equals the trainer (and the verification passed),
+1 when not, 2 for a configuration that cannot run.
 """
 
 from __future__ import annotations
@@ -23,43 +31,93 @@ def _fail_at(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--fail-at takes comma-separated steps or 'none', got {text!r}") from None
 
 
+def _metrics_text(metrics: dict[str, float] | None) -> str:
+    return ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) if metrics else "-"
+
+
+def result_table(summary, verification=None) -> list[tuple[str, str]]:
+    """The final table's rows (name, value) for a `RunSummary` and an optional `Verification`."""
+    m = summary.metrics
+    evaluations = summary.evaluations
+    first = evaluations[min(evaluations)] if evaluations else None
+    last = evaluations.get(summary.steps)
+    lags = [lag for _, lag in summary.lag_samples]
+    persisted = [f"{r.seconds:.2f} s from the {r.image_source} image of step {r.image_step or 0} "
+                 f"(+{r.replayed_records} records), lost at step {r.failed_at_step}" for r in summary.recoveries]
+    rows = [
+        ("run", summary.run_id),
+        ("steps", str(summary.steps)),
+        ("task", f"{summary.task.get('kind')}: {summary.task.get('train_rows')} training rows, "
+                 f"{summary.task.get('eval_rows')} held-out rows"),
+        (f"held-out before (step {min(evaluations) if evaluations else 0})", _metrics_text(first)),
+        (f"held-out after (step {summary.steps})", _metrics_text(last)),
+        ("training loss first -> last",
+         f"{summary.losses[0][1]:.4f} -> {summary.losses[-1][1]:.4f}" if summary.losses else "-"),
+        ("publish overhead per step",
+         f"{summary.publish_us_median:.2f} us (median), trainer step {summary.trainer_seconds_per_step * 1e3:.1f} ms"
+         if summary.publish_us_median is not None else "-"),
+        ("shadow replay per step", f"{m['replay_seconds_per_step'] * 1e3:.3f} ms"),
+        ("lag (steps)", f"max {max(lags)}, final {m['lag_steps']}" if lags else f"final {m['lag_steps']}"),
+        ("snapshot interval", str(summary.snapshot_interval)),
+        ("snapshots taken / persisted", f"{m['snapshots_taken']} / {m['snapshots_persisted']}"),
+        ("resyncs", str(m["resync_count"])),
+        ("recoveries", "; ".join(persisted) or "none"),
+        ("final state_hash", summary.final_state_hash[:16] + "..."),
+        ("shadow == trainer", "yes, bit for bit" if summary.final_state_hash == summary.shadow_state_hash else "NO"),
+    ]
+    if verification is not None:
+        rows.append(("durable log replay", (
+            f"verified: {verification.log_records} records replayed from the initial state match the trainer at "
+            f"{verification.steps_checked} steps; snapshot + log suffix = final state at step "
+            f"{verification.recovery_image_step}" if verification.verified else
+            "MISMATCH: " + "; ".join(verification.mismatches))))
+    return rows
+
+
 def train(args: argparse.Namespace) -> int:
     import ray
 
-    from zocheck_ray.controller import run
+    from zocheck_ray.controller import profile_settings, run
+    from zocheck_ray.demo import EMBEDDED_DEFAULT, default_failures, describe
+    from zocheck_ray.verify import verify_run
 
+    embedded = args.config is None
     try:
-        job = load_job_config(args.config, args.set, steps=args.steps, storage=args.storage)
+        job = load_job_config(args.config, args.set, base=EMBEDDED_DEFAULT if embedded else None,
+                              steps=args.steps, storage=args.storage)
+        fail_at = args.fail_at
+        if fail_at is None:
+            settings = profile_settings(job)
+            first_allowed = 1 if job.snapshot_interval else max(
+                settings.warmup_steps + settings.timed_steps, settings.replays_needed) + 1
+            fail_at = default_failures(job.steps, first_allowed) if embedded else []
+        verify = embedded if args.verify is None else args.verify
+        if embedded:
+            print(describe(job))
+            print(f"  injected trainer failure at step {fail_at}; verification against the durable log: "
+                  f"{'on' if verify else 'off'}")
         if args.address:
             ray.init(address=args.address, namespace="zocheck", log_to_driver=False)
-        summary = run(job, fail_at=args.fail_at, fail_mode=args.fail_mode)
+        summary = run(job, fail_at=fail_at, fail_mode=args.fail_mode)
     except JobConfigError as exc:
         print(f"zocheck-ray train: {exc}", file=sys.stderr)
         return 2
-    m = summary.metrics
+    verification = verify_run(job, summary) if verify else None
     print()
-    rows = [
-        ("run", summary.run_id), ("steps", summary.steps),
-        ("loss (first -> last)", f"{summary.losses[0][1]:.4f} -> {summary.losses[-1][1]:.4f}" if summary.losses else "-"),
-        ("publish per step", f"{summary.publish_us_median:.1f} us (median)" if summary.publish_us_median else "-"),
-        ("trainer step", f"{summary.trainer_seconds_per_step * 1e3:.1f} ms"),
-        ("replay step", f"{m['replay_seconds_per_step'] * 1e3:.2f} ms"),
-        ("snapshot interval", summary.snapshot_interval),
-        ("snapshots taken / persisted", f"{m['snapshots_taken']} / {m['snapshots_persisted']}"),
-        ("resyncs", m["resync_count"]),
-        ("recoveries", "; ".join(f"step {r.failed_at_step} -> {r.recovered_step} from {r.image_source} in "
-                                 f"{r.seconds:.2f} s" for r in summary.recoveries) or "none"),
-        ("final state_hash", summary.final_state_hash),
-        ("shadow == trainer", "yes, bit for bit" if summary.final_state_hash == summary.shadow_state_hash else "NO"),
-    ]
+    rows = result_table(summary, verification)
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"  {key.ljust(width)}  {value}")
+    if verification is not None:
+        print("verified" if verification.verified else "NOT verified: the durable log does not reproduce the run")
     if args.json:
+        doc = summary.model_dump(mode="json")
+        doc["verification"] = verification.model_dump(mode="json") if verification is not None else None
         with open(args.json, "w") as f:
-            f.write(summary.model_dump_json(indent=2))
+            json.dump(doc, f, indent=2)
         print(f"wrote {args.json}")
-    return 0 if summary.final_state_hash == summary.shadow_state_hash else 1
+    exact = summary.final_state_hash == summary.shadow_state_hash
+    return 0 if exact and (verification is None or verification.verified) else 1
 
 
 def status(args: argparse.Namespace) -> int:
@@ -83,20 +141,56 @@ def status(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(commands, bench) -> None:
-    p = commands.add_parser("train", help="run a ZO fine-tuning job with a shadow on Ray",
-                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="job YAML (see JobConfig)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+def add_train_arguments(p: argparse.ArgumentParser, with_config: bool = True) -> None:
+    if with_config:
+        p.add_argument("--config", help="job YAML (see the configuration reference); none: the embedded default")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set zo.lr=1e-3 --set task.batch_size=8")
     p.add_argument("--steps", type=int)
     p.add_argument("--storage", help="durable storage root URL (path, file://, s3://)")
-    p.add_argument("--fail-at", type=_fail_at, default=[], help="kill the trainer at these steps")
+    p.add_argument("--fail-at", type=_fail_at, default=None,
+                   help="kill the trainer at these steps (default: once at 60%% of the steps for the embedded "
+                        "default, never with --config)")
     p.add_argument("--fail-mode", choices=["software", "host"], default="software",
                    help="software: kill the trainer process; host: lose both processes and their in-memory "
                         "images, so the pair comes back from durable storage")
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                   help="after the run, replay the durable log from the initial state and compare every hashed "
+                        "step, and the newest snapshot + log suffix with the final state (default: on for the "
+                        "embedded default, off with --config)")
     p.add_argument("--address", help="Ray cluster address (default: start a local one)")
-    p.add_argument("--json", metavar="FILE", help="write the run summary as JSON")
+    p.add_argument("--json", metavar="FILE", help="write the run summary (and the verification) as JSON")
+
+
+def config_reference(args: argparse.Namespace) -> int:
+    from zocheck_ray.reference_docs import check_readme, render_reference, write_readme
+
+    if args.check:
+        stale = check_readme(args.check)
+        if stale:
+            print(f"zocheck-ray config-reference: {stale}", file=sys.stderr)
+            return 1
+        print(f"{args.check}: the configuration and metrics reference is up to date")
+        return 0
+    if args.write:
+        changed = write_readme(args.write)
+        print(f"{args.write}: {'updated' if changed else 'already up to date'}")
+        return 0
+    print(render_reference())
+    return 0
+
+
+def register(commands, bench) -> None:
+    p = commands.add_parser("train", help="run a ZO fine-tuning job with a shadow on Ray (no --config: the "
+                                          "embedded default job)",
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_arguments(p)
     p.set_defaults(func=train)
+    r = commands.add_parser("config-reference", help="the configuration and metrics reference, from the schema")
+    where = r.add_mutually_exclusive_group()
+    where.add_argument("--check", metavar="README", help="exit 1 when README's generated section is out of date")
+    where.add_argument("--write", metavar="README", help="rewrite README's generated section")
+    r.set_defaults(func=config_reference)
     s = commands.add_parser("status", help="metrics of a running job's shadow")
     s.add_argument("run_id")
     s.add_argument("--address", help="Ray cluster address (default: auto)")

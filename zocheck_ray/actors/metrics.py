@@ -11,6 +11,7 @@ class ShadowMetrics(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     run_id: str
+    """The run these metrics belong to."""
     trainer_step: int
     """Steps the trainer has published (the next step it will run)."""
     received_step: int
@@ -32,12 +33,18 @@ class ShadowMetrics(BaseModel):
     durable_log_step: int | None
     """Last step whose record is durable in the step log."""
     persist_in_flight: bool
+    """A snapshot write to durable storage is in progress (one at a time; newer images skip older ones)."""
     last_persist_seconds: float | None
+    """Duration of the last completed snapshot write (log flush included)."""
     snapshots_taken: int
+    """In-memory snapshots of the replica (one every N replayed steps)."""
     snapshots_persisted: int
+    """Snapshots committed to durable storage."""
     resync_count: int
+    """Times the shadow was reset from a copy of the trainer's state (lag above `max_lag_steps`)."""
     rejected_records: int
     """Records refused because they came from the past or the future."""
     regime: Literal["keep-pace", "lag", "unknown"]
+    """The cost model's regime: `keep-pace` (replay faster than training), `lag` (slower), `unknown` (no profile)."""
     source: str
     """Where the replica came from: fresh, durable, resync."""

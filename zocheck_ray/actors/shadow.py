@@ -247,7 +247,9 @@ class Shadow:
 
     def recovery_image(self) -> tuple[Image | None, list[StepRecord]]:
         """The newest image and every received record after it (replayed or not)."""
-        with self._lock:
+        # _replica_lock too: a batch the replay thread is applying has left the inbox but not
+        # yet joined the tail; without it the records handed out would have a gap.
+        with self._replica_lock, self._lock:
             if self.image is None:
                 return None, []
             return self.image, list(self._tail) + list(self._inbox)

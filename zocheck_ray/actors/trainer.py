@@ -4,6 +4,12 @@
 recovers: it asks the shadow for its newest image and the records after it,
 replays them on its own device and resumes at the next step; with no image, it
 starts fresh and hands the shadow its initial state.
+
+The batch of step t comes from the job's task (`task.batch(t)`, a pure function of
+(task.data_seed, t)). Held-out evaluation runs every `task.eval_interval` steps, at
+step 0 and at the last step, between steps on the unperturbed weights under
+`no_grad`: it reads the state and never changes it, so the records and every
+state_hash are those of a run without evaluation.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ import torch
 
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord, ZOOptimizer, replay, replay_reference, state_hash
-from zocheck_ray.workload.data import batch_indices, corpus_tensor, step_seed
+from zocheck_ray.workload.data import step_seed
 from zocheck_ray.workload.models import build_model, trainable_parameters
+from zocheck_ray.workload.tasks import build_task
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +48,12 @@ class Trainer:
         self.shadow = shadow
         self.device = torch.device(device)
         started = time.perf_counter()
+        self.task = build_task(job.task, job.model)
         self.model = build_model(job.model, job.dtype, seed=job.run_seed).to(self.device)
         self.opt = ZOOptimizer(trainable_parameters(self.model), job.zo)
-        vocab = self.model.config.vocab_size
-        self.data = corpus_tensor(job.seq_len, vocab).to(self.device)
+        restore_started = time.perf_counter()
         self.recovery = self._recover()
+        self.recovery["restore_seconds"] = time.perf_counter() - restore_started  # image + records -> state
         self.recovery["seconds"] = time.perf_counter() - started
         self._pending: deque[StepRecord] = deque()   # appended by the training loop, no lock
         self._send_lock = threading.Lock()
@@ -53,6 +61,9 @@ class Trainer:
         self.step_hashes: dict[int, str] = {}
         self._step_seconds: list[float] = []
         self.last_loss: float | None = None
+        self._evaluations: dict[int, dict[str, float]] = {}
+        self._eval_seconds = 0.0
+        self._evaluated: set[int] = set()
         self._stop = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="zocheck-publish", daemon=True)
         self._flusher.start()
@@ -84,20 +95,31 @@ class Trainer:
         return {"step": self.opt.step_index, "source": source, "image_step": step, "replayed_records": len(records),
                 "state_hash": state_hash(self.opt.state_tensors()) if self.job.hash_every_step else None}
 
-    def _batch(self, t: int) -> torch.Tensor:
-        rows = batch_indices(self.job.data_seed, t, self.job.batch_size, self.data.shape[0])
-        return self.data[rows]
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics of the current state (recorded under the current step)."""
+        began = time.perf_counter()
+        metrics = self.task.evaluate(self.model)
+        self._eval_seconds += time.perf_counter() - began
+        self._evaluations[self.step] = metrics
+        self._evaluated.add(self.step)
+        return metrics
+
+    def _due_for_evaluation(self) -> bool:
+        step = self.step
+        return step % self.job.task.eval_interval == 0 or step == self.job.steps
 
     def run(self, until_step: int, die_at_step: int | None = None) -> dict:
         """Train up to `until_step` (exclusive); `die_at_step` kills the process there (failure injection)."""
         model = self.model
+        if self.step < until_step and self._due_for_evaluation() and self.step not in self._evaluated:
+            self.evaluate()  # step 0 (the metric before training), or a step a recovery resumed at
         while self.step < until_step:
             t = self.step
             if die_at_step is not None and t == die_at_step:
                 os._exit(1)  # an abrupt software failure: unsent records are lost
-            ids = self._batch(t)
+            closure = self.task.closure(model, t)
             began = time.perf_counter()
-            record = self.opt.step(lambda: model(input_ids=ids, labels=ids).loss, seed=step_seed(self.job.run_seed, t))
+            record = self.opt.step(closure, seed=step_seed(self.job.run_seed, t))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             self._step_seconds.append(time.perf_counter() - began)
@@ -107,6 +129,8 @@ class Trainer:
             self.last_loss = self.opt.last_losses[0]
             if self.job.hash_every_step:
                 self.step_hashes[self.step] = state_hash(self.opt.state_tensors())
+            if self._due_for_evaluation():
+                self.evaluate()
         self.flush()
         return self.progress()
 
@@ -114,7 +138,10 @@ class Trainer:
         recent = self._publish_ns[-1000:]
         hashes, self.step_hashes = self.step_hashes, {}
         seconds, self._step_seconds = self._step_seconds, []
+        evaluations, self._evaluations = self._evaluations, {}
+        eval_seconds, self._eval_seconds = self._eval_seconds, 0.0
         return {"step": self.step, "loss": self.last_loss, "step_hashes": hashes, "step_seconds": seconds,
+                "evaluations": evaluations, "eval_seconds": eval_seconds,
                 "publish_us_median": statistics.median(recent) / 1e3 if recent else None}
 
     def _flush_loop(self) -> None:

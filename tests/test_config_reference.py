@@ -1,0 +1,40 @@
+"""The README's configuration and metrics reference is generated from the schemas and kept current."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zocheck_ray.cli import main
+from zocheck_ray.config import JobConfig
+from zocheck_ray.reference_docs import BEGIN, END, check_readme, field_docs, render_reference, undocumented_fields
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_reference_is_up_to_date():
+    assert check_readme(README) is None, "run: zocheck-ray config-reference --write README.md"
+
+
+def test_every_documented_field_has_a_docstring():
+    assert undocumented_fields() == []
+
+
+def test_reference_lists_every_job_field_with_its_docstring():
+    text = render_reference()
+    docs = field_docs(JobConfig)
+    for name in JobConfig.model_fields:
+        assert f"| `{name}` |" in text
+        assert " ".join(docs[name].split()) in text
+    for dotted in ("`zo.lr`", "`task.batch_size`", "`task.max_length`", "`task.eval_interval`", "`lag_steps`"):
+        assert dotted in text
+
+
+def test_check_and_write_on_a_stale_copy(tmp_path, capsys):
+    stale = tmp_path / "README.md"
+    stale.write_text(f"# title\n\n{BEGIN}\nold table\n{END}\n\nrest\n")
+    assert main(["config-reference", "--check", str(stale)]) == 1
+    assert "out of date" in capsys.readouterr().err
+    assert main(["config-reference", "--write", str(stale)]) == 0
+    assert main(["config-reference", "--check", str(stale)]) == 0
+    text = stale.read_text()
+    assert text.startswith("# title\n\n") and text.endswith(f"{END}\n\nrest\n") and "old table" not in text

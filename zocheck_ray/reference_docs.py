@@ -1,0 +1,145 @@
+"""The configuration and metrics reference, generated from the pydantic schemas' field docstrings.
+
+    zocheck-ray config-reference                   # print it (Markdown)
+    zocheck-ray config-reference --write README.md # replace the section between the markers
+    zocheck-ray config-reference --check README.md # exit 1 when README.md is out of date
+
+The field docstrings are the documentation (one schema, one place): this module
+reads them from the source with `ast` and renders one table per model, dotted
+names for the nested sections (`zo.lr`, `task.batch_size`).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import re
+import textwrap
+from pathlib import Path
+
+from pydantic import BaseModel
+
+BEGIN = "<!-- BEGIN GENERATED: zocheck-ray config-reference --write README.md -->"
+END = "<!-- END GENERATED -->"
+
+
+def field_docs(model: type[BaseModel]) -> dict[str, str]:
+    """`{field: docstring}` of `model` and its pydantic bases, from the string literal under each field."""
+    docs: dict[str, str] = {}
+    for cls in reversed(model.__mro__):
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or cls is BaseModel:
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        body = tree.body[0].body
+        for node, following in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)):
+                docs[node.target.id] = inspect.cleandoc(following.value.value)
+    return docs
+
+
+def _annotation(model: type[BaseModel], name: str) -> str:
+    annotation = model.model_fields[name].annotation
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return re.sub(r"\b(typing|zocheck_ray(\.\w+)*)\.", "", repr(annotation))
+
+
+def _default(model: type[BaseModel], name: str) -> str:
+    info = model.model_fields[name]
+    if info.is_required():
+        return "required"
+    if info.default_factory is not None:
+        first, second = info.default_factory(), info.default_factory()
+        if first != second:
+            return "generated"
+        value = first
+    else:
+        value = info.default
+    if isinstance(value, BaseModel):
+        changed = value.model_dump(mode="json", exclude_defaults=True)
+        return "see below" + (f", with `{json.dumps(changed)}`" if changed else "")
+    return "`" + json.dumps(value if not isinstance(value, tuple) else list(value)) + "`"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def model_table(model: type[BaseModel], prefix: str = "", with_defaults: bool = True) -> str:
+    """A Markdown table of `model`'s fields: name, type, default (if `with_defaults`), description."""
+    docs = field_docs(model)
+    header = "| field | type | default | description |\n| --- | --- | --- | --- |" if with_defaults else \
+        "| field | type | description |\n| --- | --- | --- |"
+    rows = [header]
+    for name in model.model_fields:
+        cells = [f"`{prefix}{name}`", f"`{_cell(_annotation(model, name))}`"]
+        if with_defaults:
+            cells.append(_default(model, name))
+        cells.append(_cell(docs.get(name, "")))
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def undocumented_fields() -> list[str]:
+    """Fields of the documented models that carry no docstring (the reference would show them blank)."""
+    missing = []
+    for _, model, _, _ in _sections():
+        docs = field_docs(model)
+        missing += [f"{model.__name__}.{name}" for name in model.model_fields if not docs.get(name)]
+    return missing
+
+
+def _sections():
+    from zocheck_ray.actors.metrics import ShadowMetrics
+    from zocheck_ray.config import FaultInjection, JobConfig
+    from zocheck_ray.controller import Recovery, RunSummary
+    from zocheck_ray.core.config import ZOConfig
+    from zocheck_ray.workload.task_config import TaskConfig
+
+    return [
+        ("`JobConfig`: the job (YAML file, `--set key=value`)", JobConfig, "", True),
+        ("`zo`: the zeroth-order optimizer (`ZOConfig`)", ZOConfig, "zo.", True),
+        ("`task`: data, prompt, batches, evaluation (`TaskConfig`)", TaskConfig, "task.", True),
+        ("`faults`: fault injection (`FaultInjection`)", FaultInjection, "faults.", True),
+        ("Shadow metrics (`ShadowMetrics`: `zocheck-ray status`, gauges `zocheck_shadow_*`)", ShadowMetrics, "", False),
+        ("Run summary (`RunSummary`: `zocheck_ray.run(...)`, `zocheck-ray train --json`)", RunSummary, "", False),
+        ("Recoveries (`Recovery`: `RunSummary.recoveries`)", Recovery, "", False),
+    ]
+
+
+def render_reference() -> str:
+    """The whole generated section (without the markers)."""
+    parts = ["_Generated from the schemas' field docstrings by `zocheck-ray config-reference --write README.md`; "
+             "a test fails when this section is out of date._"]
+    for title, model, prefix, with_defaults in _sections():
+        parts.append(f"#### {title}\n\n{model_table(model, prefix, with_defaults)}")
+    return "\n\n".join(parts) + "\n"
+
+
+def _split(text: str, path: str) -> tuple[str, str, str]:
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"{path} must hold the markers {BEGIN!r} and {END!r} once each, in that order")
+    head, rest = text.split(BEGIN)
+    body, tail = rest.split(END)
+    return head, body, tail
+
+
+def check_readme(path: str | Path) -> str | None:
+    """None when `path`'s generated section equals `render_reference()`; else what to do."""
+    head, body, tail = _split(Path(path).read_text(), str(path))
+    if body.strip() != render_reference().strip():
+        return f"{path}: the generated reference is out of date; run zocheck-ray config-reference --write {path}"
+    return None
+
+
+def write_readme(path: str | Path) -> bool:
+    """Replace `path`'s generated section; returns whether it changed."""
+    text = Path(path).read_text()
+    head, body, tail = _split(text, str(path))
+    new = head + BEGIN + "\n" + render_reference() + END + tail
+    if new != text:
+        Path(path).write_text(new)
+    return new != text
