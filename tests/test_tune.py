@@ -21,7 +21,7 @@ from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.storage import SnapshotStore
 from zocheck_ray.tune import (
     FAIL_ONCE_KEY, POINTER_FILE, CheckpointPointer, CheckpointPointerError, _grid_entry, check_pointer,
-    read_pointer, sweep, trial_resources, write_pointer,
+    read_pointer, summarize, sweep, trial_resources, write_pointer,
 )
 
 STEPS = 16
@@ -100,6 +100,17 @@ def test_restored_trial_resumes_exactly(results):
     assert 0 <= restored.metrics["resumed_from_step"] <= FAIL_AT
     assert list(restored.metrics_dataframe["run_id"].unique()) == [restored.metrics["run_id"]]  # one run
     assert restored.metrics["final_state_hash"] == reference_hash(LRS[1])
+
+
+def test_the_sweep_table_has_one_exact_row_per_trial(results):
+    _, trials = results
+    rows = summarize(trials, ["zo.lr"], "eval_accuracy")
+    assert sorted(r["zo.lr"] for r in rows) == LRS
+    for row in rows:
+        assert row["exact"] is True and row["error"] is None and row["step"] == STEPS
+        assert row["state_hash"] == reference_hash(row["zo.lr"])
+        assert 0.0 <= row["eval_accuracy"] <= 1.0
+    json.dumps(rows)  # what --json writes
 
 
 def test_a_stale_or_foreign_pointer_is_rejected(results, tmp_path):

@@ -298,12 +298,7 @@ def tune_command(args: argparse.Namespace) -> int:
         print(f"zocheck-ray tune: {exc}", file=sys.stderr)
         return 2
     keys = [key for key, _ in args.grid]
-    rows = []
-    for result in results:
-        m = result.metrics or {}
-        rows.append({**{k: result.config.get(k) for k in keys}, "run_id": m.get("run_id"), "step": m.get("step"),
-                     args.metric: m.get(args.metric), "state_hash": m.get("final_state_hash"),
-                     "exact": m.get("exact"), "error": str(result.error) if result.error else None})
+    rows = summarize(results, keys, args.metric)
     print()
     header = keys + ["run_id", "step", args.metric, "exact", "state_hash"]
     print("  " + "  ".join(h.ljust(14) for h in header))
@@ -313,7 +308,19 @@ def tune_command(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
         print(f"wrote {args.json}")
-    return 0 if all(r["exact"] and not r["error"] for r in rows) else 1
+    return 0 if rows and all(r["exact"] and not r["error"] for r in rows) else 1
+
+
+def summarize(results, keys: list[str], metric: str) -> list[dict]:
+    """One row per trial of a `ResultGrid`: its swept values, run, step, metric, final state_hash."""
+    rows = []
+    for result in results:
+        m = result.metrics or {}
+        rows.append({**{k: result.config.get(k) for k in keys}, "run_id": m.get("run_id"), "step": m.get("step"),
+                     metric: m.get(metric), "state_hash": m.get("final_state_hash"), "exact": m.get("exact"),
+                     "resumed_from_step": m.get("resumed_from_step"),
+                     "error": str(result.error) if result.error else None})
+    return rows
 
 
 def register(commands, bench) -> None:
