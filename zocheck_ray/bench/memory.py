@@ -214,7 +214,7 @@ def _save_model(directory: str, hidden: int, layers: int, vocab: int = 2048) -> 
     return directory, sum(p.numel() for _, p in trainable_parameters(model))
 
 
-def memory_benchmark(sizes: list[int], hidden: int = 1024, layers: int = 4, steps: int = 28, snapshot_interval: int = 4,
+def memory_benchmark(sizes: list[int], hidden: int = 1024, layers: int = 2, steps: int = 14, snapshot_interval: int = 4,
                      every: int = CHECKPOINT_EVERY, records: int = 8, strategies: tuple[str, ...] = STRATEGIES,
                      json_path: str | None = None, say=print) -> dict:
     """Measure every strategy and every shadow size, print the tables; returns the JSON document.
@@ -307,8 +307,8 @@ def register(commands, bench) -> None:
     parser.add_argument("--sizes", nargs="+", type=parse_count, default=[parse_count(s) for s in DEFAULT_SIZES],
                         metavar="N", help="shadow state sizes in parameters, fp32 (default 25M 50M 100M 200M)")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the strategies' OPT (default 1024)")
-    parser.add_argument("--layers", type=int, default=4, help="layers of the strategies' OPT (default 4)")
-    parser.add_argument("--steps", type=int, default=28, help="training steps per strategy (default 28)")
+    parser.add_argument("--layers", type=int, default=2, help="layers of the strategies' OPT (default 2)")
+    parser.add_argument("--steps", type=int, default=14, help="training steps per strategy (default 14)")
     parser.add_argument("--snapshot-interval", type=int, default=4, help="the shadow's N (default 4)")
     parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY,
                         help=f"the checkpoint baselines' K (default {CHECKPOINT_EVERY})")

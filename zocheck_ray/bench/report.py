@@ -156,7 +156,10 @@ def scaling_markdown(doc: dict) -> str:
         "\nTrainer step (two forward passes) against replay of its record, per batch and sequence length:\n",
         md_table(batch, [("batch_size", "batch", "d"), ("seq_len", "seq len", "d"), ("tokens", "tokens", "d"),
                          ("step_ms", "trainer step ms", ".1f"), ("replay_ms", "replay ms", ".2f")]),
-        f"\nTrainer step max/min {b['trainer_spread']:.1f}x, replay max/min {b['replay_spread']:.2f}x: replay "
+        f"\nTrainer step max/min {b['trainer_spread']:.1f}x, replay max/min {b['replay_spread']:.2f}x"
+        + (f" (log-log slope against tokens: trainer {b['trainer_tokens_slope']:.2f}, replay "
+           f"{b['replay_tokens_slope']:.2f})" if b.get("trainer_tokens_slope") is not None else "")
+        + ": replay "
         f"{'is' if b['independent'] else 'is not shown to be'} independent of batch size and sequence length; "
         f"the replica followed the trainer bit for bit: {b['replica_equals_trainer']}.\n"])
 
