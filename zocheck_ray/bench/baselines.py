@@ -1,41 +1,105 @@
-"""The baseline ZOCheck is measured against: asynchronous full checkpoints every K steps.
+"""The checkpointing strategies ZOCheck is compared with, run on the same `Trainer`.
 
-    summary = run_async_checkpoint(job, fail_at=[100], every=7)
-    summary["recoveries"][0]["seconds"]
+    trainer = StrategyTrainer(job, url, Strategy.parse("async:7"))
+    trainer.run(1000)
+    trainer.critical_path()["cumulative_seconds"]
 
-This is the strategy of the paper's "async anchor" baseline (CheckFreq-style): every
-K steps the trainer stages a host copy of its whole state (the critical-path cost),
-and a background thread persists that copy with `SnapshotStore` while training goes
-on, one write in flight. The staging buffer lives in the trainer process, so it dies
-with the trainer: after a failure the restarted process loads the newest *persisted*
-checkpoint and recomputes (full forward-pass ZO steps) from there to the failure.
+Every strategy runs the unmodified `actors.trainer.Trainer` (same model, data, seeds,
+`ZOOptimizer`, and the same publishing path: one `deque.append` per step, sent in
+batches by the trainer's publisher thread). What differs is where the records go and
+what happens every K steps:
 
-`AsyncCheckpointTrainer` is Ray-free and runs the same model, data, seeds and
-optimizer as `actors.trainer.Trainer`, so both reach the same state bit for bit;
-`AsyncCheckpointActor` wraps it so that Ray restarts it after a failure, as it
-restarts the ZOCheck trainer: both recoveries include the same restart cost.
+- `log-only`: the records go to a durable `StepLog`; the initial state is written once,
+  before the first step (the pretrained model on disk). Recovery replays every record
+  from step 0.
+- `sync K=<K>`: log, plus a full checkpoint (`SnapshotStore.save`) every K steps on the
+  critical path. Recovery loads the newest checkpoint and replays the log after it.
+- `async K=<K>`: log, plus every K steps a host copy of the whole state into the
+  trainer's staging buffer on the critical path (waiting first for the previous write:
+  one write in flight, as CheckFreq does); a background thread persists it. The staging
+  buffer and the write in flight die with the trainer process, so recovery loads the
+  newest *persisted* checkpoint and replays the log after it.
+- `zocheck`: the product (`controller.run`, or `Trainer` with an in-process `Shadow` for
+  failure-free overhead runs).
+
+Records the publisher had not sent when the process died are recomputed by the
+restarted trainer (forward passes), for every strategy alike. Replay uses the fused
+kernel (`core.replay`), on the trainer's side, as ZOCheck's trainer does.
+
+`critical_path()` returns (the JSON shape the benchmarks embed, keys stable):
+    {"strategy": str, "kind": str, "every": int | None, "steps": int,
+     "publish_seconds": float,        # sum of the per-step appends
+     "checkpoint_seconds": float,     # sum of the checkpoint work on the training thread
+     "stall_seconds": float,          # async: part of checkpoint_seconds spent waiting for the previous write
+     "cumulative_seconds": float,     # publish_seconds + checkpoint_seconds
+     "publish_us_median": float | None, "checkpoints": int, "checkpoint_ms_median": float | None,
+     "checkpoints_persisted": int, "train_seconds": float}
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 
 import ray
 import torch
-from ray.exceptions import RayActorError
 
-from zocheck_ray.actors.ray_actors import call_when_alive
+from zocheck_ray.actors.image import unpack
+from zocheck_ray.actors.trainer import Trainer
 from zocheck_ray.config import JobConfig
-from zocheck_ray.core import ZOOptimizer, state_hash
-from zocheck_ray.storage import SnapshotStore
-from zocheck_ray.workload.data import batch_indices, corpus_tensor, step_seed
-from zocheck_ray.workload.models import build_model, trainable_parameters
+from zocheck_ray.core import StepRecord, state_hash
+from zocheck_ray.core.record import IncompleteRecordError
+from zocheck_ray.storage import SnapshotStore, StepLog, read_log
 
 CHECKPOINT_EVERY = 7
-"""The paper's baseline interval K."""
+"""The paper's smallest baseline interval K."""
+PAPER_INTERVALS = (7, 300, 1000)
+"""The intervals K of the published comparison."""
+KINDS = ("log-only", "sync", "async", "zocheck")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One checkpointing strategy: `kind` in KINDS, `every` = K for sync and async."""
+
+    kind: str
+    every: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"strategy kind {self.kind!r} is not one of {KINDS}")
+        if (self.kind in ("sync", "async")) != (self.every is not None):
+            raise ValueError(f"strategy {self.kind!r}: K (every) is required for sync and async and only for them")
+        if self.every is not None and self.every < 1:
+            raise ValueError(f"strategy {self.kind!r}: K must be at least 1 step, got {self.every}")
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.every is None else f"{self.kind} K={self.every}"
+
+    @property
+    def slug(self) -> str:
+        return self.kind if self.every is None else f"{self.kind}-{self.every}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Strategy":
+        """'log-only', 'zocheck', 'sync:300', 'async:7', 'async-7' or 'async K=7'."""
+        m = re.fullmatch(r"\s*(log-only|zocheck|sync|async)(?:\s*(?::|-|\s+K=)\s*(\d+))?\s*", text)
+        if m is None:
+            raise ValueError(f"strategy {text!r}: expected log-only, zocheck, sync:K or async:K (e.g. async:7)")
+        return cls(m[1], int(m[2]) if m[2] else None)
+
+
+def paper_strategies(intervals: tuple[int, ...] = PAPER_INTERVALS, zocheck: bool = True) -> list[Strategy]:
+    """log-only, sync and async at every K, and (optionally) zocheck."""
+    out = [Strategy("log-only")]
+    out += [Strategy(kind, k) for kind in ("sync", "async") for k in intervals]
+    return out + ([Strategy("zocheck")] if zocheck else [])
 
 
 def stage(state: dict[str, torch.Tensor], out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -47,100 +111,233 @@ def stage(state: dict[str, torch.Tensor], out: dict[str, torch.Tensor] | None = 
     return out
 
 
-class AsyncCheckpointTrainer:
-    """The unmodified ZO loop plus an asynchronous full checkpoint every `every` steps."""
+def _decode(data: bytes) -> list[StepRecord]:
+    records, offset = [], 0
+    while offset < len(data):
+        try:
+            record, offset = StepRecord.read_from(data, offset)
+        except IncompleteRecordError:
+            break
+        records.append(record)
+    return records
 
-    def __init__(self, job: JobConfig, url: str, every: int = CHECKPOINT_EVERY, device: str = "cpu"):
-        if every < 1:
-            raise ValueError(f"every must be >= 1 step, got {every}")
-        started = time.perf_counter()
-        self.job, self.every, self.device = job, every, torch.device(device)
-        self.model = build_model(job.model, job.dtype, seed=job.run_seed).to(self.device)
-        self.opt = ZOOptimizer(trainable_parameters(self.model), job.zo)
-        self.data = corpus_tensor(job.seq_len, self.model.config.vocab_size).to(self.device)
+
+class DurableLink:
+    """The baselines' end of the trainer's publishing path (a `ShadowLink`): records into a
+    durable `StepLog` under `log_url`, checkpoints in a `SnapshotStore` under `url`.
+
+    With `log_writable=False` the log is only read (several strategies recovering from one
+    shared log must not change it); the records the trainer then publishes are dropped.
+    """
+
+    def __init__(self, job: JobConfig, url: str, log_url: str | None = None, log_writable: bool = True):
+        self.job, self.url, self.log_url = job, url, log_url or url
         self.store = SnapshotStore(url, job.storage_options)
         self.meta = {"run_id": job.run_id, "zo_config": job.zo.model_dump(mode="json")}
-        self._writer: threading.Thread | None = None
-        self.stage_seconds: list[float] = []
+        self.log_writable = log_writable
+        self.log: StepLog | None = None
+        self.timing: dict = {}
+
+    def _open_log(self, resume_step: int) -> None:
+        if self.log_writable:
+            self.log = StepLog(self.log_url, self.job.storage_options, seal_records=self.job.log_seal_records,
+                               resume_step=resume_step)
+
+    def recovery_image(self):
+        started = time.perf_counter()
+        latest = self.store.latest()
+        if latest is None:
+            return None, 0, [], "fresh"
+        tensors, _ = self.store.load(latest)
+        loaded = time.perf_counter()
+        records = read_log(self.log_url, after_step=latest.step - 1, storage_options=self.job.storage_options)
+        self.timing = {"checkpoint_step": latest.step, "load_seconds": loaded - started,
+                       "read_log_seconds": time.perf_counter() - loaded, "records": len(records)}
+        self._open_log(latest.step + len(records))
+        return tensors, latest.step, records, "initial" if latest.step == 0 else "checkpoint"
+
+    def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
+        """A fresh run: the initial state is written once, before the first step."""
+        self.store.save(step, state, self.meta)
+        self._open_log(step)
+
+    def push(self, data: bytes) -> None:
+        if self.log is None:
+            return
+        for record in _decode(data):
+            self.log.append(record)
+        self.log.flush()
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+
+class InProcessShadowLink:
+    """ZOCheck's link to a Ray-free `Shadow` in the same process (failure-free overhead runs):
+    the trainer's side is exactly `TrainerActor`'s."""
+
+    def __init__(self, shadow):
+        self.shadow = shadow
+
+    def recovery_image(self):
+        image, records = self.shadow.recovery_image()
+        if image is None:
+            return None, 0, [], "fresh"
+        return unpack(image.buffer, image.layout, copy=True), image.step, records, "memory"
+
+    def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
+        self.shadow.initialize(state, step)
+
+    def push(self, data: bytes) -> None:
+        self.shadow.push(data)
+
+    def close(self) -> None:
+        self.shadow.close()
+
+
+class StrategyTrainer:
+    """`Trainer` under one strategy; its constructor recovers as the strategy does.
+
+    `url`: where the strategy's checkpoints (and, unless `log_url` says otherwise, its log)
+    live. For `zocheck` an in-process `Shadow` persists under `job.run_url`.
+    """
+
+    def __init__(self, job: JobConfig, url: str, strategy: Strategy, device: str = "cpu",
+                 log_url: str | None = None, log_writable: bool = True):
+        self.job, self.strategy = job, strategy
+        started = time.perf_counter()
+        if strategy.kind == "zocheck":
+            from zocheck_ray.actors.shadow import Shadow
+
+            self.link = InProcessShadowLink(Shadow(job, threads=1))
+        else:
+            self.link = DurableLink(job, url, log_url, log_writable)
+        self.trainer = Trainer(job, self.link, device=device)
+        self.recovery = {**self.trainer.recovery, **getattr(self.link, "timing", {}),
+                         "constructor_seconds": time.perf_counter() - started}
+        self.checkpoint_ns: list[int] = []
         self.stall_seconds = 0.0
         self.persisted = 0
-        load_started = time.perf_counter()
-        latest = self.store.latest()
-        if latest is None:  # a fresh run: the initial state is checkpoint 0, written before the first step
-            self.store.save(0, stage(self.opt.state_tensors()), self.meta)
-            self.recovery = {"step": 0, "source": "fresh", "load_seconds": 0.0}
-        else:
-            tensors, _ = self.store.load(latest)
-            self.opt.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()}, step=latest.step)
-            self.recovery = {"step": latest.step, "source": "checkpoint",
-                             "load_seconds": time.perf_counter() - load_started}
-        self.recovery["seconds"] = time.perf_counter() - started
+        self.train_seconds = 0.0
+        self._staging: dict[str, torch.Tensor] | None = None
+        self._writer: threading.Thread | None = None
+        self._write_error: BaseException | None = None
+        self._first_step = self.trainer.step
+        if strategy.kind in ("sync", "async"):
+            self._install_checkpoint_hook()
+
+    @property
+    def opt(self):
+        return self.trainer.opt
 
     @property
     def step(self) -> int:
-        return self.opt.step_index
+        return self.trainer.step
 
-    def _batch(self, t: int) -> torch.Tensor:
-        return self.data[batch_indices(self.job.data_seed, t, self.job.batch_size, self.data.shape[0])]
+    def _install_checkpoint_hook(self) -> None:
+        # The trainer's loop is left as it is: its optimizer's step is wrapped, so the
+        # checkpoint runs right after each step, on the training thread, and is timed apart.
+        opt, real_step, every = self.trainer.opt, self.trainer.opt.step, self.strategy.every
+        checkpoint = self._sync_checkpoint if self.strategy.kind == "sync" else self._async_checkpoint
 
-    def run(self, until_step: int, die_at_step: int | None = None) -> dict:
-        """Train up to `until_step` (exclusive); `die_at_step` kills the process there (failure injection)."""
-        model = self.model
-        started, first = time.perf_counter(), self.step
-        while self.step < until_step:
-            t = self.step
-            if die_at_step is not None and t == die_at_step:
-                os._exit(1)  # the staging buffer and any write in flight die with the process
-            ids = self._batch(t)
-            self.opt.step(lambda: model(input_ids=ids, labels=ids).loss, seed=step_seed(self.job.run_seed, t))
-            if self.step % self.every == 0:
-                self._checkpoint()
-        steps = self.step - first
-        return {"step": self.step, "steps": steps, "seconds": time.perf_counter() - started,
-                "stage_ms_median": statistics.median(self.stage_seconds) * 1e3 if self.stage_seconds else None,
-                "stall_seconds": self.stall_seconds, "checkpoints_persisted": self.persisted}
+        def step(closure, seed, lr=None):
+            record = real_step(closure, seed=seed, lr=lr)
+            if opt.step_index % every == 0:
+                start = time.perf_counter_ns()
+                checkpoint(opt.step_index)
+                self.checkpoint_ns.append(time.perf_counter_ns() - start)
+            return record
 
-    def _checkpoint(self) -> None:
+        opt.step = step
+
+    def _sync_checkpoint(self, step: int) -> None:
+        self.link.store.save(step, self.trainer.opt.state_tensors(), self.link.meta)
+        self.persisted += 1
+
+    def _async_checkpoint(self, step: int) -> None:
         start = time.perf_counter()
         if self._writer is not None:  # one write in flight: the next checkpoint waits for the previous one
             self._writer.join()
-        staged_at = time.perf_counter()
-        self.stall_seconds += staged_at - start
-        staged = stage(self.opt.state_tensors())
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.stage_seconds.append(time.perf_counter() - staged_at)
-        step = self.step
-        self._writer = threading.Thread(target=self._persist, args=(step, staged), name="async-checkpoint",
+        self.stall_seconds += time.perf_counter() - start
+        state = self.trainer.opt.state_tensors()
+        if self._staging is None:
+            self._staging = stage(state)
+        else:
+            stage(state, out=self._staging)
+        if self.trainer.device.type == "cuda":
+            torch.cuda.synchronize(self.trainer.device)
+        self._writer = threading.Thread(target=self._persist, args=(step, self._staging), name="async-checkpoint",
                                         daemon=True)
         self._writer.start()
 
     def _persist(self, step: int, staged: dict[str, torch.Tensor]) -> None:
-        self.store.save(step, staged, self.meta)
-        self.persisted += 1
+        try:
+            self.link.store.save(step, staged, self.link.meta)
+            self.persisted += 1
+        except BaseException as exc:  # reported by close(); the previous checkpoint stays committed
+            self._write_error = exc
+
+    def run(self, until_step: int, die_at_step: int | None = None) -> dict:
+        """Train up to `until_step` (exclusive); `die_at_step` kills the process there."""
+        started = time.perf_counter()
+        progress = self.trainer.run(until_step, die_at_step)
+        self.train_seconds += time.perf_counter() - started
+        return progress
+
+    def critical_path(self) -> dict:
+        """The training thread's checkpointing cost so far (see the module docstring)."""
+        publish_ns = self.trainer._publish_ns
+        checkpoint = sum(self.checkpoint_ns) / 1e9
+        publish = sum(publish_ns) / 1e9
+        return {"strategy": self.strategy.name, "kind": self.strategy.kind, "every": self.strategy.every,
+                "steps": self.step - self._first_step, "publish_seconds": publish, "checkpoint_seconds": checkpoint,
+                "stall_seconds": self.stall_seconds, "cumulative_seconds": publish + checkpoint,
+                "publish_us_median": statistics.median(publish_ns) / 1e3 if publish_ns else None,
+                "checkpoints": len(self.checkpoint_ns),
+                "checkpoint_ms_median": statistics.median(self.checkpoint_ns) / 1e6 if self.checkpoint_ns else None,
+                "checkpoints_persisted": self.persisted, "train_seconds": self.train_seconds}
 
     def state_hash(self) -> tuple[int, str]:
-        return self.step, state_hash(self.opt.state_tensors())
+        return self.step, state_hash(self.trainer.opt.state_tensors())
 
     def close(self) -> None:
+        self.trainer.close()
         if self._writer is not None:
             self._writer.join()
+        if self.strategy.kind == "zocheck":
+            self.link.shadow.wait_replayed(self.step, timeout=300)
+        self.link.close()
+        if self._write_error is not None:
+            raise RuntimeError(f"an asynchronous checkpoint write failed: {self._write_error}") from self._write_error
+
+
+class AsyncCheckpointTrainer(StrategyTrainer):
+    """`StrategyTrainer` under `async K=every`, its checkpoints and log under `url`."""
+
+    def __init__(self, job: JobConfig, url: str, every: int = CHECKPOINT_EVERY, device: str = "cpu"):
+        super().__init__(job, url, Strategy("async", every), device=device)
 
 
 @ray.remote
-class AsyncCheckpointActor:
-    """`AsyncCheckpointTrainer` in a Ray actor; its constructor recovers after a restart."""
+class StrategyActor:
+    """`StrategyTrainer` in a Ray actor, restarted by Ray after a failure; its constructor recovers."""
 
-    def __init__(self, job: dict, url: str, every: int):
+    def __init__(self, job: dict, url: str, strategy: str, log_url: str | None = None, log_writable: bool = True):
         job = JobConfig.model_validate(job)
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
-        self.trainer = AsyncCheckpointTrainer(job, url, every, device=device)
+        self.trainer = StrategyTrainer(job, url, Strategy.parse(strategy), device, log_url, log_writable)
+        self.pid = os.getpid()
 
     def recovery(self) -> dict:
-        return self.trainer.recovery
+        return {**self.trainer.recovery, "pid": self.pid}
 
     def run(self, until_step: int, die_at_step: int | None = None) -> dict:
-        return self.trainer.run(until_step, die_at_step)
+        progress = self.trainer.run(until_step, die_at_step)
+        return {"step": progress["step"], "seconds": sum(progress["step_seconds"])}
+
+    def critical_path(self) -> dict:
+        return self.trainer.critical_path()
 
     def state_hash(self) -> tuple[int, str]:
         return self.trainer.state_hash()
@@ -149,48 +346,198 @@ class AsyncCheckpointActor:
         self.trainer.close()
 
 
-def run_async_checkpoint(job: JobConfig, fail_at: list[int], every: int = CHECKPOINT_EVERY,
-                         url: str | None = None, gpus: int = 0) -> dict:
-    """Run `job` under the async-checkpoint baseline on the connected Ray cluster, killing the
-    trainer at each step of `fail_at`.
+class CompositeTrainer(StrategyTrainer):
+    """One trainer carrying every checkpointing baseline at once, for recovery measurements:
+    one shared durable log (`<url>/log`), each baseline's checkpoints under `<url>/<slug>`.
 
-    A recovery's `seconds` runs from the driver seeing the failure to the restarted trainer
-    being back at the failure step (restart + load + recompute), as the controller times
-    ZOCheck's recoveries.
+    A failure kills every baseline's staging buffer and write in flight together; each
+    baseline then recovers separately from its own checkpoints and the shared log. The
+    baselines share the training steps (the records are the same bits for all of them),
+    so one run to the failure step serves them all.
     """
+
+    def __init__(self, job: JobConfig, url: str, strategies: list[Strategy], device: str = "cpu",
+                 reference_at: int | None = None):
+        baselines = [s for s in strategies if s.kind in ("sync", "async")]
+        self.reference: tuple[int, str] | None = None
+        super().__init__(job, url, Strategy("log-only"), device=device)
+        # log-only's checkpoint 0 lives at `url`; each checkpointing baseline starts from the same one.
+        initial = {k: v.detach().to("cpu").clone() for k, v in self.trainer.opt.state_tensors().items()}
+        self.members = []
+        for s in baselines:
+            member = _Member(s, SnapshotStore(f"{url.rstrip('/')}/{s.slug}", job.storage_options), self.link.meta)
+            member.store.save(self.step, initial, self.link.meta)
+            self.members.append(member)
+        opt, real_step = self.trainer.opt, self.trainer.opt.step
+
+        def step(closure, seed, lr=None):
+            record = real_step(closure, seed=seed, lr=lr)
+            if opt.step_index == reference_at:  # the uninterrupted state, should the process die right after
+                # Before the checkpoints: an async write started at this step must not gain time to finish.
+                self.reference = (opt.step_index, state_hash(opt.state_tensors()))
+                with open(os.path.join(_local_dir(url), "reference.json"), "w") as f:
+                    json.dump({"step": self.reference[0], "state_hash": self.reference[1]}, f)
+            for m in self.members:
+                if opt.step_index % m.strategy.every == 0:
+                    m.checkpoint(opt.step_index, opt.state_tensors())
+            return record
+
+        opt.step = step
+
+    def close(self) -> None:
+        super().close()
+        for m in self.members:
+            m.join()
+
+
+class _Member:
+    def __init__(self, strategy: Strategy, store: SnapshotStore, meta: dict):
+        self.strategy, self.store, self.meta = strategy, store, meta
+        self.staging, self.writer = None, None
+
+    def checkpoint(self, step: int, state: dict[str, torch.Tensor]) -> None:
+        if self.strategy.kind == "sync":
+            self.store.save(step, state, self.meta)
+            return
+        self.join()
+        self.staging = stage(state) if self.staging is None else stage(state, out=self.staging)
+        self.writer = threading.Thread(target=self.store.save, args=(step, self.staging, self.meta), daemon=True,
+                                       name=f"async-checkpoint-{self.strategy.every}")
+        self.writer.start()
+
+    def join(self) -> None:
+        if self.writer is not None:
+            self.writer.join()
+
+
+def _local_dir(url: str) -> str:
+    if "://" in url and not url.startswith("file://"):
+        raise ValueError(f"the baselines' recovery comparison needs a local storage directory, not {url}")
+    return url.removeprefix("file://")
+
+
+def read_reference(url: str) -> tuple[int, str]:
+    """The state hash `CompositeTrainer(reference_at=...)` wrote under `url`."""
+    with open(os.path.join(_local_dir(url), "reference.json")) as f:
+        doc = json.load(f)
+    return doc["step"], doc["state_hash"]
+
+
+@ray.remote
+class CompositeActor:
+    def __init__(self, job: dict, url: str, strategies: list[str], reference_at: int | None = None):
+        job = JobConfig.model_validate(job)
+        self.trainer = CompositeTrainer(job, url, [Strategy.parse(s) for s in strategies], reference_at=reference_at)
+
+    def run(self, until_step: int, die_at_step: int | None = None) -> dict:
+        progress = self.trainer.run(until_step, die_at_step)
+        return {"step": progress["step"], "seconds": sum(progress["step_seconds"])}
+
+    def state_hash(self) -> tuple[int, str]:
+        return self.trainer.state_hash()
+
+    def durable(self) -> dict:
+        """Newest committed checkpoint step per baseline (what survives the process)."""
+        out = {"log-only": 0}
+        for m in self.trainer.members:
+            latest = m.store.latest()
+            out[m.strategy.name] = latest.step if latest else None
+        return out
+
+
+def _wait_new_incarnation(actor, old_pid: int | None, timeout: float = 300.0) -> dict:
+    from zocheck_ray.actors.ray_actors import call_when_alive
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            info = call_when_alive(lambda: actor.recovery.remote(), timeout=timeout)
+        except ray.exceptions.RayActorError:  # the old process is still going down
+            info = {"pid": old_pid}
+        if info["pid"] != old_pid:
+            return info
+        if time.monotonic() > deadline:
+            raise TimeoutError("the strategy's trainer did not come back after its failure")
+        time.sleep(0.02)
+
+
+def fail_and_recover(actor, fail: int, mode: str = "software") -> dict:
+    """Kill the trainer of `actor` at step `fail` (software: the process exits as it starts step
+    `fail`, losing unsent records; host: the process is killed once at `fail`, records flushed),
+    let Ray restart it, and time its recovery until it is back at `fail`.
+
+    Returns {"failed_at_step", "mode", "seconds" (driver: failure seen -> back at `fail`),
+    "constructor_seconds", "restore_seconds" (checkpoint + log -> state, inside the constructor),
+    "catch_up_seconds" (recomputing lost records), "process_seconds" (constructor + catch-up),
+    "checkpoint_step", "replayed_records", "recomputed_steps",
+    "load_seconds", "image_source", "state_hash" (at `fail`), "load_average"}.
+    """
+    from ray.exceptions import RayActorError
+
+    if mode not in ("software", "host"):
+        raise ValueError(f"mode must be software or host, got {mode!r}")
+    old_pid = ray.get(actor.recovery.remote())["pid"]
+    if mode == "software":
+        try:
+            ray.get(actor.run.remote(fail + 1, fail))
+        except RayActorError:
+            pass
+        else:
+            raise RuntimeError(f"the trainer survived its injected failure at step {fail}")
+        started = time.perf_counter()
+    else:
+        ray.get(actor.run.remote(fail))
+        started = time.perf_counter()
+        ray.kill(actor, no_restart=False)
+    info = _wait_new_incarnation(actor, old_pid)
+    caught = time.perf_counter()
+    redo = ray.get(actor.run.remote(fail))
+    catch_up = time.perf_counter() - caught
+    seconds = time.perf_counter() - started
+    step, digest = ray.get(actor.state_hash.remote())
+    constructor = info["constructor_seconds"]
+    return {"failed_at_step": fail, "mode": mode, "seconds": seconds, "constructor_seconds": constructor,
+            "catch_up_seconds": catch_up if info["step"] < fail else 0.0,
+            "process_seconds": constructor + (catch_up if info["step"] < fail else 0.0),
+            "restore_seconds": info.get("restore_seconds"),
+            "checkpoint_step": info.get("image_step", 0), "replayed_records": info["replayed_records"],
+            "recovered_step": info["step"], "recomputed_steps": fail - info["step"],
+            "load_seconds": info.get("load_seconds", 0.0), "recompute_seconds": redo["seconds"],
+            "image_source": info["source"], "state_step": step, "state_hash": digest,
+            "load_average": os.getloadavg()[0]}
+
+
+def run_with_failures(job: JobConfig, strategy: Strategy, fail_at: list[int], url: str | None = None,
+                      mode: str = "software", gpus: int = 0) -> dict:
+    """Run `job` under a baseline `strategy` on the connected Ray cluster, failing at each step
+    of `fail_at` (see `fail_and_recover`), then to `job.steps`.
+
+    Returns {"strategy", "kind", "every", "url", "steps", "final_state_hash", "recoveries" (one
+    `fail_and_recover` dict each), "trainer_seconds_per_step", "critical_path" (of the last
+    incarnation, see the module docstring), "stage_ms_median", "stall_seconds"}.
+    """
+    if strategy.kind == "zocheck":
+        raise ValueError("zocheck runs through controller.run, not run_with_failures")
     failures = sorted(set(fail_at))
     if any(not 0 < f < job.steps for f in failures):
         raise ValueError(f"fail_at steps must lie in (0, {job.steps}), got {failures}")
-    url = url or job.run_url.rstrip("/") + "-async-checkpoint"
-    actor = AsyncCheckpointActor.options(num_cpus=1, num_gpus=gpus,
-                                         max_restarts=len(failures) + job.max_restarts).remote(
-        job.model_dump(mode="json"), url, every)
+    url = url or job.run_url.rstrip("/") + "-" + strategy.slug
+    actor = StrategyActor.options(num_cpus=1, num_gpus=gpus, max_restarts=len(failures) + job.max_restarts).remote(
+        job.model_dump(mode="json"), url, strategy.name)
     recoveries = []
     try:
         ray.get(actor.recovery.remote())
         for fail in failures:
-            try:
-                ray.get(actor.run.remote(fail + 1, fail))  # the trainer process exits at `fail`
-            except RayActorError:
-                pass
-            else:
-                raise RuntimeError(f"the baseline trainer survived its injected failure at step {fail}")
-            started = time.perf_counter()
-            info = call_when_alive(lambda: actor.recovery.remote())
-            redo = ray.get(actor.run.remote(fail))
-            seconds = time.perf_counter() - started
-            recoveries.append({
-                "failed_at_step": fail, "seconds": seconds, "checkpoint_step": info["step"],
-                "recomputed_steps": fail - info["step"], "constructor_seconds": info["seconds"],
-                "load_seconds": info["load_seconds"], "recompute_seconds": redo["seconds"],
-                "load_average": os.getloadavg()[0],
-            })
+            recoveries.append(fail_and_recover(actor, fail, mode))
         last = ray.get(actor.run.remote(job.steps))
+        path = ray.get(actor.critical_path.remote())
         ray.get(actor.close.remote())
         final_step, final_hash = ray.get(actor.state_hash.remote())
     finally:
         ray.kill(actor, no_restart=True)
-    return {"strategy": f"async full checkpoint every {every} steps", "every": every, "url": url,
+    steps = max(path["steps"], 1)
+    return {"strategy": strategy.name, "kind": strategy.kind, "every": strategy.every, "url": url,
             "steps": final_step, "final_state_hash": final_hash, "recoveries": recoveries,
-            "trainer_seconds_per_step": last["seconds"] / max(last["steps"], 1),
-            "stage_ms_median": last["stage_ms_median"], "stall_seconds": last["stall_seconds"]}
+            "trainer_seconds_per_step": path["train_seconds"] / steps, "critical_path": path,
+            "stage_ms_median": path["checkpoint_ms_median"], "stall_seconds": path["stall_seconds"],
+            "last_segment_seconds": last["seconds"]}

@@ -64,3 +64,20 @@ def write_json(path: str | os.PathLike | None, doc: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     print(f"wrote {path}")
+
+
+BENCH_TASK = {"batch_size": 4, "max_length": 24, "eval_interval": 10**9, "eval_size": 4, "eval_batch_size": 4}
+"""The benchmarks' task: small batches, and no held-out evaluation beyond the one before the
+first step (evaluation reads the state, it is not part of what the benchmarks measure)."""
+
+
+def bench_job(**fields):
+    """A `JobConfig` for the benchmarks (`BENCH_TASK` unless `task` is given)."""
+    from zocheck_ray.config import JobConfig
+
+    if "task" in JobConfig.model_fields:
+        fields.setdefault("task", BENCH_TASK)
+    else:  # a configuration without tasks: the same batch shape
+        fields.setdefault("batch_size", BENCH_TASK["batch_size"])
+        fields.setdefault("seq_len", BENCH_TASK["max_length"])
+    return JobConfig(**fields)

@@ -24,6 +24,21 @@ reports the `publish_us_median` it measures itself. Target: a median below 5 us 
 every size (the ZOCheck paper reports 24 us per step), flat: no size's median more
 than 1 us above the smallest size's. A 1B-parameter bf16 step takes about a minute
 on two cores, so the default run takes about ten minutes there.
+
+Then (`bench.overhead_strategies`) every strategy of the published comparison trains
+the same job failure-free on the real `Trainer` (`--strategy-steps`, default 2100) and
+its cumulative critical-path checkpointing cost is compared at K = 7, 300, 1000:
+zocheck's must be the lowest at every K. From the sizes of 100M parameters on, the
+ratio of the async K=1000 baseline's cumulative cost to zocheck's is fitted linearly in
+the parameter count and projected to 8B (target >= 200x; the paper measured 219.7x).
+
+JSON (keys stable): {"benchmark": "overhead", "machine", "target_publish_us",
+"paper_publish_us", "flush_seconds", "results": [one row per size, see `measure_size`],
+"trainer": {model, steps, publish_us_median, trainer_ms_per_step, shadow_equals_trainer} |
+None, "strategies": `measure_strategies` document | None, "size_ratio": `size_ratio`
+document, "targets": {publish_median_below_target, flat, met, lowest_at_every_k,
+ratio_at_8b, ratio_at_8b_met, worst_publish_us_median, best_publish_us_median, growth_us,
+spread_us, notes}}.
 """
 
 from __future__ import annotations
@@ -42,8 +57,11 @@ import ray
 import torch
 
 from zocheck_ray.actors.trainer import FLUSH_SECONDS
-from zocheck_ray.bench.baselines import stage
-from zocheck_ray.bench.common import machine, print_table, write_json
+from zocheck_ray.bench.baselines import PAPER_INTERVALS, stage
+from zocheck_ray.bench.common import bench_job, machine, print_table, write_json
+from zocheck_ray.bench.overhead_strategies import (
+    measure_strategies, print_ratio, print_strategies, size_ratio,
+)
 from zocheck_ray.bench.replay import make_state
 from zocheck_ray.core import StepRecord, ZOConfig, ZOOptimizer
 from zocheck_ray.storage import SnapshotStore
@@ -53,7 +71,7 @@ TARGET_PUBLISH_US = 5.0
 PAPER_PUBLISH_US = 24.0
 FLAT_GROWTH_US = 1.0
 """Flat: no size's publish median exceeds the smallest size's by more than this."""
-DEFAULT_PARAMS = ["1M", "10M", "100M", "1B"]
+DEFAULT_PARAMS = ["1M", "10M", "100M", "400M", "1B"]
 BF16_FROM_PARAMS = 1_000_000_000
 """With `--dtype auto`, sizes from here on are bf16 (a 1B fp32 state and its staging copy need 8 GB)."""
 _SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}
@@ -221,10 +239,9 @@ def measure_size(params: int, dtype_name: str, sink, storage_dir: str, *, min_st
 
 def measure_trainer(steps: int, storage_dir: str) -> dict:
     """The real `TrainerActor` (tiny-opt) through `controller.run`: its own `publish_us_median`."""
-    from zocheck_ray.config import JobConfig
     from zocheck_ray.controller import run
 
-    job = JobConfig(model="tiny-opt", steps=steps, storage=storage_dir, log_interval=max(10, steps // 10))
+    job = bench_job(model="tiny-opt", steps=steps, storage=storage_dir, log_interval=max(10, steps // 10))
     summary = run(job, progress=None)
     return {"model": "tiny-opt", "steps": summary.steps, "publish_us_median": summary.publish_us_median,
             "trainer_ms_per_step": summary.trainer_seconds_per_step * 1e3,
@@ -232,7 +249,9 @@ def measure_trainer(steps: int, storage_dir: str) -> dict:
 
 
 def overhead_benchmark(params: list[int], dtype: str = "auto", storage: str | None = None, trainer_steps: int = 1000,
-                       json_path: str | None = None, say=print, **size_options) -> dict:
+                       json_path: str | None = None, say=print, strategy_steps: int = 2100,
+                       strategy_model: str = "tiny-opt", intervals: tuple[int, ...] = PAPER_INTERVALS,
+                       **size_options) -> dict:
     """Measure every size, print the table, check the target; returns the JSON document.
 
     Keys: benchmark, machine, target_publish_us, paper_publish_us, results (one row per size,
@@ -241,7 +260,7 @@ def overhead_benchmark(params: list[int], dtype: str = "auto", storage: str | No
     """
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=max(3, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=max(3, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     storage_dir = storage or tempfile.mkdtemp(prefix="zocheck-bench-overhead-")
     info = machine()
     info["load_average_before"] = list(os.getloadavg())
@@ -256,6 +275,10 @@ def overhead_benchmark(params: list[int], dtype: str = "auto", storage: str | No
         if trainer_steps:
             say(f"  measuring the real TrainerActor (tiny-opt, {trainer_steps} steps) ...")
             trainer = measure_trainer(trainer_steps, storage_dir)
+        strategies = None
+        if strategy_steps:
+            say(f"  every strategy on the real Trainer ({strategy_model}, {strategy_steps} steps) ...")
+            strategies = measure_strategies(strategy_model, strategy_steps, tuple(intervals), storage_dir, say)
     finally:
         ray.kill(sink)
         if storage is None:
@@ -297,6 +320,25 @@ def overhead_benchmark(params: list[int], dtype: str = "auto", storage: str | No
             f"cheaper than a Ray call per step, {r['sync_save_ms'] * 1e3 / r['publish_us_median']:,.0f}x cheaper "
             f"than a synchronous checkpoint per step, {r['staging_copy_ms'] * 1e3 / r['publish_us_median']:,.0f}x "
             "cheaper than staging a host copy")
+    ratio = size_ratio(rows)
+    if strategies is not None:
+        print_strategies(strategies, say)
+        lowest = strategies["lowest"]
+        say(f"zocheck's cumulative cost is the lowest at every K ({', '.join(map(str, strategies['intervals']))}): "
+            f"{'met' if lowest['met'] else 'missed'}")
+        if not lowest["met"]:
+            notes.append("zocheck's cumulative critical-path cost is not below every checkpointing strategy at "
+                         "K = " + ", ".join(k for k, v in lowest["by_k"].items() if v["met"] is False))
+        for v in lowest["by_k"].values():
+            if v.get("note"):
+                say(f"  {v['note']}")
+        if not strategies["final_states_equal"]:
+            notes.append("the strategies did not all train the same final state")
+    print_ratio(ratio, say)
+    if ratio["sizes"] and not ratio["met"]:
+        notes.append(f"projected zocheck/async K={ratio['every']} ratio at 8B is "
+                     f"{ratio['projected_ratio'] or 0:.0f}x, below {ratio['target']:g}x"
+                     + ("" if ratio["fit"] else " (fewer than two sizes of at least 100M parameters)"))
     worst = max(medians)
     if not below:
         notes.insert(0, f"worst publish median {worst:.2f} us is not below {TARGET_PUBLISH_US:g} us")
@@ -314,7 +356,10 @@ def overhead_benchmark(params: list[int], dtype: str = "auto", storage: str | No
     doc = {
         "benchmark": "overhead", "machine": info, "target_publish_us": TARGET_PUBLISH_US,
         "paper_publish_us": PAPER_PUBLISH_US, "flush_seconds": FLUSH_SECONDS, "results": rows, "trainer": trainer,
+        "strategies": strategies, "size_ratio": ratio,
         "targets": {"publish_median_below_target": below, "flat": flat, "met": met,
+                    "lowest_at_every_k": strategies["lowest"]["met"] if strategies else None,
+                    "ratio_at_8b": ratio["projected_ratio"], "ratio_at_8b_met": ratio["met"] if ratio["sizes"] else None,
                     "worst_publish_us_median": worst, "best_publish_us_median": min(medians),
                     "growth_us": growth, "spread_us": spread, "notes": notes},
     }
@@ -325,7 +370,9 @@ def overhead_benchmark(params: list[int], dtype: str = "auto", storage: str | No
 def run(args: argparse.Namespace) -> int:
     options = dict(min_steps=args.min_steps, max_steps=args.max_steps, step_budget_seconds=args.step_seconds,
                    loop_records=args.loop_records, ray_calls=args.ray_calls, save_repeats=args.save_repeats)
-    doc = overhead_benchmark(args.params, args.dtype, args.storage, args.trainer_steps, args.json, **options)
+    doc = overhead_benchmark(args.params, args.dtype, args.storage, args.trainer_steps, args.json,
+                             strategy_steps=args.strategy_steps, strategy_model=args.strategy_model,
+                             intervals=tuple(args.intervals), **options)
     return 0 if doc["targets"]["met"] else 1
 
 
@@ -346,6 +393,11 @@ def register(commands, bench) -> None:
     parser.add_argument("--save-repeats", type=int, default=1, help="synchronous checkpoint saves per size (default 1)")
     parser.add_argument("--trainer-steps", type=int, default=1000,
                         help="steps of the real TrainerActor row (0 skips it; default 1000)")
+    parser.add_argument("--strategy-steps", type=int, default=2100,
+                        help="steps of the failure-free run under every strategy (0 skips it; default 2100)")
+    parser.add_argument("--strategy-model", default="tiny-opt", help="model of that run (default tiny-opt)")
+    parser.add_argument("--intervals", type=int, nargs="+", default=list(PAPER_INTERVALS),
+                        help="the checkpoint intervals K of the sync and async baselines (default 7 300 1000)")
     parser.add_argument("--storage", metavar="DIR", help="where checkpoints are written (default: a temporary dir)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.set_defaults(func=run)

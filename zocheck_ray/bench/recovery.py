@@ -1,38 +1,40 @@
-"""`zocheck-ray bench recovery`: software-failure recovery, early against late, and against
-asynchronous full checkpoints, on a real local Ray instance.
+"""`zocheck-ray bench recovery`: recovery time, ZOCheck against every checkpointing strategy,
+on a real local Ray instance.
 
     zocheck-ray bench recovery --json benchmarks/results/recovery.json
-    zocheck-ray bench recovery --late-step 50000 --big-hidden 1024 --json recovery-big.json
+    zocheck-ray bench recovery --no-depth --steps 1000 --large-failure-step 20 --json recovery-quick.json
 
-Two scenarios, each run twice on the same job (model, data, seeds), one system after
-the other so they never share the CPUs:
+Three parts, each measured side by side in one run:
 
-- ZOCheck: `controller.run` with the trainer process killed at the failure steps; the
-  restarted `TrainerActor` recovers from the shadow's in-memory image and records;
-- baseline: `bench.baselines.run_async_checkpoint`, a full checkpoint every K=7 steps
-  (host staging copy, background `SnapshotStore` write); the restarted trainer loads the
-  newest persisted checkpoint and recomputes to the failure step.
+- `comparison` (the published comparison; `bench.recovery_comparison`): every strategy of
+  `bench.baselines` (log-only; log + sync and async full checkpoints at K = 7, 300, 1000;
+  zocheck), a software and a host failure at 80% of a `--steps` run (default 5000) of
+  `--comparison-model`, the replayed steps, and each recovered state's hash against the
+  uninterrupted run's.
+- `large`: a >= 10M-parameter OPT (`--large-hidden 512`: ~14M) failing at
+  `--large-failure-step`: zocheck against async K=7 and log-only; log-only's replay is also
+  sampled at several record counts and extrapolated linearly to 80% of a 5 000-step run
+  (labelled "extrapolated"), as replaying thousands of records of that model takes too long here.
+- `depth` (scenarios): zocheck's software-failure recovery around step 100 and around step
+  10 000 (independent of how far training has gone: within 20%), side by side with async
+  K=7 at the same failure steps. Each point is several failures (`log_interval` = 10 steps
+  apart, the late ones in the same phases modulo K as the early ones) and reports medians.
 
-`depth` (tiny-opt by default) fails the trainer around step 100 and around step 10 000:
-recovery must not depend on how far training has gone. `big` (a ~14M-parameter OPT
-saved to a directory) fails it around step 100, where loading and recomputing cost
-more than replaying. Each point is several failures (`log_interval` = 10 steps apart,
-so the checkpoint phase varies; the late ones in the same phases modulo K as the early
-ones) and reports medians.
+Recovery is timed from the driver seeing the failure until the trainer is back at the failed
+step, and broken down: `restore_seconds` (image or checkpoint plus records -> state, inside
+the restarted trainer), `catch_up_seconds` (recomputing the steps whose records were still
+unsent when the process died: the trainer publishes every 5 ms, so a failure usually loses
+the last record, for every strategy alike), `process_seconds` (the restarted trainer's
+constructor, which also builds the model, plus the catch-up), and the total, which adds
+Ray's start of the process. The comparison's targets are checked on restore + catch-up
+(`work_seconds`), the part a strategy decides; the totals are reported beside.
 
-Both recoveries are timed from the driver seeing the failure until the trainer is
-back at the failed step. The baseline's includes its recomputation. ZOCheck's is the
-controller's `Recovery.seconds` plus the catch-up: the injected failure kills the
-trainer right after it queued a record, before its publisher sent it (every 5 ms), so
-the restarted trainer recomputes that step. Failure steps are multiples of
-`log_interval`, so the controller's next segment is exactly that catch-up; it is timed
-from the controller's progress lines (otherwise estimated from the step time, flagged).
-Beside the totals, "in process" is the part spent in the restarted process (its
-constructor, which loads or replays, plus the recomputed steps), without Ray's
-restart itself, which both systems pay alike and which dominates at small sizes.
-
-On a busy machine the baseline's ~10 000 steps to the late failures are slow;
-`--no-baseline-late` compares the two systems at the early failures only.
+JSON (keys stable): {"benchmark": "recovery", "machine" (`common.machine()` + load averages),
+"checkpoint_every", "log_interval", "scenarios": [depth scenarios, see `run_scenario`],
+"comparisons": {"comparison": ..., "large": ...} (see `bench.recovery_comparison`),
+"targets": {"independent_of_depth", "faster_than_async_checkpoint", "comparison"
+(`check_comparison_targets`: over_async_k7, over_log_only, states_equal, met, notes), "met",
+"notes"}}.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ from dataclasses import dataclass
 import ray
 
 from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
-from zocheck_ray.bench.baselines import CHECKPOINT_EVERY, run_async_checkpoint
-from zocheck_ray.bench.common import machine, print_table, write_json
+from zocheck_ray.bench.baselines import CHECKPOINT_EVERY, PAPER_INTERVALS, Strategy, paper_strategies, run_with_failures
+from zocheck_ray.bench.common import bench_job, machine, print_table, write_json
+from zocheck_ray.bench.recovery_comparison import ComparisonSpec, check_comparison_targets, print_comparison
 from zocheck_ray.config import JobConfig
 from zocheck_ray.workload.models import build_model, trainable_parameters
 
@@ -137,29 +140,31 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def run_scenario(scenario: Scenario, storage: str, every: int = CHECKPOINT_EVERY, snapshot_interval: int | None = None,
-                 log_interval: int = 10, say=print) -> dict:
-    """Both systems on one job, failing at the same steps; per-point medians and ratios."""
+def run_zocheck(job: JobConfig, failures: list[int], fail_mode: str = "software"):
+    """`controller.run` failing at `failures`; returns (RunSummary, one dict per recovery).
+
+    Each dict is the controller's `Recovery` plus: lost_steps (unsent records the restarted
+    trainer recomputes), catch_up_seconds (that recomputation, timed from the progress lines),
+    catch_up_measured, seconds_to_failure_step (seconds + catch-up), constructor_seconds (the
+    restarted trainer's own account), process_seconds (constructor + catch-up), load_average.
+    """
     from zocheck_ray.controller import run
 
-    failures = scenario.failures
-    job = JobConfig(model=scenario.model, steps=failures[-1] + TAIL_STEPS, storage=storage,
-                    run_id=f"bench-recovery-{scenario.name}-{uuid.uuid4().hex[:6]}",
-                    snapshot_interval=snapshot_interval, log_interval=log_interval, max_restarts=len(failures) + 2)
-    say(f"  {scenario.name}: {scenario.params:,} parameters, {job.steps:,} steps, failures at {failures}")
-    say("    zocheck ...")
     events: list[tuple[float, str]] = []
     loads: list[float] = []  # the machine's 1-minute load average at each line: other work slows restarts
     constructor_seconds: dict[int, float] = {}
+    restore_seconds: dict[int, float] = {}
 
     def on_progress(line: str) -> None:
         if m := _RECOVERED.search(line):  # the restarted trainer's own account of its constructor
             trainer = ray.get_actor(trainer_name(job.run_id), namespace=NAMESPACE)
-            constructor_seconds[int(m[1])] = ray.get(trainer.recovery.remote()).get("seconds")
+            info = ray.get(trainer.recovery.remote())
+            constructor_seconds[int(m[1])] = info.get("seconds")
+            restore_seconds[int(m[1])] = info.get("restore_seconds")
         events.append((time.perf_counter(), line))  # after that call: it is not part of the catch-up
         loads.append(os.getloadavg()[0])
 
-    summary = run(job, fail_at=failures, progress=on_progress)
+    summary = run(job, fail_at=failures, fail_mode=fail_mode, progress=on_progress)
     step_seconds = summary.trainer_seconds_per_step
     measured = catch_up_seconds(events)
     load_at = {int(m[1]): load for (_, line), load in zip(events, loads) if (m := _RECOVERED.search(line))}
@@ -172,15 +177,27 @@ def run_scenario(scenario: Scenario, storage: str, every: int = CHECKPOINT_EVERY
                         "catch_up_measured": lost <= 0 or r.failed_at_step in measured,
                         "seconds_to_failure_step": r.seconds + catch_up, "constructor_seconds": constructor,
                         "process_seconds": None if constructor is None else constructor + catch_up,
+                        "restore_seconds": restore_seconds.get(r.failed_at_step),
                         "load_average": load_at.get(r.failed_at_step)})
+    return summary, zocheck
+
+
+def run_scenario(scenario: Scenario, storage: str, every: int = CHECKPOINT_EVERY, snapshot_interval: int | None = None,
+                 log_interval: int = 10, say=print) -> dict:
+    """Both systems on one job, failing at the same steps; per-point medians and ratios."""
+    failures = scenario.failures
+    job = bench_job(model=scenario.model, steps=failures[-1] + TAIL_STEPS, storage=storage,
+                    run_id=f"bench-recovery-{scenario.name}-{uuid.uuid4().hex[:6]}",
+                    snapshot_interval=snapshot_interval, log_interval=log_interval, max_restarts=len(failures) + 2)
+    say(f"  {scenario.name}: {scenario.params:,} parameters, {job.steps:,} steps, failures at {failures}")
+    say("    zocheck ...")
+    summary, zocheck = run_zocheck(job, failures)
+    step_seconds = summary.trainer_seconds_per_step
     baseline_failures = scenario.baseline_failures
     baseline_job = job.model_copy(update={"steps": baseline_failures[-1] + TAIL_STEPS})
     say(f"    async checkpoint every {every} steps, {baseline_job.steps:,} steps, failures at {baseline_failures} ...")
-    baseline = run_async_checkpoint(baseline_job, baseline_failures, every=every,
-                                    url=os.path.join(storage, job.run_id + "-async"))
-
-    for r in baseline["recoveries"]:
-        r["process_seconds"] = r["constructor_seconds"] + r["recompute_seconds"]
+    baseline = run_with_failures(baseline_job, Strategy("async", every), baseline_failures,
+                                 url=os.path.join(storage, job.run_id + "-async"))
     points = []
     for name, steps in scenario.points.items():
         z = _median([r["seconds_to_failure_step"] for r in zocheck if r["failed_at_step"] in steps])
@@ -193,7 +210,8 @@ def run_scenario(scenario: Scenario, storage: str, every: int = CHECKPOINT_EVERY
                        "zocheck_replayed_records": _median([r["replayed_records"] for r in zocheck
                                                             if r["failed_at_step"] in steps]),
                        "baseline_recomputed_steps": _median([r["recomputed_steps"] for r in baseline["recoveries"]
-                                                             if r["failed_at_step"] in steps])})
+                                                             if r["failed_at_step"] in steps]),
+                       "baseline_replayed_records": _median(_at(baseline["recoveries"], steps, "replayed_records"))})
     by_point = {p["point"]: p for p in points}
     late_over_early = None
     if "early" in by_point and "late" in by_point:
@@ -258,7 +276,8 @@ def check_targets(results: list[dict]) -> dict:
                     f"{p['baseline_seconds']:.2f} s; inside the restarted process "
                     f"{_fmt(p.get('zocheck_process_seconds'))} (replay of {p['zocheck_replayed_records']:.0f} records "
                     f"and catch-up) vs {_fmt(p.get('baseline_process_seconds'))} (load "
-                    f"{_median(_at(baseline, steps, 'load_seconds')):.2f} s, recompute of "
+                    f"{_median(_at(baseline, steps, 'load_seconds')):.2f} s, replay of "
+                    f"{_median(_at(baseline, steps, 'replayed_records')):.0f} logged records, recompute of "
                     f"{p['baseline_recomputed_steps']:.0f} steps "
                     f"{_median(_at(baseline, steps, 'recompute_seconds')):.2f} s)")
             if diff <= noise:
@@ -274,22 +293,25 @@ def check_targets(results: list[dict]) -> dict:
 
 def recovery_benchmark(scenarios: list[Scenario], storage: str | None = None, every: int = CHECKPOINT_EVERY,
                        snapshot_interval: int | None = None, log_interval: int = 10, json_path: str | None = None,
-                       say=print) -> dict:
-    """Run the scenarios, print the tables, check the targets; returns the JSON document.
+                       say=print, comparisons: list[ComparisonSpec] = ()) -> dict:
+    """Run the scenarios and comparisons, print the tables, check the targets; returns the JSON document.
 
-    Keys: benchmark, machine, checkpoint_every, log_interval, scenarios (see `run_scenario`), targets
-    {independent_of_depth {met, late_over_early, tolerance}, faster_than_async_checkpoint {met,
-    zocheck_over_baseline by "scenario/point"}, met, notes}.
+    Keys: benchmark, machine (`common.machine()` + load_average_before/after), checkpoint_every,
+    log_interval, scenarios (see `run_scenario`), comparisons {name: `compare_recovery` document},
+    targets {independent_of_depth {met, late_over_early, tolerance}, faster_than_async_checkpoint
+    {met, zocheck_over_baseline by "scenario/point"}, comparison (`check_comparison_targets`, or
+    None without comparisons), met, notes}.
     """
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=max(3, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=max(3, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     storage_dir = storage or tempfile.mkdtemp(prefix="zocheck-bench-recovery-")
     info = machine()
     load_before = list(os.getloadavg())
     say(f"recovery benchmark: {info['cpu']}, {info['cpu_count']} cores, load average {load_before[0]:.1f}")
     try:
         results = [run_scenario(s, storage_dir, every, snapshot_interval, log_interval, say) for s in scenarios]
+        compared = {c.name: c.run(storage_dir, log_interval, snapshot_interval, say) for c in comparisons}
     finally:
         if storage is None:
             shutil.rmtree(storage_dir, ignore_errors=True)
@@ -304,15 +326,17 @@ def recovery_benchmark(scenarios: list[Scenario], storage: str | None = None, ev
                          "z_in": p["zocheck_process_seconds"], "replayed": p["zocheck_replayed_records"],
                          "b": p["baseline_seconds"], "b_in": p["baseline_process_seconds"],
                          "recomputed": p["baseline_recomputed_steps"], "ratio": p["zocheck_over_baseline"]})
-    say("")
-    print_table(rows, [
-        ("scenario", "scenario", ""), ("params", "params", ","), ("point", "point", ""),
-        ("steps", "failed at", ""), ("z", "zocheck s", ".2f"), ("z_in", "in process", ".2f"),
-        ("replayed", "replayed", ".0f"), ("b", "async ckpt s", ".2f"), ("b_in", "in process", ".2f"),
-        ("recomputed", "recomputed", ".0f"), ("ratio", "zocheck/ckpt", ".2f"),
-    ])
-    say("(seconds from the driver seeing the failure to the trainer back at the failed step, medians; 'in process':\n"
-        " the restarted trainer's constructor plus the steps it recomputed, i.e. without Ray's restart itself)")
+    if rows:
+        say("")
+        print_table(rows, [
+            ("scenario", "scenario", ""), ("params", "params", ","), ("point", "point", ""),
+            ("steps", "failed at", ""), ("z", "zocheck s", ".2f"), ("z_in", "in process", ".2f"),
+            ("replayed", "replayed", ".0f"), ("b", "async ckpt s", ".2f"), ("b_in", "in process", ".2f"),
+            ("recomputed", "recomputed", ".0f"), ("ratio", "zocheck/ckpt", ".2f"),
+        ])
+        say("(seconds from the driver seeing the failure to the trainer back at the failed step, medians; 'in "
+            "process':\n the restarted trainer's constructor plus the steps it recomputed, i.e. without Ray's restart "
+            "itself)")
     for s in results:
         if s["late_over_early"]:
             baseline = s["late_over_early"].get("baseline")
@@ -322,18 +346,43 @@ def recovery_benchmark(scenarios: list[Scenario], storage: str | None = None, ev
                 + (f", {baseline:.2f} (async checkpoint)" if baseline is not None else ""))
         if s["final_states_equal"] is False:
             say(f"{s['name']}: WARNING the two systems ended in different states")
-    targets = check_targets(results)
-    say(f"\nrecovery independent of depth (within {DEPTH_TOLERANCE:.0%}): "
-        f"{'met' if targets['independent_of_depth']['met'] else 'missed'}")
-    faster = targets["faster_than_async_checkpoint"]
-    say(f"faster than an async full checkpoint every {every} steps at every point: "
-        f"{'met' if faster['met'] else 'missed'} (zocheck/checkpoint: "
-        + ", ".join(f"{k} {v:.2f}" for k, v in faster["zocheck_over_baseline"].items()) + ")")
-    for note in targets["notes"]:
-        say(f"  why: {note}")
+    for name, c in compared.items():
+        print_comparison(name, c, say)
+    targets = check_targets(results) if results else {
+        "independent_of_depth": {"met": None, "late_over_early": {}, "tolerance": DEPTH_TOLERANCE},
+        "faster_than_async_checkpoint": {"met": None, "zocheck_over_baseline": {}}, "met": True, "notes": []}
+    targets["comparison"] = check_comparison_targets(compared) if compared else None
+    if compared:
+        c = targets["comparison"]
+        say(f"\nsoftware-failure recovery >= {c['over_async_k7']['target']}x faster than async K=7 (restore + "
+            f"catch-up): {'met' if c['over_async_k7']['met'] else 'missed'} ("
+            + ", ".join(f"{k} {v['work']:.2f}x, {v['total']:.2f}x in total"
+                        for k, v in c["over_async_k7"]["ratios"].items() if v["work"] is not None) + ")")
+        say(f">= {c['over_log_only']['target']:g}x faster than log-only at 80% of a {c['over_log_only']['run_steps']:,}"
+            f"-step run, >= {c['over_log_only']['min_params']:,} parameters: "
+            f"{'met' if c['over_log_only']['met'] else 'missed'} ("
+            + ", ".join(f"{k} {v['work']:.1f}x" + (" extrapolated" if v["extrapolated"] else "")
+                        + ("" if v["applicable"] else " (not applicable)")
+                        for k, v in c["over_log_only"]["ratios"].items() if v["work"] is not None) + ")")
+        for note in c["notes"]:
+            say(f"  why: {note}")
+        targets["met"] = targets["met"] and c["met"]
+    if not results:
+        say("\nrecovery independent of depth: not run (--no-depth)")
+        targets["met"] = bool(compared) and targets["met"]
+    if results:
+        say(f"\nrecovery independent of depth (within {DEPTH_TOLERANCE:.0%}): "
+            f"{'met' if targets['independent_of_depth']['met'] else 'missed'}")
+        faster = targets["faster_than_async_checkpoint"]
+        say(f"faster than an async full checkpoint every {every} steps at every point: "
+            f"{'met' if faster['met'] else 'missed'} (zocheck/checkpoint: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in faster["zocheck_over_baseline"].items()) + ")")
+        for note in targets["notes"]:
+            say(f"  why: {note}")
     doc = {"benchmark": "recovery", "machine": {**info, "load_average_before": load_before,
                                                 "load_average_after": list(os.getloadavg())},
-           "checkpoint_every": every, "log_interval": log_interval, "scenarios": results, "targets": targets}
+           "checkpoint_every": every, "log_interval": log_interval, "scenarios": results, "comparisons": compared,
+           "targets": targets}
     write_json(json_path, doc)
     return doc
 
@@ -356,6 +405,25 @@ def default_scenarios(args: argparse.Namespace, model_dir: str) -> list[Scenario
     return scenarios
 
 
+def default_comparisons(args: argparse.Namespace, model_dir: str) -> list[ComparisonSpec]:
+    """`comparison`: every strategy at 80% of `--steps` on `--comparison-model`; `large`: a
+    >= 10M-parameter OPT, zocheck against async K=7 and log-only (sampled and extrapolated)."""
+    out = []
+    spacing = args.log_interval
+    if args.steps:
+        failure = max(spacing, round(0.8 * args.steps / spacing) * spacing)
+        out.append(ComparisonSpec("comparison", args.comparison_model, count_params(args.comparison_model), failure,
+                                  tuple(paper_strategies(tuple(args.intervals))), tuple(args.modes), args.steps))
+    if args.large_hidden:
+        path, params = save_big_model(os.path.join(model_dir, "large-opt"), args.large_hidden, args.large_layers)
+        failure = -(-args.large_failure_step // spacing) * spacing
+        samples = tuple(sorted({max(1, failure // 4), max(1, failure // 2), failure}))
+        out.append(ComparisonSpec("large", path, params, failure,
+                                  (Strategy("log-only"), Strategy("async", CHECKPOINT_EVERY), Strategy("zocheck")),
+                                  ("software",), args.large_run_steps, samples, int(0.8 * args.large_run_steps)))
+    return out
+
+
 def run_cli(args: argparse.Namespace) -> int:
     if args.log_interval < 1 or args.failures_per_point < 1 or args.checkpoint_every < 1:
         raise SystemExit("--log-interval, --failures-per-point and --checkpoint-every must be at least 1")
@@ -364,7 +432,8 @@ def run_cli(args: argparse.Namespace) -> int:
     model_dir = tempfile.mkdtemp(prefix="zocheck-bench-models-")
     try:
         doc = recovery_benchmark(default_scenarios(args, model_dir), args.storage, args.checkpoint_every,
-                                 args.snapshot_interval, args.log_interval, args.json)
+                                 args.snapshot_interval, args.log_interval, args.json,
+                                 comparisons=default_comparisons(args, model_dir))
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
     return 0 if doc["targets"]["met"] else 1
@@ -382,8 +451,9 @@ def register(commands, bench) -> None:
                         help="measure the baseline at the early failures only, so it trains ~130 steps, not ~10 000 "
                              "(its recovery cannot depend on depth: its newest persisted checkpoint is < 2K steps "
                              "back)")
-    parser.add_argument("--big-hidden", type=int, default=512,
-                        help="hidden size of the big scenario's OPT (default 512: ~14M parameters; 0 skips it)")
+    parser.add_argument("--big-hidden", type=int, default=0,
+                        help="hidden size of an OPT failed early as in the depth scenario (e.g. 512: ~14M parameters; "
+                             "default 0 skips it: the `large` comparison covers that size)")
     parser.add_argument("--big-layers", type=int, default=4, help="layers of the big scenario's OPT (default 4)")
     parser.add_argument("--big-late-step", type=int, default=0, help="also fail the big model late here (default: no)")
     parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY,
@@ -392,6 +462,20 @@ def register(commands, bench) -> None:
                         help="ZOCheck's N (default: chosen by the startup profile)")
     parser.add_argument("--log-interval", type=int, default=10,
                         help="steps per controller segment, and between the failures of a point (default 10)")
+    parser.add_argument("--steps", type=int, default=5000,
+                        help="the comparison's run: every strategy fails at 80%% of it (default 5000; 0 skips it)")
+    parser.add_argument("--comparison-model", default="tiny-opt", help="model of the comparison (default tiny-opt)")
+    parser.add_argument("--intervals", type=int, nargs="+", default=list(PAPER_INTERVALS),
+                        help="the checkpoint intervals K of the sync and async baselines (default 7 300 1000)")
+    parser.add_argument("--modes", nargs="+", choices=["software", "host"], default=["software", "host"],
+                        help="failure modes of the comparison (default both)")
+    parser.add_argument("--large-hidden", type=int, default=512,
+                        help="hidden size of the large comparison's OPT (default 512: ~14M parameters; 0 skips it)")
+    parser.add_argument("--large-layers", type=int, default=4, help="layers of the large comparison's OPT (default 4)")
+    parser.add_argument("--large-failure-step", type=int, default=40,
+                        help="where the large comparison fails (default 40; log-only is extrapolated from there)")
+    parser.add_argument("--large-run-steps", type=int, default=5000,
+                        help="the nominal run log-only is extrapolated to, at 80%% (default 5000)")
     parser.add_argument("--storage", metavar="DIR", help="where both systems write (default: a temporary dir)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.set_defaults(func=run_cli)
