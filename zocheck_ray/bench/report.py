@@ -179,6 +179,11 @@ def memory_markdown(doc: dict) -> str:
         "(peak resident set of a fresh process each; 'over trainer' is the extra over the trainer alone):\n",
         md_table(strategies, columns),
         "" if doc["gpu"] else "\n(no CUDA device: no GPU column)",
+        "".join(f"\n{r['strategy']}: its peak is within noise of the trainer's. The peak is taken over the "
+                "whole process, building the model included, and checkpointing during training did not raise "
+                "it (per-phase peaks are not measured).\n"
+                for r in doc["strategies"] if r["strategy"].endswith("checkpoint")
+                and r["extra_host_bytes"] < r["state_bytes"]),
         "\nThe shadow's host memory against model size (fp32 state):\n",
         md_table(shadow, [("params", "params", ","), ("state", "state MB", ".0f"), ("extra", "shadow MB", ".0f"),
                           ("extra_over_state", "x state", ".2f")]),
@@ -416,8 +421,8 @@ def write_outputs(docs: dict, out: Path, info: dict, errors: dict | None = None,
         "# zocheck-ray benchmark results\n",
         f"Run {info.get('time_utc')} ({'quick' if quick else 'full'}) on {info['cpu']}, {info['cpu_count']} cores, "
         + (f"{mem / 2**30:.0f} GiB memory, " if mem else "")
-        + f"load average {info['load_average'][0]:.2f} at the start and {info.get('load_average_after', ['?'])[0]} "
-        f"at the end; CUDA: {info.get('cuda') or 'none'}; Python {info['python']}, "
+        + f"load average {info['load_average'][0]:.2f} at the start and "
+        f"{(info.get('load_average_after') or [float('nan')])[0]:.2f} at the end; CUDA: {info.get('cuda') or 'none'}; Python {info['python']}, "
         + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v) + ".\n",
         "Every figure is compared with a baseline measured in the same run; on a shared machine the absolute "
         "times move with the load, the ratios much less.\n", "## Targets\n"]
