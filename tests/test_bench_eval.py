@@ -202,3 +202,23 @@ def test_waste_sensitivity_covers_every_variant_and_agrees_as_stated(waste_doc):
         stated = rows[0]
         assert stated["ratios"][0] == pytest.approx(sets[name]["points"][0]["best_async_over_zocheck"])
         assert stated["ratios"][-1] == pytest.approx(sets[name]["points"][-1]["best_async_over_zocheck"])
+
+
+def test_waste_takes_restart_and_publish_cost_from_recovery_and_overhead_json(tmp_path):
+    from zocheck_ray.policies import Timings
+
+    recoveries = [{"seconds_to_failure_step": total, "process_seconds": inside}
+                  for total, inside in ((3.0, 1.0), (4.0, 1.0), (5.0, 2.0))]
+    (tmp_path / "recovery.json").write_text(json.dumps({"scenarios": [{"zocheck": {"recoveries": recoveries}}]}))
+    (tmp_path / "overhead.json").write_text(json.dumps({"trainer": {"publish_us_median": 2.5}}))
+    timings = Timings(gpu_step_seconds=1.0, replay_step_seconds=0.1, snapshot_cost_seconds=0.1, persist_seconds=0.5,
+                      restart_seconds=9.0)
+    updated, inputs = waste.from_results(tmp_path, timings, {})
+    assert updated.restart_seconds == 3.0  # median of 2, 3, 3
+    assert updated.log_step_seconds == 2.5e-6
+    assert "recovery.json" in inputs["restart_seconds"]["source"]
+    assert "overhead.json" in inputs["log_step_seconds"]["source"]
+    (tmp_path / "recovery.json").unlink()
+    (tmp_path / "overhead.json").write_text("{}")
+    with pytest.raises(ValueError, match="usable figures"):
+        waste.from_results(tmp_path, timings, {})
