@@ -75,9 +75,10 @@ def test_metrics_are_consistent_after_a_run(tmp_path):
 
 
 def test_a_slow_shadow_is_resynced_and_recovery_stays_exact(tmp_path):
-    # 0.5 s per replayed step and a poll every 12 steps: the shadow falls more than 4 steps behind
-    # whenever a trainer step takes under ~0.33 s (a loaded two-core machine included).
-    job = job_for(tmp_path, faults={"replay_delay_seconds": 0.5}, max_lag_steps=4, log_interval=12)
+    # 1 s per replayed step, a one-row step and a poll every 12 steps: the shadow falls more than
+    # 2 steps behind whenever a trainer step takes under ~0.8 s (a heavily loaded two-core machine included).
+    job = job_for(tmp_path, faults={"replay_delay_seconds": 1.0}, max_lag_steps=2, log_interval=12,
+                  task=dict(batch_size=1, max_length=16, eval_size=4, eval_interval=1000))
     summary = run(job, fail_at=[25], progress=None)
     assert summary.metrics["resync_count"] >= 1
     assert summary.lag_samples and all(lag <= job.max_lag_steps for _, lag in summary.lag_samples)

@@ -16,7 +16,7 @@ CORPUS = [
     "an uplifting tale told with warmth and wit",
     "the dialogue was clumsy and the pacing slow",
 ]
-"""A small built-in corpus for the embedded default job."""
+"""A small built-in corpus (benchmarks that time the trainer apart from any task use it)."""
 
 
 def encode(text: str, vocab_size: int) -> list[int]:
