@@ -23,7 +23,7 @@ either way). Per step, zocheck pays one append and the async baseline one append
 staging copy every K steps, so the ratio of their cumulative costs is
 1 + staging_copy / (K * append), linear in the state's size. Output:
 
-    {"every": K, "measured_on": str, "sizes": [{"params", "dtype", "publish_us" (median append after
+    {"every": K, "dtype" (the fitted sizes'; other dtypes are left out), "measured_on": str, "sizes": [{"params", "dtype", "publish_us" (median append after
      a real step), "publish_samples", "staging_copy_ms", "ratio"}],
      "fit": {"intercept", "per_parameter", "r2"} | None, "projected_params",
      "projected_ratio", "target", "paper_ratio", "met"}
@@ -96,8 +96,10 @@ def lowest_at_every_k(rows: list[dict], intervals) -> dict:
 def size_ratio(size_rows: list[dict], every: int = RATIO_EVERY, min_params: int = RATIO_MIN_PARAMS) -> dict:
     """ZOCheck vs async K=`every` from `measure_size` rows of at least `min_params` (module docstring)."""
     sizes = []
-    for r in sorted(size_rows, key=lambda r: r["params"]):
-        if r["params"] < min_params:
+    eligible = sorted((r for r in size_rows if r["params"] >= min_params), key=lambda r: r["params"])
+    dtype = eligible[0]["dtype"] if eligible else None
+    for r in eligible:
+        if r["dtype"] != dtype:  # bytes per parameter differ: one line per dtype, the smallest size's
             continue
         # The appends right after real steps (caches cold from streaming the state): what training
         # pays, several times the tight loop's figure, so the ratio is not flattered.
@@ -111,7 +113,7 @@ def size_ratio(size_rows: list[dict], every: int = RATIO_EVERY, min_params: int 
         a, b, r2 = fit_line([s["params"] for s in sizes], [s["ratio"] for s in sizes])
         fit = {"intercept": a, "per_parameter": b, "r2": r2}
         projected = a + b * PROJECTED_PARAMS
-    return {"every": every, "measured_on": "state tensors with real ZOOptimizer steps and a trivial loss "
+    return {"every": every, "dtype": dtype, "measured_on": "state tensors with real ZOOptimizer steps and a trivial loss "
                                            "(no forward passes)",
             "sizes": sizes, "fit": fit, "projected_params": PROJECTED_PARAMS, "projected_ratio": projected,
             "target": RATIO_TARGET, "paper_ratio": PAPER_RATIO,
