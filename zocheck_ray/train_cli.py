@@ -95,7 +95,7 @@ def train(args: argparse.Namespace) -> int:
         if embedded:
             print(describe(job))
             print(f"  injected trainer failure at step {fail_at}; verification against the durable log: "
-                  f"{'on' if verify else 'off'}")
+                  f"{'on' if verify else 'off'}", flush=True)  # before Ray's processes inherit the buffer
         if args.address:
             ray.init(address=args.address, namespace="zocheck", log_to_driver=False)
         summary = run(job, fail_at=fail_at, fail_mode=args.fail_mode)
