@@ -1,7 +1,10 @@
 """The `zocheck-ray` command line.
 
-    zocheck-ray demo                      a short ZO fine-tune with exact replay verification
-    zocheck-ray bench replay [--json F]   fused replay vs eager torch vs memory bandwidth
+    zocheck-ray train                     the embedded default job: local Ray, one injected
+                                          failure, exact recovery, verified against the durable log
+    zocheck-ray train --config job.yaml   a job from YAML (`--set key=value` overrides)
+    zocheck-ray status RUN_ID             a running job's shadow metrics
+    zocheck-ray bench all --out DIR       every benchmark as JSON, Markdown and figures
 
 Each feature module registers its own subcommands (`register(subparsers, bench)`),
 so this file only lists them.
