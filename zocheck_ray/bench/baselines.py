@@ -19,8 +19,8 @@ what happens every K steps:
   one write in flight, as CheckFreq does); a background thread persists it. The staging
   buffer and the write in flight die with the trainer process, so recovery loads the
   newest *persisted* checkpoint and replays the log after it.
-- `zocheck`: the product (`controller.run`, or `Trainer` with an in-process `Shadow` for
-  failure-free overhead runs).
+- `zocheck`: the product (`controller.run`; for failure-free overhead runs, `Trainer` with
+  a real `ShadowActor` when Ray is connected, else an in-process `Shadow`).
 
 Records the publisher had not sent when the process died are recomputed by the
 restarted trainer (forward passes), for every strategy alike. Replay uses the fused
@@ -196,6 +196,35 @@ class InProcessShadowLink:
         self.shadow.close()
 
 
+class ShadowActorLink:
+    """ZOCheck's link to a real `ShadowActor` in its own process, as `TrainerActor` has it (an
+    in-process shadow's threads would contend with the training thread for the GIL)."""
+
+    def __init__(self, job: JobConfig):
+        from zocheck_ray.actors.ray_actors import NAMESPACE, RayShadowLink, ShadowActor, shadow_name
+
+        self.actor = ShadowActor.options(name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=1).remote(
+            job.model_dump(mode="json"))
+        ray.get(self.actor.ready.remote())
+        self.link = RayShadowLink(job.run_id)
+
+    def recovery_image(self):
+        return self.link.recovery_image()
+
+    def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
+        self.link.initialize(state, step)
+
+    def push(self, data: bytes) -> None:
+        self.link.push(data)
+
+    def wait_replayed(self, step: int) -> None:
+        ray.get(self.actor.wait_replayed.remote(step, 300.0))
+
+    def close(self) -> None:
+        ray.get(self.actor.close.remote())
+        ray.kill(self.actor)
+
+
 class StrategyTrainer:
     """`Trainer` under one strategy; its constructor recovers as the strategy does.
 
@@ -210,7 +239,8 @@ class StrategyTrainer:
         if strategy.kind == "zocheck":
             from zocheck_ray.actors.shadow import Shadow
 
-            self.link = InProcessShadowLink(Shadow(job, threads=1))
+            # With Ray connected, the shadow runs in its own process as in the product.
+            self.link = ShadowActorLink(job) if ray.is_initialized() else InProcessShadowLink(Shadow(job, threads=1))
         else:
             self.link = DurableLink(job, url, log_url, log_writable)
         self.trainer = Trainer(job, self.link, device=device)
@@ -305,7 +335,9 @@ class StrategyTrainer:
         self.trainer.close()
         if self._writer is not None:
             self._writer.join()
-        if self.strategy.kind == "zocheck":
+        if isinstance(self.link, ShadowActorLink):
+            self.link.wait_replayed(self.step)
+        elif self.strategy.kind == "zocheck":
             self.link.shadow.wait_replayed(self.step, timeout=300)
         self.link.close()
         if self._write_error is not None:
