@@ -40,7 +40,7 @@ QUICK = {
     "overhead": ["--params", "1M", "10M", "--min-steps", "2", "--max-steps", "3", "--step-seconds", "1",
                  "--loop-records", "2000", "--ray-calls", "100", "--trainer-steps", "100"],
     "recovery": ["--early-step", "100", "--late-step", "300", "--failures-per-point", "1", "--no-baseline-late",
-                 "--big-hidden", "0"],
+                 "--big-hidden", "0", "--steps", "100", "--large-failure-step", "20"],
     "waste": {"hidden": 256, "layers": 2, "steps": 3, "trials": 2000},
     "scaling": {"params": [1_000_000, 4_000_000, 16_000_000], "dtypes": ["fp32", "bf16"], "batches": [1, 8],
                 "seq_lens": [16, 128], "repeats": 2},
