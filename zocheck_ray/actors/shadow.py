@@ -24,7 +24,7 @@ from zocheck_ray.actors.image import ImageLayout, new_buffer, pack_into, unpack
 from zocheck_ray.actors.metrics import ShadowMetrics
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord, replay, state_hash
-from zocheck_ray.core.record import IncompleteRecordError
+from zocheck_ray.core.record import decode_records
 from zocheck_ray.storage import SnapshotStore, StepLog, recover
 from zocheck_ray.workload.models import model_config_dict
 
@@ -148,13 +148,7 @@ class Shadow:
 
     def push(self, data: bytes) -> int:
         """Receive a batch of encoded records; returns how many were accepted."""
-        records, offset = [], 0
-        while offset < len(data):
-            try:
-                record, offset = StepRecord.read_from(data, offset)
-            except IncompleteRecordError:
-                break
-            records.append(record)
+        records = decode_records(data)
         accepted = 0
         with self._lock:
             for record in records:

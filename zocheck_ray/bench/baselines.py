@@ -52,8 +52,8 @@ import torch
 from zocheck_ray.actors.image import unpack
 from zocheck_ray.actors.trainer import Trainer
 from zocheck_ray.config import JobConfig
-from zocheck_ray.core import StepRecord, state_hash
-from zocheck_ray.core.record import IncompleteRecordError
+from zocheck_ray.core import state_hash
+from zocheck_ray.core.record import decode_records
 from zocheck_ray.storage import SnapshotStore, StepLog, read_log
 
 CHECKPOINT_EVERY = 7
@@ -111,17 +111,6 @@ def stage(state: dict[str, torch.Tensor], out: dict[str, torch.Tensor] | None = 
     return out
 
 
-def _decode(data: bytes) -> list[StepRecord]:
-    records, offset = [], 0
-    while offset < len(data):
-        try:
-            record, offset = StepRecord.read_from(data, offset)
-        except IncompleteRecordError:
-            break
-        records.append(record)
-    return records
-
-
 class DurableLink:
     """The baselines' end of the trainer's publishing path (a `ShadowLink`): records into a
     durable `StepLog` under `log_url`, checkpoints in a `SnapshotStore` under `url`.
@@ -164,7 +153,7 @@ class DurableLink:
     def push(self, data: bytes) -> None:
         if self.log is None:
             return
-        for record in _decode(data):
+        for record in decode_records(data):
             self.log.append(record)
         self.log.flush()
 

@@ -29,7 +29,7 @@ import numba
 import numpy as np
 import torch
 
-from zocheck_ray.bench.common import machine, print_table, write_json
+from zocheck_ray.bench.common import best_seconds, machine, print_table, write_json
 from zocheck_ray.bench.replay import DTYPES, bandwidth_limit_seconds, make_records, make_state
 from zocheck_ray.core import ZOConfig, ZOOptimizer, replay
 
@@ -41,16 +41,6 @@ REPLAY_REPEATS = 5
 INDEPENDENCE_SPREAD = 1.5
 """Replay counts as independent of batch and length when its max/min over the grid is below this
 while the trainer step's spread is above it."""
-
-
-def _best_seconds(fn, repeats: int) -> float:
-    """Fastest of `repeats` calls: on a shared machine the least disturbed one."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def replay_grid(params: list[int], threads: list[int], dtypes: list[str], repeats: int = 3, say=print) -> list[dict]:
@@ -66,7 +56,7 @@ def replay_grid(params: list[int], threads: list[int], dtypes: list[str], repeat
             pending = iter(records[1:])
             for p in threads:
                 say(f"  replay {n:,} params {dtype} {p} thread{'s' if p > 1 else ''} ...")
-                seconds = _best_seconds(lambda: replay(state, [next(pending)], config, threads=p), repeats)
+                seconds = best_seconds(lambda: replay(state, [next(pending)], config, threads=p), repeats)
                 limit = bandwidth_limit_seconds(nbytes, p)
                 rows.append({"params": n, "dtype": dtype, "threads": p, "state_bytes": nbytes,
                              "replay_seconds": seconds, "bandwidth_limit_seconds": limit,
@@ -122,7 +112,7 @@ def batch_grid(batches: list[int], seq_lens: list[int], hidden: int = 128, layer
                     step_s.append(time.perf_counter() - start)
                     replay(replica, [record], config, threads=threads, start_step=t)  # the replica follows
                     # the same record again on a scratch state, timed several times (replay is cheap)
-                    replay_s.append(_best_seconds(lambda: replay(scratch, [record], config, threads=threads),
+                    replay_s.append(best_seconds(lambda: replay(scratch, [record], config, threads=threads),
                                                   REPLAY_REPEATS))
                 rows.append({"batch_size": batch, "seq_len": seq_len, "tokens": batch * seq_len, "params": params,
                              "trainer_step_seconds": min(step_s[1:]), "replay_seconds": min(replay_s[1:])})

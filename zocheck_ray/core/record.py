@@ -122,3 +122,19 @@ class StepRecord:
         except ValueError as exc:
             raise CorruptRecordError(f"record at offset {offset} is invalid: {exc}") from exc
         return record, end
+
+
+def decode_records(buffer) -> list[StepRecord]:
+    """The whole records at the start of `buffer`, in order; an incomplete tail is left out.
+
+    A damaged record raises `CorruptRecordError`.
+    """
+    records, offset = [], 0
+    view = memoryview(buffer)
+    while offset < len(view):
+        try:
+            record, offset = StepRecord.read_from(view, offset)
+        except IncompleteRecordError:
+            break
+        records.append(record)
+    return records
