@@ -108,7 +108,9 @@ def test_zocheck_recoveries_come_from_the_shadow_image_and_catch_up_to_the_faile
         assert r["recovered_step"] == r["image_step"] + r["replayed_records"] <= r["failed_at_step"]
         assert r["catch_up_measured"] or r["lost_steps"] > 3  # more unsent records than a segment holds
         assert r["seconds_to_failure_step"] == pytest.approx(r["seconds"] + r["catch_up_seconds"])
-        assert 0 < r["constructor_seconds"] < r["seconds"]  # the restarted trainer's own account
+        # The restarted trainer's own account. It is not bounded by `seconds`: Ray restarts the
+        # actor as soon as the process dies, which can be before the driver notices the death.
+        assert r["constructor_seconds"] > 0
         assert r["process_seconds"] == pytest.approx(r["constructor_seconds"] + r["catch_up_seconds"])
 
 
