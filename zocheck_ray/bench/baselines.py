@@ -482,6 +482,17 @@ def _wait_new_incarnation(actor, old_pid: int | None, timeout: float = 300.0) ->
         time.sleep(0.02)
 
 
+def run_into_injected_failure(actor, fail: int, who: str) -> None:
+    """Run `actor` (a trainer with `run(until_step, die_at_step)`) until it dies at step `fail`."""
+    from ray.exceptions import RayActorError
+
+    try:
+        ray.get(actor.run.remote(fail + 1, fail))
+    except RayActorError:
+        return
+    raise RuntimeError(f"{who} survived its injected failure at step {fail}")
+
+
 def fail_and_recover(actor, fail: int, mode: str = "software") -> dict:
     """Kill the trainer of `actor` at step `fail` (software: the process exits as it starts step
     `fail`, losing unsent records; host: the process is killed once at `fail`, records flushed),
@@ -493,18 +504,11 @@ def fail_and_recover(actor, fail: int, mode: str = "software") -> dict:
     "checkpoint_step", "replayed_records", "recomputed_steps",
     "load_seconds", "image_source", "state_hash" (at `fail`), "load_average"}.
     """
-    from ray.exceptions import RayActorError
-
     if mode not in ("software", "host"):
         raise ValueError(f"mode must be software or host, got {mode!r}")
     old_pid = ray.get(actor.recovery.remote())["pid"]
     if mode == "software":
-        try:
-            ray.get(actor.run.remote(fail + 1, fail))
-        except RayActorError:
-            pass
-        else:
-            raise RuntimeError(f"the trainer survived its injected failure at step {fail}")
+        run_into_injected_failure(actor, fail, "the trainer")
         started = time.perf_counter()
     else:
         ray.get(actor.run.remote(fail))

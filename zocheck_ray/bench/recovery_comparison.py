@@ -49,10 +49,10 @@ import uuid
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError
 
 from zocheck_ray.bench.baselines import (
     CompositeActor, Strategy, StrategyActor, _wait_new_incarnation, fail_and_recover, read_reference,
+    run_into_injected_failure,
 )
 from zocheck_ray.bench.common import bench_job
 from zocheck_ray.config import JobConfig
@@ -162,12 +162,7 @@ def compare_recovery(model: str, params: int, failure_step: int, strategies: lis
         # As the controller does for zocheck: the failure comes in the middle of a segment,
         # so the records of its last steps may still be unsent when the process dies.
         ray.get(composite.run.remote(max(0, failure_step - log_interval)))
-        try:
-            ray.get(composite.run.remote(failure_step + 1, failure_step))
-        except RayActorError:
-            pass
-        else:
-            raise RuntimeError(f"the baselines' trainer survived its injected failure at step {failure_step}")
+        run_into_injected_failure(composite, failure_step, "the baselines' trainer")
         _, reference = read_reference(url)
         for s in sorted(baselines, key=lambda s: s.kind != "log-only"):  # log-only first: the next reference
             say(f"    {s.name}: recovering ...")
