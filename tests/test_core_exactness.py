@@ -101,6 +101,10 @@ def test_odd_tensor_shapes(optimizer, dtype):
     expected = clone(opt.state_tensors())
     assert_same_state(replay_reference(clone(initial), records, config), expected)
     assert_same_state(replay(clone(initial), records, config), expected)
+    one_by_one = clone(initial)  # a single step converts in the update itself, a batch through float32 scratch
+    for r in records:
+        replay(one_by_one, [r], config, start_step=r.step)
+    assert_same_state(one_by_one, expected)
 
 
 def test_mixed_dtypes_in_one_state():

@@ -20,6 +20,7 @@ numpy's error model (IEEE division), which is what makes the bits match torch.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Sequence
@@ -354,96 +355,125 @@ def _perturbation_block(key0, key1, first, count, gaussian, out, wa, wb, radius)
 
 
 @njit(inline="always")
-def _chunk(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c_plus, c_minus, grads, lrs,
-           bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, load, store, rnd, rnd_full):
+def _apply_step(src, dst, m, v, n, z, lane, opt, use_wd, cp, cm, g, lr, bc1, bc2, thr, consts, ld, st, rnd,
+                rnd_full):
+    """One step's update of n elements: x = ld(src, i), the operations of `update.py`, st(dst, i, x)."""
     wd, b1, omb1, b2, omb2, adam_eps = consts[0], consts[1], consts[2], consts[3], consts[4], consts[5]
-    use_wd = decay and wd > _F32(0.0)
-    for i in range(n):
-        p[i] = load(param, i)
+    if opt == OPT_ADAM:
+        for i in range(n):
+            zd = rnd(z[lane + i])
+            x = ld(src, i)
+            x = rnd(x + rnd(zd * cp))
+            x = rnd(x + rnd(zd * cm))
+            x = rnd(x + rnd(zd * cp))
+            gz = zd * g
+            mi = m[i] * b1 + gz * omb1
+            vi = v[i] * b2 + (gz * gz) * omb2
+            m[i] = mi
+            v[i] = vi
+            u = (mi * bc1) / (np.sqrt(vi * bc2) + adam_eps)
+            if use_wd:
+                u = u + x * wd
+            st(dst, i, rnd(x - rnd_full(u * lr)))
+    elif opt == OPT_SPARSE:
+        for i in range(n):
+            x = ld(src, i)
+            if abs(x) <= thr:
+                zd = rnd(z[lane + i])
+                x = rnd(x + rnd(zd * cp))
+                x = rnd(x + rnd(zd * cm))
+                x = rnd(x + rnd(zd * cp))
+                u = rnd(zd * g)
+                if use_wd:
+                    u = rnd(u + rnd(x * wd))
+                x = rnd(x - rnd(u * lr))
+            st(dst, i, x)
+    elif use_wd:
+        for i in range(n):
+            zd = rnd(z[lane + i])
+            x = ld(src, i)
+            x = rnd(x + rnd(zd * cp))
+            x = rnd(x + rnd(zd * cm))
+            x = rnd(x + rnd(zd * cp))
+            u = rnd(rnd(zd * g) + rnd(x * wd))
+            st(dst, i, rnd(x - rnd(u * lr)))
+    else:
+        for i in range(n):
+            zd = rnd(z[lane + i])
+            x = ld(src, i)
+            x = rnd(x + rnd(zd * cp))
+            x = rnd(x + rnd(zd * cm))
+            x = rnd(x + rnd(zd * cp))
+            st(dst, i, rnd(x - rnd(rnd(zd * g) * lr)))
+
+
+@njit(inline="always")
+def _chunk(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c_plus, c_minus, grads, lrs,
+           bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, load, store, rnd, rnd_full, direct):
+    """Every step of the batch on one chunk of n elements.
+
+    float32 storage (`direct`) is updated in place. Other dtypes: a single step reads
+    and writes the stored values directly (converting on the way); several steps
+    work on a float32 copy in `p`, converted once in and once out. Storing a value
+    that the update produced, rounded to the dtype, either way gives the same bits."""
+    use_wd = decay and consts[0] > _F32(0.0)
     first = offset >> 2
     count = ((offset + n - 1) >> 2) - first + 1
     lane = offset & 3
-    for k in range(keys0.shape[0]):
+    steps = keys0.shape[0]
+    batched = steps > 1 and not direct
+    if batched:
+        for i in range(n):
+            p[i] = load(param, i)
+    for k in range(steps):
         _perturbation_block(keys0[k], keys1[k], first, count, gaussian, z, wa, wb, radius)
-        cp = c_plus[k]
-        cm = c_minus[k]
-        g = grads[k]
-        lr = lrs[k]
-        if opt == OPT_ADAM:
-            bc1 = bc1s[k]
-            bc2 = bc2s[k]
-            for i in range(n):
-                zd = rnd(z[lane + i])
-                x = p[i]
-                x = rnd(x + rnd(zd * cp))
-                x = rnd(x + rnd(zd * cm))
-                x = rnd(x + rnd(zd * cp))
-                gz = zd * g
-                mi = m[i] * b1 + gz * omb1
-                vi = v[i] * b2 + (gz * gz) * omb2
-                m[i] = mi
-                v[i] = vi
-                u = (mi * bc1) / (np.sqrt(vi * bc2) + adam_eps)
-                if use_wd:
-                    u = u + x * wd
-                p[i] = rnd(x - rnd_full(u * lr))
-        elif opt == OPT_SPARSE:
-            thr = thresholds[k, tensor]
-            for i in range(n):
-                x = p[i]
-                if abs(x) <= thr:
-                    zd = rnd(z[lane + i])
-                    x = rnd(x + rnd(zd * cp))
-                    x = rnd(x + rnd(zd * cm))
-                    x = rnd(x + rnd(zd * cp))
-                    u = rnd(zd * g)
-                    if use_wd:
-                        u = rnd(u + rnd(x * wd))
-                    p[i] = rnd(x - rnd(u * lr))
-        elif use_wd:
-            for i in range(n):
-                zd = rnd(z[lane + i])
-                x = p[i]
-                x = rnd(x + rnd(zd * cp))
-                x = rnd(x + rnd(zd * cm))
-                x = rnd(x + rnd(zd * cp))
-                u = rnd(rnd(zd * g) + rnd(x * wd))
-                p[i] = rnd(x - rnd(u * lr))
+        thr = thresholds[k, tensor]
+        if direct:
+            _apply_step(param, param, m, v, n, z, lane, opt, use_wd, c_plus[k], c_minus[k], grads[k], lrs[k],
+                        bc1s[k], bc2s[k], thr, consts, _load_f32, _store_f32, rnd, rnd_full)
+        elif batched:
+            _apply_step(p, p, m, v, n, z, lane, opt, use_wd, c_plus[k], c_minus[k], grads[k], lrs[k],
+                        bc1s[k], bc2s[k], thr, consts, _load_f32, _store_f32, rnd, rnd_full)
         else:
-            for i in range(n):
-                zd = rnd(z[lane + i])
-                x = p[i]
-                x = rnd(x + rnd(zd * cp))
-                x = rnd(x + rnd(zd * cm))
-                x = rnd(x + rnd(zd * cp))
-                p[i] = rnd(x - rnd(rnd(zd * g) * lr))
-    for i in range(n):
-        store(param, i, p[i])
+            _apply_step(param, param, m, v, n, z, lane, opt, use_wd, c_plus[k], c_minus[k], grads[k], lrs[k],
+                        bc1s[k], bc2s[k], thr, consts, load, store, rnd, rnd_full)
+    if batched:
+        for i in range(n):
+            store(param, i, p[i])
 
 
 @njit(inline="always")
 def _run(param_ptrs, m_ptrs, v_ptrs, offsets, decays, chunk_tensor, chunk_start, chunk_len, opt, gaussian, keys0,
          keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, consts, storage_dtype, itemsize,
-         load, store, rnd, rnd_full):
-    for c in prange(chunk_tensor.shape[0]):
-        t = chunk_tensor[c]
-        s = chunk_start[c]
-        n = chunk_len[c]
-        param = numba.carray(_as_voidptr(param_ptrs[t] + s * itemsize), n, storage_dtype)
-        if opt == OPT_ADAM:
-            m = numba.carray(_as_voidptr(m_ptrs[t] + s * 4), n, np.float32)
-            v = numba.carray(_as_voidptr(v_ptrs[t] + s * 4), n, np.float32)
-        else:
-            m = numba.carray(_as_voidptr(param_ptrs[t]), 0, np.float32)
-            v = m
-        p = np.empty(n, np.float32)
-        z = np.empty(n + 8, np.float32)
-        pairs = 2 * (n // 4 + 2)
+         load, store, rnd, rnd_full, direct, workers, longest):
+    """Each of `workers` threads takes a contiguous run of chunks and its own scratch
+    (for the `longest` chunk), allocated once.
+
+    `direct` (float32 storage): the update works on the parameters in place, without
+    copying a chunk into scratch and back."""
+    chunks = chunk_tensor.shape[0]
+    for w in prange(workers):
+        p_scratch = np.empty(0 if direct or keys0.shape[0] == 1 else longest, np.float32)
+        z = np.empty(longest + 8, np.float32)
+        pairs = 2 * (longest // 4 + 2)
         wa = np.empty(pairs, np.uint32)
         wb = np.empty(pairs, np.uint32)
         radius = np.empty(pairs, np.float32)
-        _chunk(param, m, v, n, offsets[t] + s, t, decays[t], opt, gaussian, keys0, keys1, c_plus, c_minus,
-               grads, lrs, bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, load, store, rnd, rnd_full)
+        last = (w + 1) * chunks // workers
+        for c in range(w * chunks // workers, last):
+            t = chunk_tensor[c]
+            s = chunk_start[c]
+            n = chunk_len[c]
+            param = numba.carray(_as_voidptr(param_ptrs[t] + s * itemsize), n, storage_dtype)
+            if opt == OPT_ADAM:
+                m = numba.carray(_as_voidptr(m_ptrs[t] + s * 4), n, np.float32)
+                v = numba.carray(_as_voidptr(v_ptrs[t] + s * 4), n, np.float32)
+            else:
+                m = numba.carray(_as_voidptr(param_ptrs[t]), 0, np.float32)
+                v = m
+            _chunk(param, m, v, n, offsets[t] + s, t, decays[t], opt, gaussian, keys0, keys1, c_plus, c_minus,
+                   grads, lrs, bc1s, bc2s, thresholds, consts, p_scratch, z, wa, wb, radius, load, store,
+                   rnd, rnd_full, direct)
 
 
 # One compiled kernel per storage dtype; each is a plain module-level function so
@@ -452,21 +482,21 @@ _KERNEL_OPTIONS = dict(parallel=True, cache=True, error_model="numpy", nogil=Tru
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_f32(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con):
+def _kernel_f32(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, wk, lg):
     _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-         np.float32, np.int64(4), _load_f32, _store_f32, _round_f32, _round_f32)
+         np.float32, np.int64(4), _load_f32, _store_f32, _round_f32, _round_f32, True, wk, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_bf16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con):
+def _kernel_bf16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, wk, lg):
     _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-         np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16)
+         np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, False, wk, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_f16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con):
+def _kernel_f16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, wk, lg):
     _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-         np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16)
+         np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, False, wk, lg)
 
 
 _KERNELS = {torch.float32: _kernel_f32, torch.bfloat16: _kernel_bf16, torch.float16: _kernel_f16}
@@ -501,6 +531,20 @@ def perturbation_cpu(seed: int, offset: int, numel: int, kind: str = "gaussian")
     if numel:
         _perturbation_kernel(np.uint64(seed & MASK32), np.uint64(seed >> 32), offset, kind == "gaussian", out)
     return torch.from_numpy(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_plan(tensors: tuple[tuple[int, int], ...], chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tensor index, start, length) of every `chunk`-element piece of the (index, numel) tensors, in order."""
+    per = [(numel + chunk - 1) // chunk for _, numel in tensors]
+    tensor_ids = np.repeat(np.array([i for i, _ in tensors], dtype=np.int64), per)
+    first = np.repeat(np.cumsum([0] + per[:-1]), per)
+    starts = (np.arange(len(tensor_ids), dtype=np.int64) - first) * chunk
+    numels = np.repeat(np.array([n for _, n in tensors], dtype=np.int64), per)
+    lens = np.minimum(chunk, numels - starts)
+    for a in (tensor_ids, starts, lens):
+        a.flags.writeable = False
+    return tensor_ids, starts, lens
 
 
 def default_threads() -> int:
@@ -563,16 +607,14 @@ def replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config
                 members = [i for i, s in enumerate(layout.params) if state[s.name].dtype == dtype]
                 if not members:
                     continue
-                tensor_ids, starts, lens = [], [], []
-                for i in members:
-                    numel = layout.params[i].numel
-                    for a in range(0, numel, CHUNK_ELEMENTS):
-                        tensor_ids.append(i)
-                        starts.append(a)
-                        lens.append(min(CHUNK_ELEMENTS, numel - a))
-                kernel(param_ptrs, m_ptrs, v_ptrs, offsets, decays, np.array(tensor_ids, dtype=np.int64),
-                       np.array(starts, dtype=np.int64), np.array(lens, dtype=np.int64), opt, gaussian,
-                       keys0, keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, consts)
+                plan = _chunk_plan(tuple((i, layout.params[i].numel) for i in members), CHUNK_ELEMENTS)
+                tensor_ids, starts, lens = plan
+                if not len(lens):
+                    continue
+                workers = min(threads or default_threads(), len(lens))
+                kernel(param_ptrs, m_ptrs, v_ptrs, offsets, decays, tensor_ids, starts, lens, opt, gaussian,
+                       keys0, keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, consts, workers,
+                       int(lens.max()))
         finally:
             numba.set_num_threads(previous)
     return state
