@@ -19,8 +19,7 @@ def test_storage_benchmark_compares_saves_with_plain_writes_locally_and_on_s3(tm
     assert local["bytes"] == s3["bytes"] == 16 << 20
     assert local["baseline"] == "plain fsspec write + one fsync"
     for row in (local, s3):
-        for key in ("save_vs_baseline", "save_given_hash_vs_baseline"):
-            assert row[key] > 0
+        assert row["save_vs_baseline"] > 0
         assert row["meets_target"] == (row["save_vs_baseline"] >= TARGET_SAVE_RATIO)
         assert len(row["load_average_before"]) == 3 and len(row["save_s_all"]) == 1
     assert "load_average_at_end" in out["machine"]

@@ -164,11 +164,16 @@ def test_storage_commands_are_registered_with_the_cli():
     assert "zocheck_ray.storage.cli" in cli.COMMAND_MODULES
 
 
-@pytest.mark.parametrize("optimizer", ["zo-sgd", "zo-adam"])
-def test_recover_command_writes_a_model_directory_hugging_face_loads(tmp_path, capsys, optimizer):
+@pytest.mark.parametrize("optimizer,shard_bytes", [("zo-sgd", None), ("zo-adam", None), ("zo-adam", 16 << 10)])
+def test_recover_command_writes_a_model_directory_hugging_face_loads(tmp_path, capsys, monkeypatch, optimizer,
+                                                                     shard_bytes):
     from transformers import AutoModelForCausalLM
 
+    from zocheck_ray.core import hashing
     from zocheck_ray.workload import build_model, trainable_parameters
+
+    if shard_bytes:
+        monkeypatch.setattr(hashing, "SHARD_BYTES", shard_bytes)  # snapshots and the model directory sharded
 
     model = build_model("tiny-opt", seed=5)
     batch = torch.arange(12).reshape(2, 6) % 128
@@ -186,7 +191,11 @@ def test_recover_command_writes_a_model_directory_hugging_face_loads(tmp_path, c
     assert "step: 5\n" in printed and f"state_hash: {trainer.hashes[5]}\n" in printed
     summary = json.loads((out / "recovery.json").read_text())
     assert (summary["step"], summary["state_hash"], summary["snapshot_step"]) == (5, trainer.hashes[5], 3)
-    assert (out / "optimizer.safetensors").exists() == (optimizer == "zo-adam")
+    if shard_bytes:
+        assert (out / "model.safetensors.index.json").exists() and not (out / "model.safetensors").exists()
+        assert len(list(out.glob("model-*-of-*.safetensors"))) > 1 and list(out.glob("optimizer-*.safetensors"))
+    else:
+        assert (out / "optimizer.safetensors").exists() == (optimizer == "zo-adam")
     loaded = AutoModelForCausalLM.from_pretrained(out)
     for name, p in model.named_parameters():
         assert torch.equal(dict(loaded.named_parameters())[name], p.detach()), name

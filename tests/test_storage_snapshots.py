@@ -5,6 +5,8 @@ Against a temporary directory and a real S3 endpoint on 127.0.0.1 (moto), throug
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import socket
@@ -14,6 +16,8 @@ import safetensors.torch
 import torch
 
 from zocheck_ray.core import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, ZOConfig, state_hash
+from zocheck_ray.core import hashing
+from zocheck_ray.core.hashing import combine_file_digests
 from zocheck_ray.storage import (
     CorruptSnapshotError,
     SnapshotNotFoundError,
@@ -22,6 +26,7 @@ from zocheck_ray.storage import (
     StorageURLError,
     recover,
 )
+from zocheck_ray.storage.manifest import Manifest
 from zocheck_ray.storage.snapshot import DELETED_DIR, OPTIMIZER_PREFIX, snapshot_dir
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -134,20 +139,67 @@ def test_load_fills_preallocated_tensors_in_place(tmp_path):
         store.load(2, out={**out, "model.embed_tokens.weight": torch.empty(64, 16, dtype=torch.float16)})
 
 
-def test_a_state_hash_the_caller_already_has_is_recorded_and_checked_on_load(root):
+def test_the_state_hash_follows_from_the_file_digests_and_is_checked_on_load(root):
     url, options = root
-    state = make_state(4, torch.bfloat16)
+    store = SnapshotStore(url, options)
+    for step, state in ((4, make_state(4, torch.bfloat16)), (7, make_state(7, adam=False))):
+        digest = state_hash(state)
+        info = store.save(step, state, state_hash=digest)
+        assert info.state_hash == digest  # the save hashed each file once; the state hash is derived
+        files = {name: hashlib.sha256(store.storage.read_bytes(f"{snapshot_dir(step)}/{name}")).hexdigest()
+                 for name in ("model.safetensors", "optimizer.safetensors") if name in info.manifest.files}
+        assert list(files) == (["model.safetensors", "optimizer.safetensors"] if step == 4 else ["model.safetensors"])
+        optimizer_digests = [files["optimizer.safetensors"]] if "optimizer.safetensors" in files else []
+        assert combine_file_digests([files["model.safetensors"]], optimizer_digests) == digest
+        tensors, _ = SnapshotStore(url, options, create=False).load(step)
+        assert_same_state(tensors, state)
+
+    state = make_state(5)
+    with pytest.raises(ValueError, match=r"state_hash 000000000000\.\.\. was given for step 5"):
+        store.save(5, state, state_hash="0" * 64)  # not this state's hash: nothing is committed
+    assert [i.step for i in store.committed()] == [7, 4] and store.storage.list_dir(snapshot_dir(5)) == []
+    with pytest.raises(ValueError, match="state_hash must be the 64 lowercase hex digits"):
+        store.save(6, state, state_hash=state_hash(state).upper())
+
+    # a manifest that is whole (its own checksum holds) but names another state hash
+    rel = f"{snapshot_dir(4)}/manifest.json"
+    manifest = Manifest.decode(store.storage.read_bytes(rel), rel)
+    store.storage.write_atomic(rel, manifest.model_copy(update={"state_hash": "0" * 64}).encode())
+    with pytest.raises(CorruptSnapshotError, match=r"do not hash to the state_hash in .*step-000000000004/manifest"):
+        store.load(4)
+
+
+def test_a_large_state_is_sharded_hugging_face_style_and_loads_back(root, monkeypatch, tmp_path):
+    url, options = root
+    monkeypatch.setattr(hashing, "SHARD_BYTES", 4096)  # the embedding (4 KiB) alone fills a shard
+    state = make_state(3)
     digest = state_hash(state)
     store = SnapshotStore(url, options)
-    assert store.save(4, state, state_hash=digest).state_hash == digest
-    tensors, _ = SnapshotStore(url, options, create=False).load(4)
-    assert_same_state(tensors, state)
+    info = store.save(3, state, {"hf_config": {"model_type": "llama"}})
+    assert info.state_hash == digest
+    names = [e.file for e in info.manifest.tensors]
+    model_files = list(dict.fromkeys(n for n in names if n.startswith("model")))
+    assert model_files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert list(dict.fromkeys(n for n in names if n.startswith("optimizer"))) == [
+        "optimizer-00001-of-00004.safetensors", "optimizer-00002-of-00004.safetensors",
+        "optimizer-00003-of-00004.safetensors", "optimizer-00004-of-00004.safetensors"]
+    index = json.loads(store.storage.read_bytes(f"{snapshot_dir(3)}/model.safetensors.index.json"))
+    assert index["weight_map"] == {n: e.file for n, e in zip(state, info.manifest.tensors) if e.file in model_files}
+    assert index["metadata"]["total_size"] == sum(e.nbytes for e in info.manifest.tensors if e.file in model_files)
+    shard_digests = {n: hashlib.sha256(store.storage.read_bytes(f"{snapshot_dir(3)}/{n}")).hexdigest()
+                     for n in dict.fromkeys(names)}
+    assert combine_file_digests([shard_digests[n] for n in model_files],
+                                [d for n, d in shard_digests.items() if n.startswith("optimizer")]) == digest
+    tensors, meta = SnapshotStore(url, options, create=False).load(3)
+    assert_same_state(tensors, state) and meta.hf_config == {"model_type": "llama"}
 
-    store.save(5, state, state_hash="0" * 64)  # not this state's hash: the snapshot never loads
-    with pytest.raises(CorruptSnapshotError, match=r"do not hash to the state_hash in .*step-000000000005/manifest"):
-        store.load(5)
-    with pytest.raises(ValueError, match="state_hash must be the 64 lowercase hex digits"):
-        store.save(6, state, state_hash=digest.upper())
+    # every shard is checked: a damaged second shard is named, and the snapshot is not loaded
+    rel = f"{snapshot_dir(3)}/model-00002-of-00002.safetensors"
+    data = bytearray(store.storage.read_bytes(rel))
+    data[-1] ^= 0x01
+    store.storage.write_atomic(rel, bytes(data))
+    with pytest.raises(CorruptSnapshotError, match="model-00002-of-00002.safetensors fails its SHA-256"):
+        store.load(3)
 
 
 def test_latest_is_the_newest_commit_and_a_step_is_saved_once(root):

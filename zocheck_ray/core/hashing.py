@@ -1,33 +1,136 @@
-"""`state_hash`: SHA-256 of a canonical state, the identity recovery is judged by."""
+"""`state_hash`: SHA-256 of a canonical state, the identity recovery is judged by.
+
+The canonical encoding of a state is the one a snapshot stores. The state splits into
+the model part (every tensor not named `optimizer.*`) and the optimizer part; each part,
+in canonical order, is cut into shards of whole tensors, a new shard starting when the
+next tensor would take the current one past `SHARD_BYTES`; each shard is a safetensors
+file (8-byte header length, JSON header with each tensor's name, dtype, shape and byte
+offsets, then the raw little-endian bytes). The state hash is the SHA-256 of a domain
+tag and the shards' SHA-256 digests, part by part. So a snapshot's state hash follows
+from the SHA-256 of its files, which a save and a load compute anyway (one pass over
+the bytes, not two), and the shards are hashed side by side on several cores.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import struct
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Mapping, Sequence
 
 import torch
 
-_DOMAIN = b"zocheck-ray state v1\0"
+_DOMAIN = b"zocheck-ray state v2\0"
+OPTIMIZER_PREFIX = "optimizer."
+"""Names of optimizer state (Adam moments) begin with this; they are stored in a file of their own."""
+SHARD_BYTES = 64 << 20
+"""A shard closes before the tensor that would take it past this size (a larger tensor is a shard of its own)."""
+FILE_METADATA = {"format": "pt"}
+"""The safetensors `__metadata__` of both files (what `transformers` expects of a PyTorch checkpoint)."""
+
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+def split_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(model part, optimizer part) of a state, each in canonical order."""
+    model = {n: t for n, t in state.items() if not n.startswith(OPTIMIZER_PREFIX)}
+    optimizer = {n: t for n, t in state.items() if n.startswith(OPTIMIZER_PREFIX)}
+    return model, optimizer
 
 
-def state_hash(state: dict[str, torch.Tensor]) -> str:
-    """Hex SHA-256 over each tensor's name, dtype, shape and raw little-endian bytes, in order.
+def safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] = FILE_METADATA) -> bytes:
+    """The length prefix and JSON header of the safetensors file holding `tensors` in order."""
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors snapshots do not hold; "
+                            f"use one of {sorted(str(d).removeprefix('torch.') for d in SAFETENSORS_DTYPES)}")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors aligns the data section to 8 bytes
+    return struct.pack("<Q", len(text)) + text
+
+
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy when it is a contiguous CPU tensor (else one tensor's copy)."""
+    if sys.byteorder != "little":  # raw bytes are stored and hashed as they lie in memory
+        raise RuntimeError("zocheck-ray stores and hashes tensors little-endian; this host is big-endian")
+    t = tensor.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to("cpu").contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def shards(part: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """`part` cut into shards of whole tensors in order (see the module docstring); [] when empty."""
+    out: list[dict[str, torch.Tensor]] = []
+    size = 0
+    for name, t in part.items():
+        nbytes = t.numel() * t.element_size()
+        if not out or (out[-1] and size + nbytes > SHARD_BYTES):
+            out.append({})
+            size = 0
+        out[-1][name] = t
+        size += nbytes
+    return out
+
+
+def file_sha256(tensors: Mapping[str, torch.Tensor]) -> tuple[str, int]:
+    """Hex SHA-256 and size of the safetensors file of `tensors` (as a snapshot writes it)."""
+    header = safetensors_header(tensors)
+    h = hashlib.sha256(header)
+    size = len(header)
+    for t in tensors.values():
+        data = raw_bytes(t)
+        h.update(data)  # hashlib releases the GIL
+        size += len(data)
+    return h.hexdigest(), size
+
+
+def combine_file_digests(model: Sequence[str], optimizer: Sequence[str]) -> str:
+    """The state hash of a state whose model and optimizer shards have these SHA-256 digests, in order."""
+    h = hashlib.sha256(_DOMAIN)
+    for digests in (model, optimizer):
+        h.update(len(digests).to_bytes(4, "little"))
+        for digest in digests:
+            h.update(bytes.fromhex(digest))
+    return h.hexdigest()
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _hashers() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="zocheck-state-hash")
+        return _pool
+
+
+def state_hash(state: Mapping[str, torch.Tensor]) -> str:
+    """Hex SHA-256 of the canonical state: each tensor's name, dtype, shape and raw bytes, in order.
 
     >>> state_hash({"w": torch.zeros(2)}) == state_hash({"w": torch.zeros(2)})
     True
     """
-    if sys.byteorder != "little":  # raw bytes are hashed as stored
-        raise RuntimeError("state_hash assumes a little-endian host")
-    h = hashlib.sha256(_DOMAIN)
-    for name, tensor in state.items():
-        header = json.dumps([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]).encode()
-        h.update(len(header).to_bytes(4, "little"))
-        h.update(header)
-        h.update(_raw_bytes(tensor))
-    return h.hexdigest()
+    parts = [shards(part) for part in split_state(state)]
+    if sum(len(p) for p in parts) > 1:
+        futures = [[_hashers().submit(file_sha256, shard) for shard in part] for part in parts]
+        digests = [[f.result()[0] for f in part] for part in futures]
+    else:
+        digests = [[file_sha256(shard)[0] for shard in part] for part in parts]
+    return combine_file_digests(*digests)

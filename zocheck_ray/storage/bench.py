@@ -10,9 +10,8 @@ Measures, in one run and on the same bytes:
   127.0.0.1, as a remote endpoint would be) both are plain uploads, durable once the
   PUT or multipart upload completes. A save includes everything a caller waits for: the
   safetensors files, the SHA-256 of every file, the `state_hash` of the state, the fsyncs,
-  the manifest commit and the retention of the newest two snapshots. A second row gives
-  a save whose caller passes the `state_hash` it already has. Load (every hash verified)
-  is shown beside a plain read;
+  the manifest commit and the retention of the newest two snapshots. Load (every hash
+  verified) is shown beside a plain read;
 - `StepLog.append` cost per record under several flush/fsync policies.
 
 Rounds interleave baseline and saves so that background load and writeback noise hits
@@ -20,10 +19,10 @@ both alike; every measurement starts after `os.sync()` and after the background 
 of the previously pruned snapshot (on local disk retention deletes files off the save's
 path, as the plain baseline's file is deleted outside its timing). Ratios are of medians;
 the machine and its load average before and after each case are recorded with them, and
-so is the CPU time each case cost this process: a save hashes the state twice (SHA-256
-per file and the `state_hash`), so on a machine whose cores are busy with other work its
-wall-clock ratio falls towards the ratio of CPU costs, while the baseline mostly waits on
-the disk.
+so is the CPU time each case cost this process: a save hashes the state once (the SHA-256
+of each file, from which the `state_hash` follows), so on a machine whose cores are busy
+with other work its wall-clock ratio falls towards the ratio of CPU costs, while the
+baseline mostly waits on the disk.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from typing import Callable
 import torch
 
 from zocheck_ray.bench.common import machine, print_table, write_json
-from zocheck_ray.core import StepRecord, state_hash
+from zocheck_ray.core import StepRecord
 from zocheck_ray.storage.fs import open_storage
 from zocheck_ray.storage.snapshot import SnapshotStore
 from zocheck_ray.storage.steplog import StepLog
@@ -102,13 +101,12 @@ def _load_average() -> list[float]:
 def bench_snapshots(target: str, url: str, options: dict | None, size_mb: int, repeats: int) -> dict:
     state = make_state(size_mb)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    digest = state_hash(state)  # what a caller that already hashed the state would pass
     storage = open_storage(url, options)
     fs, base = storage.fs, storage.local_path("") if storage.local else storage.url.removeprefix("s3://")
     store = SnapshotStore(url, options, keep=2)
     fsync = storage.local
     baseline = "plain_fsync" if fsync else "plain"
-    samples: dict[str, list[float]] = {k: [] for k in ("plain", "plain_fsync", "save", "save_given_hash",
+    samples: dict[str, list[float]] = {k: [] for k in ("plain", "plain_fsync", "save",
                                                        "background_delete", "sha256_pass", "plain_read", "load")}
 
     cpu: dict[str, list[float]] = {k: [] for k in samples}
@@ -130,16 +128,15 @@ def bench_snapshots(target: str, url: str, options: dict | None, size_mb: int, r
     for round_ in range(repeats + 1):
         plain = f"{base}/plain-{round_}.bin"
         record(baseline, timed(lambda: _plain_write(fs, plain, state, fsync=fsync)))
-        record("save", timed(lambda: store.save(2 * round_, state)))
+        record("save", timed(lambda: store.save(round_, state)))
         start = time.perf_counter()
         store.wait_for_deletions()  # the pruned snapshot's files, deleted after the save returned
         record("background_delete", (time.perf_counter() - start, 0.0))
-        record("save_given_hash", timed(lambda: store.save(2 * round_ + 1, state, state_hash=digest)))
         if fsync:
             record("plain", timed(lambda: _plain_write(fs, plain, state, fsync=False)))  # for reference only
-        record("sha256_pass", timed(lambda: _sha256_pass(state)))  # a save makes two: files and state_hash
+        record("sha256_pass", timed(lambda: _sha256_pass(state)))  # a save makes one, beside its writes
         record("plain_read", timed(lambda: _plain_read(fs, plain, state)))
-        record("load", timed(lambda: store.load(2 * round_)))
+        record("load", timed(lambda: store.load(round_)))
         fs.rm_file(plain)
     store.close()
     result = {"target": target, "bytes": nbytes, "repeats": repeats, "baseline_key": baseline,
@@ -152,9 +149,8 @@ def bench_snapshots(target: str, url: str, options: dict | None, size_mb: int, r
             if key not in ("background_delete", "sha256_pass"):
                 result[f"{key}_MBps_median"] = round(nbytes / statistics.median(values) / 1e6, 1)
                 result[f"{key}_cpu_s_median"] = round(statistics.median(cpu[key]), 4)
-    for key in ("save", "save_given_hash"):
-        result[f"{key}_vs_baseline"] = round(statistics.median(samples[baseline]) / statistics.median(samples[key]), 3)
-        result[f"{key}_vs_baseline_best"] = round(min(samples[baseline]) / min(samples[key]), 3)
+    result["save_vs_baseline"] = round(statistics.median(samples[baseline]) / statistics.median(samples["save"]), 3)
+    result["save_vs_baseline_best"] = round(min(samples[baseline]) / min(samples["save"]), 3)
     result["meets_target"] = result["save_vs_baseline"] >= TARGET_SAVE_RATIO
     return result
 
@@ -219,6 +215,8 @@ class _MotoProcess:
 
 def run(size_mb: int = 256, s3_size_mb: int = 64, repeats: int = 5, records: int = 200_000, s3: bool = True,
         json_path: str | None = None, directory: str | None = None) -> dict:
+    if directory is not None:
+        os.makedirs(directory, exist_ok=True)
     work = tempfile.mkdtemp(prefix="zocheck-bench-", dir=directory)
     recs = _records(records)
     out = {"benchmark": "storage", "machine": {**machine(), "load_average_at_start": _load_average()},
@@ -260,7 +258,6 @@ def report(out: dict) -> None:
         ("target", "target", "s"), ("bytes", "bytes", ",d"), ("plain_MBps_median", "plain write", ".0f"),
         ("plain_fsync_MBps_median", "plain+fsync", ".0f"), ("save_MBps_median", "save", ".0f"),
         ("save_vs_baseline", "save/baseline", ".2f"), ("save_vs_baseline_best", "(best)", ".2f"),
-        ("save_given_hash_vs_baseline", "given hash/baseline", ".2f"),
         ("plain_read_MBps_median", "plain read", ".0f"), ("load_MBps_median", "load", ".0f"),
     ])
     for row in out["snapshot"]:
@@ -268,16 +265,15 @@ def report(out: dict) -> None:
         print(f"{row['target']}: save/baseline {row['save_vs_baseline']:.2f} vs target >= {TARGET_SAVE_RATIO:.2f}: "
               f"{verdict} (baseline: {row['baseline']}; {row['repeats']} rounds; load average "
               f"{row['load_average_before'][0]} -> {row['load_average_after'][0]})")
-    print("a save includes its SHA-256 of every file, the state_hash, fsyncs, the manifest commit and retention; "
-          "'given hash' is a save whose caller passes the state_hash")
+    print("a save includes the SHA-256 of every file (the state_hash follows from them), the fsyncs, the manifest "
+          "commit and retention")
     for row in out["snapshot"]:
         print(f"{row['target']} medians, seconds: baseline {row[row['baseline_key'] + '_s_median']:.3f}, "
-              f"save {row['save_s_median']:.3f}, given hash {row['save_given_hash_s_median']:.3f}, "
-              f"one SHA-256 pass over the state {row['sha256_pass_s_median']:.3f} (a save makes two, on "
-              f"{out['machine']['cpu_count']} cores), pruned snapshot deleted in the background "
+              f"save {row['save_s_median']:.3f}, "
+              f"one SHA-256 pass over the state {row['sha256_pass_s_median']:.3f} (a save makes one, beside "
+              f"its writes), pruned snapshot deleted in the background "
               f"{row['background_delete_s_median']:.3f}; CPU seconds of this process: baseline "
-              f"{row[row['baseline_key'] + '_cpu_s_median']:.3f}, save {row['save_cpu_s_median']:.3f}, "
-              f"given hash {row['save_given_hash_cpu_s_median']:.3f}")
+              f"{row[row['baseline_key'] + '_cpu_s_median']:.3f}, save {row['save_cpu_s_median']:.3f}")
     print()
     print(f"step log append, microseconds per record (target < {TARGET_APPEND_US} buffered)")
     print_table(out["log"], [("target", "target", "s"), ("us_per_record", "us/record", ".2f"), ("policy", "policy", "s")])

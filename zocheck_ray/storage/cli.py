@@ -71,22 +71,25 @@ def run_recover(args: argparse.Namespace) -> int:
 
 
 def write_model_dir(url: str, result, digest: str, source: str) -> None:
-    """`model.safetensors` (+ `config.json`, `optimizer.safetensors`) and `recovery.json` at `url`."""
+    """`model.safetensors` (or its shards and index; + `config.json`, `optimizer.safetensors`) and
+    `recovery.json` at `url`."""
     from concurrent.futures import ThreadPoolExecutor
 
     from zocheck_ray.storage.fs import open_storage
-    from zocheck_ray.storage.snapshot import HF_CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_PREFIX
+    from zocheck_ray.storage.snapshot import HF_CONFIG_FILE, MODEL_INDEX_FILE, file_layout, model_index
     from zocheck_ray.storage.tensorfile import write_tensors
 
     storage = open_storage(url, create=True)
-    model = {n: t for n, t in result.state.items() if not n.startswith(OPTIMIZER_PREFIX)}
-    optim = {n: t for n, t in result.state.items() if n.startswith(OPTIMIZER_PREFIX)}
-    with ThreadPoolExecutor(1) as pool:
-        for name, part in ((MODEL_FILE, model), (OPTIMIZER_FILE, optim)):
-            if part:
-                with storage.open_write(name) as f:
-                    future = write_tensors(f, part, {"format": "pt"}, pool)
-                future.result()
+    layout = file_layout(result.state)
+    with ThreadPoolExecutor(2) as pool:
+        futures = []
+        for name, shard in layout.items():
+            with storage.open_write(name) as f:
+                futures.append(write_tensors(f, shard, pool))
+        for future in futures:
+            future.result()
+    if sum(1 for n in layout if n.startswith("model")) > 1:
+        storage.write_atomic(MODEL_INDEX_FILE, model_index(layout))
     if result.meta.hf_config is not None:
         storage.write_atomic(HF_CONFIG_FILE, json.dumps(result.meta.hf_config, indent=2, sort_keys=True).encode())
     summary = {

@@ -14,22 +14,29 @@ locally a file is written in place, fsync'd and renamed, and directories are fsy
 so a rename survives power loss; on an object store an object appears whole, by a
 single PUT or a completed multipart upload, or not at all.
 
-Large local files are written unbuffered, straight from the caller's memory, and ask
-the kernel to start writing each range to disk as soon as it is written
-(`sync_file_range`), so the disk works while the writer hashes and writes on; the one
-fsync at the end then finds little left to do. That changes when bytes reach the disk,
-never what an fsync guarantees.
+Local files are written with direct I/O (`O_DIRECT`) where the file system allows it:
+the bytes go from a reused, page-aligned staging buffer to the disk, a thread of its own
+writing one buffer while the caller fills the next. A snapshot then leaves no second
+copy of the state in the page cache (the host memory the shadow's replica lives in) and
+costs no page-cache allocation, which on a busy or virtualized host can take longer than
+the disk itself. Where direct I/O is refused (tmpfs, some network file systems), files
+are written unbuffered and each range is handed to writeback as soon as it is written
+(`sync_file_range`). Either way the one fsync at the end is what makes the file durable.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
+import mmap
 import os
 import re
 import shutil
 import sys
+import threading
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import BinaryIO, ContextManager, Iterator, Protocol
 
@@ -76,7 +83,8 @@ class Storage(Protocol):
 
     def url_of(self, rel: str) -> str: ...
     def local_path(self, rel: str) -> str: ...
-    def open_write(self, rel: str) -> ContextManager[BinaryIO]: ...
+    def open_write(self, rel: str, durable: bool = True) -> ContextManager[BinaryIO]: ...
+    def make_durable(self, rels: list[str]) -> None: ...
     def rename(self, rel: str, new_rel: str) -> None: ...
     def write_atomic(self, rel: str, data: bytes) -> None: ...
     def open_read(self, rel: str) -> ContextManager[BinaryIO]: ...
@@ -145,17 +153,21 @@ class FsspecStorage:
     # ------------------------------------------------------------------ writing
 
     @contextmanager
-    def open_write(self, rel: str) -> Iterator[BinaryIO]:
-        """A file or object to write; whole and durable on a clean exit, discarded on an error."""
+    def open_write(self, rel: str, durable: bool = True) -> Iterator[BinaryIO]:
+        """A file or object to write; whole and durable on a clean exit, discarded on an error.
+
+        `durable=False`: locally, whole but not yet fsync'd on exit; the caller makes it
+        durable with `make_durable` (which fsyncs many files at once) before relying on it."""
         path = self._path(rel)
         with self.guard("write", rel):
-            f = _WritebackFile(path) if self.local else self.fs.open(path, "wb")
+            f = _open_local_write(path) if self.local else self.fs.open(path, "wb")
         try:
             with self.guard("write", rel):
                 yield f
                 if self.local:
                     f.flush()
-                    os.fsync(f.fileno())
+                    if durable:
+                        os.fsync(f.fileno())
                 f.close()  # on an object store this completes the upload
         except BaseException:
             self._discard(f, path)
@@ -171,6 +183,26 @@ class FsspecStorage:
                 f.discard()  # s3fs: aborts the multipart upload, nothing becomes visible
         except Exception:
             pass
+
+    def make_durable(self, rels: list[str]) -> None:
+        """fsync the local files `rels` side by side (one journal commit can serve them all); no-op off local disk."""
+        if not self.local or not rels:
+            return
+
+        def sync(rel: str) -> None:
+            with self.guard("sync", rel):
+                fd = os.open(self._path(rel), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+        if len(rels) == 1:
+            sync(rels[0])
+            return
+        with ThreadPoolExecutor(min(len(rels), 8), thread_name_prefix="zocheck-fsync") as pool:
+            for future in [pool.submit(sync, rel) for rel in rels]:
+                future.result()
 
     def rename(self, rel: str, new_rel: str) -> None:
         """Move a local file or directory (the parent of `new_rel` must exist); local filesystems only."""
@@ -303,6 +335,153 @@ class FsspecStorage:
             for up in uploads:
                 self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
         return len(uploads)
+
+
+DIRECT_ALIGN = 4096
+"""Offsets, sizes and buffer addresses of direct I/O are multiples of this (any block size up to 4 KiB)."""
+DIRECT_BUFFER_BYTES = 4 << 20
+DIRECT_BUFFERS = 4
+"""Staging buffers per file: up to three writes in flight while the caller fills the fourth."""
+
+
+def _open_local_write(path: str):
+    flag = getattr(os, "O_DIRECT", 0)
+    if flag:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+        else:
+            return _DirectFile(fd)
+    return _WritebackFile(path)
+
+
+_staging_lock = threading.Lock()
+_free_staging: list[list[mmap.mmap]] = []
+_writers: ThreadPoolExecutor | None = None
+
+
+def _take_staging_buffers() -> list[mmap.mmap]:
+    """A set of page-aligned staging buffers, reused from an earlier file when one is free
+    (fresh memory costs page faults on first touch, on a virtualized host many times the copy)."""
+    with _staging_lock:
+        if _free_staging:
+            return _free_staging.pop()
+    return [mmap.mmap(-1, DIRECT_BUFFER_BYTES) for _ in range(DIRECT_BUFFERS)]
+
+
+def _return_staging_buffers(buffers: list[mmap.mmap]) -> None:
+    with _staging_lock:
+        if len(_free_staging) < 2:  # at most 2 idle sets (32 MiB) are kept
+            _free_staging.append(buffers)
+            return
+    for b in buffers:
+        b.close()
+
+
+def _direct_writers() -> ThreadPoolExecutor:
+    global _writers
+    with _staging_lock:
+        if _writers is None:
+            _writers = ThreadPoolExecutor(DIRECT_BUFFERS, thread_name_prefix="zocheck-direct-write")
+        return _writers
+
+
+class _DirectFile:
+    """A local file written with O_DIRECT through a ring of aligned staging buffers.
+
+    `write` copies into the current buffer; a full buffer goes to the writer threads
+    (several writes in flight keep the device busy) while the caller fills the next one.
+    `flush` writes the tail padded to the alignment and truncates the file to its true
+    size. An error of a writer thread surfaces in a later `write`, `flush` or `close`."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._buffers = _take_staging_buffers()
+        self._pending: list[Future | None] = [None] * DIRECT_BUFFERS
+        self._current = 0
+        self._fill = 0
+        self._written = 0  # bytes accepted from the caller
+        self._on_disk = 0  # bytes handed to the writer threads (a multiple of DIRECT_ALIGN)
+        self._writer = _direct_writers()
+        self._finished = False
+        self.closed = False
+
+    def _write_all(self, buffer: mmap.mmap, nbytes: int, offset: int) -> None:
+        view = memoryview(buffer)[:nbytes]
+        done = 0
+        try:
+            while done < nbytes:
+                done += os.pwrite(self._fd, view[done:], offset + done)
+        finally:
+            view.release()
+
+    def _submit(self, nbytes: int) -> None:
+        i = self._current
+        self._pending[i] = self._writer.submit(self._write_all, self._buffers[i], nbytes, self._on_disk)
+        self._on_disk += nbytes
+        self._current = (i + 1) % DIRECT_BUFFERS
+        self._fill = 0
+        self._wait(self._current)  # the next buffer is free again (or its error is raised here)
+
+    def _wait(self, i: int) -> None:
+        future, self._pending[i] = self._pending[i], None
+        if future is not None:
+            future.result()
+
+    def write(self, data) -> int:
+        if self._finished:
+            raise ValueError("write to a direct-I/O file after its flush (flush ends the file)")
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            take = min(len(view) - done, DIRECT_BUFFER_BYTES - self._fill)
+            self._buffers[self._current][self._fill : self._fill + take] = view[done : done + take]
+            self._fill += take
+            done += take
+            if self._fill == DIRECT_BUFFER_BYTES:
+                self._submit(DIRECT_BUFFER_BYTES)
+        self._written += done
+        return done
+
+    def tell(self) -> int:
+        return self._written
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def flush(self) -> None:
+        """Write out everything, the tail padded and the file truncated to its size, and wait.
+
+        This ends the file: `open_write` flushes, fsyncs and closes, and nothing is
+        written after a flush."""
+        if self._finished:
+            return
+        tail = self._fill
+        if tail:
+            padded = -(-tail // DIRECT_ALIGN) * DIRECT_ALIGN
+            self._buffers[self._current][tail:padded] = bytes(padded - tail)
+            self._submit(padded)
+        for i in range(DIRECT_BUFFERS):
+            self._wait(i)
+        if tail:
+            os.ftruncate(self._fd, self._written)
+        self._finished = True
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self.closed = True
+            for i in range(DIRECT_BUFFERS):  # after a failure: no write may still use a buffer or the fd
+                future = self._pending[i]
+                if future is not None:
+                    wait([future])
+            os.close(self._fd)
+            _return_staging_buffers(self._buffers)
 
 
 class _WritebackFile:

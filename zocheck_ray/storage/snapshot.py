@@ -8,6 +8,9 @@ A snapshot is a directory `snapshots/step-000000001234/` holding
 `model.safetensors` (the parameters under their Hugging Face names), `optimizer.safetensors`
 (tensors named `optimizer.*`, when there are any), `config.json` (a Hugging Face model
 config, when given; then `from_pretrained` loads the directory) and `manifest.json`.
+A part larger than `core.hashing.SHARD_BYTES` is sharded the Hugging Face way
+(`model-00001-of-00003.safetensors`..., with `model.safetensors.index.json`), so its
+files are written and hashed side by side.
 The manifest lists every tensor in canonical order and the SHA-256 of every file, and
 is written last: it is the commit marker. A directory without one was never committed
 and is never loaded; a manifest carries its own checksum, so a damaged one is never
@@ -34,6 +37,7 @@ from typing import Any, Mapping
 import torch
 
 from zocheck_ray.core import state_hash as compute_state_hash
+from zocheck_ray.core.hashing import OPTIMIZER_PREFIX, combine_file_digests, shards, split_state
 from zocheck_ray.storage.errors import CorruptSnapshotError, SnapshotNotFoundError, StorageError
 from zocheck_ray.storage.fs import PROBE_PREFIX, TMP_MARK, Storage, file_size, open_storage
 from zocheck_ray.storage.manifest import FileEntry, Manifest, SnapshotMeta, TensorEntry
@@ -43,13 +47,13 @@ logger = logging.getLogger(__name__)
 
 SNAPSHOTS_DIR = "snapshots"
 MODEL_FILE = "model.safetensors"
+"""The model's file when it fits one shard; else `model-00001-of-0000N.safetensors`... and `MODEL_INDEX_FILE`."""
 OPTIMIZER_FILE = "optimizer.safetensors"
+MODEL_INDEX_FILE = "model.safetensors.index.json"
 HF_CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 DELETED_DIR = ".deleted-snapshots"
 """Local disk: uncommitted snapshot directories waiting for their files to be deleted."""
-OPTIMIZER_PREFIX = "optimizer."
-"""Tensors whose names start with this go to `optimizer.safetensors`; the rest are the model."""
 _STEP_DIR = re.compile(r"^step-(\d{12,})$")
 _HEX_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -183,9 +187,10 @@ class SnapshotStore:
         with the same `state_hash` returns it unchanged; with another state, raises.
         The tensors must not change while this runs (pass a frozen copy).
 
-        `state_hash`: the caller's `zocheck_ray.core.state_hash(tensors)`, when it has it
-        already; the save then skips that pass over the state. It is recorded as given: a
-        wrong one makes the snapshot fail its check on every load (`CorruptSnapshotError`).
+        The manifest's `state_hash` follows from the SHA-256 of the two files (see
+        `zocheck_ray.core.hashing`), so the state is read once, by the writes and their hashes.
+        `state_hash`: what the caller expects `zocheck_ray.core.state_hash(tensors)` to be;
+        a save whose tensors hash otherwise raises `ValueError` and commits nothing.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
@@ -207,36 +212,44 @@ class SnapshotStore:
         self.storage.make_dirs(directory)
         self.storage.sync_dir(SNAPSHOTS_DIR)
 
-        model = {n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
-        optim = {n: t for n, t in tensors.items() if n.startswith(OPTIMIZER_PREFIX)}
+        layout = file_layout(tensors)
         files: dict[str, FileEntry] = {}
         pool = self._hash_pool()
-        # Hashes run beside the writes and fsyncs (hashlib releases the GIL), each on its own thread.
-        state_digest = pool.submit(compute_state_hash, dict(tensors)) if state_hash is None else None
+        # Each shard is hashed from tensor memory beside the writes (hashlib releases the GIL),
+        # several at once; the state hash follows from their digests, so the state is hashed once.
         pending: dict[str, Future] = {}
         try:
-            for name, part in ((MODEL_FILE, model), (OPTIMIZER_FILE, optim)):
-                if part:
-                    with self.storage.open_write(f"{directory}/{name}") as f:
-                        pending[name] = write_tensors(f, part, {"format": "pt"}, pool)
+            for name, shard in layout.items():  # fsync'd together below, not one after another
+                with self.storage.open_write(f"{directory}/{name}", durable=False) as f:
+                    pending[name] = write_tensors(f, shard, pool)
+            extras = {}
             if meta.hf_config is not None:
-                data = json.dumps(meta.hf_config, indent=2, sort_keys=True).encode()
-                with self.storage.open_write(f"{directory}/{HF_CONFIG_FILE}") as f:
+                extras[HF_CONFIG_FILE] = json.dumps(meta.hf_config, indent=2, sort_keys=True).encode()
+            if sum(1 for n in layout if n.startswith("model")) > 1:
+                extras[MODEL_INDEX_FILE] = model_index(layout)
+            for name, data in extras.items():
+                with self.storage.open_write(f"{directory}/{name}", durable=False) as f:
                     f.write(data)
-                files[HF_CONFIG_FILE] = FileEntry(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+                files[name] = FileEntry(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
             for name, future in pending.items():
                 digest = future.result()
                 files[name] = FileEntry(sha256=digest.sha256, size=digest.size)
-            digest_of_state = state_hash if state_digest is None else state_digest.result()
         finally:  # nothing reads the caller's tensors once save has returned or raised
-            wait([f for f in (state_digest, *pending.values()) if f is not None])
+            wait(list(pending.values()))
+        self.storage.make_durable([f"{directory}/{name}" for name in files])
+        file_of = {t: name for name, shard in layout.items() for t in shard}
+        tensor_entries = [TensorEntry(name=n, file=file_of[n], dtype=d, shape=sh, nbytes=b) for n, d, sh, b in entries]
+        digest_of_state = _state_hash_of_files(tensor_entries, files)
+        if state_hash is not None and state_hash != digest_of_state:
+            self.storage.remove_tree(directory)
+            raise ValueError(f"state_hash {state_hash[:12]}... was given for step {step}, but the tensors hash to "
+                             f"{digest_of_state[:12]}...; not committing {self.storage.url_of(directory)}")
         self.storage.sync_dir(directory)
         if not self.storage.local:
             self._check_objects(directory, files)
 
         manifest = Manifest(step=step, run_id=meta.run_id, created_unix=time.time(), state_hash=digest_of_state,
-                            tensors=[TensorEntry(name=n, file=MODEL_FILE if n in model else OPTIMIZER_FILE,
-                                                 dtype=d, shape=s, nbytes=b) for n, d, s, b in entries],
+                            tensors=tensor_entries,
                             files=files, zo_config=meta.zo_config, user=meta.user)
         self.storage.write_atomic(f"{directory}/{MANIFEST_FILE}", manifest.encode())  # the commit
         info = SnapshotInfo(step, self.storage.url_of(directory), manifest)
@@ -265,10 +278,8 @@ class SnapshotStore:
         manifest = info.manifest
         tensors = _allocate(manifest, out, info.url)
         pool = self._hash_pool()
-        for name in (MODEL_FILE, OPTIMIZER_FILE):
+        for name in dict.fromkeys(e.file for e in manifest.tensors):
             members = {e.name: tensors[e.name] for e in manifest.tensors if e.file == name}
-            if not members and name not in manifest.files:
-                continue
             entry = self._file_entry(manifest, directory, name)
             rel = f"{directory}/{name}"
             url = self.storage.url_of(rel)
@@ -280,14 +291,17 @@ class SnapshotStore:
             if digest.sha256 != entry.sha256 or digest.size != entry.size:
                 raise CorruptSnapshotError(f"{url} fails its SHA-256 check (the file is damaged)", url)
         hf_config = None
-        if HF_CONFIG_FILE in manifest.files:
-            rel = f"{directory}/{HF_CONFIG_FILE}"
+        for name in (HF_CONFIG_FILE, MODEL_INDEX_FILE):
+            if name not in manifest.files:
+                continue
+            rel = f"{directory}/{name}"
             url = self.storage.url_of(rel)
             data = self._read(rel)
-            if hashlib.sha256(data).hexdigest() != manifest.files[HF_CONFIG_FILE].sha256:
+            if hashlib.sha256(data).hexdigest() != manifest.files[name].sha256:
                 raise CorruptSnapshotError(f"{url} fails its SHA-256 check (the file is damaged)", url)
-            hf_config = json.loads(data)
-        if compute_state_hash(tensors) != manifest.state_hash:
+            if name == HF_CONFIG_FILE:
+                hf_config = json.loads(data)
+        if _state_hash_of_files(manifest.tensors, manifest.files) != manifest.state_hash:
             url = self.storage.url_of(f"{directory}/{MANIFEST_FILE}")
             raise CorruptSnapshotError(f"the tensors of {info.url} do not hash to the state_hash in {url}", url)
         meta = SnapshotMeta(run_id=manifest.run_id, zo_config=manifest.zo_config, hf_config=hf_config,
@@ -384,6 +398,40 @@ class SnapshotStore:
             self.storage.sync_dir(SNAPSHOTS_DIR)
             logger.info("removed uncommitted leftovers under %s: %s", self.url, removed)
         return removed
+
+
+def shard_file_names(kind: str, count: int) -> list[str]:
+    """Hugging Face names of a part's shard files: `model.safetensors`, or `model-00001-of-00003.safetensors`..."""
+    if count == 1:
+        return [f"{kind}.safetensors"]
+    return [f"{kind}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def file_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """File name -> the tensors it holds, model shards first: the canonical encoding of `core.hashing`."""
+    layout: dict[str, dict[str, torch.Tensor]] = {}
+    for kind, part in zip(("model", "optimizer"), split_state(tensors)):
+        parts = shards(part)
+        layout.update(zip(shard_file_names(kind, len(parts)), parts))
+    return layout
+
+
+def model_index(layout: Mapping[str, Mapping[str, torch.Tensor]]) -> bytes:
+    """`model.safetensors.index.json`, with which `from_pretrained` loads sharded weights."""
+    weight_map = {t: name for name, shard in layout.items() if name.startswith("model") for t in shard}
+    total = sum(t.numel() * t.element_size() for name, shard in layout.items() if name.startswith("model")
+                for t in shard.values())
+    return json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode()
+
+
+def _state_hash_of_files(tensors: list[TensorEntry], files: Mapping[str, FileEntry]) -> str:
+    """The `state_hash` of a snapshot, from the SHA-256 of its model and optimizer shards."""
+    model = dict.fromkeys(e.file for e in tensors if not e.name.startswith(OPTIMIZER_PREFIX))
+    optimizer = dict.fromkeys(e.file for e in tensors if e.name.startswith(OPTIMIZER_PREFIX))
+    try:
+        return combine_file_digests([files[n].sha256 for n in model], [files[n].sha256 for n in optimizer])
+    except KeyError as exc:
+        raise CorruptSnapshotError(f"the manifest lists tensors in {exc} but no hash for it", str(exc)) from None
 
 
 def _entries(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, str, list[int], int]]:

@@ -24,17 +24,13 @@ from typing import BinaryIO, Mapping
 
 import torch
 
+from zocheck_ray.core.hashing import SAFETENSORS_DTYPES, raw_bytes, safetensors_header
 from zocheck_ray.storage.errors import CorruptSnapshotError
 
 CHUNK_BYTES = 16 << 20
 """Bytes written or read (and hashed) at a time: large enough for full speed, small enough to pipeline."""
 MAX_HEADER_BYTES = 100 << 20
 
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 DTYPE_NAMES: dict[torch.dtype, str] = {d: str(d).removeprefix("torch.") for d in SAFETENSORS_DTYPES}
 DTYPE_BY_NAME: dict[str, torch.dtype] = {name: d for d, name in DTYPE_NAMES.items()}
 
@@ -53,46 +49,14 @@ def dtype_name(tensor: torch.Tensor, name: str) -> str:
                         f"use one of {sorted(DTYPE_BY_NAME)}") from None
 
 
-def raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy when it is a contiguous CPU tensor (else one tensor's copy)."""
-    t = tensor.detach()
-    if t.device.type != "cpu" or not t.is_contiguous():
-        t = t.to("cpu").contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for name, t in tensors.items():
-        dtype_name(t, name)
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # safetensors aligns the data section to 8 bytes
-    return struct.pack("<Q", len(text)) + text
-
-
-def _digest(header: bytes, tensors: Mapping[str, torch.Tensor]) -> FileDigest:
-    h = hashlib.sha256(header)
-    size = len(header)
-    for t in tensors.values():
-        data = raw_bytes(t)
-        h.update(data)  # hashlib releases the GIL: this runs beside the writes on another core
-        size += len(data)
-    return FileDigest(h.hexdigest(), size)
-
-
-def write_tensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
-                  pool: ThreadPoolExecutor) -> Future:
-    """Stream a safetensors file to `f`; returns the future `FileDigest` that `pool` computes meanwhile.
+def write_tensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor], pool: ThreadPoolExecutor) -> Future:
+    """Stream the canonical safetensors file of `tensors` to `f` (`core.hashing.safetensors_header`);
+    returns the future `FileDigest` that `pool` computes meanwhile.
 
     The digest is hashed from tensor memory, not read back, so hashing, writing and the
     caller's fsync overlap. The tensors must not change until the future is done.
     """
-    header = encode_header(tensors, metadata)
+    header = safetensors_header(tensors)
     digest = pool.submit(_digest, header, tensors)
     try:
         f.write(header)
@@ -104,6 +68,16 @@ def write_tensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Ma
         wait([digest])  # the tensors are not read once this raises
         raise
     return digest
+
+
+def _digest(header: bytes, tensors: Mapping[str, torch.Tensor]) -> FileDigest:
+    h = hashlib.sha256(header)
+    size = len(header)
+    for t in tensors.values():
+        data = raw_bytes(t)
+        h.update(data)  # hashlib releases the GIL: this runs beside the writes on another core
+        size += len(data)
+    return FileDigest(h.hexdigest(), size)
 
 
 def _read_exact(f: BinaryIO, n: int, url: str, what: str) -> bytes:

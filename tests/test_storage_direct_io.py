@@ -1,0 +1,69 @@
+"""Local snapshot files: direct I/O through aligned staging buffers, with a buffered fallback.
+
+Every size around the alignment and the staging buffer must come back byte for byte,
+with the file's true size (the padded tail is truncated away) and fsync'd by `open_write`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from zocheck_ray.storage import fs as storage_fs
+from zocheck_ray.storage.fs import DIRECT_ALIGN, DIRECT_BUFFER_BYTES, open_storage
+
+SIZES = [0, 1, DIRECT_ALIGN - 1, DIRECT_ALIGN, DIRECT_ALIGN + 1, DIRECT_BUFFER_BYTES - 1, DIRECT_BUFFER_BYTES,
+         2 * DIRECT_BUFFER_BYTES + 12345]
+
+
+def _direct_io_works(directory) -> bool:
+    path = os.path.join(directory, "probe")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
+    except OSError as exc:
+        assert exc.errno == errno.EINVAL
+        return False
+    os.close(fd)
+    os.remove(path)
+    return hasattr(os, "O_DIRECT")
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_open_write_returns_every_byte_at_its_true_size(tmp_path, size):
+    storage = open_storage(str(tmp_path / "store"), create=True)
+    data = os.urandom(size)
+    with storage.open_write("blob") as f:
+        expected_kind = storage_fs._DirectFile if _direct_io_works(tmp_path) else storage_fs._WritebackFile
+        assert type(f) is expected_kind
+        step = 1_000_003  # odd pieces: buffer boundaries fall inside writes
+        for a in range(0, size, step):
+            assert f.write(data[a : a + step]) == len(data[a : a + step])
+        assert f.tell() == size
+    path = tmp_path / "store" / "blob"
+    assert path.stat().st_size == size
+    assert path.read_bytes() == data
+
+
+def test_buffered_fallback_writes_the_same_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage_fs.os, "O_DIRECT", 0, raising=False)  # a platform without direct I/O
+    storage = open_storage(str(tmp_path / "store"), create=True)
+    data = os.urandom(DIRECT_BUFFER_BYTES + 77)
+    with storage.open_write("blob") as f:
+        assert type(f) is storage_fs._WritebackFile
+        f.write(data)
+    assert (tmp_path / "store" / "blob").read_bytes() == data
+
+
+def test_a_direct_file_ends_at_its_flush(tmp_path):
+    path = tmp_path / "blob"
+    direct = getattr(os, "O_DIRECT", 0) if _direct_io_works(tmp_path) else 0  # the class works on any fd
+    f = storage_fs._DirectFile(os.open(path, os.O_WRONLY | os.O_CREAT | direct, 0o644))
+    f.write(b"abc")
+    f.flush()
+    assert path.read_bytes() == b"abc"  # the padded tail is truncated at the flush, before any fsync
+    with pytest.raises(ValueError, match="after its flush"):
+        f.write(b"more")
+    f.close()
+    assert f.closed and path.read_bytes() == b"abc"
