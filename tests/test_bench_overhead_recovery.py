@@ -228,6 +228,9 @@ def test_the_comparison_recovers_every_strategy_in_both_modes_to_the_uninterrupt
         assert r["replayed_steps"] == 9 - r["image_step"]
         assert r["work_seconds"] == pytest.approx(r["restore_seconds"] + r["catch_up_seconds"])
         assert r["seconds"] >= r["process_seconds"] >= r["work_seconds"] > 0
+        parts = r["breakdown"]  # fetch, install, replay, hash: the restore, part by part
+        assert set(parts) == {"fetch_seconds", "install_seconds", "replay_seconds", "hash_seconds"}
+        assert sum(parts.values()) == pytest.approx(r["restore_seconds"], abs=0.01), (r["strategy"], r["mode"])
     by = {(r["strategy"], r["mode"]): r for r in rows}
     for mode in ("software", "host"):
         assert by[("log-only", mode)]["image_step"] == 0  # replays every record from the start
@@ -242,4 +245,5 @@ def test_the_comparison_targets_are_reported_with_reasons(recovery):
     assert targets["states_equal"]
     ratios = targets["over_log_only"]["ratios"]["comparison"]
     assert ratios["applicable"] is False and not targets["over_log_only"]["met"]  # 23K parameters, step 9
+    assert ratios["restore"] > 0 and ratios["work"] > 0 and ratios["total"] > 0
     assert any("async K=7 was not run" in n for n in targets["notes"])

@@ -26,8 +26,9 @@ import torch
 
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord, ZOOptimizer, replay, replay_reference, state_hash
+from zocheck_ray.core.fused import warm_up
 from zocheck_ray.workload.data import step_seed
-from zocheck_ray.workload.models import build_model, trainable_parameters
+from zocheck_ray.workload.models import TORCH_DTYPES, build_model, trainable_parameters
 from zocheck_ray.workload.tasks import build_task
 
 logger = logging.getLogger(__name__)
@@ -48,9 +49,15 @@ class Trainer:
         self.shadow = shadow
         self.device = torch.device(device)
         started = time.perf_counter()
+        warm = None
+        if self.device.type == "cpu":  # a recovery replays with the fused kernel: load it while the model builds
+            warm = threading.Thread(target=warm_up, args=(TORCH_DTYPES[job.dtype], job.zo), name="zocheck-warm-up")
+            warm.start()
         self.task = build_task(job.task, job.model)
         self.model = build_model(job.model, job.dtype, seed=job.run_seed).to(self.device)
         self.opt = ZOOptimizer(trainable_parameters(self.model), job.zo)
+        if warm is not None:
+            warm.join()
         restore_started = time.perf_counter()
         self.recovery = self._recover()
         self.recovery["restore_seconds"] = time.perf_counter() - restore_started  # image + records -> state
@@ -73,7 +80,9 @@ class Trainer:
         return self.opt.step_index
 
     def _recover(self) -> dict:
+        began = time.perf_counter()
         state, step, records, source = self.shadow.recovery_image()
+        fetched = time.perf_counter()
         if state is None:
             initial = {k: v.detach().to("cpu").clone() for k, v in self.opt.state_tensors().items()}
             self.shadow.initialize(initial, 0)
@@ -83,6 +92,7 @@ class Trainer:
         if marker and not os.path.exists(marker):
             open(marker, "w").close()
             os._exit(1)  # injected: die with the image loaded and its records not yet replayed
+        loaded = time.perf_counter()
         if records:
             live = self.opt.state_tensors()
             if self.device.type == "cpu":
@@ -90,10 +100,13 @@ class Trainer:
             else:
                 replay_reference(live, records, self.job.zo, start_step=step)
             self.opt.step_index = step + len(records)
+        replayed = time.perf_counter()
         logger.info("trainer recovered at step %d from the %s image of step %d (+%d records)",
                     self.opt.step_index, source, step, len(records))
+        digest = state_hash(self.opt.state_tensors()) if self.job.hash_every_step else None
         return {"step": self.opt.step_index, "source": source, "image_step": step, "replayed_records": len(records),
-                "state_hash": state_hash(self.opt.state_tensors()) if self.job.hash_every_step else None}
+                "state_hash": digest, "fetch_seconds": fetched - began, "install_seconds": loaded - fetched,
+                "replay_seconds": replayed - loaded, "hash_seconds": time.perf_counter() - replayed}
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics of the current state (recorded under the current step)."""

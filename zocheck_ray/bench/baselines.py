@@ -493,6 +493,16 @@ def run_into_injected_failure(actor, fail: int, who: str) -> None:
     raise RuntimeError(f"{who} survived its injected failure at step {fail}")
 
 
+RESTORE_PARTS = ("fetch_seconds", "install_seconds", "replay_seconds", "hash_seconds")
+"""The restore, in order: getting the image (or checkpoint) and records, copying it into the model,
+replaying the records, hashing the state (jobs that hash every step)."""
+
+
+def restore_breakdown(info: dict) -> dict:
+    """The `RESTORE_PARTS` of a restarted trainer's `recovery` dict (None where it has none)."""
+    return {k: info.get(k) for k in RESTORE_PARTS}
+
+
 def fail_and_recover(actor, fail: int, mode: str = "software") -> dict:
     """Kill the trainer of `actor` at step `fail` (software: the process exits as it starts step
     `fail`, losing unsent records; host: the process is killed once at `fail`, records flushed),
@@ -524,7 +534,7 @@ def fail_and_recover(actor, fail: int, mode: str = "software") -> dict:
     return {"failed_at_step": fail, "mode": mode, "seconds": seconds, "constructor_seconds": constructor,
             "catch_up_seconds": catch_up if info["step"] < fail else 0.0,
             "process_seconds": constructor + (catch_up if info["step"] < fail else 0.0),
-            "restore_seconds": info.get("restore_seconds"),
+            "restore_seconds": info.get("restore_seconds"), "breakdown": restore_breakdown(info),
             "checkpoint_step": info.get("image_step", 0), "replayed_records": info["replayed_records"],
             "recovered_step": info["step"], "recomputed_steps": fail - info["step"],
             "load_seconds": info.get("load_seconds", 0.0), "recompute_seconds": redo["seconds"],

@@ -547,6 +547,17 @@ def _chunk_plan(tensors: tuple[tuple[int, int], ...], chunk: int) -> tuple[np.nd
     return tensor_ids, starts, lens
 
 
+def warm_up(dtype: torch.dtype, config: ZOConfig) -> None:
+    """Load (or compile) the kernel `replay` uses for `dtype` and `config`, by replaying one step on
+    four elements: the first replay in a process otherwise pays for it (about 0.15 s from numba's cache)."""
+    from zocheck_ray.core.optimizer import ZOOptimizer
+
+    opt = ZOOptimizer([("warm_up.weight", torch.zeros(4, dtype=dtype))], config)
+    state = {k: v.clone() for k, v in opt.state_tensors().items()}
+    record = opt.step(lambda: torch.zeros(()), seed=0)
+    replay(state, [record], config, threads=1)
+
+
 def default_threads() -> int:
     return numba.config.NUMBA_NUM_THREADS
 

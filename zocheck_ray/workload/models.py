@@ -59,7 +59,8 @@ ENCODER_MODEL_TYPES = frozenset({
 """Encoder-only `model_type`s: a directory of one is loaded with a sequence-classification head."""
 
 _FAMILIES = {"opt": "OPTConfig", "llama": "LlamaConfig", "qwen3": "Qwen3Config", "bert": "BertConfig"}
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""`JobConfig.dtype` -> torch dtype."""
 
 
 def _config(name: str, overrides: dict | None):
@@ -184,9 +185,9 @@ def build_model(name: str, dtype: str = "fp32", seed: int = 0, overrides: dict |
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
-    torch_dtype = _DTYPES[dtype]
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(TORCH_DTYPES)}")
+    torch_dtype = TORCH_DTYPES[dtype]
     directory = model_directory(name)
     if directory is not None:
         model = _load_directory(directory, torch_dtype, seed, overrides)
