@@ -398,8 +398,38 @@ def _verdicts(name: str, doc: dict) -> list[str]:
                 f"{b['trainer_spread']:.1f}x over the grid, replay {b['replay_spread']:.2f}x)"]
     if name == "memory":
         return [f"{k.replace('_', ' ')}: {v}" for k, v in doc["invariants"].items()]
+    if name == "recovery":
+        return _recovery_verdicts(doc.get("targets", {}))
     targets = doc.get("targets", {})
     return [f"targets met: {targets.get('met')}"] + [f"note: {n}" for n in targets.get("notes", [])]
+
+
+def _recovery_verdicts(targets: dict) -> list[str]:
+    def verdict(met) -> str:
+        return {True: "met", False: "missed", None: "not run"}[met]
+
+    lines = []
+    c = targets.get("comparison")
+    if c:
+        for key, what in (("over_async_k7", "async K=7"), ("over_log_only", "log-only at 80% of a 5,000-step run")):
+            t = c[key]
+            ratios = "; ".join(f"{name}: restore {v['restore']:.2f}x, + catch-up {v['work']:.2f}x, in total "
+                               f"{v['total']:.2f}x" + ("" if v["applicable"] else " (not checked)")
+                               for name, v in t["ratios"].items() if v["restore"] is not None)
+            lines.append(f"software-failure recovery >= {t['target']:g}x faster than {what} on the restore "
+                         f"(>= {t['min_params']:,} parameters): {verdict(t['met'])} ({ratios})")
+        lines.append(f"every recovered state equals the uninterrupted run's: {c['states_equal']}")
+    depth = targets.get("independent_of_depth", {})
+    if depth.get("met") is not None:
+        lines.append(f"recovery independent of how far training has gone: {verdict(depth['met'])} (late/early "
+                     + ", ".join(f"{k} {v:.2f}" for k, v in depth.get("late_over_early", {}).items()) + ")")
+    faster = targets.get("faster_than_async_checkpoint", {})
+    if faster.get("met") is not None:
+        lines.append("total recovery (process start included) faster than async K=7 at every depth point: "
+                     f"{verdict(faster['met'])} (zocheck/checkpoint "
+                     + ", ".join(f"{k} {v:.2f}" for k, v in faster.get("zocheck_over_baseline", {}).items()) + ")")
+    notes = [*targets.get("notes", []), *(c.get("notes", []) if c else [])]
+    return lines + [f"note: {n}" for n in notes]
 
 
 def write_outputs(docs: dict, out: Path, info: dict, errors: dict | None = None, quick: bool = False) -> list[Path]:

@@ -11,8 +11,13 @@ branch-free roundings, and the Gaussian transform split into short passes.
 The kernel is compute-bound: Philox4x32-10 and the Box-Muller transform cost about
 1 ns per element per core on a Zen 4 core, several times the time of reading and
 writing the element; `zocheck-ray bench replay` measures that floor next to the
-memory-bandwidth limit. Chunks are spread over threads with `prange`; since z depends only on
-(seed, global offset), the partitioning and thread count cannot change a bit.
+memory-bandwidth limit (on two Zen 4 cores Philox alone takes longer than one read and
+one write of the parameters, so a replay reaches at most about a quarter of that limit).
+Each thread takes one contiguous run of chunks (the hardware prefetcher streams it) and
+allocates its scratch once; float32 parameters are updated in place, and a single step
+on bf16/fp16 converts in the update itself, while a batch of steps works on a float32
+copy of the chunk. Since z depends only on (seed, global offset), the partitioning and
+thread count cannot change a bit.
 
 numba compiles without fastmath (no FMA contraction, no reassociation) and with
 numpy's error model (IEEE division), which is what makes the bits match torch.
