@@ -222,3 +222,28 @@ def test_waste_takes_restart_and_publish_cost_from_recovery_and_overhead_json(tm
     (tmp_path / "overhead.json").write_text("{}")
     with pytest.raises(ValueError, match="usable figures"):
         waste.from_results(tmp_path, timings, {})
+
+
+def test_summary_lists_each_recovery_target_with_its_ratios():
+    ratio = {"restore": 2.78, "work": 1.25, "total": 1.10, "process": 1.0, "applicable": True}
+    small = {**ratio, "restore": 0.85, "applicable": False}
+    targets = {
+        "comparison": {
+            "over_async_k7": {"target": 1.55, "min_params": 10_000_000, "met": True,
+                              "ratios": {"comparison": small, "large": ratio}},
+            "over_log_only": {"target": 100.0, "min_params": 10_000_000, "run_steps": 5000, "met": False,
+                              "ratios": {"large": {**ratio, "restore": 90.0, "extrapolated": True}}},
+            "states_equal": True, "notes": ["large: log-only / zocheck = 90.00x on the restore"]},
+        "independent_of_depth": {"met": True, "late_over_early": {"depth": 1.0}},
+        "faster_than_async_checkpoint": {"met": False, "zocheck_over_baseline": {"depth/early": 1.0}},
+        "notes": ["depth early: a tie"],
+    }
+    lines = report._verdicts("recovery", {"targets": targets})
+    assert lines[0].startswith("software-failure recovery >= 1.55x faster than async K=7 on the restore "
+                               "(>= 10,000,000 parameters): met")
+    assert "comparison: restore 0.85x" in lines[0] and "(not checked)" in lines[0] and "large: restore 2.78x" in lines[0]
+    assert "log-only" in lines[1] and ": missed (large: restore 90.00x" in lines[1]
+    assert lines[2] == "every recovered state equals the uninterrupted run's: True"
+    assert "independent of how far training has gone: met" in lines[3]
+    assert "at every depth point: missed" in lines[4]
+    assert lines[5:] == ["note: depth early: a tie", "note: large: log-only / zocheck = 90.00x on the restore"]
