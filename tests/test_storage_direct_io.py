@@ -11,8 +11,9 @@ import os
 
 import pytest
 
-from zocheck_ray.storage import fs as storage_fs
-from zocheck_ray.storage.fs import DIRECT_ALIGN, DIRECT_BUFFER_BYTES, open_storage
+from zocheck_ray.storage import localfile as storage_fs
+from zocheck_ray.storage.fs import open_storage
+from zocheck_ray.storage.localfile import DIRECT_ALIGN, DIRECT_BUFFER_BYTES
 
 SIZES = [0, 1, DIRECT_ALIGN - 1, DIRECT_ALIGN, DIRECT_ALIGN + 1, DIRECT_BUFFER_BYTES - 1, DIRECT_BUFFER_BYTES,
          2 * DIRECT_BUFFER_BYTES + 12345]

@@ -21,12 +21,15 @@ thread count cannot change a bit.
 
 numba compiles without fastmath (no FMA contraction, no reassociation) and with
 numpy's error model (IEEE division), which is what makes the bits match torch.
+
+The kernel and everything it inlines stay in this one module: numba's on-disk cache
+is invalidated only when the file of the cached function changes, so a helper moved
+to another module could be edited without the cached kernel noticing.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import threading
 from typing import Sequence
 

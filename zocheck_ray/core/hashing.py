@@ -109,6 +109,8 @@ def combine_file_digests(model: Sequence[str], optimizer: Sequence[str]) -> str:
     return h.hexdigest()
 
 
+PARALLEL_HASH_BYTES = 16 << 20
+"""Below this a state is hashed on the calling thread: handing shards to threads costs more than it saves."""
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -128,7 +130,8 @@ def state_hash(state: Mapping[str, torch.Tensor]) -> str:
     True
     """
     parts = [shards(part) for part in split_state(state)]
-    if sum(len(p) for p in parts) > 1:
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    if sum(len(p) for p in parts) > 1 and nbytes >= PARALLEL_HASH_BYTES:
         futures = [[_hashers().submit(file_sha256, shard) for shard in part] for part in parts]
         digests = [[f.result()[0] for f in part] for part in futures]
     else:

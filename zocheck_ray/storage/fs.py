@@ -14,35 +14,25 @@ locally a file is written in place, fsync'd and renamed, and directories are fsy
 so a rename survives power loss; on an object store an object appears whole, by a
 single PUT or a completed multipart upload, or not at all.
 
-Local files are written with direct I/O (`O_DIRECT`) where the file system allows it:
-the bytes go from a reused, page-aligned staging buffer to the disk, a thread of its own
-writing one buffer while the caller fills the next. A snapshot then leaves no second
-copy of the state in the page cache (the host memory the shadow's replica lives in) and
-costs no page-cache allocation, which on a busy or virtualized host can take longer than
-the disk itself. Where direct I/O is refused (tmpfs, some network file systems), files
-are written unbuffered and each range is handed to writeback as soon as it is written
-(`sync_file_range`). Either way the one fsync at the end is what makes the file durable.
+Local files are written by `localfile.open_local_write` (direct I/O where the file system
+allows it); `open_write` fsyncs them, or leaves that to `make_durable` for many at once.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
-import mmap
 import os
 import re
 import shutil
-import sys
-import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import BinaryIO, ContextManager, Iterator, Protocol
 
 import fsspec
 
 from zocheck_ray.storage.errors import ObjectNotFoundError, StorageError, StorageURLError
+from zocheck_ray.storage.localfile import open_local_write
 
 SUPPORTED = "a local path, file://PATH, s3://BUCKET[/PREFIX] or memory://PATH"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
@@ -52,9 +42,6 @@ TMP_MARK = ".tmp-"
 PROBE_PREFIX = ".zocheck-probe-"
 
 _NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "urllib3")
-
-WRITEBACK_BYTES = 8 << 20
-"""A local file asks the kernel to start writing its pages to disk after every this many bytes."""
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +147,7 @@ class FsspecStorage:
         durable with `make_durable` (which fsyncs many files at once) before relying on it."""
         path = self._path(rel)
         with self.guard("write", rel):
-            f = _open_local_write(path) if self.local else self.fs.open(path, "wb")
+            f = open_local_write(path) if self.local else self.fs.open(path, "wb")
         try:
             with self.guard("write", rel):
                 yield f
@@ -335,208 +322,6 @@ class FsspecStorage:
             for up in uploads:
                 self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
         return len(uploads)
-
-
-DIRECT_ALIGN = 4096
-"""Offsets, sizes and buffer addresses of direct I/O are multiples of this (any block size up to 4 KiB)."""
-DIRECT_BUFFER_BYTES = 4 << 20
-DIRECT_BUFFERS = 4
-"""Staging buffers per file: up to three writes in flight while the caller fills the fourth."""
-
-
-def _open_local_write(path: str):
-    flag = getattr(os, "O_DIRECT", 0)
-    if flag:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-        else:
-            return _DirectFile(fd)
-    return _WritebackFile(path)
-
-
-_staging_lock = threading.Lock()
-_free_staging: list[list[mmap.mmap]] = []
-_writers: ThreadPoolExecutor | None = None
-
-
-def _take_staging_buffers() -> list[mmap.mmap]:
-    """A set of page-aligned staging buffers, reused from an earlier file when one is free
-    (fresh memory costs page faults on first touch, on a virtualized host many times the copy)."""
-    with _staging_lock:
-        if _free_staging:
-            return _free_staging.pop()
-    return [mmap.mmap(-1, DIRECT_BUFFER_BYTES) for _ in range(DIRECT_BUFFERS)]
-
-
-def _return_staging_buffers(buffers: list[mmap.mmap]) -> None:
-    with _staging_lock:
-        if len(_free_staging) < 2:  # at most 2 idle sets (32 MiB) are kept
-            _free_staging.append(buffers)
-            return
-    for b in buffers:
-        b.close()
-
-
-def _direct_writers() -> ThreadPoolExecutor:
-    global _writers
-    with _staging_lock:
-        if _writers is None:
-            _writers = ThreadPoolExecutor(DIRECT_BUFFERS, thread_name_prefix="zocheck-direct-write")
-        return _writers
-
-
-class _DirectFile:
-    """A local file written with O_DIRECT through a ring of aligned staging buffers.
-
-    `write` copies into the current buffer; a full buffer goes to the writer threads
-    (several writes in flight keep the device busy) while the caller fills the next one.
-    `flush` writes the tail padded to the alignment and truncates the file to its true
-    size. An error of a writer thread surfaces in a later `write`, `flush` or `close`."""
-
-    def __init__(self, fd: int):
-        self._fd = fd
-        self._buffers = _take_staging_buffers()
-        self._pending: list[Future | None] = [None] * DIRECT_BUFFERS
-        self._current = 0
-        self._fill = 0
-        self._written = 0  # bytes accepted from the caller
-        self._on_disk = 0  # bytes handed to the writer threads (a multiple of DIRECT_ALIGN)
-        self._writer = _direct_writers()
-        self._finished = False
-        self.closed = False
-
-    def _write_all(self, buffer: mmap.mmap, nbytes: int, offset: int) -> None:
-        view = memoryview(buffer)[:nbytes]
-        done = 0
-        try:
-            while done < nbytes:
-                done += os.pwrite(self._fd, view[done:], offset + done)
-        finally:
-            view.release()
-
-    def _submit(self, nbytes: int) -> None:
-        i = self._current
-        self._pending[i] = self._writer.submit(self._write_all, self._buffers[i], nbytes, self._on_disk)
-        self._on_disk += nbytes
-        self._current = (i + 1) % DIRECT_BUFFERS
-        self._fill = 0
-        self._wait(self._current)  # the next buffer is free again (or its error is raised here)
-
-    def _wait(self, i: int) -> None:
-        future, self._pending[i] = self._pending[i], None
-        if future is not None:
-            future.result()
-
-    def write(self, data) -> int:
-        if self._finished:
-            raise ValueError("write to a direct-I/O file after its flush (flush ends the file)")
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            take = min(len(view) - done, DIRECT_BUFFER_BYTES - self._fill)
-            self._buffers[self._current][self._fill : self._fill + take] = view[done : done + take]
-            self._fill += take
-            done += take
-            if self._fill == DIRECT_BUFFER_BYTES:
-                self._submit(DIRECT_BUFFER_BYTES)
-        self._written += done
-        return done
-
-    def tell(self) -> int:
-        return self._written
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def flush(self) -> None:
-        """Write out everything, the tail padded and the file truncated to its size, and wait.
-
-        This ends the file: `open_write` flushes, fsyncs and closes, and nothing is
-        written after a flush."""
-        if self._finished:
-            return
-        tail = self._fill
-        if tail:
-            padded = -(-tail // DIRECT_ALIGN) * DIRECT_ALIGN
-            self._buffers[self._current][tail:padded] = bytes(padded - tail)
-            self._submit(padded)
-        for i in range(DIRECT_BUFFERS):
-            self._wait(i)
-        if tail:
-            os.ftruncate(self._fd, self._written)
-        self._finished = True
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            self.flush()
-        finally:
-            self.closed = True
-            for i in range(DIRECT_BUFFERS):  # after a failure: no write may still use a buffer or the fd
-                future = self._pending[i]
-                if future is not None:
-                    wait([future])
-            os.close(self._fd)
-            _return_staging_buffers(self._buffers)
-
-
-class _WritebackFile:
-    """A local file written unbuffered (no copy through a buffer) that starts writeback as it goes."""
-
-    def __init__(self, path: str):
-        self._raw = open(path, "wb", buffering=0)
-        self._written = 0
-        self._requested = 0  # bytes handed to writeback so far
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):  # a raw write may take fewer bytes than given
-            done += self._raw.write(view[done:])
-        self._written += done
-        if self._written - self._requested >= WRITEBACK_BYTES:
-            _start_writeback(self._raw.fileno(), self._requested, self._written - self._requested)
-            self._requested = self._written
-        return done
-
-    def tell(self) -> int:
-        return self._written
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
-
-    def flush(self) -> None:
-        pass  # unbuffered: every byte is in the kernel already
-
-    def close(self) -> None:
-        self._raw.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._raw.closed
-
-
-_SYNC_FILE_RANGE_WRITE = 2
-_sync_file_range = None
-if sys.platform.startswith("linux"):
-    try:
-        _sync_file_range = ctypes.CDLL(None, use_errno=True).sync_file_range
-        _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        _sync_file_range.restype = ctypes.c_int
-    except (OSError, AttributeError):
-        _sync_file_range = None
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing a range to disk, without waiting; a hint, so failures are ignored."""
-    global _sync_file_range
-    if _sync_file_range is not None and _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) != 0:
-        logger.debug("sync_file_range is unavailable here (errno %d); relying on the final fsync", ctypes.get_errno())
-        _sync_file_range = None
 
 
 def file_size(f) -> int:
