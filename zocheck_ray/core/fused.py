@@ -364,8 +364,11 @@ def _perturbation_block(key0, key1, first, count, gaussian, out, wa, wb, radius)
 
 @njit(inline="always")
 def _apply_step(src, dst, m, v, n, z, lane, opt, use_wd, cp, cm, g, lr, bc1, bc2, thr, consts, ld, st, rnd,
-                rnd_full):
-    """One step's update of n elements: x = ld(src, i), the operations of `update.py`, st(dst, i, x)."""
+                rnd_full, fin):
+    """One step's update of n elements: x = ld(src, i), the operations of `update.py`, st(dst, i, x).
+
+    `fin` is the last operation's rounding: `rnd` when `st` stores float32, the identity when
+    `st` converts to the dtype itself (rounding to nearest even once or twice gives the same bits)."""
     wd, b1, omb1, b2, omb2, adam_eps = consts[0], consts[1], consts[2], consts[3], consts[4], consts[5]
     if opt == OPT_ADAM:
         for i in range(n):
@@ -382,7 +385,7 @@ def _apply_step(src, dst, m, v, n, z, lane, opt, use_wd, cp, cm, g, lr, bc1, bc2
             u = (mi * bc1) / (np.sqrt(vi * bc2) + adam_eps)
             if use_wd:
                 u = u + x * wd
-            st(dst, i, rnd(x - rnd_full(u * lr)))
+            st(dst, i, fin(x - rnd_full(u * lr)))
     elif opt == OPT_SPARSE:
         for i in range(n):
             x = ld(src, i)
@@ -394,7 +397,7 @@ def _apply_step(src, dst, m, v, n, z, lane, opt, use_wd, cp, cm, g, lr, bc1, bc2
                 u = rnd(zd * g)
                 if use_wd:
                     u = rnd(u + rnd(x * wd))
-                x = rnd(x - rnd(u * lr))
+                x = fin(x - rnd(u * lr))
             st(dst, i, x)
     elif use_wd:
         for i in range(n):
@@ -404,7 +407,7 @@ def _apply_step(src, dst, m, v, n, z, lane, opt, use_wd, cp, cm, g, lr, bc1, bc2
             x = rnd(x + rnd(zd * cm))
             x = rnd(x + rnd(zd * cp))
             u = rnd(rnd(zd * g) + rnd(x * wd))
-            st(dst, i, rnd(x - rnd(u * lr)))
+            st(dst, i, fin(x - rnd(u * lr)))
     else:
         for i in range(n):
             zd = rnd(z[lane + i])
@@ -412,56 +415,50 @@ def _apply_step(src, dst, m, v, n, z, lane, opt, use_wd, cp, cm, g, lr, bc1, bc2
             x = rnd(x + rnd(zd * cp))
             x = rnd(x + rnd(zd * cm))
             x = rnd(x + rnd(zd * cp))
-            st(dst, i, rnd(x - rnd(rnd(zd * g) * lr)))
+            st(dst, i, fin(x - rnd(rnd(zd * g) * lr)))
 
 
 @njit(inline="always")
-def _chunk(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c_plus, c_minus, grads, lrs,
-           bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, load, store, rnd, rnd_full, direct):
-    """Every step of the batch on one chunk of n elements.
-
-    float32 storage (`direct`) is updated in place. Other dtypes: a single step reads
-    and writes the stored values directly (converting on the way); several steps
-    work on a float32 copy in `p`, converted once in and once out. Storing a value
-    that the update produced, rounded to the dtype, either way gives the same bits."""
+def _chunk_in_place(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c_plus, c_minus, grads, lrs,
+                    bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, load, store, rnd, rnd_full, fin):
+    """Every step of the batch on one chunk of n elements, read and written where they are stored
+    (float32 storage; or one step on bf16/fp16, converting in the update)."""
     use_wd = decay and consts[0] > _F32(0.0)
     first = offset >> 2
     count = ((offset + n - 1) >> 2) - first + 1
     lane = offset & 3
-    steps = keys0.shape[0]
-    batched = steps > 1 and not direct
-    if batched:
-        for i in range(n):
-            p[i] = load(param, i)
-    for k in range(steps):
+    for k in range(keys0.shape[0]):
         _perturbation_block(keys0[k], keys1[k], first, count, gaussian, z, wa, wb, radius)
-        thr = thresholds[k, tensor]
-        if direct:
-            _apply_step(param, param, m, v, n, z, lane, opt, use_wd, c_plus[k], c_minus[k], grads[k], lrs[k],
-                        bc1s[k], bc2s[k], thr, consts, _load_f32, _store_f32, rnd, rnd_full)
-        elif batched:
-            _apply_step(p, p, m, v, n, z, lane, opt, use_wd, c_plus[k], c_minus[k], grads[k], lrs[k],
-                        bc1s[k], bc2s[k], thr, consts, _load_f32, _store_f32, rnd, rnd_full)
-        else:
-            _apply_step(param, param, m, v, n, z, lane, opt, use_wd, c_plus[k], c_minus[k], grads[k], lrs[k],
-                        bc1s[k], bc2s[k], thr, consts, load, store, rnd, rnd_full)
-    if batched:
-        for i in range(n):
-            store(param, i, p[i])
+        _apply_step(param, param, m, v, n, z, lane, opt, use_wd, c_plus[k], c_minus[k], grads[k], lrs[k],
+                    bc1s[k], bc2s[k], thresholds[k, tensor], consts, load, store, rnd, rnd_full, fin)
+
+
+@njit(inline="always")
+def _chunk_staged(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c_plus, c_minus, grads, lrs,
+                  bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, load, store, rnd, rnd_full, fin):
+    """Every step of the batch on a float32 copy `p` of a bf16/fp16 chunk, converted once in and
+    once out. Storing a value the update produced, already rounded to the dtype, gives the bits
+    `_chunk_in_place` gives."""
+    for i in range(n):
+        p[i] = load(param, i)
+    _chunk_in_place(p, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c_plus, c_minus, grads, lrs,
+                    bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, _load_f32, _store_f32, rnd, rnd_full, rnd)
+    for i in range(n):
+        store(param, i, p[i])
 
 
 @njit(inline="always")
 def _run(param_ptrs, m_ptrs, v_ptrs, offsets, decays, chunk_tensor, chunk_start, chunk_len, opt, gaussian, keys0,
          keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, consts, storage_dtype, itemsize,
-         load, store, rnd, rnd_full, direct, workers, longest):
+         load, store, rnd, rnd_full, chunk_fn, scratch, workers, longest):
     """Each of `workers` threads takes a contiguous run of chunks and its own scratch
     (for the `longest` chunk), allocated once.
 
-    `direct` (float32 storage): the update works on the parameters in place, without
-    copying a chunk into scratch and back."""
+    `chunk_fn` is `_chunk_in_place` or `_chunk_staged` (which needs `scratch` elements of
+    float32 scratch): each kernel compiles the one it uses, which keeps compilation short."""
     chunks = chunk_tensor.shape[0]
     for w in prange(workers):
-        p_scratch = np.empty(0 if direct or keys0.shape[0] == 1 else longest, np.float32)
+        p_scratch = np.empty(scratch, np.float32)
         z = np.empty(longest + 8, np.float32)
         pairs = 2 * (longest // 4 + 2)
         wa = np.empty(pairs, np.uint32)
@@ -479,9 +476,9 @@ def _run(param_ptrs, m_ptrs, v_ptrs, offsets, decays, chunk_tensor, chunk_start,
             else:
                 m = numba.carray(_as_voidptr(param_ptrs[t]), 0, np.float32)
                 v = m
-            _chunk(param, m, v, n, offsets[t] + s, t, decays[t], opt, gaussian, keys0, keys1, c_plus, c_minus,
-                   grads, lrs, bc1s, bc2s, thresholds, consts, p_scratch, z, wa, wb, radius, load, store,
-                   rnd, rnd_full, direct)
+            chunk_fn(param, m, v, n, offsets[t] + s, t, decays[t], opt, gaussian, keys0, keys1, c_plus, c_minus,
+                     grads, lrs, bc1s, bc2s, thresholds, consts, p_scratch, z, wa, wb, radius, load, store,
+                     rnd, rnd_full, _round_f32)
 
 
 # One compiled kernel per storage dtype; each is a plain module-level function so
@@ -492,22 +489,39 @@ _KERNEL_OPTIONS = dict(parallel=True, cache=True, error_model="numpy", nogil=Tru
 @njit(**_KERNEL_OPTIONS)
 def _kernel_f32(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, wk, lg):
     _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-         np.float32, np.int64(4), _load_f32, _store_f32, _round_f32, _round_f32, True, wk, lg)
+         np.float32, np.int64(4), _load_f32, _store_f32, _round_f32, _round_f32, _chunk_in_place, 0, wk, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
 def _kernel_bf16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, wk, lg):
     _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-         np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, False, wk, lg)
+         np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, _chunk_staged, lg, wk, lg)
+
+
+@njit(**_KERNEL_OPTIONS)
+def _kernel_bf16_step(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, wk,
+                      lg):
+    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+         np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, _chunk_in_place, 0, wk, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
 def _kernel_f16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, wk, lg):
     _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-         np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, False, wk, lg)
+         np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, _chunk_staged, lg, wk, lg)
+
+
+@njit(**_KERNEL_OPTIONS)
+def _kernel_f16_step(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, wk,
+                     lg):
+    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+         np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, _chunk_in_place, 0, wk, lg)
 
 
 _KERNELS = {torch.float32: _kernel_f32, torch.bfloat16: _kernel_bf16, torch.float16: _kernel_f16}
+"""The kernel per storage dtype; bf16/fp16 batches go through float32 scratch."""
+_STEP_KERNELS = {torch.float32: _kernel_f32, torch.bfloat16: _kernel_bf16_step, torch.float16: _kernel_f16_step}
+"""... and a single step converts in the update (no scratch pass)."""
 _THREADS_LOCK = threading.Lock()
 
 
@@ -622,7 +636,7 @@ def replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config
         previous = numba.get_num_threads()
         numba.set_num_threads(threads or default_threads())
         try:
-            for dtype, kernel in _KERNELS.items():
+            for dtype, kernel in (_STEP_KERNELS if k == 1 else _KERNELS).items():
                 members = [i for i, s in enumerate(layout.params) if state[s.name].dtype == dtype]
                 if not members:
                     continue
