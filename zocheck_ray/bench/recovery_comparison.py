@@ -79,7 +79,7 @@ def _row(strategy: Strategy, mode: str, failure_step: int, r: dict, reference: s
     return {"strategy": strategy.name, "kind": strategy.kind, "every": strategy.every, "mode": mode,
             "failed_at_step": failure_step, "seconds": r["seconds"], "process_seconds": r["process_seconds"],
             "constructor_seconds": r["constructor_seconds"], "restore_seconds": r.get("restore_seconds"),
-            "breakdown": r.get("breakdown") or restore_breakdown(r), "catch_up_seconds": r["catch_up_seconds"],
+            "breakdown": r.get("breakdown"), "catch_up_seconds": r["catch_up_seconds"],
             "work_seconds": None if r.get("restore_seconds") is None else r["restore_seconds"] + r["catch_up_seconds"],
             "image_source": r["image_source"], "image_step": image_step,
             "replayed_records": r["replayed_records"], "recomputed_steps": failure_step - r["recovered_step"],
@@ -102,7 +102,8 @@ def _recover_baseline(job: JobConfig, url: str, strategy: Strategy, failure_step
             ray.get(actor.run.remote(failure_step))
             catch_up = time.perf_counter() - caught if info["step"] < failure_step else 0.0
             _, digest = ray.get(actor.state_hash.remote())
-            r = {**info, "seconds": time.perf_counter() - started, "catch_up_seconds": catch_up,
+            r = {**info, "breakdown": restore_breakdown(info), "seconds": time.perf_counter() - started,
+                 "catch_up_seconds": catch_up,
                  "process_seconds": info["constructor_seconds"] + catch_up, "recovered_step": info["step"],
                  "image_source": info["source"], "state_hash": digest, "load_average": os.getloadavg()[0]}
             rows.append(_row(strategy, "software", failure_step, r, reference))

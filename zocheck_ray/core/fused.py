@@ -481,8 +481,8 @@ def _run(param_ptrs, m_ptrs, v_ptrs, offsets, decays, chunk_tensor, chunk_start,
                      rnd, rnd_full, _round_f32)
 
 
-# One compiled kernel per storage dtype; each is a plain module-level function so
-# numba can cache it on disk (first compilation takes tens of seconds).
+# One compiled kernel per storage dtype and chunk path (in place or staged); each is a plain
+# module-level function so numba can cache it on disk (first compilation takes tens of seconds).
 _KERNEL_OPTIONS = dict(parallel=True, cache=True, error_model="numpy", nogil=True)
 
 
@@ -556,8 +556,9 @@ def perturbation_cpu(seed: int, offset: int, numel: int, kind: str = "gaussian")
 
 
 @functools.lru_cache(maxsize=64)
-def _chunk_plan(tensors: tuple[tuple[int, int], ...], chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tensor index, start, length) of every `chunk`-element piece of the (index, numel) tensors, in order."""
+def _chunk_plan(tensors: tuple[tuple[int, int], ...], chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(tensor index, start, length) of every `chunk`-element piece of the (index, numel) tensors, in order,
+    and the longest piece."""
     per = [(numel + chunk - 1) // chunk for _, numel in tensors]
     tensor_ids = np.repeat(np.array([i for i, _ in tensors], dtype=np.int64), per)
     first = np.repeat(np.cumsum([0] + per[:-1]), per)
@@ -566,7 +567,7 @@ def _chunk_plan(tensors: tuple[tuple[int, int], ...], chunk: int) -> tuple[np.nd
     lens = np.minimum(chunk, numels - starts)
     for a in (tensor_ids, starts, lens):
         a.flags.writeable = False
-    return tensor_ids, starts, lens
+    return tensor_ids, starts, lens, int(lens.max()) if len(lens) else 0
 
 
 def warm_up(dtype: torch.dtype, config: ZOConfig) -> None:
@@ -640,14 +641,13 @@ def replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config
                 members = [i for i, s in enumerate(layout.params) if state[s.name].dtype == dtype]
                 if not members:
                     continue
-                plan = _chunk_plan(tuple((i, layout.params[i].numel) for i in members), CHUNK_ELEMENTS)
-                tensor_ids, starts, lens = plan
+                tensor_ids, starts, lens, longest = _chunk_plan(
+                    tuple((i, layout.params[i].numel) for i in members), CHUNK_ELEMENTS)
                 if not len(lens):
                     continue
                 workers = min(threads or default_threads(), len(lens))
                 kernel(param_ptrs, m_ptrs, v_ptrs, offsets, decays, tensor_ids, starts, lens, opt, gaussian,
-                       keys0, keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, consts, workers,
-                       int(lens.max()))
+                       keys0, keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, consts, workers, longest)
         finally:
             numba.set_num_threads(previous)
     return state

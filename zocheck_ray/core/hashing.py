@@ -37,6 +37,17 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+DTYPE_NAMES: dict[torch.dtype, str] = {d: str(d).removeprefix("torch.") for d in SAFETENSORS_DTYPES}
+"""torch dtype -> the name snapshots record (`float32`, `bfloat16`, ...)."""
+
+
+def dtype_name(tensor: torch.Tensor, name: str) -> str:
+    """The recorded name of `tensor`'s dtype; a dtype safetensors cannot hold raises `TypeError` naming the tensor."""
+    try:
+        return DTYPE_NAMES[tensor.dtype]
+    except KeyError:
+        raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors snapshots do not hold; "
+                        f"use one of {sorted(DTYPE_NAMES.values())}") from None
 
 
 def split_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -51,9 +62,7 @@ def safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[st
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, t in tensors.items():
-        if t.dtype not in SAFETENSORS_DTYPES:
-            raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors snapshots do not hold; "
-                            f"use one of {sorted(str(d).removeprefix('torch.') for d in SAFETENSORS_DTYPES)}")
+        dtype_name(t, name)
         nbytes = t.numel() * t.element_size()
         header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + nbytes]}
@@ -87,9 +96,10 @@ def shards(part: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def file_sha256(tensors: Mapping[str, torch.Tensor]) -> tuple[str, int]:
-    """Hex SHA-256 and size of the safetensors file of `tensors` (as a snapshot writes it)."""
-    header = safetensors_header(tensors)
+def file_sha256(tensors: Mapping[str, torch.Tensor], header: bytes | None = None) -> tuple[str, int]:
+    """Hex SHA-256 and size of the safetensors file of `tensors` (as a snapshot writes it);
+    `header`: its `safetensors_header`, when the caller has it already."""
+    header = safetensors_header(tensors) if header is None else header
     h = hashlib.sha256(header)
     size = len(header)
     for t in tensors.values():

@@ -88,8 +88,8 @@ def write_model_dir(url: str, result, digest: str, source: str) -> None:
                 futures.append(write_tensors(f, shard, pool))
         for future in futures:
             future.result()
-    if sum(1 for n in layout if n.startswith("model")) > 1:
-        storage.write_atomic(MODEL_INDEX_FILE, model_index(layout))
+    if (index := model_index(layout)) is not None:
+        storage.write_atomic(MODEL_INDEX_FILE, index)
     if result.meta.hf_config is not None:
         storage.write_atomic(HF_CONFIG_FILE, json.dumps(result.meta.hf_config, indent=2, sort_keys=True).encode())
     summary = {

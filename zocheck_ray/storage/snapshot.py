@@ -37,11 +37,11 @@ from typing import Any, Mapping
 import torch
 
 from zocheck_ray.core import state_hash as compute_state_hash
-from zocheck_ray.core.hashing import OPTIMIZER_PREFIX, combine_file_digests, shards, split_state
+from zocheck_ray.core.hashing import OPTIMIZER_PREFIX, combine_file_digests, dtype_name, shards, split_state
 from zocheck_ray.storage.errors import CorruptSnapshotError, SnapshotNotFoundError, StorageError
 from zocheck_ray.storage.fs import PROBE_PREFIX, TMP_MARK, Storage, file_size, open_storage
 from zocheck_ray.storage.manifest import FileEntry, Manifest, SnapshotMeta, TensorEntry
-from zocheck_ray.storage.tensorfile import DTYPE_BY_NAME, dtype_name, read_tensors, write_tensors
+from zocheck_ray.storage.tensorfile import DTYPE_BY_NAME, read_tensors, write_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -225,8 +225,8 @@ class SnapshotStore:
             extras = {}
             if meta.hf_config is not None:
                 extras[HF_CONFIG_FILE] = json.dumps(meta.hf_config, indent=2, sort_keys=True).encode()
-            if sum(1 for n in layout if n.startswith("model")) > 1:
-                extras[MODEL_INDEX_FILE] = model_index(layout)
+            if (index := model_index(layout)) is not None:
+                extras[MODEL_INDEX_FILE] = index
             for name, data in extras.items():
                 with self.storage.open_write(f"{directory}/{name}", durable=False) as f:
                     f.write(data)
@@ -416,11 +416,13 @@ def file_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torc
     return layout
 
 
-def model_index(layout: Mapping[str, Mapping[str, torch.Tensor]]) -> bytes:
-    """`model.safetensors.index.json`, with which `from_pretrained` loads sharded weights."""
-    weight_map = {t: name for name, shard in layout.items() if name.startswith("model") for t in shard}
-    total = sum(t.numel() * t.element_size() for name, shard in layout.items() if name.startswith("model")
-                for t in shard.values())
+def model_index(layout: Mapping[str, Mapping[str, torch.Tensor]]) -> bytes | None:
+    """`model.safetensors.index.json`, with which `from_pretrained` loads sharded weights (None: not sharded)."""
+    model = {name: shard for name, shard in layout.items() if name.startswith("model")}
+    if len(model) < 2:
+        return None
+    weight_map = {t: name for name, shard in model.items() for t in shard}
+    total = sum(t.numel() * t.element_size() for shard in model.values() for t in shard.values())
     return json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode()
 
 

@@ -24,14 +24,13 @@ from typing import BinaryIO, Mapping
 
 import torch
 
-from zocheck_ray.core.hashing import SAFETENSORS_DTYPES, raw_bytes, safetensors_header
+from zocheck_ray.core.hashing import DTYPE_NAMES, SAFETENSORS_DTYPES, file_sha256, raw_bytes, safetensors_header
 from zocheck_ray.storage.errors import CorruptSnapshotError
 
 CHUNK_BYTES = 16 << 20
 """Bytes written or read (and hashed) at a time: large enough for full speed, small enough to pipeline."""
 MAX_HEADER_BYTES = 100 << 20
 
-DTYPE_NAMES: dict[torch.dtype, str] = {d: str(d).removeprefix("torch.") for d in SAFETENSORS_DTYPES}
 DTYPE_BY_NAME: dict[str, torch.dtype] = {name: d for d, name in DTYPE_NAMES.items()}
 
 
@@ -39,14 +38,6 @@ DTYPE_BY_NAME: dict[str, torch.dtype] = {name: d for d, name in DTYPE_NAMES.item
 class FileDigest:
     sha256: str
     size: int
-
-
-def dtype_name(tensor: torch.Tensor, name: str) -> str:
-    try:
-        return DTYPE_NAMES[tensor.dtype]
-    except KeyError:
-        raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors snapshots do not hold; "
-                        f"use one of {sorted(DTYPE_BY_NAME)}") from None
 
 
 def write_tensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor], pool: ThreadPoolExecutor) -> Future:
@@ -57,7 +48,7 @@ def write_tensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor], pool: Thread
     caller's fsync overlap. The tensors must not change until the future is done.
     """
     header = safetensors_header(tensors)
-    digest = pool.submit(_digest, header, tensors)
+    digest = pool.submit(lambda: FileDigest(*file_sha256(tensors, header)))  # hashlib releases the GIL
     try:
         f.write(header)
         for t in tensors.values():
@@ -68,16 +59,6 @@ def write_tensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor], pool: Thread
         wait([digest])  # the tensors are not read once this raises
         raise
     return digest
-
-
-def _digest(header: bytes, tensors: Mapping[str, torch.Tensor]) -> FileDigest:
-    h = hashlib.sha256(header)
-    size = len(header)
-    for t in tensors.values():
-        data = raw_bytes(t)
-        h.update(data)  # hashlib releases the GIL: this runs beside the writes on another core
-        size += len(data)
-    return FileDigest(h.hexdigest(), size)
 
 
 def _read_exact(f: BinaryIO, n: int, url: str, what: str) -> bytes:
