@@ -13,7 +13,7 @@ import numba
 import pytest
 import torch
 
-from zocheck_ray.bench import memory, report, scaling, waste
+from zocheck_ray.bench import memory, report, scaling, waste, waste_inputs
 
 MTBF = [3.0, 9.0, 15.0]
 PARAMS = [100_000, 400_000]
@@ -114,7 +114,7 @@ def test_waste_rejects_a_bad_mtbf_by_name():
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "waste", "--mtbf", "0"])
     with pytest.raises(ValueError, match="--from /nonexistent/results"):
-        waste.from_results("/nonexistent/results", None, {})
+        waste_inputs.from_results("/nonexistent/results", None, {})
 
 
 # --------------------------------------------------------------------------- scaling
@@ -213,7 +213,7 @@ def test_waste_takes_restart_and_publish_cost_from_recovery_and_overhead_json(tm
     (tmp_path / "overhead.json").write_text(json.dumps({"trainer": {"publish_us_median": 2.5}}))
     timings = Timings(gpu_step_seconds=1.0, replay_step_seconds=0.1, snapshot_cost_seconds=0.1, persist_seconds=0.5,
                       restart_seconds=9.0)
-    updated, inputs = waste.from_results(tmp_path, timings, {})
+    updated, inputs = waste_inputs.from_results(tmp_path, timings, {})
     assert updated.restart_seconds == 3.0  # median of 2, 3, 3
     assert updated.log_step_seconds == 2.5e-6
     assert "recovery.json" in inputs["restart_seconds"]["source"]
@@ -221,7 +221,7 @@ def test_waste_takes_restart_and_publish_cost_from_recovery_and_overhead_json(tm
     (tmp_path / "recovery.json").unlink()
     (tmp_path / "overhead.json").write_text("{}")
     with pytest.raises(ValueError, match="usable figures"):
-        waste.from_results(tmp_path, timings, {})
+        waste_inputs.from_results(tmp_path, timings, {})
 
 
 def test_summary_lists_each_recovery_target_with_its_ratios():

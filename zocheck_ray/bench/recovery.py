@@ -55,8 +55,8 @@ from dataclasses import dataclass
 import ray
 
 from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
-from zocheck_ray.bench.baselines import (CHECKPOINT_EVERY, PAPER_INTERVALS, Strategy, paper_strategies, restore_breakdown,
-                                         run_with_failures)
+from zocheck_ray.bench.baselines import CHECKPOINT_EVERY, PAPER_INTERVALS, Strategy, paper_strategies
+from zocheck_ray.bench.failures import restore_breakdown, run_with_failures
 from zocheck_ray.bench.common import bench_job, machine, print_table, write_json
 from zocheck_ray.bench.recovery_comparison import ComparisonSpec, check_comparison_targets, print_comparison
 from zocheck_ray.config import JobConfig

@@ -31,7 +31,7 @@ Output (`compare_recovery` returns it; `bench recovery` stores it under "compari
                "seconds" (driver: failure seen -> back at F), "process_seconds" (the new
                process: constructor + catch-up; without Ray's restart), "constructor_seconds",
                "restore_seconds" (image or checkpoint + records -> state), "breakdown" (the restore's
-               parts, `baselines.RESTORE_PARTS`: fetch, install, replay, hash), "catch_up_seconds"
+               parts, `failures.RESTORE_PARTS`: fetch, install, replay, hash), "catch_up_seconds"
                (recomputing the records lost with the process), "work_seconds" (restore + catch-up:
                what the strategy decides; the rest is starting the process and building the model,
                the same for all), "image_source", "image_step" (checkpoint/image step),
@@ -51,10 +51,9 @@ from dataclasses import dataclass
 
 import ray
 
-from zocheck_ray.bench.baselines import (
-    CompositeActor, Strategy, StrategyActor, _wait_new_incarnation, fail_and_recover, read_reference,
-    restore_breakdown, run_into_injected_failure,
-)
+from zocheck_ray.bench.baselines import CompositeActor, Strategy, StrategyActor, read_reference
+from zocheck_ray.bench.failures import (fail_and_recover, restore_breakdown, run_into_injected_failure,
+                                        wait_new_incarnation)
 from zocheck_ray.bench.common import bench_job
 from zocheck_ray.config import JobConfig
 from zocheck_ray.storage import SnapshotStore, read_log
@@ -97,7 +96,7 @@ def _recover_baseline(job: JobConfig, url: str, strategy: Strategy, failure_step
     rows = []
     try:
         if "software" in modes:
-            info = _wait_new_incarnation(actor, None)
+            info = wait_new_incarnation(actor, None)
             caught = time.perf_counter()
             ray.get(actor.run.remote(failure_step))
             catch_up = time.perf_counter() - caught if info["step"] < failure_step else 0.0
