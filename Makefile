@@ -9,8 +9,9 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml scripts/install_torch.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	bash scripts/install_torch.sh $(PY)
-	$(PY) -m pip install -q -e '.[test]'
+	bash scripts/install_torch.sh $(PY) $(VENV)/constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[test]'
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda is None or torch.cuda.is_available() else 'set-up installed a CUDA build of torch on a machine without CUDA')"
 	touch $(STAMP)
 
 venv: $(STAMP)

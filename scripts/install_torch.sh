@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
 # Install torch 2.13.0 into the given Python's environment, choosing the CPU build
 # wherever there is no CUDA device, so set-up never pulls a multi-GB CUDA build it
-# cannot use.
+# cannot use. Then write a pip constraints file that pins the torch it installed
+# (argument 2), so resolving the package and its extras keeps that build: without
+# it, pip 26 replaces a CPU torch with the newest CUDA build the range admits.
 set -euo pipefail
 py=${1:-python3}
+constraints=${2:-}
 version=2.13.0
 if "$py" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$version' else 1)" 2>/dev/null; then
-  exit 0
-fi
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  :
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "install_torch: CUDA device found, installing torch==$version from PyPI"
   "$py" -m pip install "torch==$version"
-  exit 0
-fi
 # A wheel on local disk (pip's find-links) is used first; it must be a CPU build.
-if "$py" -m pip install --no-deps --no-index "torch==$version+cpu" >/dev/null 2>&1; then
+elif "$py" -m pip install --no-deps --no-index "torch==$version+cpu" >/dev/null 2>&1; then
   echo "install_torch: no CUDA device, installed the local CPU build of torch==$version"
-  "$py" -m pip install "torch==$version"   # its pure-Python dependencies
-  exit 0
+  "$py" -m pip install "torch==$version+cpu"   # its pure-Python dependencies
+else
+  echo "install_torch: no CUDA device, installing the CPU build of torch==$version"
+  "$py" -m pip install "torch==$version" --index-url https://download.pytorch.org/whl/cpu \
+    --extra-index-url https://pypi.org/simple
 fi
-echo "install_torch: no CUDA device, installing the CPU build of torch==$version"
-"$py" -m pip install "torch==$version" --index-url https://download.pytorch.org/whl/cpu \
-  --extra-index-url https://pypi.org/simple
+if [ -n "$constraints" ]; then
+  "$py" -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
+  echo "install_torch: pinned $(cat "$constraints") in $constraints"
+fi
