@@ -1,4 +1,5 @@
-"""The shadow without Ray: ordering of records, snapshots at clean boundaries, recovery images."""
+"""The shadow without Ray: ordering of records, snapshots at clean boundaries, recovery images,
+the pipeline's stages, a restarted shadow filled in by the trainer's publisher, storage outages."""
 
 import time
 
@@ -40,14 +41,14 @@ def test_records_from_the_past_or_the_future_are_rejected_and_never_applied(job)
     shadow = Shadow(job)
     try:
         shadow.initialize(initial, 0)
-        assert shadow.push(b"".join(r.to_bytes() for r in records[:3])) == 3
-        assert shadow.push(records[5].to_bytes()) == 0          # the future: a gap
-        assert shadow.push(records[1].to_bytes()) == 0          # the past: a repeat
+        assert shadow.push(b"".join(r.to_bytes() for r in records[:3])).accepted == 3
+        assert shadow.push(records[5].to_bytes()).accepted == 0          # the future: a gap
+        assert shadow.push(records[1].to_bytes()).accepted == 0          # the past: a repeat
         m = shadow.metrics()
         assert m.rejected_records == 2
         assert "step 1" in shadow.last_rejection and "past" in shadow.last_rejection
-        assert shadow.push(b"".join(r.to_bytes() for r in records[3:])) == 3
-        assert wait_for(lambda: shadow.metrics().replayed_step == 6)
+        assert shadow.push(b"".join(r.to_bytes() for r in records[3:])).accepted == 3
+        assert shadow.replay.wait_replayed(6, timeout=60)
         step, digest = shadow.replica_hash()
         assert (step, digest) == (6, state_hash(opt.state_tensors()))
     finally:
@@ -60,7 +61,7 @@ def test_snapshots_fall_on_multiples_of_n_and_recovery_images_are_exact(job):
     try:
         shadow.initialize(initial, 0)
         shadow.push(b"".join(r.to_bytes() for r in records))
-        assert wait_for(lambda: shadow.metrics().replayed_step == 10)
+        assert shadow.replay.wait_replayed(10, timeout=60)
         image, tail = shadow.recovery_image()
         assert image.step == 8                                   # the newest multiple of N = 4
         assert [r.step for r in tail] == [8, 9]

@@ -27,17 +27,6 @@ class JobConfigError(ValueError):
     """A job configuration that cannot run; the message names the field or file."""
 
 
-class FaultInjection(BaseModel):
-    """Faults a test or a demonstration injects on purpose."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    replay_delay_seconds: float = Field(0.0, ge=0)
-    """Extra seconds the shadow spends per replayed step (makes it lag)."""
-    crash_in_recovery_marker: str | None = None
-    """A file path: the first recovering trainer that finds it missing creates it and dies mid-recovery."""
-
-
 MOVED_FIELDS = {"batch_size": "task.batch_size", "seq_len": "task.max_length", "data_seed": "task.data_seed"}
 """Fields an older job file may still carry, and where each setting lives now."""
 
@@ -72,8 +61,12 @@ class JobConfig(BaseModel):
     """Steps between shadow snapshots; None lets the startup profile choose."""
     shadow_cpus: int = Field(1, ge=1)
     """CPUs reserved for the shadow (its replay threads)."""
-    max_lag_steps: int = Field(64, ge=1)
-    """Resync the shadow from the trainer when it falls this many steps behind."""
+    max_lag_steps: int | None = Field(None, ge=1)
+    """Resync the shadow from the trainer when it falls this many steps behind; None: the cost model's
+    bound from the startup profile (64 without one)."""
+    max_undurable_steps: int = Field(5000, ge=1)
+    """Fail the run when this many of the trainer's steps are not durable in the step log (storage down
+    or too slow); a warning comes at a tenth of it. A node lost now would recompute that many steps."""
     use_gpu: Literal["auto", "yes", "no"] = "auto"
     """Train on a GPU: `auto` uses one when the cluster has one, `yes` requires one."""
     log_interval: int = Field(10, ge=1)
@@ -84,8 +77,6 @@ class JobConfig(BaseModel):
     """Records per durable log segment."""
     hash_every_step: bool = False
     """Record the trainer's `state_hash` after every step (for verification; costs a hash per step)."""
-    faults: "FaultInjection" = Field(default_factory=lambda: FaultInjection())
-    """Fault injection for tests and demonstrations."""
 
     @model_validator(mode="before")
     @classmethod

@@ -4,20 +4,24 @@
     summary = zocheck_ray.run(zocheck_ray.JobConfig(steps=100), fail_at=[40])
 
 The trainer and the shadow share a STRICT_PACK placement group (one node). The
-controller drives the trainer in segments of `log_interval` steps; between
-segments it reads the shadow's metrics, prints a progress line and resyncs the
-shadow when its lag exceeds `max_lag_steps`. A trainer that dies is restarted by
-Ray and recovers in its constructor; the controller records how long it took.
+controller is a state machine (`State`): it starts the actors, profiles, then drives
+the trainer in segments of `log_interval` steps; between segments it reads the
+shadow's metrics and prints a progress line. Everything that goes wrong becomes a
+`Failure`, and one function, `decide`, turns it into what happens next: wait for
+Ray's restart of the trainer (which recovers in its constructor), resync the shadow
+from the trainer, or fail the run with a clear error.
 """
 
 from __future__ import annotations
 
+import enum
 import time
+from dataclasses import dataclass
 from typing import Callable, Literal
 
 import ray
 from pydantic import BaseModel, ConfigDict
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -25,8 +29,10 @@ from zocheck_ray.actors.ray_actors import (
     NAMESPACE, ShadowActor, TrainerActor, call_when_alive, shadow_name, trainer_name,
 )
 from zocheck_ray.config import JobConfig, JobConfigError, check_task
+from zocheck_ray.faults import NO_FAULTS, FaultInjection
 from zocheck_ray.policies import ProfileReport, ProfileSettings, profile_startup
-from zocheck_ray.storage import SnapshotStore, StorageError
+from zocheck_ray.storage import StorageError
+from zocheck_ray.storage.fs import open_storage
 
 
 class Recovery(BaseModel):
@@ -94,6 +100,20 @@ class RunSummary(BaseModel):
     """`metric` at the last step."""
     eval_seconds: float = 0.0
     """Trainer time spent evaluating (not counted in `trainer_seconds_per_step`)."""
+    shadow_restarts: int = 0
+    """Times the shadow process was lost and restarted by Ray (it came back from durable storage)."""
+    resent_records: int = 0
+    """Records the trainer sent again because a restarted shadow lacked them."""
+    resyncs: list[tuple[int, str]] = []
+    """(step, why) of each resync of the shadow from the trainer."""
+    warnings: list[str] = []
+    """What went wrong without ending the run (storage failing, durability behind), in order."""
+    states: list[str] = []
+    """The controller's states, in the order it went through them."""
+
+
+class RunFailedError(RuntimeError):
+    """The run could not go on; the message says why and what to do."""
 
 
 def _check_resources(job: JobConfig) -> int:
@@ -108,24 +128,25 @@ def _check_resources(job: JobConfig) -> int:
     return 1 if (job.use_gpu == "yes" or (job.use_gpu == "auto" and gpus >= 1)) else 0
 
 
-def start_actors(job: JobConfig, gpus: int, pg: PlacementGroup | None = None, first_bundle: int = 0):
+def start_actors(job: JobConfig, gpus: int, pg: PlacementGroup | None = None, first_bundle: int = 0,
+                 faults: FaultInjection = NO_FAULTS):
     """Trainer in bundle `first_bundle`, shadow in the next; a new STRICT_PACK group unless `pg` is given."""
     if pg is None:
         bundles = [{"CPU": 1, **({"GPU": gpus} if gpus else {})}, {"CPU": job.shadow_cpus}]
         pg = placement_group(bundles, strategy="STRICT_PACK", name=f"zocheck-{job.run_id}")
     ray.get(pg.ready(), timeout=120)
-    payload = job.model_dump(mode="json")
+    payload, injected = job.model_dump(mode="json"), faults.model_dump()
     shadow = ShadowActor.options(
         name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=job.shadow_cpus, max_restarts=job.max_restarts,
         max_task_retries=-1,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + 1),
-    ).remote(payload)
+    ).remote(payload, injected)
     ray.get(shadow.ready.remote())
     trainer = TrainerActor.options(
         name=trainer_name(job.run_id), namespace=NAMESPACE, num_cpus=1, num_gpus=gpus,
         max_restarts=job.max_restarts,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle),
-    ).remote(payload)
+    ).remote(payload, injected)
     return pg, shadow, trainer
 
 
@@ -168,28 +189,378 @@ def startup_profile(job: JobConfig, trainer, shadow, on_progress: Callable[[dict
     report = profile_startup(trainer_step=trainer_step, replay_step=replay_step,
                              snapshot_copy=lambda: ray.get(shadow.profile_snapshot.remote()),
                              persist=persist, settings=settings)
-    ray.get(shadow.end_profile.remote(report.replay_threads, report.snapshot_interval))
+    ray.get(shadow.end_profile.remote(report.replay_threads, report.snapshot_interval, report.plan.regime))
     return report
 
 
-def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["software", "host"] = "software",
+
+class State(enum.Enum):
+    STARTING = "starting"
+    PROFILING = "profiling"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    RESYNCING = "resyncing"
+    FINISHING = "finishing"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Action(enum.Enum):
+    RESTART = "restart"    # Ray restarts the trainer; wait for it to recover in its constructor
+    RESYNC = "resync"      # copy the trainer's state into the shadow
+    FAIL = "fail"          # end the run with a clear error
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: Literal["trainer_lost", "trainer_gone", "shadow_gone", "shadow_lag", "replay_error", "record_gap",
+                  "durability_stalled", "drain_failed"]
+    step: int
+    detail: str
+    mode: str = "unplanned"
+    """For a lost trainer: `software`, `host` (injected) or `unplanned`."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+
+
+def decide(failure: Failure, job: JobConfig) -> Decision:
+    """The one place where a failure becomes what happens next."""
+    kind = failure.kind
+    if kind == "trainer_lost":
+        return Decision(Action.RESTART, "Ray restarts the trainer, which recovers from the shadow's image")
+    if kind in ("shadow_lag", "replay_error", "record_gap"):
+        return Decision(Action.RESYNC, {"shadow_lag": f"the shadow lags more than {job.max_lag_steps} steps",
+                                        "replay_error": "the shadow's replay stopped",
+                                        "record_gap": "the shadow lacks records no process holds"}[kind])
+    if kind == "durability_stalled":
+        return Decision(Action.FAIL, f"{failure.detail}; the run stops rather than go on without durability "
+                                     f"(max_undurable_steps={job.max_undurable_steps}): fix the storage at "
+                                     f"{job.run_url} and run the same job again to resume")
+    if kind == "trainer_gone":
+        return Decision(Action.FAIL, f"the trainer cannot be restarted ({failure.detail}); raise max_restarts "
+                                     f"(now {job.max_restarts}) or look at the trainer's log")
+    if kind == "shadow_gone":
+        return Decision(Action.FAIL, f"the shadow cannot be restarted ({failure.detail}); the durable state "
+                                     f"under {job.run_url} resumes the run")
+    return Decision(Action.FAIL, failure.detail)
+
+
+class Controller:
+    """Drives one run through its states; `run()` is the facade."""
+
+    def __init__(self, job: JobConfig, task, gpus: int, fail_at: list[int], fail_mode: str,
+                 say: Callable[[str], None], kill_node: Callable[[], None] | None,
+                 placement_group: PlacementGroup | None, first_bundle: int,
+                 on_segment: Callable[[dict, dict], None] | None, faults: FaultInjection):
+        self.job, self.task, self.gpus, self.say, self.faults = job, task, gpus, say, faults
+        self.failures = sorted(set(fail_at))
+        self.fail_mode, self.kill_node = fail_mode, kill_node
+        self.given_pg, self.first_bundle, self.on_segment = placement_group, first_bundle, on_segment
+        self.state = State.STARTING
+        self.states: list[str] = []
+        self.pg = self.trainer = self.shadow = None
+        self.resync_reason = ""
+        self._failure_started: float | None = None
+        self.step = 0
+        self.incarnation = None
+        self.shadow_incarnation = None
+        self.shadow_restarts = 0
+        self.failure: Failure | None = None
+        self.error: str | None = None
+        self.recoveries: list[Recovery] = []
+        self.resyncs: list[tuple[int, str]] = []
+        self.warnings: list[str] = []
+        self._warned_durability = False
+        self.losses: list[tuple[int, float]] = []
+        self.profile: dict | None = None
+        self.max_lag_steps = job.max_lag_steps or DEFAULT_MAX_LAG_STEPS
+        self.steps_timed, self.seconds_timed = 0, 0.0
+        self.step_hashes: dict[int, str] = {}
+        self.lag_samples: list[tuple[int, int]] = []
+        self.evaluations: dict[int, dict[str, float]] = {}
+        self.eval_seconds = 0.0
+        self.last: dict | None = None
+        self.resumed_from: int | None = None
+        self.summary: RunSummary | None = None
+
+    # ------------------------------------------------------------------ the machine
+
+    def run(self) -> RunSummary:
+        handlers = {State.STARTING: self._start, State.PROFILING: self._profile, State.RUNNING: self._segment,
+                    State.RECOVERING: self._recover, State.RESYNCING: self._resync, State.FINISHING: self._finish}
+        try:
+            while self.state not in (State.DONE, State.FAILED):
+                self.states.append(self.state.value)
+                try:
+                    self.state = handlers[self.state]()
+                except _Gone as gone:
+                    self.state = self._handle(gone.failure)
+        finally:
+            self._stop_actors()
+        self.states.append(self.state.value)
+        if self.state is State.FAILED:
+            raise RunFailedError(f"run {self.job.run_id} failed at step {self.step}: {self.error}")
+        return self.summary
+
+    def _handle(self, failure: Failure) -> State:
+        decision = decide(failure, self.job)
+        self.failure = failure
+        if decision.action is Action.RESTART:
+            return State.RECOVERING
+        if decision.action is Action.RESYNC:
+            self.resync_reason = decision.reason
+            return State.RESYNCING
+        self.error = decision.reason
+        self.say(f"  FAILED: {decision.reason}")
+        return State.FAILED
+
+    # ------------------------------------------------------------------ states
+
+    def _start(self) -> State:
+        job = self.job
+        self.pg, self.shadow, self.trainer = start_actors(job, self.gpus, self.given_pg, self.first_bundle,
+                                                          self.faults)
+        self.say(f"run {job.run_id}: {job.model} {job.dtype} {job.zo.optimizer}, {job.steps} steps, "
+                 f"storage {job.run_url}")
+        task = self.task
+        self.say(f"  task {task.config.kind}: {task.n_train} training rows, {task.n_eval} held-out rows "
+                 f"({task.metric}), batch {task.config.batch_size}, {task.tokenizer.describe()}")
+        started_from = call_when_alive(lambda: self.trainer.recovery.remote())
+        self.incarnation = started_from["incarnation"]
+        if started_from["source"] != "fresh":
+            self.resumed_from = self.step = started_from["step"]
+            self.say(f"  resumed from the {started_from['source']} image at step {self.step}")
+        self.shadow_incarnation = self._metrics()["incarnation"]
+        return State.PROFILING if job.snapshot_interval is None and self.step < job.steps else State.RUNNING
+
+    def _profile(self) -> State:
+        report = startup_profile(self.job, self.trainer, self.shadow, self._absorb, first_step=self.step)
+        self.step += report.training_steps
+        self.profile = report.model_dump(mode="json")
+        if self.job.max_lag_steps is None and report.plan.lag_bound_steps:
+            self.max_lag_steps = max(1, int(report.plan.lag_bound_steps))
+        self.say(f"  profile ({report.training_steps} steps, {report.profile_seconds:.1f} s): trainer step "
+                 f"{report.timings.gpu_step_seconds * 1e3:.1f} ms, replay {report.timings.replay_step_seconds * 1e3:.2f} "
+                 f"ms on {report.replay_threads} threads, snapshot {report.timings.snapshot_cost_seconds * 1e3:.2f} ms, "
+                 f"persist {report.timings.persist_seconds * 1e3:.0f} ms: {report.plan.regime} regime, "
+                 f"snapshot every {report.snapshot_interval} steps, resync beyond {self.max_lag_steps} steps of lag")
+        return State.RUNNING
+
+    def _segment(self) -> State:
+        job = self.job
+        if self.step >= job.steps:
+            return State.FINISHING
+        target = min(job.steps, (self.step // job.log_interval + 1) * job.log_interval)
+        fail = self.failures[0] if self.failures and self.step < self.failures[0] <= target else None
+        if fail is not None:
+            return self._inject(fail)
+        began = time.perf_counter()
+        try:
+            last = ray.get(self.trainer.run.remote(target))
+        except RayActorError as exc:  # a failure nobody injected
+            return self._handle(Failure("trainer_lost", self.step, str(exc).splitlines()[0]))
+        elapsed = time.perf_counter() - began - self._absorb(last)
+        self.steps_timed += last["step"] - self.step
+        self.seconds_timed += elapsed
+        self.step, self.last = last["step"], last
+        self.losses.append((self.step, last["loss"]))
+        metrics = self._metrics()
+        failure = self._check(metrics, last)
+        if failure is not None:
+            return self._handle(failure)
+        self.lag_samples.append((self.step, metrics["lag_steps"]))
+        if self.on_segment is not None:
+            self.on_segment(last, metrics)
+        evaluated = max(last.get("evaluations") or {}, default=None)
+        held_out = (f"  held-out {self.task.metric} {last['evaluations'][evaluated][self.task.metric]:.4f}"
+                    if evaluated is not None else "")
+        self.say(f"  step {self.step:5d}  loss {last['loss']:.4f}  lag {metrics['lag_steps']:3d}  "
+                 f"snapshot {metrics['snapshot_step']}  durable {metrics['durable_step']}{held_out}")
+        return State.RUNNING
+
+    def _inject(self, fail: int) -> State:
+        self.failures.pop(0)
+        if self.fail_mode == "software":
+            try:
+                ray.get(self.trainer.run.remote(fail + 1, fail))  # the trainer process exits at `fail`
+            except RayActorError:
+                return self._handle(Failure("trainer_lost", fail, "injected", mode="software"))
+            raise RuntimeError(f"the trainer survived its injected failure at step {fail}")
+        self._absorb(ray.get(self.trainer.run.remote(fail)))
+        self.step = fail
+        if self.fail_mode == "shadow":  # the shadow process dies; Ray restarts it from durable storage
+            self.say(f"  shadow process killed at step {fail}")
+            ray.kill(self.shadow, no_restart=False)
+            return State.RUNNING
+        self._failure_started = time.perf_counter()
+        (self.kill_node or _lose_processes(self.trainer, self.shadow))()
+        return self._handle(Failure("trainer_lost", fail, "injected", mode="host"))
+
+    def _check(self, metrics: dict, progress: dict) -> Failure | None:
+        """What the segment's metrics say is wrong, if anything; warnings are printed here."""
+        job = self.job
+        if metrics["incarnation"] != self.shadow_incarnation:
+            self.shadow_incarnation = metrics["incarnation"]
+            self.shadow_restarts += 1
+            self._warn(f"the shadow restarted (it came back from durable storage); the trainer re-sends what it "
+                       f"lacks ({progress['publisher']['resent_records']} records so far)")
+        if metrics["replay_error"]:
+            return Failure("replay_error", self.step, metrics["replay_error"])
+        if progress["publisher"]["gap"]:
+            return Failure("record_gap", self.step, progress["publisher"]["gap"])
+        undurable = metrics["undurable_steps"]
+        if undurable > job.max_undurable_steps:
+            return Failure("durability_stalled", self.step,
+                           f"{undurable} steps are not durable in {job.run_url} (last storage error: "
+                           f"{metrics['persist_error'] or 'none; storage is too slow'})")
+        if (undurable > job.max_undurable_steps // 10 or metrics["persist_error"]) and not self._warned_durability:
+            self._warned_durability = True
+            self._warn(f"durability is behind: {undurable} steps not durable in {job.run_url}, "
+                       f"{metrics['persist_failures']} failed writes (last: {metrics['persist_error'] or 'none'}); "
+                       f"the run fails beyond {job.max_undurable_steps}")
+        elif self._warned_durability and not metrics["persist_error"] and undurable <= job.max_undurable_steps // 10:
+            self._warned_durability = False
+            self._warn(f"durability caught up: {undurable} steps not durable")
+        if metrics["lag_steps"] > self.max_lag_steps:
+            return Failure("shadow_lag", self.step, f"lag {metrics['lag_steps']} steps")
+        return None
+
+    def _recover(self) -> State:
+        failure = self.failure
+        started = self._failure_started or time.perf_counter()
+        self._failure_started = None
+        while True:  # until the restarted trainer (a new incarnation) has recovered in its constructor
+            try:
+                info = call_when_alive(lambda: self.trainer.recovery.remote())
+            except RayActorError as exc:
+                return self._handle(Failure("trainer_gone", failure.step, str(exc).splitlines()[0]))
+            if info["incarnation"] != self.incarnation:
+                break
+            time.sleep(0.02)
+        self.incarnation = info["incarnation"]
+        seconds = time.perf_counter() - started
+        self.recoveries.append(Recovery(failed_at_step=failure.step, mode=failure.mode, recovered_step=info["step"],
+                                        seconds=seconds, image_source=info["source"],
+                                        image_step=info.get("image_step"), replayed_records=info["replayed_records"]))
+        self.say(f"  trainer lost at step {failure.step} ({failure.mode}); recovered at step {info['step']} from "
+                 f"{info['source']} image in {seconds:.2f} s ({info['replayed_records']} records replayed)")
+        self.step = info["step"]
+        if info.get("state_hash"):
+            self.step_hashes[self.step] = info["state_hash"]
+        self.shadow_incarnation = self._metrics()["incarnation"]  # a host failure restarts the shadow too
+        return State.RUNNING
+
+    def _resync(self) -> State:
+        packed = call_when_alive(lambda: self.trainer.export_state.remote())
+        call_when_alive(lambda: self.shadow.resync.remote(packed[:2], packed[2]))
+        ray.get(self.trainer.resynced.remote(packed[2]))
+        self.resyncs.append((packed[2], self.resync_reason))
+        metrics = self._metrics()
+        self.lag_samples.append((self.step, metrics["lag_steps"]))
+        self.say(f"  {self.resync_reason}: resynced from the trainer at step {packed[2]}")
+        return State.RUNNING
+
+    def _finish(self) -> State:
+        job, task = self.job, self.task
+        final_step, final_hash = ray.get(self.trainer.state_hash.remote())
+        try:
+            metrics = call_when_alive(lambda: self.shadow.drain.remote(final_step, DRAIN_SECONDS))
+        except RayTaskError as exc:
+            return self._handle(Failure("drain_failed", final_step, f"the final state could not be made durable: "
+                                        f"{str(exc.cause) if exc.cause else exc}"))
+        _, shadow_hash = call_when_alive(lambda: self.shadow.replica_hash.remote())
+        publisher = ray.get(self.trainer.publisher_stats.remote())
+        evaluations = self.evaluations
+        self.summary = RunSummary(
+            run_id=job.run_id, steps=final_step, final_state_hash=final_hash, shadow_state_hash=shadow_hash,
+            losses=self.losses, recoveries=self.recoveries, metrics=metrics,
+            publish_us_median=(self.last or {}).get("publish_us_median"),
+            trainer_seconds_per_step=self.seconds_timed / max(self.steps_timed, 1),
+            snapshot_interval=metrics["snapshot_interval"], profile=self.profile, storage=job.run_url,
+            step_hashes=self.step_hashes, lag_samples=self.lag_samples, resumed_from_step=self.resumed_from,
+            task=task.summary(), metric=task.metric, evaluations=dict(sorted(evaluations.items())),
+            metric_before=evaluations[min(evaluations)][task.metric] if evaluations else None,
+            metric_after=evaluations[final_step][task.metric] if final_step in evaluations else None,
+            eval_seconds=self.eval_seconds, shadow_restarts=self.shadow_restarts,
+            resent_records=publisher["resent_records"], resyncs=self.resyncs, warnings=self.warnings,
+            states=self.states + [State.DONE.value],
+        )
+        return State.DONE
+
+    # ------------------------------------------------------------------ helpers
+
+    def _metrics(self) -> dict:
+        try:
+            return call_when_alive(lambda: self.shadow.metrics.remote())
+        except ActorDiedError as exc:
+            raise _Gone(Failure("shadow_gone", self.step, str(exc).splitlines()[0])) from exc
+
+    def _absorb(self, p: dict) -> float:
+        """Take a trainer progress report's hashes and evaluations; returns its evaluation seconds."""
+        self.step_hashes.update(p.get("step_hashes") or {})
+        self.evaluations.update(p.get("evaluations") or {})
+        self.eval_seconds += p.get("eval_seconds", 0.0)
+        return p.get("eval_seconds", 0.0)
+
+    def _warn(self, message: str) -> None:
+        self.warnings.append(f"step {self.step}: {message}")
+        self.say(f"  warning: {message}")
+
+    def _stop_actors(self) -> None:
+        for actor in (self.trainer, self.shadow):
+            if actor is None:
+                continue
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        if self.given_pg is None and self.pg is not None:
+            remove_placement_group(self.pg)
+
+
+class _Gone(Exception):
+    """The shadow is gone for good: carries the failure to the state loop."""
+
+    def __init__(self, failure: Failure):
+        super().__init__(failure.detail)
+        self.failure = failure
+
+
+DEFAULT_MAX_LAG_STEPS = 64
+"""Resync bound when the job sets none and the startup profile gives none."""
+DRAIN_SECONDS = 300.0
+"""How long the end of a run waits for the shadow to replay and persist the final state."""
+
+
+def run(job: JobConfig, fail_at: list[int] | None = None,
+        fail_mode: Literal["software", "host", "shadow"] = "software",
         progress: Callable[[str], None] | None = print, kill_node: Callable[[], None] | None = None,
         placement_group: PlacementGroup | None = None, first_bundle: int = 0,
-        on_segment: Callable[[dict, dict], None] | None = None) -> RunSummary:
+        on_segment: Callable[[dict, dict], None] | None = None, faults: FaultInjection | None = None) -> RunSummary:
     """Run `job` to completion on the connected Ray cluster (a local one is started if none).
 
     A run whose storage already holds a snapshot of `job.run_id` resumes from it (the newest
     durable image plus the log, exactly). `placement_group`: an existing, reserved group (a Ray
     Tune trial's) whose bundles `first_bundle` (trainer) and `first_bundle + 1` (shadow) the
     actors use; it is left in place. `on_segment(progress, metrics)` is called after each
-    segment with the trainer's progress and the shadow's metrics.
+    segment with the trainer's progress and the shadow's metrics. `fail_at` / `fail_mode` /
+    `faults` inject failures (tests, benchmarks, the demonstration): `software` kills the
+    trainer process, `host` both processes, `shadow` the shadow process.
+    Raises `JobConfigError` before any actor starts for a job that cannot run, and
+    `RunFailedError` for a run that cannot go on.
     """
     say = progress or (lambda line: None)
     task = check_task(job)  # bad data, labels or a task/model mismatch fail here, before any actor starts
     try:  # an unusable storage URL fails here, before any actor starts
-        SnapshotStore(job.run_url, job.storage_options)
+        open_storage(job.run_url, job.storage_options, create=True)
     except StorageError as exc:
         raise JobConfigError(f"storage={job.storage!r} cannot be used: {exc}") from exc
+    if fail_mode not in ("software", "host", "shadow"):
+        raise JobConfigError(f"fail_mode must be software, host or shadow, got {fail_mode!r}")
     if not ray.is_initialized():
         ray.init(namespace=NAMESPACE, log_to_driver=False)
     if placement_group is None:
@@ -207,127 +578,5 @@ def run(job: JobConfig, fail_at: list[int] | None = None, fail_mode: Literal["so
         if failures[0] <= profile_steps:
             raise JobConfigError(f"fail_at step {failures[0]} falls in the startup profile (its first "
                                  f"{profile_steps} steps); fail later or set snapshot_interval")
-    pg, shadow, trainer = start_actors(job, gpus, placement_group, first_bundle)
-    recoveries: list[Recovery] = []
-    losses: list[tuple[int, float]] = []
-    profile = None
-    step, started, last = 0, time.perf_counter(), None
-    steps_timed, seconds_timed = 0, 0.0
-    step_hashes: dict[int, str] = {}
-    lag_samples: list[tuple[int, int]] = []
-    evaluations: dict[int, dict[str, float]] = {}
-    eval_seconds = 0.0
-
-    def absorb(p: dict) -> float:
-        """Take a trainer progress report's hashes and evaluations; returns its evaluation seconds."""
-        nonlocal eval_seconds
-        step_hashes.update(p.get("step_hashes") or {})
-        evaluations.update(p.get("evaluations") or {})
-        eval_seconds += p.get("eval_seconds", 0.0)
-        return p.get("eval_seconds", 0.0)
-
-    say(f"run {job.run_id}: {job.model} {job.dtype} {job.zo.optimizer}, {job.steps} steps, storage {job.run_url}")
-    say(f"  task {task.config.kind}: {task.n_train} training rows, {task.n_eval} held-out rows "
-        f"({task.metric}), batch {task.config.batch_size}, {task.tokenizer.describe()}")
-    started_from = call_when_alive(lambda: trainer.recovery.remote())
-    incarnation = started_from["incarnation"]
-    resumed_from = started_from["step"] if started_from["source"] != "fresh" else None
-    if resumed_from is not None:
-        step = resumed_from
-        say(f"  resumed from the {started_from['source']} image at step {step}")
-
-    def recovered(failed_at: int, failure_started: float, mode: str) -> None:
-        nonlocal step, incarnation
-        while True:  # until the restarted trainer (a new incarnation) has recovered in its constructor
-            info = call_when_alive(lambda: trainer.recovery.remote())
-            if info["incarnation"] != incarnation:
-                break
-            time.sleep(0.02)
-        incarnation = info["incarnation"]
-        seconds = time.perf_counter() - failure_started
-        recoveries.append(Recovery(failed_at_step=failed_at, mode=mode, recovered_step=info["step"],
-                                   seconds=seconds, image_source=info["source"], image_step=info.get("image_step"),
-                                   replayed_records=info["replayed_records"]))
-        say(f"  trainer lost at step {failed_at} ({mode}); recovered at step {info['step']} from "
-            f"{info['source']} image in {seconds:.2f} s ({info['replayed_records']} records replayed)")
-        step = info["step"]
-        if info.get("state_hash"):
-            step_hashes[step] = info["state_hash"]
-
-    try:
-        if job.snapshot_interval is None and step < job.steps:
-            report = startup_profile(job, trainer, shadow, absorb, first_step=step)
-            step += report.training_steps
-            profile = report.model_dump(mode="json")
-            say(f"  profile ({report.training_steps} steps, {report.profile_seconds:.1f} s): trainer step "
-                f"{report.timings.gpu_step_seconds * 1e3:.1f} ms, replay {report.timings.replay_step_seconds * 1e3:.2f} ms "
-                f"on {report.replay_threads} threads, snapshot {report.timings.snapshot_cost_seconds * 1e3:.2f} ms, "
-                f"persist {report.timings.persist_seconds * 1e3:.0f} ms: {report.plan.regime} regime, "
-                f"snapshot every {report.snapshot_interval} steps")
-        while step < job.steps:
-            target = min(job.steps, (step // job.log_interval + 1) * job.log_interval)
-            fail = failures[0] if failures and step < failures[0] <= target else None
-            segment_start = time.perf_counter()
-            if fail is not None:
-                failures.pop(0)
-                if fail_mode == "software":
-                    try:
-                        ray.get(trainer.run.remote(fail + 1, fail))  # the trainer process exits at `fail`
-                    except RayActorError:
-                        pass
-                    else:
-                        raise RuntimeError(f"the trainer survived its injected failure at step {fail}")
-                    recovered(fail, time.perf_counter(), "software")
-                    continue
-                absorb(ray.get(trainer.run.remote(fail)))
-                started_failure = time.perf_counter()
-                (kill_node or _lose_processes(trainer, shadow))()
-                recovered(fail, started_failure, "host")
-                continue
-            try:
-                last = ray.get(trainer.run.remote(target))
-            except RayActorError:  # a failure nobody injected: Ray restarts the trainer, it recovers
-                recovered(step, time.perf_counter(), "unplanned")
-                continue
-            elapsed = time.perf_counter() - segment_start - absorb(last)
-            steps_timed += last["step"] - step
-            seconds_timed += elapsed
-            step = last["step"]
-            losses.append((step, last["loss"]))
-            metrics = ray.get(shadow.metrics.remote())
-            if metrics["lag_steps"] > job.max_lag_steps:
-                packed = ray.get(trainer.export_state.remote())
-                ray.get(shadow.resync.remote(packed[:2], packed[2]))
-                metrics = ray.get(shadow.metrics.remote())
-                say(f"  shadow lagged {metrics['lag_steps']} steps: resynced from the trainer")
-            lag_samples.append((step, metrics["lag_steps"]))
-            if on_segment is not None:
-                on_segment(last, metrics)
-            evaluated = max(last.get("evaluations") or {}, default=None)
-            held_out = (f"  held-out {task.metric} {last['evaluations'][evaluated][task.metric]:.4f}"
-                        if evaluated is not None else "")
-            say(f"  step {step:5d}  loss {last['loss']:.4f}  lag {metrics['lag_steps']:3d}  "
-                f"snapshot {metrics['snapshot_step']}  durable {metrics['durable_step']}{held_out}")
-        final_step, final_hash = ray.get(trainer.state_hash.remote())
-        metrics = ray.get(shadow.finish.remote(final_step))
-        _, shadow_hash = ray.get(shadow.replica_hash.remote())
-        return RunSummary(
-            run_id=job.run_id, steps=final_step, final_state_hash=final_hash, shadow_state_hash=shadow_hash,
-            losses=losses, recoveries=recoveries, metrics=metrics,
-            publish_us_median=(last or {}).get("publish_us_median"),
-            trainer_seconds_per_step=seconds_timed / max(steps_timed, 1),
-            snapshot_interval=metrics["snapshot_interval"], profile=profile, storage=job.run_url,
-            step_hashes=step_hashes, lag_samples=lag_samples, resumed_from_step=resumed_from,
-            task=task.summary(), metric=task.metric, evaluations=dict(sorted(evaluations.items())),
-            metric_before=evaluations[min(evaluations)][task.metric] if evaluations else None,
-            metric_after=evaluations[final_step][task.metric] if final_step in evaluations else None,
-            eval_seconds=eval_seconds,
-        )
-    finally:
-        for actor in (trainer, shadow):
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
-                pass
-        if placement_group is None:
-            remove_placement_group(pg)
+    return Controller(job, task, gpus, failures, fail_mode, say, kill_node, placement_group, first_bundle, on_segment,
+                      faults or NO_FAULTS).run()

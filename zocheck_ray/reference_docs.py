@@ -94,7 +94,7 @@ def undocumented_fields() -> list[str]:
 
 def _sections():
     from zocheck_ray.actors.metrics import ShadowMetrics
-    from zocheck_ray.config import FaultInjection, JobConfig
+    from zocheck_ray.config import JobConfig
     from zocheck_ray.controller import Recovery, RunSummary
     from zocheck_ray.core.config import ZOConfig
     from zocheck_ray.workload.task_config import TaskConfig
@@ -103,7 +103,6 @@ def _sections():
         ("`JobConfig`: the job (YAML file, `--set key=value`)", JobConfig, "", True),
         ("`zo`: the zeroth-order optimizer (`ZOConfig`)", ZOConfig, "zo.", True),
         ("`task`: data, prompt, batches, evaluation (`TaskConfig`)", TaskConfig, "task.", True),
-        ("`faults`: fault injection (`FaultInjection`)", FaultInjection, "faults.", True),
         ("Shadow metrics (`ShadowMetrics`: `zocheck-ray status`, gauges `zocheck_shadow_*`)", ShadowMetrics, "", False),
         ("Run summary (`RunSummary`: `zocheck_ray.run(...)`, `zocheck-ray train --json`)", RunSummary, "", False),
         ("Recoveries (`Recovery`: `RunSummary.recoveries`)", Recovery, "", False),

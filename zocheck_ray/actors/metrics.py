@@ -12,14 +12,16 @@ class ShadowMetrics(BaseModel):
 
     run_id: str
     """The run these metrics belong to."""
+    incarnation: str
+    """Which shadow process answers (a new one after Ray restarts the shadow)."""
     trainer_step: int
-    """Steps the trainer has published (the next step it will run)."""
+    """The trainer's step (the next step it will run), as the trainer last reported it."""
     received_step: int
-    """Records received and logged, in order (the next step expected)."""
+    """Records accepted, in order (the next step expected)."""
     replayed_step: int
     """The replica is at this step (records applied)."""
     lag_steps: int
-    """received_step - replayed_step."""
+    """trainer_step - replayed_step: how far the replica is behind the trainer."""
     lag_seconds: float
     """lag_steps times the replay time per step."""
     replay_seconds_per_step: float
@@ -32,6 +34,8 @@ class ShadowMetrics(BaseModel):
     """Step of the newest committed durable snapshot."""
     durable_log_step: int | None
     """Last step whose record is durable in the step log."""
+    undurable_steps: int
+    """trainer_step minus the steps durable in the log: what a lost node would have to recompute."""
     persist_in_flight: bool
     """A snapshot write to durable storage is in progress (one at a time; newer images skip older ones)."""
     last_persist_seconds: float | None
@@ -44,7 +48,28 @@ class ShadowMetrics(BaseModel):
     """Times the shadow was reset from a copy of the trainer's state (lag above `max_lag_steps`)."""
     rejected_records: int
     """Records refused because they came from the past or the future."""
+    persist_failures: int
+    """Failed attempts to write the log or a snapshot (each retried with backoff)."""
+    persist_failing_seconds: float
+    """How long persistence has been failing without a success (0 when it works)."""
+    ingest_error: str | None = None
+    """The last error of the ingest stage (a damaged push)."""
+    replay_error: str | None = None
+    """The replay stage's error: it stopped, and only a resync from the trainer repairs the replica."""
+    persist_error: str | None = None
+    """The last error of the persistence stage (cleared by the next success)."""
     regime: Literal["keep-pace", "lag", "unknown"]
     """The cost model's regime: `keep-pace` (replay faster than training), `lag` (slower), `unknown` (no profile)."""
     source: str
     """Where the replica came from: fresh, durable, resync."""
+
+
+def numeric_fields(metrics: ShadowMetrics) -> dict[str, float]:
+    """Every numeric field (booleans as 0/1; unset ones left out): what the Prometheus gauges export."""
+    out = {}
+    for name, value in metrics.model_dump().items():
+        if isinstance(value, bool):
+            out[name] = float(value)
+        elif isinstance(value, (int, float)):
+            out[name] = float(value)
+    return out

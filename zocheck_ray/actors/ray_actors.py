@@ -1,10 +1,11 @@
-"""Ray actors around `Trainer` and `Shadow`, and the link between them.
+"""Ray transport for `Trainer` and `Shadow`: actors and the link between them.
 
-Records travel trainer -> shadow in batches of fire-and-forget `push` calls from
-one publishing thread (so Ray keeps them in order); images travel as one flat
-buffer in the object store. Images are owned by the shadow process: a trainer
-failure finds them alive, a shadow failure is repaired by a resync from the live
-trainer, and a node loss by the durable snapshot and log.
+Records travel trainer -> shadow in batches from one publishing thread (so Ray keeps
+them in order); every push is answered with what the shadow holds, and the trainer
+re-sends what a restarted shadow lacks (see `actors/publisher.py`). Images travel as
+one flat buffer in the object store, owned by the shadow process: a trainer failure
+finds them alive; a shadow failure is repaired from durable storage plus the
+trainer's re-sent records; a node loss from the durable snapshot and log.
 """
 
 from __future__ import annotations
@@ -17,11 +18,15 @@ import ray
 import torch
 from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError
 
-from zocheck_ray.actors.image import unpack
+from zocheck_ray.actors.image import pack, unpack
+from zocheck_ray.actors.metrics import numeric_fields
+from zocheck_ray.actors.publisher import PushReply
 from zocheck_ray.actors.shadow import Shadow
 from zocheck_ray.actors.trainer import Trainer
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord
+from zocheck_ray.core.record import decode_records
+from zocheck_ray.faults import FaultInjection
 
 NAMESPACE = "zocheck"
 
@@ -48,13 +53,14 @@ def trainer_name(run_id: str) -> str:
 
 @ray.remote(num_gpus=0, concurrency_groups={"inbox": 1, "control": 4})
 class ShadowActor:
-    """CPU-only shadow: replay thread, snapshots in the object store, durable persistence."""
+    """CPU-only shadow (see `Shadow`): pushes on one thread in order, everything else beside them."""
 
-    def __init__(self, job: dict):
+    def __init__(self, job: dict, faults: dict | None = None):
         logging.basicConfig(level=logging.INFO)
         self.job = JobConfig.model_validate(job)
         threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
-        self.shadow = Shadow(self.job, publish=ray.put, threads=threads)
+        self.shadow = Shadow(self.job, publish=ray.put, threads=threads,
+                             faults=FaultInjection.model_validate(faults or {}))
         self._gauges = None
 
     @ray.method(concurrency_group="control")
@@ -62,8 +68,8 @@ class ShadowActor:
         return True
 
     @ray.method(concurrency_group="inbox")  # one at a time, in submission order
-    def push(self, data: bytes) -> int:
-        return self.shadow.push(data)
+    def push(self, data: bytes, trainer_step: int | None = None) -> tuple:
+        return tuple(self.shadow.push(data, trainer_step))
 
     @ray.method(concurrency_group="control")
     def initialize(self, packed: list, step: int) -> None:
@@ -81,7 +87,7 @@ class ShadowActor:
         if image is None:
             return None
         return {"ref": [image.handle], "layout": image.layout, "step": image.step,
-                "records": b"".join(r.to_bytes() for r in records), "source": self.shadow.source}
+                "records": b"".join(r.to_bytes() for r in records), "source": self.shadow.replay.source}
 
     @ray.method(concurrency_group="control")
     def metrics(self) -> dict:
@@ -92,13 +98,15 @@ class ShadowActor:
     def _export(self, m) -> None:
         from ray.util.metrics import Gauge
 
+        values = numeric_fields(m)
         if self._gauges is None:
-            names = ["lag_steps", "lag_seconds", "replay_seconds_per_step", "snapshot_interval", "replayed_step",
-                     "received_step", "resync_count"]
             self._gauges = {n: Gauge(f"zocheck_shadow_{n}", description=f"zocheck-ray shadow {n}",
-                                     tag_keys=("run_id",)) for n in names}
+                                     tag_keys=("run_id",)) for n in type(m).model_fields
+                            if n not in ("run_id", "incarnation", "regime", "source")
+                            and not n.endswith("_error")}
         for name, gauge in self._gauges.items():
-            gauge.set(float(getattr(m, name)), tags={"run_id": m.run_id})
+            if name in values:
+                gauge.set(values[name], tags={"run_id": m.run_id})
 
     @ray.method(concurrency_group="control")
     def profile_replay(self, threads: int) -> float | None:
@@ -113,30 +121,25 @@ class ShadowActor:
         return self.shadow.last_persist_seconds
 
     @ray.method(concurrency_group="control")
-    def end_profile(self, threads: int, snapshot_interval: int) -> None:
-        self.shadow.end_profile(threads, snapshot_interval)
-
-    @ray.method(concurrency_group="control")
-    def wait_replayed(self, step: int, timeout: float = 120.0) -> bool:
-        return self.shadow.wait_replayed(step, timeout)
+    def end_profile(self, threads: int, snapshot_interval: int, regime: str = "unknown") -> None:
+        self.shadow.end_profile(threads, snapshot_interval, regime)
 
     @ray.method(concurrency_group="control")
     def replica_hash(self) -> tuple[int, str]:
         return self.shadow.replica_hash()
 
     @ray.method(concurrency_group="control")
-    def finish(self, step: int, timeout: float = 300.0) -> dict:
-        """Wait for the replica to reach `step`, persist its final image and flush the log."""
-        if not self.shadow.wait_replayed(step, timeout):
-            raise TimeoutError(f"the shadow did not replay up to step {step} within {timeout} s")
-        with self.shadow._replica_lock, self.shadow._lock:
-            if self.shadow.image is None or self.shadow.image.step != step:
-                self.shadow._snapshot_locked()
-            image = self.shadow.image
-        self.shadow.flush_log()
-        if self.shadow.store is not None and self.shadow.durable_step != image.step:
-            self.shadow._persist_now(image)
-        return self.metrics()
+    def drain(self, step: int, timeout: float = 300.0) -> dict:
+        """Every record before `step` replayed, the image of `step` taken and durable; returns the metrics."""
+        m = self.shadow.drain(step, timeout)
+        self._export(m)
+        return m.model_dump()
+
+    @ray.method(concurrency_group="control")
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
 
     @ray.method(concurrency_group="control")
     def close(self) -> None:
@@ -149,7 +152,6 @@ class RayShadowLink:
     def __init__(self, run_id: str):
         self.actor = ray.get_actor(shadow_name(run_id), namespace=NAMESPACE)
 
-    @ray.method(concurrency_group="control")
     def recovery_image(self, timeout: float = 300.0):
         # The image may belong to a shadow that is dying right now (both processes lost):
         # ask again until the shadow that answers is one that lives.
@@ -165,35 +167,40 @@ class RayShadowLink:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
-        records, offset, data = [], 0, found["records"]
-        while offset < len(data):
-            record, offset = StepRecord.read_from(data, offset)
-            records.append(record)
+        records = decode_records(found["records"])
         source = "durable" if found["source"] == "durable" else "memory"
         return unpack(buffer, found["layout"], copy=True), found["step"], records, source
 
-    @ray.method(concurrency_group="control")
     def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
-        from zocheck_ray.actors.image import pack
-
         buffer, layout = pack(state)
         ref = ray.put(buffer)
         call_when_alive(lambda: self.actor.initialize.remote([ref, layout], step))
 
-    def push(self, data: bytes) -> None:
-        self.actor.push.remote(data)
+    def push(self, data: bytes, trainer_step: int):
+        return self.actor.push.remote(data, trainer_step)
+
+    def poll(self, handles: list) -> list:
+        done, _ = ray.wait(handles, num_returns=len(handles), timeout=0, fetch_local=True)
+        out = []
+        for ref in done:
+            try:
+                out.append((ref, PushReply(*ray.get(ref))))
+            except Exception as exc:  # the shadow died or is restarting: the publisher asks again later
+                out.append((ref, exc))
+        return out
 
 
 @ray.remote
 class TrainerActor:
     """Runs the ZO loop on its GPU (or the CPU); recovers exactly in its constructor."""
 
-    def __init__(self, job: dict):
+    def __init__(self, job: dict, faults: dict | None = None):
         logging.basicConfig(level=logging.INFO)
         self.job = JobConfig.model_validate(job)
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
         self.incarnation = uuid.uuid4().hex  # tells a restarted trainer from the one before
-        self.trainer = Trainer(self.job, RayShadowLink(self.job.run_id), device=device)
+        self.trainer = Trainer(self.job, RayShadowLink(self.job.run_id), device=device,
+                               faults=FaultInjection.model_validate(faults or {}))
 
     def recovery(self) -> dict:
         return {**self.trainer.recovery, "incarnation": self.incarnation}
@@ -202,11 +209,12 @@ class TrainerActor:
         return self.trainer.run(until_step, die_at_step)
 
     def export_state(self) -> list:
-        from zocheck_ray.actors.image import pack
-
         state, step = self.trainer.export_state()
         buffer, layout = pack(state)
         return [ray.put(buffer), layout, step]
+
+    def resynced(self, step: int) -> None:
+        self.trainer.publisher.clear_gap(step)
 
     def state_hash(self) -> tuple[int, str]:
         return self.trainer.state_hash()
@@ -216,3 +224,6 @@ class TrainerActor:
 
     def step_time(self) -> dict:
         return self.trainer.progress()
+
+    def publisher_stats(self) -> dict:
+        return self.trainer.publisher.stats()

@@ -1,36 +1,57 @@
-"""The shadow: replays step records on a host replica, snapshots it, persists it.
+"""The shadow: a pipeline that replays step records on a host replica, snapshots it, persists it.
 
-`Shadow` is Ray-free (tests drive it directly); `ShadowActor` in `ray_actors.py`
-wraps it. Threads:
-- the caller's (Ray's) thread: `push` decodes records, checks their order and logs them;
-- the replay thread: applies records with the fused kernel, takes a snapshot at
-  every multiple of N (a clean boundary), keeps the records after the newest image;
-- the persistence thread: flushes the step log and writes the newest snapshot,
-  one write in flight; older images are skipped, never queued.
+    ingest   the caller's thread (ShadowActor's single "inbox" thread): decode, check the
+             order, accept into the `RecordLedger`. The only place a record is accepted.
+    replay   its own thread, owner of the replica: applies records with the fused kernel up
+             to each multiple of N, then snapshots: the image goes to the ledger (recovering
+             trainers read it with the records after it) and to the persistence stage.
+    persist  its own thread, owner of the snapshot store and the step log: appends accepted
+             records to the durable log and writes the newest image, one write in flight,
+             older images skipped. Every storage error is caught, counted, reported in the
+             metrics and retried with backoff: an outage delays durability, never ends it,
+             and ingest never waits for storage.
+
+`Shadow` is Ray-free (tests drive it directly); `ShadowActor` in `ray_actors.py` is its
+transport. Other threads reach the replay stage only through `ReplayStage.call`, which
+runs a function on its thread between batches; each stage publishes its counters as
+plain values that `metrics()` reads.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from collections import deque
+import uuid
+from concurrent.futures import Future
 from typing import Callable
 
 import numpy as np
 import torch
 
 from zocheck_ray.actors.image import ImageLayout, new_buffer, pack_into, unpack
+from zocheck_ray.actors.ledger import LOG, REPLAY, RecordLedger
 from zocheck_ray.actors.metrics import ShadowMetrics
+from zocheck_ray.actors.publisher import PushReply
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord, replay, state_hash
+from zocheck_ray.core.errors import CorruptRecordError
+from zocheck_ray.core.fused import warm_up
 from zocheck_ray.core.record import decode_records
-from zocheck_ray.storage import SnapshotStore, StepLog, recover
-from zocheck_ray.workload.models import model_config_dict
+from zocheck_ray.faults import NO_FAULTS, FaultInjection
+from zocheck_ray.storage import SnapshotStore, StepLog, StorageError, recover
+from zocheck_ray.workload.models import TORCH_DTYPES, model_config_dict
 
 logger = logging.getLogger(__name__)
 
 MAX_REPLAY_BATCH = 64
+LOG_FLUSH_SECONDS = 0.05
+"""The persistence stage writes the log (and looks for a new image) at least this often."""
+MAX_BACKOFF_SECONDS = 5.0
+"""Retries of a failing store wait 0.1 s, 0.2 s, ... up to this."""
+STARTUP_STORAGE_SECONDS = 120.0
+"""How long a shadow coming back from durable storage waits for the store to answer."""
 
 
 class Image:
@@ -40,292 +61,505 @@ class Image:
         self.step, self.buffer, self.layout, self.handle = step, buffer, layout, handle
 
 
-class Shadow:
-    def __init__(self, job: JobConfig, publish: Callable[[np.ndarray], object] | None = None,
-                 threads: int | None = None, persist: bool = True):
-        self.job = job
+class StageError(RuntimeError):
+    """A stage cannot go on (the message says which and why)."""
+
+
+# ---------------------------------------------------------------------------------------- replay
+
+
+class ReplayStage:
+    """Owns the replica: applies the ledger's records, snapshots at multiples of N."""
+
+    def __init__(self, ledger: RecordLedger, job: JobConfig, publish: Callable[[np.ndarray], object],
+                 on_image: Callable[[Image], None], threads: int | None, faults: FaultInjection):
+        self.ledger = ledger
         self.zo = job.zo
         self.threads = threads
-        self._publish = publish or (lambda buffer: None)
         self.snapshot_interval = job.snapshot_interval or 16
-        self._lock = threading.RLock()           # inbox, image and counters
-        self._replica_lock = threading.RLock()   # the replica's contents
-        self._arrived = threading.Condition(self._lock)
-        self._inbox: deque[StepRecord] = deque()
-        self._tail: list[StepRecord] = []        # records after the newest image, in order
+        self._publish = publish
+        self._on_image = on_image
+        self._delay = faults.replay_delay_seconds
         self.replica: dict[str, torch.Tensor] | None = None
         self.layout: ImageLayout | None = None
-        self.image: Image | None = None
-        self.received_step = 0
         self.replayed_step = 0
-        self.trainer_step = 0
         self.source = "none"
         self.replay_ema = 0.0
         self.snapshots_taken = 0
-        self.snapshots_persisted = 0
         self.resync_count = 0
-        self.rejected = 0
-        self.last_rejection = ""
-        self.last_persist_seconds: float | None = None
-        self.last_snapshot_seconds: float | None = None
-        self._last_record: StepRecord | None = None
+        self.error: str | None = None
+        self.last_record: StepRecord | None = None
         self._scratch: dict[str, torch.Tensor] | None = None
-        self._persist_busy = False
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._progress = threading.Condition()
         self._stop = threading.Event()
-        self.store = SnapshotStore(job.run_url, job.storage_options) if persist else None
-        self._hf_config = model_config_dict(job.model)  # so a snapshot directory loads with from_pretrained
-        self.log: StepLog | None = None
-        self._log_lock = threading.Lock()
-        self._persist_lock = threading.Lock()
-        self.durable_step: int | None = None
-        if self.store is not None:
-            self._try_durable_rebuild()
-        self._replay_thread = threading.Thread(target=self._replay_loop, name="zocheck-replay", daemon=True)
-        self._replay_thread.start()
-        self._persist_thread = threading.Thread(target=self._persist_loop, name="zocheck-persist", daemon=True)
-        if self.store is not None:
-            self._persist_thread.start()
+        self._thread = threading.Thread(target=self._loop, name="zocheck-replay", daemon=True)
 
-    # ------------------------------------------------------------------ state in
+    def start(self) -> None:
+        self._thread.start()
 
-    def _try_durable_rebuild(self) -> None:
-        latest = self.store.latest()
-        if latest is None:
-            return
-        result = recover(self.store, self.job.run_url, storage_options=self.job.storage_options,
-                         config=self.zo, threads=self.threads)
-        for problem in result.problems:
-            logger.warning("durable recovery: %s", problem)
-        self._adopt(result.state, result.step, "durable")
-        self.durable_step = result.snapshot.step
-        logger.info("shadow rebuilt from durable storage at step %d (%d records replayed)", result.step,
-                    result.records_replayed)
+    def wake(self) -> None:
+        self._wake.set()
 
-    def _adopt(self, state: dict[str, torch.Tensor], step: int, source: str) -> None:
-        with self._replica_lock, self._lock:
-            self.layout = ImageLayout.of(state)
-            self.replica = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
-            self.received_step = self.replayed_step = self.trainer_step = step
-            self._inbox.clear()
-            self.source = source
-            self._snapshot_locked()
-        self._open_log(step)
+    def call(self, fn: Callable[[], object], timeout: float | None = 300.0):
+        """Run `fn` on the replay thread between batches; returns its result (or raises its error)."""
+        if not self._thread.is_alive():
+            return fn()  # not started yet (construction) or stopped: nobody else touches the replica
+        future: Future = Future()
+        self._commands.put((fn, future))
+        self._wake.set()
+        return future.result(timeout)
 
-    def _open_log(self, step: int) -> None:
-        if self.store is None:
-            return
-        with self._log_lock:
-            if self.log is not None:
-                self.log.close()
-            self.log = StepLog(self.job.run_url, self.job.storage_options, seal_records=self.job.log_seal_records,
-                               resume_step=step)
+    def wait_replayed(self, step: int, timeout: float) -> bool:
+        with self._progress:
+            return self._progress.wait_for(lambda: self.replayed_step >= step or self.error is not None, timeout) \
+                and self.replayed_step >= step
 
-    def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
-        """A fresh run: the trainer's initial state at `step`."""
-        self._adopt(state, step, "fresh")
-        if self.store is not None:
-            self._persist_now(self.image)
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
 
-    def resync(self, state: dict[str, torch.Tensor], step: int) -> None:
-        """Replace the replica with the trainer's state at `step` (caps the lag)."""
-        with self._replica_lock, self._lock:
-            self.resync_count += 1
-            for name, tensor in state.items():
-                self.replica[name].copy_(tensor)
-            self.replayed_step = step
-            while self._inbox and self._inbox[0].step < step:
-                self._inbox.popleft()
-            if self.received_step < step:
-                self.received_step = self.trainer_step = step
-            self._snapshot_locked()
-            self.source = "resync"
+    # ------------------------------------------------------------------ the thread
 
-    @property
-    def ready(self) -> bool:
-        return self.replica is not None
-
-    # ------------------------------------------------------------------ records in
-
-    def push(self, data: bytes) -> int:
-        """Receive a batch of encoded records; returns how many were accepted."""
-        records = decode_records(data)
-        accepted = 0
-        with self._lock:
-            for record in records:
-                if record.step != self.received_step:
-                    self.rejected += 1
-                    when = "past" if record.step < self.received_step else "future"
-                    self.last_rejection = (f"record of step {record.step} is from the {when}: step "
-                                           f"{self.received_step} is next; not applied")
-                    logger.warning(self.last_rejection)
-                    continue
-                self._inbox.append(record)
-                self._last_record = record
-                self.received_step = record.step + 1
-                accepted += 1
-            self.trainer_step = max(self.trainer_step, self.received_step)
-            if accepted:
-                self._arrived.notify_all()
-        if accepted and self.log is not None:
-            with self._log_lock:
-                for record in records[-accepted:]:
-                    self.log.append(record)
-        return accepted
-
-    # ------------------------------------------------------------------ replay
-
-    def _replay_loop(self) -> None:
-        # Lock order: _replica_lock, then _lock. Replay runs outside _lock, so pushes and
-        # metrics are never held up by it.
+    def _loop(self) -> None:
         while not self._stop.is_set():
-            with self._lock:
-                if not self._inbox or self.replica is None:
-                    self._arrived.wait(0.05)
-                    continue
-            with self._replica_lock:
-                with self._lock:
-                    boundary = (self.replayed_step // self.snapshot_interval + 1) * self.snapshot_interval
-                    batch = []
-                    while self._inbox and len(batch) < MAX_REPLAY_BATCH and self._inbox[0].step < boundary:
-                        batch.append(self._inbox.popleft())
-                    start_step = self.replayed_step
-                if not batch:
-                    continue
-                start = time.perf_counter()
-                replay(self.replica, batch, self.zo, threads=self.threads, start_step=start_step)
-                if self.job.faults.replay_delay_seconds:
-                    time.sleep(self.job.faults.replay_delay_seconds * len(batch))
-                per_step = (time.perf_counter() - start) / len(batch)
-                with self._lock:
-                    self.replay_ema = per_step if self.replay_ema == 0 else 0.8 * self.replay_ema + 0.2 * per_step
-                    self.replayed_step += len(batch)
-                    self._tail.extend(batch)
-                    if self.replayed_step % self.snapshot_interval == 0:
-                        self._snapshot_locked()
+            self._wake.wait(0.05)
+            self._wake.clear()
+            while not self._stop.is_set():
+                self._run_commands()
+                if not self._replay_batch():
+                    break
 
-    def _snapshot_locked(self) -> None:
-        start = time.perf_counter()
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def _replay_batch(self) -> bool:
+        if self.replica is None or self.error is not None:
+            return False
+        n = self.snapshot_interval
+        boundary = (self.replayed_step // n + 1) * n
+        batch = self.ledger.read(self.replayed_step, boundary, MAX_REPLAY_BATCH)
+        if not batch:
+            return False
+        started = time.perf_counter()
+        try:
+            replay(self.replica, batch, self.zo, threads=self.threads, start_step=self.replayed_step)
+        except Exception as exc:  # the replica is no longer trustworthy: only a resync repairs it
+            self.error = f"replaying steps {batch[0].step}..{batch[-1].step} failed: {exc!r}"
+            logger.exception("replay stage stopped")
+            with self._progress:
+                self._progress.notify_all()
+            return False
+        if self._delay:
+            time.sleep(self._delay * len(batch))
+        per_step = (time.perf_counter() - started) / len(batch)
+        self.replay_ema = per_step if self.replay_ema == 0 else 0.8 * self.replay_ema + 0.2 * per_step
+        self.last_record = batch[-1]
+        with self._progress:
+            self.replayed_step += len(batch)
+            self._progress.notify_all()
+        if self.replayed_step % n == 0:
+            self._snapshot()
+        return True
+
+    def _snapshot(self) -> Image:
         buffer = pack_into(new_buffer(self.layout), self.replica, self.layout)
-        self.last_snapshot_seconds = time.perf_counter() - start
-        handle = self._publish(buffer)
-        self.image = Image(self.replayed_step, buffer, self.layout, handle)
-        self._tail = []
+        image = Image(self.replayed_step, buffer, self.layout, self._publish(buffer))
+        self.ledger.release(REPLAY, image.step, image)
         self.snapshots_taken += 1
+        self._on_image(image)
+        return image
 
-    # ------------------------------------------------------------------ startup profile
+    # ------------------------------------------------------------------ commands (run on the thread)
+
+    def adopt(self, state: dict[str, torch.Tensor], step: int, source: str) -> Image:
+        """A new replica at `step` (the ledger was reset to `step` first)."""
+        self.layout = ImageLayout.of(state)
+        self.replica = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
+        self.source, self.error = source, None
+        with self._progress:
+            self.replayed_step = step
+            self._progress.notify_all()
+        return self._snapshot()
+
+    def resync(self, state: dict[str, torch.Tensor], step: int) -> Image:
+        """The trainer's state at `step` replaces the replica (caps the lag, repairs a failed replay)."""
+        if self.ledger.next_step < step:  # records the shadow never got: start the ledger (and log) at `step`
+            logger.warning("resync to step %d beyond the records received (%d): the log restarts there",
+                           step, self.ledger.next_step)
+            self.ledger.reset(step)
+        for name, tensor in state.items():
+            self.replica[name].copy_(tensor)
+        self.resync_count += 1
+        self.source, self.error = "resync", None
+        with self._progress:
+            self.replayed_step = step
+            self._progress.notify_all()
+        return self._snapshot()
+
+    def snapshot_now(self, step: int) -> Image:
+        """The image at `step` (the replica must be there), taken unless the newest one is it."""
+        if self.replayed_step != step:
+            raise StageError(f"the replica is at step {self.replayed_step}, not {step}")
+        image = self.ledger.image
+        return image if image is not None and image.step == step else self._snapshot()
 
     def profile_replay(self, threads: int) -> float | None:
-        """Seconds to replay the newest record with `threads` threads, on a scratch copy."""
-        with self._lock:
-            record = self._last_record
+        """Seconds to replay the newest record with `threads` threads on a scratch copy (kernel warmed)."""
+        record = self.last_record
         if record is None:
             return None
         if self._scratch is None:
-            with self._replica_lock:
-                self._scratch = {k: v.clone() for k, v in self.replica.items()}
-        start = time.perf_counter()
+            self._scratch = {k: v.clone() for k, v in self.replica.items()}
+        replay(self._scratch, [record], self.zo, threads=threads)  # untimed: loads the kernel for `threads`
+        started = time.perf_counter()
         replay(self._scratch, [record], self.zo, threads=threads)
-        return time.perf_counter() - start
+        return time.perf_counter() - started
 
     def profile_snapshot(self) -> float:
-        """Seconds for one snapshot copy of the replica."""
-        with self._replica_lock:
-            start = time.perf_counter()
-            pack_into(new_buffer(self.layout), self.replica, self.layout)
-            return time.perf_counter() - start
+        started = time.perf_counter()
+        pack_into(new_buffer(self.layout), self.replica, self.layout)
+        return time.perf_counter() - started
 
     def end_profile(self, threads: int, snapshot_interval: int) -> None:
         self._scratch = None
-        self.threads = threads
-        self.snapshot_interval = snapshot_interval
-
-    def recovery_image(self) -> tuple[Image | None, list[StepRecord]]:
-        """The newest image and every received record after it (replayed or not)."""
-        # _replica_lock too: a batch the replay thread is applying has left the inbox but not
-        # yet joined the tail; without it the records handed out would have a gap.
-        with self._replica_lock, self._lock:
-            if self.image is None:
-                return None, []
-            return self.image, list(self._tail) + list(self._inbox)
-
-    def wait_replayed(self, step: int, timeout: float = 60.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                if self.replayed_step >= step:
-                    return True
-            time.sleep(0.005)
-        return False
+        self.threads, self.snapshot_interval = threads, snapshot_interval
 
     def replica_hash(self) -> tuple[int, str]:
-        with self._replica_lock, self._lock:
-            return self.replayed_step, state_hash(self.replica)
+        return self.replayed_step, state_hash(self.replica)
 
-    # ------------------------------------------------------------------ persistence
 
-    def _persist_loop(self) -> None:
-        persisted_step = None
-        while not self._stop.wait(0.05):
-            self.flush_log()
-            image = self.image
-            if image is not None and image.step != persisted_step and self.durable_step != image.step:
-                self._persist_now(image)
-                persisted_step = image.step
+# ---------------------------------------------------------------------------------------- persist
 
-    def _persist_now(self, image: Image) -> None:
-        with self._persist_lock:  # one write in flight
-            if self.durable_step == image.step:
-                return
-            self._persist_locked(image)
 
-    def _persist_locked(self, image: Image) -> None:
-        self._persist_busy = True
-        start = time.perf_counter()
-        try:
-            tensors = unpack(image.buffer, image.layout, copy=False)
-            self.store.save(image.step, tensors, {"run_id": self.job.run_id, "hf_config": self._hf_config,
-                                                  "zo_config": self.zo.model_dump(mode="json")})
-            self.durable_step = image.step
-            self.snapshots_persisted += 1
-            oldest = self.store.committed()[-1].step if self.store.committed() else None
-            if oldest is not None:
-                with self._log_lock:
-                    self.log.collect_garbage(oldest)
-        except Exception:  # a failed write leaves the previous snapshot committed; try the next one
-            logger.exception("persisting the snapshot of step %d failed", image.step)
-        finally:
-            self.last_persist_seconds = time.perf_counter() - start
-            self._persist_busy = False
+class PersistStage:
+    """Owns the snapshot store and the step log: makes records and images durable, whatever the store does."""
 
-    def flush_log(self) -> None:
-        if self.log is None:
-            return
-        with self._log_lock:
-            self.log.flush()
+    def __init__(self, ledger: RecordLedger, job: JobConfig, store: SnapshotStore, meta: dict):
+        self.ledger = ledger
+        self.job = job
+        self.store = store
+        self._meta = meta
+        self.log: StepLog | None = None
+        self._log_generation = -1
+        self._log_next = 0
+        self.durable_step: int | None = None
+        self.durable_log_step: int | None = None
+        self.snapshots_persisted = 0
+        self.last_persist_seconds: float | None = None
+        self.persist_in_flight = False
+        self.failures = 0
+        self.error: str | None = None
+        self.failing_since: float | None = None
+        self._image: Image | None = None
+        self._image_lock = threading.Lock()   # the one-slot mailbox: the newest image wins
+        self._seal_requested = False
+        self._durable = threading.Condition()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="zocheck-persist", daemon=True)
 
-    # ------------------------------------------------------------------ reporting
+    def start(self) -> None:
+        self._thread.start()
 
-    def metrics(self) -> ShadowMetrics:
-        with self._lock:
-            lag = self.received_step - self.replayed_step
-            durable_log = self.log.durable_step if self.log is not None else None
-            regime = "unknown"
-            return ShadowMetrics(
-                run_id=self.job.run_id, trainer_step=self.trainer_step, received_step=self.received_step,
-                replayed_step=self.replayed_step, lag_steps=lag, lag_seconds=lag * self.replay_ema,
-                replay_seconds_per_step=self.replay_ema, snapshot_interval=self.snapshot_interval,
-                snapshot_step=self.image.step if self.image else None, durable_step=self.durable_step,
-                durable_log_step=durable_log, persist_in_flight=self._persist_busy,
-                last_persist_seconds=self.last_persist_seconds, snapshots_taken=self.snapshots_taken,
-                snapshots_persisted=self.snapshots_persisted, resync_count=self.resync_count,
-                rejected_records=self.rejected, regime=regime, source=self.source,
-            )
+    def offer(self, image: Image) -> None:
+        with self._image_lock:
+            if self._image is None or image.step >= self._image.step:
+                self._image = image
+        self._wake.set()
 
-    def close(self) -> None:
+    def wait_durable(self, step: int, timeout: float) -> bool:
+        """Wait until the image of `step` and every record before it are durable."""
+        self._seal_requested = True
+        self._wake.set()
+        with self._durable:
+            return self._durable.wait_for(lambda: self.durable_step == step and self._log_covers(step), timeout)
+
+    def _log_covers(self, step: int) -> bool:
+        return step == 0 or (self.durable_log_step is not None and self.durable_log_step >= step - 1) \
+            or self.ledger.generation_start >= step
+
+    def stop(self) -> None:
         self._stop.set()
-        self._replay_thread.join(timeout=10)
-        if self._persist_thread.is_alive():
-            self._persist_thread.join(timeout=30)
-        with self._log_lock:
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=60)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _loop(self) -> None:
+        backoff = 0.0
+        while True:
+            self._wake.wait(backoff or LOG_FLUSH_SECONDS)
+            self._wake.clear()
+            stopping = self._stop.is_set()
+            try:
+                self._persist_log(seal=stopping or self._seal_requested)
+                self._persist_image()
+            except Exception as exc:  # storage down, full, refusing: report, wait, try again
+                self.failures += 1
+                self.error = f"{type(exc).__name__}: {exc}"
+                if self.failing_since is None:
+                    self.failing_since = time.monotonic()
+                backoff = min(max(2 * backoff, 0.1), MAX_BACKOFF_SECONDS)
+                logger.warning("persistence failed (%d so far), retrying in %.1f s: %s", self.failures, backoff,
+                               self.error)
+                if stopping:
+                    return
+                continue
+            if self.failing_since is not None:
+                logger.info("persistence works again after %.1f s", time.monotonic() - self.failing_since)
+            backoff, self.failing_since, self.error = 0.0, None, None
+            if stopping:
+                return
+
+    def _persist_log(self, seal: bool) -> None:
+        if self.ledger.image is None:
+            return  # no replica yet: the log opens where the first one starts
+        if self.log is None or self._log_generation != self.ledger.generation:
             if self.log is not None:
                 self.log.close()
+                self.log = None
+            generation, start = self.ledger.generation, self.ledger.generation_start
+            self.log = StepLog(self.job.run_url, self.job.storage_options, seal_records=self.job.log_seal_records,
+                               resume_step=start)
+            self._log_generation, self._log_next = generation, start
+            self._publish_log_step()
+        for record in self.ledger.read(self._log_next):
+            self.log.append(record)
+            self._log_next = record.step + 1
+        if seal:
+            self.log.seal()
+            self._seal_requested = False
+        else:
+            self.log.flush()
+        self._publish_log_step()
+
+    def _publish_log_step(self) -> None:
+        durable = self.log.durable_step
+        if durable is not None and durable < self.ledger.generation_start:
+            durable = None  # records of an earlier generation (before a resync) say nothing of this one
+        with self._durable:
+            self.durable_log_step = durable
+            self._durable.notify_all()
+        self.ledger.release(LOG, (durable + 1) if durable is not None else self.ledger.generation_start)
+
+    def _persist_image(self) -> None:
+        with self._image_lock:
+            image = self._image
+        if image is None or image.step == self.durable_step:
+            return
+        self.persist_in_flight = True
+        started = time.perf_counter()
+        try:
+            self.store.save(image.step, unpack(image.buffer, image.layout, copy=False), self._meta)
+        finally:
+            self.persist_in_flight = False
+            self.last_persist_seconds = time.perf_counter() - started
+        with self._image_lock:
+            if self._image is image:
+                self._image = None
+        with self._durable:
+            self.durable_step = image.step
+            self.snapshots_persisted += 1
+            self._durable.notify_all()
+        committed = self.store.committed()
+        if committed and self.log is not None:
+            self.log.collect_garbage(committed[-1].step)  # nothing below the oldest retained snapshot is needed
+
+
+# ---------------------------------------------------------------------------------------- the shadow
+
+
+class Shadow:
+    """Ingest, replay and persistence of one run's records (see the module docstring)."""
+
+    def __init__(self, job: JobConfig, publish: Callable[[np.ndarray], object] | None = None,
+                 threads: int | None = None, persist: bool = True, faults: FaultInjection = NO_FAULTS):
+        self.job = job
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.trainer_step: int | None = None
+        self.rejected = 0
+        self.last_rejection = ""
+        self.ingest_error: str | None = None
+        self.regime = "unknown"
+        warm = threading.Thread(target=warm_up, args=(TORCH_DTYPES[job.dtype], job.zo), name="zocheck-warm-up")
+        warm.start()  # the replay kernel loads while storage is read; profiles then time the kernel, not its load
+        self.ledger = RecordLedger(0, on_accept=lambda: self.replay.wake())
+        self.persist: PersistStage | None = None
+        self.replay = ReplayStage(self.ledger, job, publish or (lambda buffer: None), self._on_image, threads,
+                                  faults)
+        if persist:
+            store = _with_retries(lambda: SnapshotStore(job.run_url, job.storage_options),
+                                  f"opening the snapshot store {job.run_url}")
+            meta = {"run_id": job.run_id, "hf_config": model_config_dict(job.model),
+                    "zo_config": job.zo.model_dump(mode="json")}
+            self.persist = PersistStage(self.ledger, job, store, meta)
+            self._durable_rebuild(store)
+        warm.join()
+        self.replay.start()
+        if self.persist is not None:
+            self.persist.start()
+
+    def _on_image(self, image: Image) -> None:
+        if self.persist is not None:
+            self.persist.offer(image)
+
+    def _durable_rebuild(self, store: SnapshotStore) -> None:
+        latest = _with_retries(store.latest, f"listing the snapshots of {self.job.run_url}")
+        if latest is None:
+            return
+        result = _with_retries(lambda: recover(store, self.job.run_url, storage_options=self.job.storage_options,
+                                               config=self.job.zo, threads=self.replay.threads),
+                               f"rebuilding from {self.job.run_url}")
+        for problem in result.problems:
+            logger.warning("durable recovery: %s", problem)
+        self.ledger.reset(result.step)
+        self.replay.adopt(result.state, result.step, "durable")
+        self.persist.durable_step = result.snapshot.step
+        logger.info("shadow rebuilt from durable storage at step %d (%d records replayed)", result.step,
+                    result.records_replayed)
+
+    # ------------------------------------------------------------------ state in
+
+    def initialize(self, state: dict[str, torch.Tensor], step: int, timeout: float = 300.0) -> None:
+        """A fresh run: the trainer's initial state at `step`, made durable before training starts."""
+        self.ledger.reset(step)
+        self.replay.call(lambda: self.replay.adopt(state, step, "fresh"))
+        if self.persist is not None and not self.persist.wait_durable(step, timeout):
+            raise StageError(f"the initial image could not be made durable in {timeout:.0f} s: "
+                             f"{self.persist.error or 'storage did not answer'}")
+
+    def resync(self, state: dict[str, torch.Tensor], step: int) -> None:
+        """Replace the replica with the trainer's state at `step` (all records before it were pushed)."""
+        self.replay.call(lambda: self.replay.resync(state, step))
+
+    @property
+    def ready(self) -> bool:
+        return self.replay.replica is not None
+
+    # ------------------------------------------------------------------ ingest
+
+    def push(self, data: bytes, trainer_step: int | None = None) -> PushReply:
+        """Receive a batch of encoded records (or none: a ping) and the trainer's current step."""
+        if trainer_step is not None:
+            self.trainer_step = trainer_step
+        accepted = 0
+        try:
+            records = decode_records(data)
+        except CorruptRecordError as exc:
+            self.ingest_error = f"a damaged push was refused: {exc}"
+            logger.error(self.ingest_error)
+            records = []
+        if records:
+            accepted, refused = self.ledger.accept(records)
+            if refused:
+                self.rejected += len(refused)
+                self.last_rejection = refused[-1]
+                logger.warning("%d of %d records refused; last: %s", len(refused), len(records), refused[-1])
+        return PushReply(self.incarnation, self.ledger.next_step, self._durable_next(), accepted)
+
+    def _durable_next(self) -> int:
+        if self.persist is None:
+            return self.ledger.next_step
+        durable = self.persist.durable_log_step
+        return durable + 1 if durable is not None else self.ledger.generation_start
+
+    # ------------------------------------------------------------------ out
+
+    def recovery_image(self) -> tuple[Image | None, list[StepRecord]]:
+        """The newest image and every accepted record after it (replayed or not)."""
+        return self.ledger.recovery_view()
+
+    def drain(self, step: int, timeout: float = 300.0) -> ShadowMetrics:
+        """Wait for every record before `step`, replay them, snapshot at `step`, make it all durable."""
+        deadline = time.monotonic() + timeout
+        if not self.ledger.wait_for(step, timeout):
+            raise StageError(f"the shadow received records up to step {self.ledger.next_step}, not {step}, "
+                             f"within {timeout:.0f} s")
+        if not self.replay.wait_replayed(step, max(deadline - time.monotonic(), 0.0)):
+            raise StageError(f"the shadow replayed up to step {self.replay.replayed_step}, not {step}, within "
+                             f"{timeout:.0f} s" + (f": {self.replay.error}" if self.replay.error else ""))
+        self.replay.call(lambda: self.replay.snapshot_now(step))
+        if self.persist is not None and not self.persist.wait_durable(step, max(deadline - time.monotonic(), 0.0)):
+            raise StageError(f"the image of step {step} and its log are not durable after {timeout:.0f} s: "
+                             f"{self.persist.error or 'storage is slow'}")
+        return self.metrics()
+
+    def profile_replay(self, threads: int) -> float | None:
+        return self.replay.call(lambda: self.replay.profile_replay(threads))
+
+    def profile_snapshot(self) -> float:
+        return self.replay.call(self.replay.profile_snapshot)
+
+    def end_profile(self, threads: int, snapshot_interval: int, regime: str = "unknown") -> None:
+        self.regime = regime
+        self.replay.call(lambda: self.replay.end_profile(threads, snapshot_interval))
+
+    def replica_hash(self) -> tuple[int, str]:
+        return self.replay.call(self.replay.replica_hash)
+
+    @property
+    def last_persist_seconds(self) -> float | None:
+        return self.persist.last_persist_seconds if self.persist is not None else None
+
+    def metrics(self) -> ShadowMetrics:
+        replay, persist = self.replay, self.persist
+        received, replayed = self.ledger.next_step, replay.replayed_step
+        trainer = self.trainer_step if self.trainer_step is not None else received
+        lag = max(trainer - replayed, 0)
+        image = self.ledger.image
+        durable_log = persist.durable_log_step if persist else None
+        failing = persist.failing_since if persist else None
+        return ShadowMetrics(
+            run_id=self.job.run_id, incarnation=self.incarnation, trainer_step=trainer, received_step=received,
+            replayed_step=replayed, lag_steps=lag, lag_seconds=lag * replay.replay_ema,
+            replay_seconds_per_step=replay.replay_ema, snapshot_interval=replay.snapshot_interval,
+            snapshot_step=image.step if image else None, durable_step=persist.durable_step if persist else None,
+            durable_log_step=durable_log,
+            undurable_steps=(trainer - (durable_log + 1 if durable_log is not None else self.ledger.generation_start))
+            if persist else 0,
+            persist_in_flight=persist.persist_in_flight if persist else False,
+            last_persist_seconds=self.last_persist_seconds, snapshots_taken=replay.snapshots_taken,
+            snapshots_persisted=persist.snapshots_persisted if persist else 0, resync_count=replay.resync_count,
+            rejected_records=self.rejected, persist_failures=persist.failures if persist else 0,
+            persist_failing_seconds=time.monotonic() - failing if failing is not None else 0.0,
+            ingest_error=self.ingest_error, replay_error=replay.error, persist_error=persist.error if persist else None,
+            regime=self.regime, source=replay.source,
+        )
+
+    def close(self) -> None:
+        """Stop the stages; the persistence stage seals the log and writes what it can first."""
+        self.replay.stop()
+        if self.persist is not None:
+            self.persist.stop()
+            if self.persist.log is not None:
+                try:
+                    self.persist.log.close()
+                except StorageError as exc:
+                    logger.warning("closing the step log: %s", exc)
+
+
+def _with_retries(fn: Callable[[], object], what: str, seconds: float = STARTUP_STORAGE_SECONDS):
+    """`fn()`, retried with backoff while storage fails, for at most `seconds`."""
+    deadline, backoff = time.monotonic() + seconds, 0.1
+    while True:
+        try:
+            return fn()
+        except StorageError as exc:
+            if time.monotonic() + backoff > deadline:
+                raise StorageError(f"{what}: storage did not answer for {seconds:.0f} s: {exc}") from exc
+            logger.warning("%s failed, retrying in %.1f s: %s", what, backoff, exc)
+            time.sleep(backoff)
+            backoff = min(2 * backoff, MAX_BACKOFF_SECONDS)

@@ -19,34 +19,24 @@ import os
 import statistics
 import threading
 import time
-from collections import deque
-from typing import Protocol
-
 import torch
 
+from zocheck_ray.actors.publisher import FLUSH_SECONDS, Publisher, ShadowLink
 from zocheck_ray.config import JobConfig
-from zocheck_ray.core import StepRecord, ZOOptimizer, replay, replay_reference, state_hash
+from zocheck_ray.core import ZOOptimizer, replay, replay_reference, state_hash
 from zocheck_ray.core.fused import warm_up
+from zocheck_ray.faults import NO_FAULTS, FaultInjection
 from zocheck_ray.workload.data import step_seed
 from zocheck_ray.workload.models import TORCH_DTYPES, build_model, trainable_parameters
 from zocheck_ray.workload.tasks import build_task
 
 logger = logging.getLogger(__name__)
 
-FLUSH_SECONDS = 0.005
-"""Records are sent in batches at most this often (one remote call per batch, never per step)."""
-
-
-class ShadowLink(Protocol):
-    def recovery_image(self) -> tuple[dict[str, torch.Tensor] | None, int, list[StepRecord], str]: ...
-    def initialize(self, state: dict[str, torch.Tensor], step: int) -> None: ...
-    def push(self, data: bytes) -> None: ...
-
-
 class Trainer:
-    def __init__(self, job: JobConfig, shadow: ShadowLink, device: str = "cpu"):
+    def __init__(self, job: JobConfig, shadow: ShadowLink, device: str = "cpu", faults: FaultInjection = NO_FAULTS):
         self.job = job
         self.shadow = shadow
+        self.faults = faults
         self.device = torch.device(device)
         started = time.perf_counter()
         warm = None
@@ -59,11 +49,11 @@ class Trainer:
         if warm is not None:
             warm.join()
         restore_started = time.perf_counter()
-        self.recovery = self._recover()
+        self.recovery, held = self._recover()
         self.recovery["restore_seconds"] = time.perf_counter() - restore_started  # image + records -> state
         self.recovery["seconds"] = time.perf_counter() - started
-        self._pending: deque[StepRecord] = deque()   # appended by the training loop, no lock
-        self._send_lock = threading.Lock()
+        # The records the shadow holds only in memory stay with the trainer until they are durable.
+        self.publisher = Publisher(shadow, self.step, lambda: self.opt.step_index, held)
         self._publish_ns: list[int] = []
         self.step_hashes: dict[int, str] = {}
         self._step_seconds: list[float] = []
@@ -79,16 +69,16 @@ class Trainer:
     def step(self) -> int:
         return self.opt.step_index
 
-    def _recover(self) -> dict:
+    def _recover(self) -> tuple[dict, list]:
         began = time.perf_counter()
         state, step, records, source = self.shadow.recovery_image()
         fetched = time.perf_counter()
         if state is None:
             initial = {k: v.detach().to("cpu").clone() for k, v in self.opt.state_tensors().items()}
             self.shadow.initialize(initial, 0)
-            return {"step": 0, "source": "fresh", "replayed_records": 0}
+            return {"step": 0, "source": "fresh", "replayed_records": 0}, []
         self.opt.load_state_tensors({k: v.to(self.device) for k, v in state.items()}, step=step)
-        marker = self.job.faults.crash_in_recovery_marker
+        marker = self.faults.crash_in_recovery_marker
         if marker and not os.path.exists(marker):
             open(marker, "w").close()
             os._exit(1)  # injected: die with the image loaded and its records not yet replayed
@@ -106,7 +96,7 @@ class Trainer:
         digest = state_hash(self.opt.state_tensors()) if self.job.hash_every_step else None
         return {"step": self.opt.step_index, "source": source, "image_step": step, "replayed_records": len(records),
                 "state_hash": digest, "fetch_seconds": fetched - began, "install_seconds": loaded - fetched,
-                "replay_seconds": replayed - loaded, "hash_seconds": time.perf_counter() - replayed}
+                "replay_seconds": replayed - loaded, "hash_seconds": time.perf_counter() - replayed}, records
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics of the current state (recorded under the current step)."""
@@ -137,14 +127,14 @@ class Trainer:
                 torch.cuda.synchronize()
             self._step_seconds.append(time.perf_counter() - began)
             start = time.perf_counter_ns()
-            self._pending.append(record)  # the whole critical-path cost of publishing
+            self.publisher.append(record)  # the whole critical-path cost of publishing
             self._publish_ns.append(time.perf_counter_ns() - start)
             self.last_loss = self.opt.last_losses[0]
             if self.job.hash_every_step:
                 self.step_hashes[self.step] = state_hash(self.opt.state_tensors())
             if self._due_for_evaluation():
                 self.evaluate()
-        self.flush()
+        self.publisher.flush()
         return self.progress()
 
     def progress(self) -> dict:
@@ -155,28 +145,21 @@ class Trainer:
         eval_seconds, self._eval_seconds = self._eval_seconds, 0.0
         return {"step": self.step, "loss": self.last_loss, "step_hashes": hashes, "step_seconds": seconds,
                 "evaluations": evaluations, "eval_seconds": eval_seconds,
-                "publish_us_median": statistics.median(recent) / 1e3 if recent else None}
+                "publish_us_median": statistics.median(recent) / 1e3 if recent else None,
+                "publisher": self.publisher.stats()}
 
     def _flush_loop(self) -> None:
+        # Off the training loop's critical path: encode and send, take replies, re-send what a
+        # restarted shadow lacks.
         while not self._stop.wait(FLUSH_SECONDS):
-            self.flush()
-
-    def flush(self) -> None:
-        """Encode and send the pending records (off the training loop's critical path).
-
-        Sends happen under one lock, so batches leave in step order whichever thread
-        (the publisher or the end of `run`) sends them.
-        """
-        with self._send_lock:
-            parts = []
-            while self._pending:
-                parts.append(self._pending.popleft().to_bytes())
-            if parts:
-                self.shadow.push(b"".join(parts))
+            try:
+                self.publisher.tick()
+            except Exception:  # never end the publishing thread: the next tick tries again
+                logger.exception("publishing failed")
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], int]:
         """A CPU copy of the state at the current step boundary (for a resync)."""
-        self.flush()
+        self.publisher.flush()
         return {k: v.detach().to("cpu").clone() for k, v in self.opt.state_tensors().items()}, self.step
 
     def state_hash(self) -> tuple[int, str]:
@@ -184,4 +167,5 @@ class Trainer:
 
     def close(self) -> None:
         self._stop.set()
-        self.flush()
+        self._flusher.join(timeout=5)
+        self.publisher.flush()

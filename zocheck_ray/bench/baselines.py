@@ -50,6 +50,7 @@ import ray
 import torch
 
 from zocheck_ray.actors.image import unpack
+from zocheck_ray.actors.publisher import PushReply, poll_answered
 from zocheck_ray.actors.trainer import Trainer
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import state_hash
@@ -126,6 +127,7 @@ class DurableLink:
         self.log_writable = log_writable
         self.log: StepLog | None = None
         self.timing: dict = {}
+        self._next = 0
 
     def _open_log(self, resume_step: int) -> None:
         if self.log_writable:
@@ -143,19 +145,25 @@ class DurableLink:
         self.timing = {"checkpoint_step": latest.step, "load_seconds": loaded - started,
                        "read_log_seconds": time.perf_counter() - loaded, "records": len(records)}
         self._open_log(latest.step + len(records))
+        self._next = latest.step + len(records)
         return tensors, latest.step, records, "initial" if latest.step == 0 else "checkpoint"
 
     def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
         """A fresh run: the initial state is written once, before the first step."""
         self.store.save(step, state, self.meta)
         self._open_log(step)
+        self._next = step
 
-    def push(self, data: bytes) -> None:
-        if self.log is None:
-            return
-        for record in decode_records(data):
-            self.log.append(record)
-        self.log.flush()
+    def push(self, data: bytes, trainer_step: int | None = None) -> PushReply:
+        records = decode_records(data)
+        if self.log is not None:
+            for record in records:
+                self.log.append(record)
+            self.log.flush()
+        self._next = records[-1].step + 1 if records else self._next
+        return PushReply("durable-log", self._next, self._next, len(records))
+
+    poll = staticmethod(poll_answered)
 
     def close(self) -> None:
         if self.log is not None:
@@ -178,8 +186,10 @@ class InProcessShadowLink:
     def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
         self.shadow.initialize(state, step)
 
-    def push(self, data: bytes) -> None:
-        self.shadow.push(data)
+    def push(self, data: bytes, trainer_step: int | None = None) -> PushReply:
+        return self.shadow.push(data, trainer_step)
+
+    poll = staticmethod(poll_answered)
 
     def close(self) -> None:
         self.shadow.close()
@@ -203,11 +213,14 @@ class ShadowActorLink:
     def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
         self.link.initialize(state, step)
 
-    def push(self, data: bytes) -> None:
-        self.link.push(data)
+    def push(self, data: bytes, trainer_step: int | None = None):
+        return self.link.push(data, trainer_step)
+
+    def poll(self, handles: list) -> list:
+        return self.link.poll(handles)
 
     def wait_replayed(self, step: int) -> None:
-        ray.get(self.actor.wait_replayed.remote(step, 300.0))
+        ray.get(self.actor.drain.remote(step, 300.0))
 
     def close(self) -> None:
         ray.get(self.actor.close.remote())
@@ -327,7 +340,7 @@ class StrategyTrainer:
         if isinstance(self.link, ShadowActorLink):
             self.link.wait_replayed(self.step)
         elif self.strategy.kind == "zocheck":
-            self.link.shadow.wait_replayed(self.step, timeout=300)
+            self.link.shadow.drain(self.step, timeout=300)
         self.link.close()
         if self._write_error is not None:
             raise RuntimeError(f"an asynchronous checkpoint write failed: {self._write_error}") from self._write_error

@@ -131,9 +131,9 @@ def _strategy_child(spec: dict) -> dict:
     if writer is not None:
         writer.join()
     if shadow is not None:
-        if not shadow.wait_replayed(steps, timeout=300):
-            raise RuntimeError(f"the shadow replayed {shadow.replayed_step} of {steps} records in 300 s")
-        extra.update(snapshots=shadow.snapshots_taken, replayed_step=shadow.replayed_step)
+        if not shadow.replay.wait_replayed(steps, timeout=300):
+            raise RuntimeError(f"the shadow replayed {shadow.replay.replayed_step} of {steps} records in 300 s")
+        extra.update(snapshots=shadow.replay.snapshots_taken, replayed_step=shadow.replay.replayed_step)
         shadow.close()
     if store is not None:
         extra["checkpoints"] = checkpoints
@@ -180,9 +180,10 @@ def _shadow_child(spec: dict) -> list[dict]:
         shadow = Shadow(job, threads=1, persist=False)
         shadow.initialize(state, 0)
         shadow.push(b"".join(r.to_bytes() for r in records))
-        if not shadow.wait_replayed(len(records), timeout=300):
-            raise RuntimeError(f"the shadow replayed {shadow.replayed_step} of {len(records)} records in 300 s")
-        snapshots = shadow.snapshots_taken
+        if not shadow.replay.wait_replayed(len(records), timeout=300):
+            raise RuntimeError(f"the shadow replayed {shadow.replay.replayed_step} of {len(records)} records in "
+                               "300 s")
+        snapshots = shadow.replay.snapshots_taken
         shadow.close()
         rows.append({"params": n, "baseline_peak_host_bytes": before, "peak_host_bytes": peak_host_bytes(),
                      "state_bytes": sum(t.numel() * t.element_size() for t in state.values()),

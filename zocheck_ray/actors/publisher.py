@@ -1,0 +1,184 @@
+"""The trainer's side of the record stream: ordered sends, acknowledgements, re-sends.
+
+The training loop only appends a record to a queue. The publishing thread encodes
+and sends the queue in batches, then checks the shadow's replies without waiting
+for them. Every reply says which shadow answered (its incarnation), the step it
+expects next and how far its step log is durable. The publisher keeps every record
+the durable log does not hold yet, so when a shadow comes back from durable storage
+(its process was killed and Ray restarted it) and expects an older step, the
+publisher re-sends what it lacks; the run stays exact. A shadow that expects a step
+older than anything held reports a gap, which the controller repairs with a resync.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable, NamedTuple, Protocol
+
+import torch
+
+from zocheck_ray.core import StepRecord
+
+logger = logging.getLogger(__name__)
+
+FLUSH_SECONDS = 0.005
+"""Records are sent in batches at most this often (one remote call per batch, never per step)."""
+PING_SECONDS = 0.25
+"""With no reply for this long and records not yet durable (or a new trainer step to report), ask."""
+
+
+class PushReply(NamedTuple):
+    """What the shadow answers to every push."""
+
+    incarnation: str
+    """Tells a restarted shadow from the one before."""
+    next_step: int
+    """The step the shadow expects next."""
+    durable_next: int
+    """Every record before this step is durable in the step log."""
+    accepted: int
+    """Records of this push that continued the sequence."""
+
+
+class ShadowLink(Protocol):
+    """How the trainer reaches its shadow (a Ray actor, or an in-process one in tests)."""
+
+    def recovery_image(self) -> tuple[dict[str, torch.Tensor] | None, int, list[StepRecord], str]: ...
+    def initialize(self, state: dict[str, torch.Tensor], step: int) -> None: ...
+    def push(self, data: bytes, trainer_step: int) -> object:
+        """Send encoded records (may be empty: a ping); returns a handle to the future reply."""
+    def poll(self, handles: list) -> list[tuple[object, PushReply | BaseException]]:
+        """The replies (or errors) of the handles that have finished, without waiting."""
+
+
+def poll_answered(handles: list) -> list:
+    """`ShadowLink.poll` for links whose `push` returns the reply itself (in-process shadows)."""
+    return [(handle, handle) for handle in handles]
+
+
+class Publisher:
+    """Sends records to the shadow and keeps those not yet durable; one thread drives it (`tick`)."""
+
+    def __init__(self, link: ShadowLink, next_step: int, trainer_step: Callable[[], int],
+                 held: list[StepRecord] | tuple = ()):
+        self.link = link
+        self._trainer_step = trainer_step
+        self._pending: deque[StepRecord] = deque()    # appended by the training loop, no lock
+        self._held: deque[StepRecord] = deque(held)   # sent, not yet known durable
+        self.sent_next = next_step
+        self._durable_next = held[0].step if held else next_step
+        self._inflight: dict[int, object] = {}        # push number -> handle
+        self._pushes = 0
+        self._resend_after = -1                       # replies to pushes before this one predate the last re-send
+        self._reported_step: int | None = None
+        self._last_contact = time.monotonic()
+        self._lock = threading.Lock()                 # one sender at a time: batches leave in step order
+        self.incarnation: str | None = None
+        self.shadow_restarts_seen = 0
+        self.resent_records = 0
+        self.errors = 0
+        self.last_error: str | None = None
+        self.gap: str | None = None
+        """Set when the shadow expects a record no longer held: only a resync repairs it."""
+
+    def append(self, record: StepRecord) -> None:
+        """The training loop's whole cost of publishing."""
+        self._pending.append(record)
+
+    @property
+    def held_records(self) -> int:
+        return len(self._held)
+
+    def tick(self) -> None:
+        """Send what is pending, take the replies that arrived, re-send or ping if needed."""
+        with self._lock:
+            self._send_pending()
+            if not self._inflight and time.monotonic() - self._last_contact >= PING_SECONDS and (
+                    self._durable_next < self.sent_next or self._reported_step != self._trainer_step()):
+                self._send([])
+            self._take_replies()
+
+    def flush(self) -> None:
+        """Send everything pending now (the end of a segment)."""
+        with self._lock:
+            self._send_pending()
+
+    def _send_pending(self) -> None:
+        batch = []
+        while self._pending:
+            batch.append(self._pending.popleft())
+        if batch:
+            self._held.extend(batch)
+            self.sent_next = batch[-1].step + 1
+            self._send(batch)
+
+    def _send(self, records: list[StepRecord]) -> int:
+        number = self._pushes
+        self._pushes += 1
+        step = self._trainer_step()
+        try:
+            self._inflight[number] = self.link.push(b"".join(r.to_bytes() for r in records), step)
+        except Exception as exc:  # the next ping finds out what the shadow holds
+            self._note_error(f"push failed: {exc!r}")
+        self._reported_step = step
+        self._last_contact = time.monotonic()
+        return number
+
+    def _take_replies(self) -> None:
+        if not self._inflight:
+            return
+        numbers = {id(handle): n for n, handle in self._inflight.items()}
+        for handle, reply in self.link.poll(list(self._inflight.values())):
+            number = numbers[id(handle)]
+            del self._inflight[number]
+            self._last_contact = time.monotonic()
+            if isinstance(reply, BaseException):
+                self._note_error(f"the shadow did not answer a push: {reply!r}")
+                continue
+            self._absorb(number, reply)
+
+    def _absorb(self, number: int, reply: PushReply) -> None:
+        if reply.incarnation != self.incarnation:
+            if self.incarnation is not None:
+                self.shadow_restarts_seen += 1
+                logger.warning("the shadow restarted (it now expects step %d; %d records sent)", reply.next_step,
+                               self.sent_next)
+            self.incarnation = reply.incarnation
+        if reply.durable_next > self._durable_next:
+            self._durable_next = reply.durable_next
+            while self._held and self._held[0].step < self._durable_next:
+                self._held.popleft()
+        if reply.next_step < self.sent_next and number > self._resend_after:
+            self._resend_from(reply.next_step)
+
+    def _resend_from(self, step: int) -> None:
+        if not self._held or self._held[0].step > step:
+            first = self._held[0].step if self._held else self.sent_next
+            self.gap = (f"the shadow expects step {step} but the trainer holds records from step {first} on "
+                        "(the rest was acknowledged durable or never held): a resync is needed")
+            logger.error(self.gap)
+            return
+        records = [r for r in self._held if r.step >= step]
+        logger.warning("re-sending %d records (steps %d..%d) the shadow lacks", len(records), records[0].step,
+                       records[-1].step)
+        self.resent_records += len(records)
+        self._resend_after = self._send(records)
+
+    def _note_error(self, message: str) -> None:
+        self.errors += 1
+        self.last_error = message
+        logger.warning(message)
+
+    def clear_gap(self, step: int) -> None:
+        """After a resync at `step`: the shadow holds everything before it."""
+        with self._lock:
+            self.gap = None
+            self._resend_after = self._pushes - 1
+
+    def stats(self) -> dict:
+        return {"held_records": len(self._held), "resent_records": self.resent_records,
+                "shadow_restarts_seen": self.shadow_restarts_seen, "publish_errors": self.errors,
+                "last_publish_error": self.last_error, "gap": self.gap}
