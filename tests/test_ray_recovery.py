@@ -13,6 +13,7 @@ import torch
 from reference_runs import STEPS, assert_exact, job_for, uninterrupted_hashes
 from zocheck_ray.config import JobConfigError, load_job_config
 from zocheck_ray.controller import run
+from zocheck_ray.faults import FaultInjection
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,8 +53,9 @@ def test_losing_both_processes_recovers_from_durable_storage(tmp_path):
 
 
 def test_a_failure_during_recovery_itself(tmp_path):
-    job = job_for(tmp_path, optimizer="zo-adam", faults={"crash_in_recovery_marker": str(tmp_path / "crashed")})
-    summary = run(job, fail_at=[13], progress=None)
+    job = job_for(tmp_path, optimizer="zo-adam")
+    summary = run(job, fail_at=[13], progress=None,
+                  faults=FaultInjection(crash_in_recovery_marker=str(tmp_path / "crashed")))
     assert (tmp_path / "crashed").exists()  # the first recovery attempt died
     (recovery,) = summary.recoveries
     assert recovery.failed_at_step == 13
@@ -77,10 +79,11 @@ def test_metrics_are_consistent_after_a_run(tmp_path):
 def test_a_slow_shadow_is_resynced_and_recovery_stays_exact(tmp_path):
     # 1 s per replayed step, a one-row step and a poll every 12 steps: the shadow falls more than
     # 2 steps behind whenever a trainer step takes under ~0.8 s (a heavily loaded two-core machine included).
-    job = job_for(tmp_path, faults={"replay_delay_seconds": 1.0}, max_lag_steps=2, log_interval=12,
+    job = job_for(tmp_path, max_lag_steps=2, log_interval=12,
                   task=dict(batch_size=1, max_length=16, eval_size=4, eval_interval=1000))
-    summary = run(job, fail_at=[25], progress=None)
+    summary = run(job, fail_at=[25], progress=None, faults=FaultInjection(replay_delay_seconds=1.0))
     assert summary.metrics["resync_count"] >= 1
+    assert summary.resyncs and all("lags more than 2 steps" in why for _, why in summary.resyncs)
     assert summary.lag_samples and all(lag <= job.max_lag_steps for _, lag in summary.lag_samples)
     assert_exact(summary, uninterrupted_hashes(job))
 
@@ -111,9 +114,10 @@ def test_status_and_metrics_agree_during_a_run(tmp_path, capsys):
     from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name
     from zocheck_ray.cli import main
 
-    job = job_for(tmp_path, hash_every_step=False, faults={"replay_delay_seconds": 0.02}, max_lag_steps=1000)
+    job = job_for(tmp_path, hash_every_step=False, max_lag_steps=1000)
     result = {}
-    worker = threading.Thread(target=lambda: result.update(summary=run(job, progress=None)))
+    worker = threading.Thread(target=lambda: result.update(summary=run(
+        job, progress=None, faults=FaultInjection(replay_delay_seconds=0.02))))
     worker.start()
     samples = []
     while worker.is_alive() and len(samples) < 8:
@@ -135,7 +139,7 @@ def test_status_and_metrics_agree_during_a_run(tmp_path, capsys):
     for reported, direct in samples:
         assert reported["run_id"] == direct["run_id"] == job.run_id
         for m in (reported, direct):
-            assert m["lag_steps"] == m["received_step"] - m["replayed_step"] >= 0
+            assert m["lag_steps"] == m["trainer_step"] - m["replayed_step"] >= 0
             assert m["replayed_step"] <= m["received_step"] <= m["trainer_step"] <= STEPS
             assert m["snapshot_step"] is None or m["snapshot_step"] <= m["replayed_step"]
             assert m["snapshot_interval"] == 8

@@ -147,7 +147,26 @@ def test_a_storage_outage_is_reported_retried_and_leaves_no_gap(private_s3, job)
         m = shadow.drain(12, timeout=120)
         assert m.durable_step == 12 and m.durable_log_step == 11 and m.undurable_steps == 0
         assert m.persist_error is None and m.persist_failures >= 1
-        assert read_log(job.run_url, after_step=-1, storage_options=job.storage_options) == records
+        oldest = SnapshotStore(job.run_url, job.storage_options, create=False).committed()[-1].step
+        assert oldest <= 4  # the log from the oldest retained snapshot on is whole
+        assert read_log(job.run_url, after_step=oldest - 1, storage_options=job.storage_options) == records[oldest:]
         assert shadow.replica_hash() == (12, state_hash(opt.state_tensors()))
     finally:
         shadow.close()
+
+
+def test_every_numeric_metric_is_a_gauge_and_status_shows_the_stage_errors(job):
+    from zocheck_ray.actors.metrics import ShadowMetrics, numeric_fields
+
+    shadow = Shadow(job, persist=False)
+    try:
+        m = shadow.metrics()
+    finally:
+        shadow.close()
+    gauges = numeric_fields(m)
+    numeric = {name for name, field in ShadowMetrics.model_fields.items()
+               if field.annotation in (int, float, bool, int | None, float | None)}
+    assert numeric - {name for name, value in m.model_dump().items() if value is None} == set(gauges)
+    assert {"lag_steps", "undurable_steps", "persist_failures", "persist_failing_seconds", "rejected_records",
+            "resync_count", "persist_in_flight"} <= set(gauges)
+    assert {"ingest_error", "replay_error", "persist_error", "incarnation"} <= set(m.model_dump())

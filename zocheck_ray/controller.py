@@ -110,6 +110,10 @@ class RunSummary(BaseModel):
     """What went wrong without ending the run (storage failing, durability behind), in order."""
     states: list[str] = []
     """The controller's states, in the order it went through them."""
+    profile_check: dict[str, dict[str, float]] = {}
+    """With a startup profile: for the trainer step and the replay step, the profiled and the run's
+    steady-state seconds and their ratio (steady / profiled); a ratio beyond `PROFILE_TOLERANCE`
+    either way is also a warning (the snapshot interval was chosen on numbers that did not hold)."""
 
 
 class RunFailedError(RuntimeError):
@@ -456,7 +460,8 @@ class Controller:
 
     def _resync(self) -> State:
         packed = call_when_alive(lambda: self.trainer.export_state.remote())
-        call_when_alive(lambda: self.shadow.resync.remote(packed[:2], packed[2]))
+        lost = self.failure is not None and self.failure.kind == "record_gap"  # don't wait for records nobody has
+        call_when_alive(lambda: self.shadow.resync.remote(packed[:2], packed[2], 0.0 if lost else 60.0))
         ray.get(self.trainer.resynced.remote(packed[2]))
         self.resyncs.append((packed[2], self.resync_reason))
         metrics = self._metrics()
@@ -475,6 +480,7 @@ class Controller:
         _, shadow_hash = call_when_alive(lambda: self.shadow.replica_hash.remote())
         publisher = ray.get(self.trainer.publisher_stats.remote())
         evaluations = self.evaluations
+        profile_check = self._profile_check(metrics)
         self.summary = RunSummary(
             run_id=job.run_id, steps=final_step, final_state_hash=final_hash, shadow_state_hash=shadow_hash,
             losses=self.losses, recoveries=self.recoveries, metrics=metrics,
@@ -487,11 +493,27 @@ class Controller:
             metric_after=evaluations[final_step][task.metric] if final_step in evaluations else None,
             eval_seconds=self.eval_seconds, shadow_restarts=self.shadow_restarts,
             resent_records=publisher["resent_records"], resyncs=self.resyncs, warnings=self.warnings,
-            states=self.states + [State.DONE.value],
+            states=self.states + [State.DONE.value], profile_check=profile_check,
         )
         return State.DONE
 
     # ------------------------------------------------------------------ helpers
+
+    def _profile_check(self, metrics: dict) -> dict[str, dict[str, float]]:
+        if self.profile is None:
+            return {}
+        timings = self.profile["timings"]
+        pairs = {"trainer_step": (timings["gpu_step_seconds"], self.seconds_timed / max(self.steps_timed, 1)),
+                 "replay_step": (timings["replay_step_seconds"], metrics["replay_seconds_per_step"])}
+        out = {}
+        for name, (profiled, steady) in pairs.items():
+            if profiled > 0 and steady > 0:
+                ratio = steady / profiled
+                out[name] = {"profiled_seconds": profiled, "steady_seconds": steady, "ratio": ratio}
+                if not 1 / PROFILE_TOLERANCE <= ratio <= PROFILE_TOLERANCE:
+                    self._warn(f"the startup profile's {name.replace('_', ' ')} ({profiled * 1e3:.2f} ms) is "
+                               f"{ratio:.2f}x off the run's steady state ({steady * 1e3:.2f} ms)")
+        return out
 
     def _metrics(self) -> dict:
         try:
@@ -530,6 +552,8 @@ class _Gone(Exception):
         self.failure = failure
 
 
+PROFILE_TOLERANCE = 3.0
+"""The startup profile's timings should agree with the run's steady state within this factor."""
 DEFAULT_MAX_LAG_STEPS = 64
 """Resync bound when the job sets none and the startup profile gives none."""
 DRAIN_SECONDS = 300.0

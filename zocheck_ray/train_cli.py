@@ -62,6 +62,10 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
         ("snapshots taken / persisted", f"{m['snapshots_taken']} / {m['snapshots_persisted']}"),
         ("resyncs", str(m["resync_count"])),
         ("recoveries", "; ".join(persisted) or "none"),
+        ("shadow restarts", f"{summary.shadow_restarts} ({summary.resent_records} records re-sent by the trainer)"),
+        ("durable", f"snapshot {m['durable_step']}, log through step {m['durable_log_step']}; "
+                    f"{m['persist_failures']} failed writes, retried"),
+        ("warnings", "; ".join(summary.warnings) or "none"),
         ("final state_hash", summary.final_state_hash[:16] + "..."),
         ("shadow == trainer", "yes, bit for bit" if summary.final_state_hash == summary.shadow_state_hash else "NO"),
     ]
@@ -77,7 +81,7 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
 def train(args: argparse.Namespace) -> int:
     import ray
 
-    from zocheck_ray.controller import profile_settings, run
+    from zocheck_ray.controller import RunFailedError, profile_settings, run
     from zocheck_ray.demo import EMBEDDED_DEFAULT, default_failures, describe
     from zocheck_ray.verify import verify_run
 
@@ -102,6 +106,9 @@ def train(args: argparse.Namespace) -> int:
     except JobConfigError as exc:
         print(f"zocheck-ray train: {exc}", file=sys.stderr)
         return 2
+    except RunFailedError as exc:
+        print(f"zocheck-ray train: {exc}", file=sys.stderr)
+        return 1
     verification = verify_run(job, summary) if verify else None
     print()
     rows = result_table(summary, verification)
@@ -151,9 +158,10 @@ def add_train_arguments(p: argparse.ArgumentParser, with_config: bool = True) ->
     p.add_argument("--fail-at", type=_fail_at, default=None,
                    help="kill the trainer at these steps (default: once at 60%% of the steps for the embedded "
                         "default, never with --config)")
-    p.add_argument("--fail-mode", choices=["software", "host"], default="software",
+    p.add_argument("--fail-mode", choices=["software", "host", "shadow"], default="software",
                    help="software: kill the trainer process; host: lose both processes and their in-memory "
-                        "images, so the pair comes back from durable storage")
+                        "images, so the pair comes back from durable storage; shadow: kill the shadow process "
+                        "(it comes back from durable storage, the trainer re-sends what it lacks)")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                    help="after the run, replay the durable log from the initial state and compare every hashed "
                         "step, and the newest snapshot + log suffix with the final state (default: on for the "

@@ -24,7 +24,6 @@ from zocheck_ray.actors.publisher import PushReply
 from zocheck_ray.actors.shadow import Shadow
 from zocheck_ray.actors.trainer import Trainer
 from zocheck_ray.config import JobConfig
-from zocheck_ray.core import StepRecord
 from zocheck_ray.core.record import decode_records
 from zocheck_ray.faults import FaultInjection
 
@@ -77,9 +76,9 @@ class ShadowActor:
         self.shadow.initialize(unpack(buffer, layout, copy=False), step)
 
     @ray.method(concurrency_group="control")
-    def resync(self, packed: list, step: int) -> None:
+    def resync(self, packed: list, step: int, wait_seconds: float = 60.0) -> None:
         buffer, layout = ray.get(packed[0]), packed[1]
-        self.shadow.resync(unpack(buffer, layout, copy=False), step)
+        self.shadow.resync(unpack(buffer, layout, copy=False), step, wait_seconds)
 
     @ray.method(concurrency_group="control")
     def recovery_image(self) -> dict | None:

@@ -318,11 +318,15 @@ class PersistStage:
                 if stopping:
                     return
                 continue
-            if self.failing_since is not None:
-                logger.info("persistence works again after %.1f s", time.monotonic() - self.failing_since)
-            backoff, self.failing_since, self.error = 0.0, None, None
+            backoff = 0.0
             if stopping:
                 return
+
+    def _recovered(self) -> None:
+        """A write went through: the outage, if any, is over (before waiters are told)."""
+        if self.failing_since is not None:
+            logger.info("persistence works again after %.1f s", time.monotonic() - self.failing_since)
+        self.failing_since, self.error = None, None
 
     def _persist_log(self, seal: bool) -> None:
         if self.ledger.image is None:
@@ -352,6 +356,7 @@ class PersistStage:
             durable = None  # records of an earlier generation (before a resync) say nothing of this one
         with self._durable:
             self.durable_log_step = durable
+            self._recovered()
             self._durable.notify_all()
         self.ledger.release(LOG, (durable + 1) if durable is not None else self.ledger.generation_start)
 
@@ -373,6 +378,7 @@ class PersistStage:
         with self._durable:
             self.durable_step = image.step
             self.snapshots_persisted += 1
+            self._recovered()
             self._durable.notify_all()
         committed = self.store.committed()
         if committed and self.log is not None:
@@ -441,8 +447,14 @@ class Shadow:
             raise StageError(f"the initial image could not be made durable in {timeout:.0f} s: "
                              f"{self.persist.error or 'storage did not answer'}")
 
-    def resync(self, state: dict[str, torch.Tensor], step: int) -> None:
-        """Replace the replica with the trainer's state at `step` (all records before it were pushed)."""
+    def resync(self, state: dict[str, torch.Tensor], step: int, wait_seconds: float = 60.0) -> None:
+        """Replace the replica with the trainer's state at `step`.
+
+        The records before `step` were pushed before the state was exported; wait up to
+        `wait_seconds` for them so the log stays whole (0 when they are known lost).
+        """
+        if wait_seconds > 0:
+            self.ledger.wait_for(step, wait_seconds)
         self.replay.call(lambda: self.replay.resync(state, step))
 
     @property

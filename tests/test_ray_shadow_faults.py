@@ -1,0 +1,159 @@
+"""Faults nobody scripts, on a real local Ray cluster: the shadow process killed mid-run, the S3
+endpoint stopped and restarted, paused, or gone for good. Each run ends exact (shadow == trainer,
+a durable image at the last step) or with a clear error; none hangs, none passes silently.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+
+from conftest import free_port
+from reference_runs import STEPS, assert_exact, job_for, uninterrupted_hashes
+from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name
+from zocheck_ray.controller import RunFailedError, run
+from zocheck_ray.storage import SnapshotStore, read_log
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=3, namespace="zocheck", include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def shadow_metrics(job) -> dict:
+    return ray.get(ray.get_actor(shadow_name(job.run_id), namespace=NAMESPACE).metrics.remote())
+
+
+def wait_until(predicate, timeout=180.0):
+    """A safety net for a state that must come; never the thing under test."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the expected state never came"
+        time.sleep(0.05)
+
+
+def assert_durable_and_whole(job, summary):
+    """A durable image at the last step, and the log from the oldest retained snapshot on is whole."""
+    assert summary.metrics["durable_step"] == STEPS and summary.metrics["durable_log_step"] == STEPS - 1
+    oldest = SnapshotStore(job.run_url, job.storage_options, create=False).committed()[-1].step
+    records = read_log(job.run_url, after_step=oldest - 1, storage_options=job.storage_options)
+    assert [r.step for r in records] == list(range(oldest, STEPS))
+
+
+@pytest.mark.parametrize("storage", ["local", "s3"])
+def test_a_killed_shadow_comes_back_from_storage_and_the_trainer_fills_it_in(tmp_path, storage, request):
+    root, options = (str(tmp_path), {}) if storage == "local" else request.getfixturevalue("s3_bucket")
+    job = job_for(tmp_path, storage=root, storage_options=options)
+    summary = run(job, fail_at=[20], fail_mode="shadow", progress=None)
+    assert summary.shadow_restarts == 1 and not summary.recoveries
+    assert any("the shadow restarted" in w for w in summary.warnings)
+    assert_exact(summary, uninterrupted_hashes(job))
+    assert_durable_and_whole(job, summary)
+
+
+def test_an_s3_endpoint_stopped_and_restarted_mid_run_ends_durable_and_exact(tmp_path, private_s3):
+    job = job_for(tmp_path, storage=f"s3://{private_s3.new_bucket()}/runs", storage_options=private_s3.options(),
+                  log_seal_records=4)
+    events = []
+
+    def outage(progress, metrics):
+        if not events and progress["step"] >= 12:
+            private_s3.stop()
+            events.append("stopped")
+        elif events == ["stopped"]:
+            wait_until(lambda: shadow_metrics(job)["persist_failures"] > 0)
+            private_s3.start()
+            events.append("restarted")
+
+    lines = []
+    summary = run(job, progress=lines.append, on_segment=outage)
+    assert events == ["stopped", "restarted"]
+    assert any("durability is behind" in w for w in summary.warnings)
+    assert any("durability is behind" in line for line in lines)
+    assert summary.metrics["persist_failures"] > 0 and summary.metrics["persist_error"] is None
+    assert_exact(summary, uninterrupted_hashes(job))
+    assert_durable_and_whole(job, summary)
+
+
+class PausableS3:
+    """A moto S3 server in a process of its own, so SIGSTOP pauses it: connections are accepted, never answered."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"),
+                                         "-H", "127.0.0.1", "-p", str(self.port)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def options(self) -> dict:
+        return {"endpoint_url": self.endpoint_url, "key": "testing", "secret": "testing",
+                "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 2,
+                                  "read_timeout": 5}}
+
+    def new_bucket(self) -> str:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.options())
+        wait_until(lambda: _answers(fs), timeout=60)
+        fs.mkdir("zocheck-paused")
+        return "zocheck-paused"
+
+    def close(self):
+        self.process.send_signal(signal.SIGCONT)
+        self.process.kill()
+        self.process.wait()
+
+
+def _answers(fs) -> bool:
+    try:
+        fs.ls("")
+        return True
+    except Exception:
+        return False
+
+
+def test_a_paused_s3_endpoint_never_holds_up_ingest_and_durability_catches_up(tmp_path, aws_env):
+    server = PausableS3()
+    try:
+        job = job_for(tmp_path, storage=f"s3://{server.new_bucket()}/runs", storage_options=server.options(),
+                      log_seal_records=4)
+        seen = {}
+
+        def pause(progress, metrics):
+            if "paused_at" not in seen and progress["step"] >= 12:
+                server.process.send_signal(signal.SIGSTOP)
+                seen["paused_at"] = progress["step"]
+            elif "paused_at" in seen and "resumed" not in seen and progress["step"] >= seen["paused_at"] + 12:
+                seen["received"] = metrics["received_step"]   # the shadow kept receiving while storage hung
+                seen["undurable"] = metrics["undurable_steps"]
+                server.process.send_signal(signal.SIGCONT)
+                seen["resumed"] = True
+
+        summary = run(job, progress=None, on_segment=pause)
+        assert seen["resumed"]
+        assert seen["received"] == seen["paused_at"] + 12
+        assert seen["undurable"] > 0
+        assert_exact(summary, uninterrupted_hashes(job))
+        assert_durable_and_whole(job, summary)
+    finally:
+        server.close()
+
+
+def test_storage_gone_for_good_fails_the_run_with_a_clear_error(tmp_path, private_s3):
+    job = job_for(tmp_path, storage=f"s3://{private_s3.new_bucket()}/runs", storage_options=private_s3.options(),
+                  max_undurable_steps=8, hash_every_step=False)
+
+    def outage(progress, metrics):
+        if progress["step"] >= 6:
+            private_s3.stop()
+            wait_until(lambda: shadow_metrics(job)["persist_failures"] > 0)
+
+    with pytest.raises(RunFailedError, match=r"not durable in s3://.*max_undurable_steps=8"):
+        run(job, progress=None, on_segment=outage)
+    assert not ray.util.list_named_actors(all_namespaces=True)  # nothing left running
