@@ -170,3 +170,34 @@ def test_every_numeric_metric_is_a_gauge_and_status_shows_the_stage_errors(job):
     assert {"lag_steps", "undurable_steps", "persist_failures", "persist_failing_seconds", "rejected_records",
             "resync_count", "persist_in_flight"} <= set(gauges)
     assert {"ingest_error", "replay_error", "persist_error", "incarnation"} <= set(m.model_dump())
+
+
+def test_replies_to_earlier_pushes_never_cause_a_resend(job):
+    """Two pushes in flight: the first one's reply expects fewer records than were sent by then."""
+    initial, opt, records = trained(job, 10)
+    shadow = Shadow(job, persist=False)
+
+    class SlowReplies:
+        polls = 0
+
+        def push(self, data, trainer_step):
+            return shadow.push(data, trainer_step)
+
+        def poll(self, handles):
+            self.polls += 1
+            return [] if self.polls == 1 else poll_answered(handles)
+
+    try:
+        shadow.initialize(initial, 0)
+        publisher = Publisher(SlowReplies(), 0, trainer_step=lambda: 10)
+        for record in records[:5]:
+            publisher.append(record)
+        publisher.tick()                  # push 0 in flight, its reply not yet read
+        for record in records[5:]:
+            publisher.append(record)
+        publisher.tick()                  # push 1 sent; then both replies: 5 expected, then 10
+        assert publisher.resent_records == 0 and shadow.metrics().rejected_records == 0
+        shadow.drain(10, timeout=120)
+        assert shadow.replica_hash() == (10, state_hash(opt.state_tensors()))
+    finally:
+        shadow.close()

@@ -70,7 +70,7 @@ class Publisher:
         self._held: deque[StepRecord] = deque(held)   # sent, not yet known durable
         self.sent_next = next_step
         self._durable_next = held[0].step if held else next_step
-        self._inflight: dict[int, object] = {}        # push number -> handle
+        self._inflight: dict[int, tuple[object, int]] = {}  # push number -> (handle, records sent before it)
         self._pushes = 0
         self._resend_after = -1                       # replies to pushes before this one predate the last re-send
         self._reported_step: int | None = None
@@ -120,7 +120,7 @@ class Publisher:
         self._pushes += 1
         step = self._trainer_step()
         try:
-            self._inflight[number] = self.link.push(b"".join(r.to_bytes() for r in records), step)
+            self._inflight[number] = (self.link.push(b"".join(r.to_bytes() for r in records), step), self.sent_next)
         except Exception as exc:  # the next ping finds out what the shadow holds
             self._note_error(f"push failed: {exc!r}")
         self._reported_step = step
@@ -130,17 +130,18 @@ class Publisher:
     def _take_replies(self) -> None:
         if not self._inflight:
             return
-        numbers = {id(handle): n for n, handle in self._inflight.items()}
-        for handle, reply in self.link.poll(list(self._inflight.values())):
+        numbers = {id(handle): n for n, (handle, _) in self._inflight.items()}
+        for handle, reply in self.link.poll([handle for handle, _ in self._inflight.values()]):
             number = numbers[id(handle)]
-            del self._inflight[number]
+            _, expected = self._inflight.pop(number)
             self._last_contact = time.monotonic()
             if isinstance(reply, BaseException):
                 self._note_error(f"the shadow did not answer a push: {reply!r}")
                 continue
-            self._absorb(number, reply)
+            self._absorb(number, reply, expected)
 
-    def _absorb(self, number: int, reply: PushReply) -> None:
+    def _absorb(self, number: int, reply: PushReply, expected: int) -> None:
+        """`expected`: the shadow's next step once this push is in, had nothing been lost (pushes arrive in order)."""
         if reply.incarnation != self.incarnation:
             if self.incarnation is not None:
                 self.shadow_restarts_seen += 1
@@ -151,7 +152,7 @@ class Publisher:
             self._durable_next = reply.durable_next
             while self._held and self._held[0].step < self._durable_next:
                 self._held.popleft()
-        if reply.next_step < self.sent_next and number > self._resend_after:
+        if reply.next_step < expected and number > self._resend_after:
             self._resend_from(reply.next_step)
 
     def _resend_from(self, step: int) -> None:
