@@ -66,14 +66,16 @@ def test_an_s3_endpoint_stopped_and_restarted_mid_run_ends_durable_and_exact(tmp
         if not events and progress["step"] >= 12:
             private_s3.stop()
             events.append("stopped")
-        elif events == ["stopped"]:
+        elif events == ["stopped"]:  # the next segment's check will see the failing store
             wait_until(lambda: shadow_metrics(job)["persist_failures"] > 0)
+            events.append("failing")
+        elif events == ["stopped", "failing"]:
             private_s3.start()
             events.append("restarted")
 
     lines = []
     summary = run(job, progress=lines.append, on_segment=outage)
-    assert events == ["stopped", "restarted"]
+    assert events == ["stopped", "failing", "restarted"]
     assert any("durability is behind" in w for w in summary.warnings)
     assert any("durability is behind" in line for line in lines)
     assert summary.metrics["persist_failures"] > 0 and summary.metrics["persist_error"] is None

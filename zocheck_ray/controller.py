@@ -120,6 +120,17 @@ class RunFailedError(RuntimeError):
     """The run could not go on; the message says why and what to do."""
 
 
+def connect_ray(address: str | None = None, say: Callable[[str], None] | None = None, **kwargs) -> None:
+    """`ray.init` in our namespace, worker logs kept out of the driver's output, and Ray's token-
+    authentication warning (printed on every local start) replaced by one line of ours."""
+    import logging
+
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **kwargs)
+    if say is not None and address in (None, "local"):
+        say("  ray: a local instance for this run (token authentication on; RAY_AUTH_MODE=disabled turns it off)")
+
+
 def _check_resources(job: JobConfig) -> int:
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     max_cpus = max((n["Resources"].get("CPU", 0) for n in nodes), default=0)
@@ -388,6 +399,7 @@ class Controller:
 
     def _inject(self, fail: int) -> State:
         self.failures.pop(0)
+        self.say(f"  injected failure at step {fail}: {INJECTED[self.fail_mode]}")
         if self.fail_mode == "software":
             try:
                 ray.get(self.trainer.run.remote(fail + 1, fail))  # the trainer process exits at `fail`
@@ -397,7 +409,6 @@ class Controller:
         self._absorb(ray.get(self.trainer.run.remote(fail)))
         self.step = fail
         if self.fail_mode == "shadow":  # the shadow process dies; Ray restarts it from durable storage
-            self.say(f"  shadow process killed at step {fail}")
             ray.kill(self.shadow, no_restart=False)
             return State.RUNNING
         self._failure_started = time.perf_counter()
@@ -552,6 +563,11 @@ class _Gone(Exception):
         self.failure = failure
 
 
+INJECTED = {
+    "software": "the trainer process exits (Ray prints it as '(raylet) A worker died or was killed ...')",
+    "host": "the trainer and the shadow lose their processes and in-memory images, as with a lost node",
+    "shadow": "the shadow process is killed; Ray restarts it from durable storage",
+}
 PROFILE_TOLERANCE = 3.0
 """The startup profile's timings should agree with the run's steady state within this factor."""
 DEFAULT_MAX_LAG_STEPS = 64
@@ -586,7 +602,7 @@ def run(job: JobConfig, fail_at: list[int] | None = None,
     if fail_mode not in ("software", "host", "shadow"):
         raise JobConfigError(f"fail_mode must be software, host or shadow, got {fail_mode!r}")
     if not ray.is_initialized():
-        ray.init(namespace=NAMESPACE, log_to_driver=False)
+        connect_ray(say=progress)
     if placement_group is None:
         gpus = _check_resources(job)
     else:

@@ -79,9 +79,7 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
 
 
 def train(args: argparse.Namespace) -> int:
-    import ray
-
-    from zocheck_ray.controller import RunFailedError, profile_settings, run
+    from zocheck_ray.controller import RunFailedError, connect_ray, profile_settings, run
     from zocheck_ray.demo import EMBEDDED_DEFAULT, default_failures, describe
     from zocheck_ray.verify import verify_run
 
@@ -101,7 +99,7 @@ def train(args: argparse.Namespace) -> int:
             print(f"  injected trainer failure at step {fail_at}; verification against the durable log: "
                   f"{'on' if verify else 'off'}", flush=True)  # before Ray's processes inherit the buffer
         if args.address:
-            ray.init(address=args.address, namespace="zocheck", log_to_driver=False)
+            connect_ray(args.address)
         summary = run(job, fail_at=fail_at, fail_mode=args.fail_mode)
     except JobConfigError as exc:
         print(f"zocheck-ray train: {exc}", file=sys.stderr)
