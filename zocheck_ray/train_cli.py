@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from zocheck_ray.config import JobConfigError, load_job_config
+from zocheck_ray.config import JobConfigError, check_job_environment, load_job_config
 
 
 def _fail_at(text: str) -> list[int]:
@@ -85,6 +85,7 @@ def train(args: argparse.Namespace) -> int:
     try:
         job = load_job_config(args.config, args.set, base=EMBEDDED_DEFAULT if embedded else None,
                               steps=args.steps, storage=args.storage)
+        check_job_environment(job)  # a relative path in a submitted job: refused before Ray starts
         fail_at = args.fail_at
         if fail_at is None:
             settings = profile_settings(job)

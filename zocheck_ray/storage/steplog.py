@@ -30,6 +30,7 @@ from zocheck_ray.core.errors import CorruptRecordError
 from zocheck_ray.core.record import MAGIC as RECORD_MAGIC
 from zocheck_ray.storage.errors import CorruptLogError, StorageError
 from zocheck_ray.storage.fs import Storage, open_storage
+from zocheck_ray.storage.lease import Lease, check_lease_for, require_lease
 
 logger = logging.getLogger(__name__)
 
@@ -170,11 +171,14 @@ class StepLog:
     continue after the last durable step. `resume_step` declares where the caller's
     state resumes instead: logged records from that step on are dropped (a deterministic
     trainer regenerates them identically), which also removes a corrupt tail.
+    Repair and `resume_step` truncation are writes that need the run's held `lease`.
+    On an object store records are durable once sealed (see the module's durability window).
     One writer per log, and not thread-safe: serialize `append`, `flush` and `seal`.
     """
 
     def __init__(self, url: str, storage_options: dict | None = None, *, seal_records: int = 4096,
-                 seal_seconds: float = 60.0, fsync: bool = True, resume_step: int | None = None):
+                 seal_seconds: float = 60.0, fsync: bool = True, resume_step: int | None = None,
+                 lease: Lease | None = None):
         if isinstance(seal_records, bool) or not isinstance(seal_records, int) or seal_records < 1:
             raise ValueError(f"seal_records must be a positive integer, got {seal_records!r}")
         if not seal_seconds > 0:
@@ -187,6 +191,8 @@ class StepLog:
         self.fsync = bool(fsync)
         self.storage = open_storage(url, storage_options, create=True)
         self.url = self.storage.url
+        check_lease_for(lease, self.storage)
+        self.lease = lease
         self.storage.make_dirs(LOG_DIR)
         self.storage.sync_dir("")
         self._buffer = bytearray()         # appended, not yet written (local) or uploaded (object store)
@@ -241,9 +247,18 @@ class StepLog:
                 logger.warning("could not seal a segment of %s, will retry: %s", self.url, exc)
 
     def flush(self) -> None:
-        """Make every appended record durable: write and fsync locally; seal and upload on an object store."""
+        """Locally: write and fsync every appended record. On an object store: seal the segment if it is due.
+
+        On an object store a segment is uploaded once it holds `seal_records` records or is
+        `seal_seconds` old, not at every flush, so a run makes few objects; `durable_step`
+        says what is durable. `seal()` forces the upload.
+        """
+        check_lease_for(self.lease, self.storage)
         if not self.storage.local:
-            self.seal()
+            if self._segment_first is not None and (
+                    self._segment_records >= self.seal_records
+                    or time.monotonic() - self._segment_started >= self.seal_seconds):
+                self.seal()
             return
         if self._buffer:
             self._write_local()
@@ -290,6 +305,7 @@ class StepLog:
         """Close the current segment for good: rename it locally, upload it as one object elsewhere."""
         if self._segment_first is None:
             return
+        check_lease_for(self.lease, self.storage)
         first = self._segment_first
         if self.storage.local:
             if self._buffer or self._file is None:
@@ -320,6 +336,7 @@ class StepLog:
 
     def collect_garbage(self, keep_from_step: int) -> list[str]:
         """Delete sealed segments holding only steps before `keep_from_step` (the oldest retained snapshot)."""
+        check_lease_for(self.lease, self.storage)
         removed = []
         segments = list_segments(self.storage)
         for seg, following in zip(segments, segments[1:]):
@@ -338,6 +355,8 @@ class StepLog:
             if seg.sealed:
                 continue
             url = self.storage.url_of(seg.rel)
+            require_lease(self.lease, self.storage,
+                          f"repair {url} (an open segment: a crashed writer's, or a live writer's)")
             records, valid = parse_segment(self.storage.read_bytes(seg.rel), seg, url, torn_tail_ok=True)
             path = self.storage.local_path(seg.rel)
             if not records:
@@ -368,6 +387,7 @@ class StepLog:
         last = None
         for seg in reversed(list_segments(self.storage)):  # newest first, so a crash leaves a prefix
             if seg.first_step >= resume_step:
+                require_lease(self.lease, self.storage, f"drop the logged records from step {resume_step} on")
                 self.storage.remove(seg.rel)
                 continue
             url = self.storage.url_of(seg.rel)
@@ -378,6 +398,9 @@ class StepLog:
                 records, damaged = exc.records, True
                 logger.warning("dropping the damaged end of %s: %s", url, exc)
             kept = [r for r in records if r.step < resume_step]
+            if not kept or damaged or len(kept) != len(records):
+                require_lease(self.lease, self.storage, f"drop the logged records from step {resume_step} on"
+                              if not damaged else f"cut the damaged end of {url}")
             if not kept:
                 self.storage.remove(seg.rel)
                 continue
