@@ -189,6 +189,11 @@ class Lease:
         return self.lease_seconds / 3
 
     @property
+    def info(self) -> LeaseInfo | None:
+        """The lease as this holder last wrote it (None when not acquired)."""
+        return self._info
+
+    @property
     def generation(self) -> int | None:
         info = self._info
         return None if info is None else info.generation
@@ -216,19 +221,20 @@ class Lease:
 
     # ------------------------------------------------------------------ acquire, renew, release
 
-    def acquire(self, *, reclaim: bool = False, wait_seconds: float = 0.0) -> LeaseInfo:
+    def acquire(self, *, reclaim: bool = False, wait_seconds: float = 0.0) -> "Lease":
         """Take the lease: free, released, stale, or (with `reclaim`) held by an earlier instance of `owner`.
 
         `reclaim`: the caller knows the previous holder of the same `owner` name is dead
         (Ray restarted this actor); a live holder of another owner name is still refused.
         `wait_seconds`: keep trying that long for a fresh lease to go stale (a host that
         died with the lease takes up to `lease_seconds` to time out).
-        Raises `LeaseHeldError` naming the holder.
+        Returns the lease itself (`lease = Lease(url).acquire()`); raises `LeaseHeldError` naming the holder.
         """
         deadline = time.monotonic() + max(0.0, wait_seconds)
         while True:
             try:
-                return self._try_acquire(reclaim)
+                self._try_acquire(reclaim)
+                return self
             except LeaseHeldError as exc:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
