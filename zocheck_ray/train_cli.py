@@ -66,9 +66,11 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
         ("shadow == trainer", "yes, bit for bit" if summary.final_state_hash == summary.shadow_state_hash else "NO"),
     ]
     if verification is not None:
+        start = "the initial state" if verification.from_initial_state else \
+            f"the snapshot at step {verification.proven_from_step}"
         rows.append(("durable log replay", (
-            f"verified: {verification.log_records} records replayed from the initial state match the trainer at "
-            f"{verification.steps_checked} steps; snapshot + log suffix = final state at step "
+            f"verified: {verification.audit}; {verification.log_records} records replayed from {start} match the "
+            f"trainer at {verification.steps_checked} steps; snapshot + log suffix = final state at step "
             f"{verification.recovery_image_step}" if verification.verified else
             "MISMATCH: " + "; ".join(verification.mismatches))))
     return rows
@@ -156,9 +158,10 @@ def add_train_arguments(p: argparse.ArgumentParser, with_config: bool = True) ->
                    help="software: kill the trainer process; host: lose both processes and their in-memory "
                         "images, so the pair comes back from durable storage")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
-                   help="after the run, replay the durable log from the initial state and compare every hashed "
-                        "step, and the newest snapshot + log suffix with the final state (default: on for the "
-                        "embedded default, off with --config)")
+                   help="after the run, replay the durable log from the oldest retained snapshot whose log is "
+                        "complete (and from the initial state when the whole log is kept) and compare every later "
+                        "snapshot, every hashed step and the final state (default: on for the embedded default, "
+                        "off with --config)")
     p.add_argument("--address", help="Ray cluster address (default: start a local one)")
     p.add_argument("--json", metavar="FILE", help="write the run summary (and the verification) as JSON")
 

@@ -32,13 +32,14 @@ from zocheck_ray.storage.lease import (
     read_lease,
 )
 from zocheck_ray.storage.recovery import Recovery, recover, recovery_image
+from zocheck_ray.storage.audit import Audit, audit_run
 from zocheck_ray.storage.manifest import Manifest, SnapshotMeta
 from zocheck_ray.storage.snapshot import SnapshotInfo, SnapshotStore, snapshot_dir
 from zocheck_ray.storage.steplog import StepLog, read_log
 
 __all__ = [
     "SnapshotStore", "SnapshotInfo", "SnapshotMeta", "Manifest", "snapshot_dir",
-    "StepLog", "read_log", "recovery_image", "recover", "Recovery",
+    "StepLog", "read_log", "recovery_image", "recover", "Recovery", "audit_run", "Audit",
     "Storage", "FsspecStorage", "open_storage", "parse_url",
     "StorageError", "StorageURLError", "CorruptSnapshotError", "CorruptLogError", "SnapshotNotFoundError",
     "Lease", "LeaseInfo", "read_lease", "LeaseError", "LeaseHeldError", "LeaseLostError", "LeaseRequiredError",
