@@ -242,7 +242,12 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | None 
         if "=" not in item:
             raise JobConfigError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
-        _set(doc, key.strip(), yaml.safe_load(raw))
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise JobConfigError(f"--set {item!r}: the value is not valid YAML ({exc.__class__.__name__}); "
+                                 "quote it, e.g. --set 'run_id=\"my-run\"'") from exc
+        _set(doc, key.strip(), value)
     for key, value in fields.items():
         if value is not None:
             _set(doc, key, value)
