@@ -22,6 +22,7 @@ from zocheck_ray.storage import (
     LeaseRequiredError,
     SnapshotStore,
     StepLog,
+    check_no_live_writer,
     read_lease,
 )
 from zocheck_ray.storage.lease import LeaseInfo, generation_name
@@ -223,3 +224,13 @@ def test_a_lease_of_another_run_is_refused(tmp_path):
         SnapshotStore(str(tmp_path / "b"), lease=lease)
     with pytest.raises(ValueError, match="lease_seconds must be > 0"):
         Lease(str(tmp_path / "a"), lease_seconds=0)
+
+
+def test_a_driver_can_check_for_a_live_writer_before_starting_one(root):
+    url, options = root
+    assert check_no_live_writer(url, options) is None  # nothing there yet
+    lease = Lease(url, options, owner="shadow:run-1").acquire()
+    with pytest.raises(LeaseHeldError, match="'shadow:run-1'"):
+        check_no_live_writer(url, options)
+    lease.release()
+    assert check_no_live_writer(url, options).released

@@ -85,7 +85,11 @@ class JobConfig(BaseModel):
     max_restarts: int = Field(10, ge=0)
     """How often Ray may restart the trainer or the shadow."""
     log_seal_records: int = Field(1024, ge=1)
-    """Records per durable log segment."""
+    """Records per durable log segment. On S3 a segment is uploaded once full (or 60 s old), so a host
+    failure can lose up to this many unsealed records; the trainer recomputes them exactly."""
+    lease_seconds: float = Field(30.0, gt=0)
+    """How long the shadow's single-writer lease on the run's storage lives without renewal (renewed every
+    third of it). A second writer is refused while it is fresh and takes it over once it is stale."""
     hash_every_step: bool = False
     """Record the trainer's `state_hash` after every step (for verification; costs a hash per step)."""
     faults: "FaultInjection" = Field(default_factory=lambda: FaultInjection())

@@ -29,6 +29,7 @@ from zocheck_ray.storage.lease import (
     LeaseInfo,
     LeaseLostError,
     LeaseRequiredError,
+    check_no_live_writer,
     read_lease,
 )
 from zocheck_ray.storage.recovery import Recovery, recover, recovery_image
@@ -42,5 +43,5 @@ __all__ = [
     "StepLog", "read_log", "recovery_image", "recover", "Recovery", "audit_run", "Audit",
     "Storage", "FsspecStorage", "open_storage", "parse_url",
     "StorageError", "StorageURLError", "CorruptSnapshotError", "CorruptLogError", "SnapshotNotFoundError",
-    "Lease", "LeaseInfo", "read_lease", "LeaseError", "LeaseHeldError", "LeaseLostError", "LeaseRequiredError",
+    "Lease", "LeaseInfo", "read_lease", "check_no_live_writer", "LeaseError", "LeaseHeldError", "LeaseLostError", "LeaseRequiredError",
 ]

@@ -141,6 +141,25 @@ def read_lease(storage: Storage) -> LeaseInfo | None:
     return None
 
 
+def check_no_live_writer(url: str, storage_options: dict | None = None) -> LeaseInfo | None:
+    """Raise `LeaseHeldError` naming the holder when a writer holds a fresh lease on the run at `url`.
+
+    For a driver's early check, before it starts a writer of its own; reads only. Returns the
+    (stale or released) lease found, or None for a run without one.
+    """
+    try:
+        storage = open_storage(url, storage_options, create=False)
+    except StorageError:
+        return None  # no run there yet: nothing holds it
+    current = read_lease(storage)
+    if current is not None and not current.stale():
+        raise LeaseHeldError(
+            f"another writer holds the lease of {storage.url}: {current.describe()}. One writer per run: stop that "
+            f"writer, wait {current.lease_seconds:g} s after it stopped for its lease to go stale, or use another "
+            "storage/run_id", current)
+    return current
+
+
 def _generations(storage: Storage) -> list[int]:
     return sorted(int(m.group(1)) for name in storage.list_dir(LEASE_DIR) if (m := _GENERATION.match(name)))
 
