@@ -106,6 +106,7 @@ def test_embedded_default_fails_recovers_verifies_and_prints_the_table(local_ray
     assert doc["steps"] == STEPS and doc["final_state_hash"] == doc["shadow_state_hash"]
     assert doc["verification"]["verified"] and doc["verification"]["mismatches"] == []
     assert doc["verification"]["recovery_image_step"] == STEPS
+    assert doc["verification"]["proven_to_step"] == STEPS and f"..{STEPS} proven:" in doc["verification"]["audit"]
     (recovery,) = doc["recoveries"]
     assert recovery["failed_at_step"] == round(0.6 * STEPS) and recovery["image_source"] == "memory"
     # Held-out evaluation before and after; the language-modelling loss falls over the run.

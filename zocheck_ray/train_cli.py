@@ -69,9 +69,9 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
         start = "the initial state" if verification.from_initial_state else \
             f"the snapshot at step {verification.proven_from_step}"
         rows.append(("durable log replay", (
-            f"verified: {verification.audit}; {verification.log_records} records replayed from {start} match the "
-            f"trainer at {verification.steps_checked} steps; snapshot + log suffix = final state at step "
-            f"{verification.recovery_image_step}" if verification.verified else
+            f"verified: {verification.log_records} records replayed from {start} match the trainer at "
+            f"{verification.steps_checked} steps ({verification.audit}); snapshot + log suffix = final state at "
+            f"step {verification.recovery_image_step}" if verification.verified else
             "MISMATCH: " + "; ".join(verification.mismatches))))
     return rows
 

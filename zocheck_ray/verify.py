@@ -52,7 +52,7 @@ class Verification(BaseModel):
     from_initial_state: bool
     """Whether the durable log still held every record from step 0, so the initial state was replayed too."""
     steps_checked: int
-    """Steps whose replayed state was compared with the trainer's state_hash."""
+    """Distinct steps whose replayed state was compared with the trainer's state_hash (by either replay)."""
     recovery_image_step: int
     """The step of the state rebuilt from the newest snapshot plus the log suffix."""
     audit: str
@@ -76,7 +76,8 @@ def verify_run(job: JobConfig, summary) -> Verification:
     audit = audit_run(job.run_url, job.storage_options, expected=summary.step_hashes, final_step=summary.steps,
                       final_hash=summary.final_state_hash, config=job.zo)
     mismatches = list(audit.mismatches)
-    steps_checked = audit.hashed_steps_checked
+    compared = set() if audit.first_step is None else {
+        s for s in expected if audit.first_step <= s <= audit.last_step}
     log_records = audit.records_replayed
 
     try:
@@ -89,14 +90,14 @@ def verify_run(job: JobConfig, summary) -> Verification:
         log_records = len(records)
         state = initial_state(job)
         if 0 in expected:
-            steps_checked += 1
+            compared.add(0)
             if state_hash(state) != expected[0]:
                 mismatches.append("the initial state differs from the trainer's step 0")
         position = 0
         for stop in sorted(s for s in expected if 0 < s <= summary.steps):
             replay(state, records[position:stop], job.zo, start_step=position)
             position = stop
-            steps_checked += 1
+            compared.add(stop)
             if state_hash(state) != expected[stop]:
                 mismatches.append(f"the log replayed from the initial state to step {stop} differs from the "
                                   "trainer's state there")
@@ -109,6 +110,6 @@ def verify_run(job: JobConfig, summary) -> Verification:
     return Verification(verified=audit.first_step is not None and not mismatches,
                         proven_from_step=0 if from_initial else audit.first_step,
                         proven_to_step=audit.last_step, snapshots_checked=len(audit.snapshots_checked),
-                        log_records=log_records, from_initial_state=from_initial, steps_checked=steps_checked,
+                        log_records=log_records, from_initial_state=from_initial, steps_checked=len(compared),
                         recovery_image_step=image_step, audit=audit.describe(), mismatches=mismatches,
                         seconds=time.perf_counter() - started)
