@@ -168,3 +168,23 @@ def test_verify_run_checks_a_job_from_what_storage_kept(tmp_path, keep_whole_log
     assert (result.proven_from_step, result.proven_to_step) == ((0 if keep_whole_log else 3), 7)
     assert result.recovery_image_step == 7
     assert result.audit == "steps 3..7 proven: 2 snapshots, 4 records, 0 mismatches"
+
+
+def test_a_damaged_manifest_is_named_not_skipped(tmp_path, caplog):
+    url = str(tmp_path / "run")
+    Run(url).step(10).close()
+    path = os.path.join(url, snapshot_dir(10), "manifest.json")
+    with open(path, "r+b") as f:
+        f.seek(20)
+        f.write(b"#")
+    audit = audit_run(url)
+    assert not audit.verified
+    assert any("manifest is damaged" in m and f"{snapshot_dir(10)}/manifest.json" in m for m in audit.mismatches)
+
+
+def test_a_collected_log_is_not_reported_as_a_gap(tmp_path, caplog):
+    url = str(tmp_path / "run")
+    Run(url).step(12).close()
+    with caplog.at_level("WARNING"):
+        assert audit_run(url).verified
+    assert "gap" not in caplog.text

@@ -31,8 +31,9 @@ from pydantic import BaseModel, ConfigDict
 
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, replay, state_hash
-from zocheck_ray.storage import CorruptLogError, read_log, recovery_image
+from zocheck_ray.storage import CorruptLogError, open_storage, recovery_image
 from zocheck_ray.storage.audit import audit_run
+from zocheck_ray.storage.steplog import first_logged_step, read_records
 from zocheck_ray.workload.models import build_model, trainable_parameters
 
 
@@ -80,10 +81,13 @@ def verify_run(job: JobConfig, summary) -> Verification:
         s for s in expected if audit.first_step <= s <= audit.last_step}
     log_records = audit.records_replayed
 
-    try:
-        records = read_log(job.run_url, after_step=-1, storage_options=job.storage_options)
-    except CorruptLogError as exc:
-        records = exc.records  # the audit names the damage
+    storage = open_storage(job.run_url, job.storage_options, create=False)
+    records = []
+    if first_logged_step(storage) == 0:  # else retention collected the log's start: the audit is the proof
+        try:
+            records = read_records(storage, after_step=-1)
+        except CorruptLogError as exc:
+            records = exc.records  # the audit names the damage
     from_initial = len(records) >= summary.steps
     if from_initial:
         records = records[:summary.steps]

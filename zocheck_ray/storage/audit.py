@@ -30,7 +30,7 @@ from zocheck_ray.core import ZOConfig, replay, state_hash
 from zocheck_ray.storage.errors import CorruptLogError, CorruptSnapshotError
 from zocheck_ray.storage.recovery import _config_of
 from zocheck_ray.storage.snapshot import SnapshotInfo, SnapshotStore
-from zocheck_ray.storage.steplog import read_records
+from zocheck_ray.storage.steplog import first_logged_step, read_records
 
 
 class Audit(BaseModel):
@@ -92,7 +92,9 @@ def audit_run(store: SnapshotStore | str, storage_options: dict | None = None, *
                      snapshots_checked=list(checked), records_replayed=records, hashed_steps_checked=hashed,
                      mismatches=mismatches, notes=notes, seconds=time.perf_counter() - started)
 
-    infos = sorted(store.committed(), key=lambda i: i.step)
+    infos, damaged = store.scan()
+    infos.sort(key=lambda i: i.step)
+    mismatches.extend(f"a committed snapshot's manifest is damaged: {exc}" for exc in damaged)
     if not infos:
         mismatches.append(f"no committed snapshot under {store.url}")
         return result()
@@ -124,6 +126,9 @@ def audit_run(store: SnapshotStore | str, storage_options: dict | None = None, *
 
 
 def _log_after(store: SnapshotStore, start: SnapshotInfo, mismatches: list[str]) -> list:
+    first = first_logged_step(store.storage)
+    if first is None or first > start.step:
+        return []  # collected by retention: not a gap to warn about
     try:
         return read_records(store.storage, after_step=start.step - 1)
     except CorruptLogError as exc:

@@ -175,6 +175,19 @@ class SnapshotStore:
         """Every committed snapshot whose manifest is sound, newest first."""
         return [info for step, d in self._steps() if (info := self._info(step, d)) is not None]
 
+    def scan(self) -> tuple[list[SnapshotInfo], list[CorruptSnapshotError]]:
+        """`committed()`, plus the damaged manifests it skips (for an audit that must name them)."""
+        found, damaged = [], []
+        for step, directory in self._steps():
+            try:
+                info = self._info(step, directory, strict=True)
+            except CorruptSnapshotError as exc:
+                damaged.append(exc)
+                continue
+            if info is not None:
+                found.append(info)
+        return found, damaged
+
     def latest(self) -> SnapshotInfo | None:
         """The newest committed snapshot whose manifest parses, or None."""
         for step, directory in self._steps():

@@ -64,6 +64,12 @@ def list_segments(storage: Storage) -> list[Segment]:
     return sorted(out, key=lambda s: (s.first_step, not s.sealed))
 
 
+def first_logged_step(storage: Storage) -> int | None:
+    """The first step of the oldest segment (retention collects the log below the oldest snapshot), or None."""
+    segments = list_segments(storage)
+    return segments[0].first_step if segments else None
+
+
 def parse_segment(data: bytes, segment: Segment, url: str, torn_tail_ok: bool) -> tuple[list[StepRecord], int]:
     """The records of one segment and the byte length of its valid part.
 
