@@ -331,3 +331,13 @@ def test_bad_arguments_are_named(tmp_path):
         StepLog(str(tmp_path / "run"), resume_step=-2)
     with pytest.raises(ValueError, match="after_step must be an integer >= -1"):
         read_log(str(tmp_path / "run"), -5)
+
+
+def test_without_auto_seal_appends_never_write_and_flush_seals_what_is_due(s3_bucket):
+    url, options = s3_bucket
+    log = StepLog(url, options, seal_records=4, auto_seal=False)
+    for r in records(0, 10):
+        log.append(r)  # a seal is due after the fourth, but append leaves every write to flush
+    assert read_log(url, -1, options) == [] and log.durable_step is None
+    log.flush()
+    assert log.durable_step == 9 and read_log(url, -1, options) == records(0, 10)

@@ -179,12 +179,14 @@ class StepLog:
     trainer regenerates them identically), which also removes a corrupt tail.
     Repair and `resume_step` truncation are writes that need the run's held `lease`.
     On an object store records are durable once sealed (see the module's durability window).
+    `auto_seal=False` keeps every write out of `append` (a slow store then never blocks the
+    thread that appends): only `flush`, `seal` and `close` write.
     One writer per log, and not thread-safe: serialize `append`, `flush` and `seal`.
     """
 
     def __init__(self, url: str, storage_options: dict | None = None, *, seal_records: int = 4096,
                  seal_seconds: float = 60.0, fsync: bool = True, resume_step: int | None = None,
-                 lease: Lease | None = None):
+                 lease: Lease | None = None, auto_seal: bool = True):
         if isinstance(seal_records, bool) or not isinstance(seal_records, int) or seal_records < 1:
             raise ValueError(f"seal_records must be a positive integer, got {seal_records!r}")
         if not seal_seconds > 0:
@@ -193,6 +195,8 @@ class StepLog:
                                         or resume_step < 0):
             raise ValueError(f"resume_step must be a non-negative integer, got {resume_step!r}")
         self.seal_records = seal_records
+        self.auto_seal = bool(auto_seal)
+        """False: `append` only buffers, never writes; `flush` (a persistence stage's) seals what is due."""
         self.seal_seconds = float(seal_seconds)
         self.fsync = bool(fsync)
         self.storage = open_storage(url, storage_options, create=True)
@@ -241,6 +245,8 @@ class StepLog:
         self._buffer += record.to_bytes()
         self._segment_records += 1
         self._next_step = record.step + 1
+        if not self.auto_seal:
+            return
         now = time.monotonic()
         if (self._segment_records >= self.seal_records or now - self._segment_started >= self.seal_seconds) \
                 and now >= self._next_auto_seal:
