@@ -178,7 +178,8 @@ class Lease:
             raise ValueError(f"lease_seconds must be > 0, got {lease_seconds!r}")
         if not isinstance(owner, str) or not owner:
             raise ValueError(f"owner must be a non-empty string, got {owner!r}")
-        self.storage: Storage = url if not isinstance(url, str) else open_storage(url, storage_options, create=True)
+        self.storage: Storage = (open_storage(url, storage_options, create=True)
+                                 if isinstance(url, (str, os.PathLike)) else url)
         self.url = self.storage.url
         self.owner = owner
         self.lease_seconds = float(lease_seconds)
@@ -270,6 +271,9 @@ class Lease:
             if not (reclaim and current.owner == self.owner):
                 raise self._held_error(current)
         generation = 1 if current is None else current.generation + 1
+        # The holder's clock starts before the heartbeat is taken, so it never thinks itself
+        # the holder longer than a reader, who measures from that heartbeat, would.
+        written_mono = time.monotonic()
         info = self._new_info(generation)
         if not self._create(generation_name(generation), info.encode()):
             raise self._held_error(read_lease(self.storage), lost_race=True)
@@ -279,7 +283,7 @@ class Lease:
             raise self._held_error(now_current, lost_race=True)
         with self._lock:
             self._info, self._lost = info, None
-            self._renewed_mono = time.monotonic()
+            self._renewed_mono = written_mono
         if current is not None and not current.released:
             how = "reclaimed from an earlier instance of the same owner" if not current.stale() else "took over"
             logger.warning("lease of %s: %s the lease of %s; now generation %d, owner %r", self.url, how,
@@ -318,11 +322,12 @@ class Lease:
                 self._lost = f"not renewed for {time.monotonic() - self._renewed_mono:.1f} s"
             if self._lost is not None:
                 raise LeaseLostError(f"lost the lease of {self.url} (owner {self.owner!r}): {self._lost}")
+        written_mono = time.monotonic()
         fresh = self._new_info(info.generation)
         self.storage.write_atomic(generation_name(info.generation), fresh.encode())
         with self._lock:
             self._info = fresh
-            self._renewed_mono = time.monotonic()
+            self._renewed_mono = written_mono
         return fresh
 
     def release(self) -> None:
