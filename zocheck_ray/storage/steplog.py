@@ -215,7 +215,8 @@ class StepLog:
         self._repair()
         last = self._truncate_from(resume_step) if resume_step is not None else self._last_durable_step()
         self.durable_step: int | None = last
-        """The last step known durable (None if the log is empty)."""
+        """The last step known durable (None if the log is empty): fsync'd locally (written, with
+        fsync=False), in a sealed, uploaded segment on an object store."""
         self._next_step: int | None = resume_step if resume_step is not None else (None if last is None else last + 1)
 
     def __repr__(self) -> str:
