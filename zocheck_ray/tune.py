@@ -33,7 +33,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from zocheck_ray.config import JobConfig, JobConfigError, check_job_environment, check_task, join_run_url, load_job_config
+from zocheck_ray.config import (
+    JobConfig,
+    JobConfigError,
+    check_job_environment,
+    check_task,
+    join_run_url,
+    load_job_config,
+)
 
 POINTER_FILE = "zocheck_pointer.json"
 """The only file in a ZOCheck Tune checkpoint."""
