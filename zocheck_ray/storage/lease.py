@@ -48,6 +48,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from zocheck_ray.core import ZOCheckError
 from zocheck_ray.storage.errors import StorageError
 from zocheck_ray.storage.fs import TMP_MARK, FsspecStorage, Storage, _fsync_dir, open_storage
 
@@ -58,8 +59,12 @@ DEFAULT_LEASE_SECONDS = 30.0
 _GENERATION = re.compile(r"^gen-(\d{12,})\.json$")
 
 
-class LeaseError(StorageError):
-    """The single-writer lease of a run's storage is not held as the caller needs."""
+class LeaseError(ZOCheckError):
+    """The single-writer lease of a run's storage is not held as the caller needs.
+
+    Not a `StorageError`: a retry loop that waits out an outage must not retry a lost
+    lease, since another writer now owns the run and this one must stop writing.
+    """
 
 
 class LeaseHeldError(LeaseError):
@@ -344,7 +349,7 @@ class Lease:
             if current is not None and current.token == self.token:
                 released = LeaseInfo(**{**asdict(self._new_info(info.generation)), "released": True})
                 self.storage.write_atomic(generation_name(info.generation), released.encode())
-        except StorageError as exc:  # the lease then goes stale by itself
+        except (StorageError, LeaseError) as exc:  # the lease then goes stale by itself
             logger.warning("could not release the lease of %s (it expires in %g s): %s", self.url,
                            self.lease_seconds, exc)
 
@@ -381,7 +386,7 @@ class Lease:
                 if on_lost is not None:
                     on_lost(exc)
                 return
-            except StorageError as exc:
+            except (StorageError, LeaseError) as exc:  # an outage or a garbled object: the next beat retries
                 self.last_error = str(exc)
                 logger.warning("could not renew the lease of %s, retrying: %s", self.url, exc)
 

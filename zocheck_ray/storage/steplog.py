@@ -250,7 +250,8 @@ class StepLog:
             return
         now = time.monotonic()
         if (self._segment_records >= self.seal_records or now - self._segment_started >= self.seal_seconds) \
-                and now >= self._next_auto_seal:
+                and now >= self._next_auto_seal and (self.lease is None or self.lease.held):
+            # (A lost lease is reported by the next flush or seal, not by an append.)
             try:
                 self.seal()
             except StorageError as exc:
