@@ -3,6 +3,7 @@ and the image agree with each other and with the code (no cluster needed)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import tomllib
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zocheck_ray.config import JobConfig, load_job_config
+from zocheck_ray.config import RAY_JOB_ENV, JobConfig, check_job_environment, load_job_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -63,6 +64,8 @@ def entrypoint_job(argv: list[str], model_root: str | None = None) -> tuple[JobC
         elif arg == "--set":
             key, value = next(args).split("=", 1)
             sets[key] = value
+        elif arg == "--storage":
+            sets["storage"] = os.path.expandvars(next(args))  # "$PWD/runs", as the shell expands it
         else:
             pytest.fail(f"unexpected argument {arg!r} in {argv}")
     assert config is not None, "the entrypoint names a --config"
@@ -132,7 +135,8 @@ def test_every_documented_submit_command_runs_a_valid_job():
     for path in [ROOT / "README.md", *DEPLOY.rglob("*.yaml")]:
         for argv in submit_commands(path.read_text()):
             if argv[:2] == ["zocheck-ray", "train"]:
-                entrypoint_job(argv, model_root="/models")
+                job, _ = entrypoint_job(argv, model_root="/models")
+                check_job_environment(job, {RAY_JOB_ENV: "{}"})  # a submitted job: no relative storage
                 found += 1
     assert found >= 3
 

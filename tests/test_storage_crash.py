@@ -16,7 +16,7 @@ import time
 import pytest
 
 from zocheck_ray.core import StepRecord, state_hash
-from zocheck_ray.storage import SnapshotStore, StepLog, StorageError, read_log
+from zocheck_ray.storage import Lease, SnapshotStore, StepLog, StorageError, read_log
 from zocheck_ray.storage.snapshot import MANIFEST_FILE, snapshot_dir
 
 # The writer's state for a step, shared verbatim by the child process and the test:
@@ -94,7 +94,7 @@ def test_sigkill_during_saves_never_exposes_a_torn_snapshot(tmp_path):
         next_step = info.step + 1 if info is not None else 0
 
     assert kills_after_commit >= 6
-    store = SnapshotStore(root)  # a restarted writer removes what the kills left
+    store = SnapshotStore(root, lease=Lease(root).acquire())  # the run's writer removes what the kills left
     for name in store.storage.list_dir("snapshots"):
         assert MANIFEST_FILE in store.storage.list_dir(f"snapshots/{name}")
     assert len(store.committed()) == 2
@@ -138,7 +138,7 @@ def test_s3_outage_between_objects_commits_nothing(private_s3, operation):
     assert [i.step for i in reader.committed()] == [1]
     tensors, _ = reader.load(reader.latest())
     assert state_hash(tensors) == state_hash(first)
-    writer = SnapshotStore(url, options)  # restarted: the half-written step 2 is cleaned up
+    writer = SnapshotStore(url, options, lease=Lease(url, options).acquire())  # restarted: step 2's debris goes
     assert writer.storage.list_dir("snapshots") == [os.path.basename(snapshot_dir(1))]
     writer.save(2, make(2))
     assert writer.latest().step == 2
@@ -179,11 +179,11 @@ def test_s3_log_upload_during_an_outage_keeps_the_records_for_a_retry(private_s3
         log.append(r)
     private_s3.stop()
     with pytest.raises(StorageError, match=r"log/seg-000000000000\.zlog"):
-        log.flush()
+        log.seal()
     private_s3.start()
     for r in records[5:]:
         log.append(r)
-    log.flush()
+    log.seal()
     assert read_log(url, -1, private_s3.options()) == records
 
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from zocheck_ray.core import RecordSequenceError, StepRecord
-from zocheck_ray.storage import CorruptLogError, StepLog, read_log
+from zocheck_ray.storage import CorruptLogError, Lease, LeaseRequiredError, StepLog, read_log
 from zocheck_ray.storage.steplog import SEGMENT_MAGIC, list_segments
 
 
@@ -60,15 +60,58 @@ def test_records_across_many_seals_read_back_in_order(root):
     assert [s.first_step for s in segments] == list(range(0, 2500, 97))
 
 
-def test_flush_makes_appended_records_durable_and_visible(root):
-    url, options = root
+def test_flush_makes_appended_records_durable_and_visible_locally(tmp_path):
+    url = str(tmp_path / "run")
+    log = StepLog(url, seal_records=1000)
+    for r in records(0, 10):
+        log.append(r)
+    assert read_log(url, -1) == []  # buffered, not yet durable
+    log.flush()
+    assert log.durable_step == 9
+    assert read_log(url, -1) == records(0, 10)
+
+
+def test_on_an_object_store_records_are_durable_once_their_segment_is_sealed(s3_bucket):
+    url, options = s3_bucket
     log = StepLog(url, options, seal_records=1000)
     for r in records(0, 10):
         log.append(r)
-    assert read_log(url, -1, options) == []  # buffered, not yet durable
-    log.flush()
+    log.flush()  # the segment is neither full nor old: nothing is uploaded, and nothing claimed durable
+    assert log.durable_step is None and read_log(url, -1, options) == []
+    log.seal()
     assert log.durable_step == 9
     assert read_log(url, -1, options) == records(0, 10)
+
+
+def test_an_object_store_log_makes_few_objects_under_periodic_flushes(s3_bucket):
+    import s3fs
+
+    url, options = s3_bucket
+    log = StepLog(url, options, seal_records=32, seal_seconds=3600)
+    for r in records(0, 100):
+        log.append(r)
+        if r.step % 2:
+            log.flush()  # as a shadow persisting every other step would
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    objects = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{url.removeprefix('s3://')}/log"))
+    assert objects == ["seg-000000000000.zlog", "seg-000000000032.zlog", "seg-000000000064.zlog"]
+    assert log.durable_step == 95  # 96..99 wait in memory for the next seal
+    assert read_log(url, -1, options) == records(0, 96)
+    log.close()
+    assert read_log(url, -1, options) == records(0, 100)
+
+
+def test_an_object_store_segment_is_sealed_by_age_at_a_flush(s3_bucket):
+    url, options = s3_bucket
+    log = StepLog(url, options, seal_records=10_000, seal_seconds=0.05)
+    log.append(record(0))
+    log.flush()
+    assert log.durable_step is None
+    deadline = time.monotonic() + 0.05
+    while time.monotonic() <= deadline:  # the segment's age is what is checked, so let it pass
+        time.sleep(0.01)
+    log.flush()
+    assert log.durable_step == 0 and read_log(url, -1, options) == [record(0)]
 
 
 def test_a_segment_is_sealed_by_age(tmp_path):
@@ -210,7 +253,9 @@ def test_a_killed_appender_loses_nothing_flushed_and_the_log_continues(tmp_path)
 
     got = read_log(url, -1)
     assert [r.step for r in got] == list(range(len(got))) and len(got) - 1 >= durable
-    log = StepLog(url)  # repairs: the open segment is cut to whole records and sealed
+    with pytest.raises(LeaseRequiredError, match=r"seg-000000000\d+\.open"):
+        StepLog(url)  # the open segment may be a live writer's: only the lease holder repairs it
+    log = StepLog(url, lease=Lease(url).acquire())  # repairs: cut to whole records and sealed
     assert log.next_step == len(got)
     assert all(s.sealed for s in list_segments(log.storage))
     log.append(StepRecord(step=len(got), seed=1, projected_grad=0.0, lr=1e-3, eps=1e-3, fingerprint=7))
@@ -227,7 +272,7 @@ def test_resume_step_drops_later_records_and_damage(tmp_path):
     with pytest.raises(CorruptLogError) as err:
         read_log(url, -1)
     assert err.value.records == records(0, 75)  # a recovery gets the state at step 75 from these
-    log = StepLog(url, resume_step=75)  # ... and continues there: records 75.. are redone
+    log = StepLog(url, resume_step=75, lease=Lease(url).acquire())  # ... continues there: 75.. redone
     assert log.next_step == 75 and log.durable_step == 74
     assert read_log(url, -1) == records(0, 75)
     for r in records(75, 5):
@@ -244,7 +289,9 @@ def test_a_damaged_last_segment_stops_appends_until_a_resume_step_is_given(tmp_p
     flip(log_path(tmp_path, "seg-000000000090.zlog"), len(SEGMENT_MAGIC) + 5 * record(0).size + 40)  # step 95
     with pytest.raises(CorruptLogError, match=r"seg-000000000090\.zlog.*open the log with resume_step"):
         StepLog(url)
-    assert StepLog(url, resume_step=95).next_step == 95
+    with pytest.raises(LeaseRequiredError, match="cut the damaged end of .*seg-000000000090.zlog"):
+        StepLog(url, resume_step=95)
+    assert StepLog(url, resume_step=95, lease=Lease(url).acquire()).next_step == 95
     assert read_log(url, -1) == records(0, 95)
 
 
@@ -268,7 +315,7 @@ def test_garbage_collection_keeps_every_record_from_the_given_step(root):
     log = StepLog(url, options, seal_records=100)
     for r in records(0, 530):
         log.append(r)
-    log.flush()
+    log.seal()
     removed = log.collect_garbage(keep_from_step=250)
     assert [u.rsplit("/", 1)[1] for u in removed] == ["seg-000000000000.zlog", "seg-000000000100.zlog"]
     assert read_log(url, 249, options) == records(250, 280)
@@ -284,3 +331,13 @@ def test_bad_arguments_are_named(tmp_path):
         StepLog(str(tmp_path / "run"), resume_step=-2)
     with pytest.raises(ValueError, match="after_step must be an integer >= -1"):
         read_log(str(tmp_path / "run"), -5)
+
+
+def test_without_auto_seal_appends_never_write_and_flush_seals_what_is_due(s3_bucket):
+    url, options = s3_bucket
+    log = StepLog(url, options, seal_records=4, auto_seal=False)
+    for r in records(0, 10):
+        log.append(r)  # a seal is due after the fourth, but append leaves every write to flush
+    assert read_log(url, -1, options) == [] and log.durable_step is None
+    log.flush()
+    assert log.durable_step == 9 and read_log(url, -1, options) == records(0, 10)

@@ -19,6 +19,7 @@ from zocheck_ray.core import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, ZOConfig, state_
 from zocheck_ray.core import hashing
 from zocheck_ray.core.hashing import combine_file_digests
 from zocheck_ray.storage import (
+    Lease,
     CorruptSnapshotError,
     SnapshotNotFoundError,
     SnapshotStore,
@@ -230,7 +231,9 @@ def test_a_directory_without_manifest_is_never_loaded_and_is_cleaned_at_start(tm
     with open(os.path.join(tmp_path, "run", snapshot_dir(1), ".manifest.json.tmp-dead"), "wb") as f:
         f.write(b"{")
     assert SnapshotStore(url, create=False).latest().step == 1
-    SnapshotStore(url)  # a restarted writer
+    SnapshotStore(url)  # without the run's lease, nothing is removed: it may be a live writer's save
+    assert len(os.listdir(tmp_path / "run" / "snapshots")) == 2
+    SnapshotStore(url, lease=Lease(url).acquire())  # a restarted writer, under the lease
     assert sorted(os.listdir(tmp_path / "run" / "snapshots")) == [os.path.basename(snapshot_dir(1))]
     assert ".manifest.json.tmp-dead" not in os.listdir(tmp_path / "run" / snapshot_dir(1))
 
@@ -246,7 +249,7 @@ def test_s3_leftovers_and_unfinished_uploads_are_cleaned_at_start(s3_bucket):
     fs.pipe_file(f"{dead}/model.safetensors", b"partial")
     fs.call_s3("create_multipart_upload", Bucket=bucket, Key=f"{prefix}/{snapshot_dir(2)}/optimizer.safetensors")
     assert SnapshotStore(url, options, create=False).latest().step == 1
-    SnapshotStore(url, options)
+    SnapshotStore(url, options, lease=Lease(url, options).acquire())
     fs.invalidate_cache()
     assert not fs.exists(f"{dead}/model.safetensors")
     uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
@@ -399,7 +402,7 @@ def test_pruned_files_are_deleted_in_the_background_and_after_a_crash_at_the_nex
     (root / DELETED_DIR / "step-000000000001-0badf00d").mkdir()
     (root / DELETED_DIR / "step-000000000001-0badf00d" / "model.safetensors").write_bytes(b"x" * 1000)
     assert [i.step for i in SnapshotStore(str(root), create=False).committed()] == [3, 2]
-    SnapshotStore(str(root))
+    SnapshotStore(str(root), lease=Lease(str(root)).acquire())
     assert os.listdir(root / DELETED_DIR) == []
 
 

@@ -6,12 +6,13 @@ recovery, the durable log replayed and compared with every step, the final table
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import ray
 
 from zocheck_ray.cli import main
-from zocheck_ray.config import JobConfig, JobConfigError, load_job_config
+from zocheck_ray.config import RAY_JOB_ENV, JobConfig, JobConfigError, check_job_environment, load_job_config
 from zocheck_ray.controller import run
 
 
@@ -105,6 +106,7 @@ def test_embedded_default_fails_recovers_verifies_and_prints_the_table(local_ray
     assert doc["steps"] == STEPS and doc["final_state_hash"] == doc["shadow_state_hash"]
     assert doc["verification"]["verified"] and doc["verification"]["mismatches"] == []
     assert doc["verification"]["recovery_image_step"] == STEPS
+    assert doc["verification"]["proven_to_step"] == STEPS and f"..{STEPS} proven:" in doc["verification"]["audit"]
     (recovery,) = doc["recoveries"]
     assert recovery["failed_at_step"] == round(0.6 * STEPS) and recovery["image_source"] == "memory"
     # Held-out evaluation before and after; the language-modelling loss falls over the run.
@@ -116,3 +118,83 @@ def test_embedded_default_fails_recovers_verifies_and_prints_the_table(local_ray
     snapshots_taken, snapshots_persisted = (int(x) for x in table["snapshots taken / persisted"].split(" / "))
     assert snapshots_taken == doc["metrics"]["snapshots_taken"] >= 1
     assert snapshots_persisted == doc["metrics"]["snapshots_persisted"] >= 1
+
+
+# ---------------------------------------------------------------------- storage input (issue 12)
+
+
+@pytest.mark.parametrize("storage, message", [
+    ("s3://", "names no bucket"),
+    ("s3:///runs", "names no bucket"),
+    ("s3:/bucket/runs", "without its '//'"),
+    ("gs://bucket/runs", "unsupported storage URL scheme 'gs'"),
+    ("s3a://bucket/runs", "write s3://"),
+    ("s3://bucket/../runs", "'.' and '..' are not directories on S3"),
+    ("memory://runs", "memory:// lives inside one process"),
+], ids=["no-bucket", "empty-bucket", "one-slash", "gs", "s3a", "dotdot", "memory"])
+def test_an_unusable_storage_url_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch, storage,
+                                                                      message):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--storage", storage, "--steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "storage" in err and message in err
+    assert os.listdir(tmp_path) == []  # no local directory named "s3:" or the like
+
+
+@pytest.mark.parametrize("run_id", ["..", ".", "a/b", "a\\b", ".hidden", "run 1"])
+def test_a_run_id_that_is_not_a_plain_name_is_refused(tmp_path, capsys, run_id):
+    err = refused(tmp_path, capsys, f"run_id={run_id}")
+    assert "run_id" in err and ("plain name" in err or "must not start with '.'" in err)
+
+
+def test_a_run_id_with_a_control_character_is_refused(tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text('run_id: "run\\u0001x"\nsteps: 5\n')
+    with pytest.raises(JobConfigError, match="run_id .* control characters"):
+        load_job_config(config)
+    with pytest.raises(JobConfigError, match="run_id must be a non-empty plain name"):
+        load_job_config(overrides=["run_id=''"])
+
+
+@pytest.mark.parametrize("text", ["", "# nothing but a comment\n"], ids=["empty", "comment-only"])
+def test_an_empty_job_file_is_refused_not_run_as_the_default(tmp_path, capsys, text):
+    config = tmp_path / "job.yaml"
+    config.write_text(text)
+    with pytest.raises(JobConfigError, match=r"job.yaml is empty: write the job's fields"):
+        load_job_config(config)
+    assert main(["train", "--config", str(config), "--storage", str(tmp_path / "runs")]) == 2
+    assert "is empty" in capsys.readouterr().err and not (tmp_path / "runs").exists()
+
+
+def test_a_job_file_that_is_not_a_mapping_is_refused(tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text("- steps: 5\n")
+    with pytest.raises(JobConfigError, match="must hold a mapping of job fields"):
+        load_job_config(config)
+
+
+SUBMITTED = json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_0123.zip"},
+                        "metadata": {"job_submission_id": "raysubmit_abc123"}})
+
+
+def test_a_relative_storage_path_in_a_submitted_job_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(RAY_JOB_ENV, SUBMITTED)  # what Ray's job supervisor sets for the entrypoint
+    assert main(["train", "--storage", "runs", "--steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "storage='runs' is a relative path" in err and "raysubmit_abc123" in err
+    assert "absolute path" in err and "s3://" in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_absolute_and_s3_storage_pass_the_submitted_job_check(tmp_path):
+    environ = {RAY_JOB_ENV: SUBMITTED}
+    check_job_environment(JobConfig(storage=str(tmp_path / "runs")), environ)
+    check_job_environment(JobConfig(storage="s3://bucket/runs"), environ)
+    check_job_environment(JobConfig(storage="./runs"), {})  # not a submitted job: a local run may use one
+
+
+def test_the_run_url_keeps_the_storage_urls_slashes():
+    assert JobConfig(storage="s3://bucket/", run_id="r1").run_url == "s3://bucket/r1"
+    assert JobConfig(storage="s3://bucket/runs", run_id="r1").run_url == "s3://bucket/runs/r1"
+    assert JobConfig(storage="/data/runs/", run_id="r1").run_url == "/data/runs/r1"

@@ -10,9 +10,11 @@ file before any actor starts.
 from __future__ import annotations
 
 import copy
+import json
+import os
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -37,7 +39,8 @@ class JobConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     run_id: str = Field(default_factory=lambda: "run-" + uuid.uuid4().hex[:8])
-    """Names the run: its actors, its directory under `storage`, its metrics."""
+    """Names the run: its actors, its directory under `storage`, its metrics. A plain name: letters, digits,
+    '-', '_' and '.', not starting with '.'."""
     model: str = "tiny-opt"
     """A built-in small model built from its config (tiny-opt, tiny-llama, tiny-qwen3, tiny-bert), a packaged
     one (minilm), or a Hugging Face model directory saved with `save_pretrained`."""
@@ -54,7 +57,8 @@ class JobConfig(BaseModel):
     """Initial weights and the perturbation seed of step t are pure functions of (run_seed, t);
     the batch of step t is a function of (`task.data_seed`, t)."""
     storage: str = "./runs"
-    """Root URL for durable state (local path, file:// or s3://); the run writes under <storage>/<run_id>."""
+    """Root URL for durable state (local path, file:// or s3://BUCKET[/PREFIX]); the run writes under
+    <storage>/<run_id>. A job submitted with `ray job submit` needs an absolute path or s3://."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """fsspec options for `storage` (e.g. endpoint_url); credentials are never logged."""
     snapshot_interval: int | None = Field(None, ge=1)
@@ -74,7 +78,11 @@ class JobConfig(BaseModel):
     max_restarts: int = Field(10, ge=0)
     """How often Ray may restart the trainer or the shadow."""
     log_seal_records: int = Field(1024, ge=1)
-    """Records per durable log segment."""
+    """Records per durable log segment. On S3 a segment is uploaded once full (or 60 s old), so a host
+    failure can lose up to this many unsealed records; the trainer recomputes them exactly."""
+    lease_seconds: float = Field(30.0, gt=0)
+    """How long the shadow's single-writer lease on the run's storage lives without renewal (renewed every
+    third of it). A second writer is refused while it is fresh and takes it over once it is stale."""
     hash_every_step: bool = False
     """Record the trainer's `state_hash` after every step (for verification; costs a hash per step)."""
 
@@ -99,13 +107,97 @@ class JobConfig(BaseModel):
     @field_validator("run_id")
     @classmethod
     def _run_id(cls, value: str) -> str:
-        if not value or not all(c.isalnum() or c in "-_." for c in value):
-            raise ValueError(f"run_id {value!r} may hold letters, digits, '-', '_' and '.' only")
+        check_run_id(value)
+        return value
+
+    @field_validator("storage")
+    @classmethod
+    def _storage(cls, value: str) -> str:
+        check_storage_url(value)
         return value
 
     @property
     def run_url(self) -> str:
-        return self.storage.rstrip("/") + "/" + self.run_id
+        return join_run_url(self.storage, self.run_id)
+
+
+RUN_ID_CHARS = "letters, digits, '-', '_' and '.'"
+MAX_RUN_ID_LENGTH = 128
+
+
+def check_run_id(value: str) -> None:
+    """Raise `ValueError` unless `value` is a plain name: it becomes a directory under `storage`.
+
+    Letters, digits, '-', '_' and '.', at most 128 characters, not starting with '.' (so
+    never `.`, `..` or a hidden name); no '/', '\\', spaces or control characters.
+    """
+    shown = repr(value)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"run_id must be a non-empty plain name ({RUN_ID_CHARS}), got {shown}")
+    if not all((c.isascii() and c.isalnum()) or c in "-_." for c in value):
+        raise ValueError(f"run_id {shown} must be a plain name of {RUN_ID_CHARS} only (no '/', '\\', spaces or "
+                         "control characters): it names the run's directory under storage")
+    if value.startswith("."):
+        raise ValueError(f"run_id {shown} must not start with '.' ('.' and '..' name the storage root or its "
+                         "parent, not a run of its own); e.g. run_id=sst2-1")
+    if len(value) > MAX_RUN_ID_LENGTH:
+        raise ValueError(f"run_id {value[:20]!r}... is {len(value)} characters; at most {MAX_RUN_ID_LENGTH}")
+
+
+def check_storage_url(value: str) -> None:
+    """Raise `ValueError` unless `value` is a storage root a job can use (no I/O: syntax only)."""
+    from zocheck_ray.storage.fs import parse_url, redact
+    from zocheck_ray.storage.errors import StorageURLError
+
+    try:
+        scheme, _ = parse_url(value)
+    except StorageURLError as exc:
+        raise ValueError(str(exc)) from None
+    if scheme == "memory":
+        raise ValueError(f"storage {redact(value)}: memory:// lives inside one process, and a job's trainer and "
+                         "shadow are separate processes; use a path shared by both or s3://")
+
+
+def join_run_url(storage: str, run_id: str) -> str:
+    """`<storage>/<run_id>`, keeping the storage URL's own slashes (`s3://b/` + `r` = `s3://b/r`)."""
+    return storage + ("" if storage.endswith("/") else "/") + run_id
+
+
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+"""Set by Ray's job supervisor (Ray 2.60, `job_supervisor.py`) for a `ray job submit` entrypoint:
+JSON with the job's runtime env and `metadata.job_submission_id`."""
+
+
+def submitted_job_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """The submission id when this process is a `ray job submit` entrypoint, else None."""
+    env = os.environ if environ is None else environ
+    raw = env.get(RAY_JOB_ENV)
+    if not raw:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return "unknown"
+    metadata = doc.get("metadata") if isinstance(doc, dict) else None
+    return str((metadata or {}).get("job_submission_id") or "unknown")
+
+
+def check_job_environment(job: JobConfig, environ: Mapping[str, str] | None = None) -> None:
+    """Refuse what only goes wrong where the job runs; call it before Ray starts.
+
+    A `ray job submit` entrypoint runs in Ray's temporary copy of the uploaded working
+    directory, so a relative local `storage` would put the run's durable state there,
+    and it would vanish with the cluster's temporary files. Raises `JobConfigError`.
+    """
+    submission = submitted_job_id(environ)
+    if submission is None or "://" in job.storage:
+        return
+    if not os.path.isabs(os.path.expanduser(job.storage)):
+        raise JobConfigError(
+            f"storage={job.storage!r} is a relative path, and this job (submission {submission}) runs in Ray's "
+            f"temporary copy of its working directory, where the run's snapshots and log would be deleted with "
+            f"the cluster's temporary files: set an absolute path on storage every node shares "
+            f"(--storage /shared/zocheck-runs) or s3://BUCKET/PREFIX")
 
 
 def _set(doc: dict, dotted: str, value: Any) -> None:
@@ -133,14 +225,24 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | None 
             loaded = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
             raise JobConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise JobConfigError(f"config file {path} must hold a mapping, not {type(loaded).__name__}")
-        doc = loaded or {}
+        if loaded is None:
+            # An empty file must not silently become the default job.
+            raise JobConfigError(f"config file {path} is empty: write the job's fields in it (see "
+                                 "`zocheck-ray config-reference`), or leave out --config to run the embedded default")
+        if not isinstance(loaded, dict):
+            raise JobConfigError(f"config file {path} must hold a mapping of job fields (key: value lines), "
+                                 f"not a {type(loaded).__name__}")
+        doc = loaded
     for item in overrides or []:
         if "=" not in item:
             raise JobConfigError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
-        _set(doc, key.strip(), yaml.safe_load(raw))
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise JobConfigError(f"--set {item!r}: the value is not valid YAML ({exc.__class__.__name__}); "
+                                 "quote it, e.g. --set 'run_id=\"my-run\"'") from exc
+        _set(doc, key.strip(), value)
     for key, value in fields.items():
         if value is not None:
             _set(doc, key, value)

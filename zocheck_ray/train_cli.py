@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from zocheck_ray.config import JobConfigError, load_job_config
+from zocheck_ray.config import JobConfigError, check_job_environment, load_job_config
 
 
 def _fail_at(text: str) -> list[int]:
@@ -70,10 +70,12 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
         ("shadow == trainer", "yes, bit for bit" if summary.final_state_hash == summary.shadow_state_hash else "NO"),
     ]
     if verification is not None:
+        start = "the initial state" if verification.from_initial_state else \
+            f"the snapshot at step {verification.proven_from_step}"
         rows.append(("durable log replay", (
-            f"verified: {verification.log_records} records replayed from the initial state match the trainer at "
-            f"{verification.steps_checked} steps; snapshot + log suffix = final state at step "
-            f"{verification.recovery_image_step}" if verification.verified else
+            f"verified: {verification.log_records} records replayed from {start} match the trainer at "
+            f"{verification.steps_checked} steps ({verification.audit}); snapshot + log suffix = final state at "
+            f"step {verification.recovery_image_step}" if verification.verified else
             "MISMATCH: " + "; ".join(verification.mismatches))))
     return rows
 
@@ -87,6 +89,7 @@ def train(args: argparse.Namespace) -> int:
     try:
         job = load_job_config(args.config, args.set, base=EMBEDDED_DEFAULT if embedded else None,
                               steps=args.steps, storage=args.storage)
+        check_job_environment(job)  # a relative path in a submitted job: refused before Ray starts
         fail_at = args.fail_at
         if fail_at is None:
             settings = profile_settings(job)
@@ -161,9 +164,10 @@ def add_train_arguments(p: argparse.ArgumentParser, with_config: bool = True) ->
                         "images, so the pair comes back from durable storage; shadow: kill the shadow process "
                         "(it comes back from durable storage, the trainer re-sends what it lacks)")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
-                   help="after the run, replay the durable log from the initial state and compare every hashed "
-                        "step, and the newest snapshot + log suffix with the final state (default: on for the "
-                        "embedded default, off with --config)")
+                   help="after the run, replay the durable log from the oldest retained snapshot whose log is "
+                        "complete (and from the initial state when the whole log is kept) and compare every later "
+                        "snapshot, every hashed step and the final state (default: on for the embedded default, "
+                        "off with --config)")
     p.add_argument("--address", help="Ray cluster address (default: start a local one)")
     p.add_argument("--json", metavar="FILE", help="write the run summary (and the verification) as JSON")
 

@@ -33,7 +33,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from zocheck_ray.config import JobConfig, JobConfigError, check_task, load_job_config
+from zocheck_ray.config import (
+    JobConfig,
+    JobConfigError,
+    check_job_environment,
+    check_task,
+    join_run_url,
+    load_job_config,
+)
 
 POINTER_FILE = "zocheck_pointer.json"
 """The only file in a ZOCheck Tune checkpoint."""
@@ -72,7 +79,7 @@ class CheckpointPointer(BaseModel):
 
     @property
     def run_url(self) -> str:
-        return self.storage.rstrip("/") + "/" + self.run_id
+        return join_run_url(self.storage, self.run_id)
 
 
 def write_pointer(pointer: CheckpointPointer, directory: str | Path) -> Path:
@@ -290,6 +297,7 @@ def tune_command(args: argparse.Namespace) -> int:
 
     try:
         job = load_job_config(args.config, args.set, steps=args.steps, storage=args.storage)
+        check_job_environment(job)
         if args.address:
             ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
         results = sweep(job, dict(args.grid), tune_storage=args.tune_storage, max_failures=args.max_failures,

@@ -3,19 +3,24 @@
     summary = zocheck_ray.run(job, fail_at=[120])
     result = verify_run(job, summary)      # `zocheck-ray train --verify` does this
     assert result.verified
+    print(result.audit)                    # steps 150..300 proven: 2 snapshots, 150 records, 0 mismatches
 
-Two independent rebuilds, each compared by `state_hash` with what the trainer had:
+Independent rebuilds, each compared by `state_hash` with what the trainer had:
 
-- **log replay**: the job's initial state (the model built from `model` and `run_seed`,
-  as every trainer builds it) with the whole durable step log replayed onto it by
-  the fused kernel, step by step. Its hash must equal the trainer's after every
-  step the summary holds a hash for (with `hash_every_step`: every step, including
-  the state a recovered trainer resumed from) and after the last step.
+- **audit** (`zocheck_ray.storage.audit_run`, also `zocheck-ray verify RUN_URL`): from the
+  oldest retained snapshot whose log suffix is complete, the log replayed forward by the
+  fused kernel and compared with every later snapshot, every step the summary holds a
+  hash for (with `hash_every_step`: every step) and the final state. Retention collects
+  the log below the oldest snapshot, so this is what remains to prove after a long run,
+  a host failure or on S3; the result states the step range proven.
+- **from the initial state**, when the durable log still holds every record from step 0:
+  the job's initial state (the model built from `model` and `run_seed`, as every trainer
+  builds it) with the whole log replayed, compared at every hashed step and the last.
 - **recovery image**: `zocheck_ray.storage.recovery_image`, the newest committed
-  snapshot plus the log suffix after it: what a host failure would recover. It
-  must be at the last step with the trainer's final hash.
+  snapshot plus the log suffix after it: what a host failure would recover. It must be
+  at the last step with the trainer's final hash.
 
-Nothing here trusts the shadow's memory: both read only durable storage.
+Nothing here trusts the shadow's memory: all read only durable storage.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from pydantic import BaseModel, ConfigDict
 
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, replay, state_hash
-from zocheck_ray.storage import read_log, recovery_image
+from zocheck_ray.storage import CorruptLogError, open_storage, recovery_image
+from zocheck_ray.storage.audit import audit_run
+from zocheck_ray.storage.steplog import first_logged_step, read_records
 from zocheck_ray.workload.models import build_model, trainable_parameters
 
 
@@ -34,13 +41,23 @@ class Verification(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     verified: bool
-    """True when every compared hash matched."""
+    """True when every compared hash matched and a step range was proven."""
+    proven_from_step: int | None
+    """The step of the snapshot the audit started from (0 when checked from the initial state too)."""
+    proven_to_step: int | None
+    """The last step the audit's replay reached."""
+    snapshots_checked: int
+    """Committed snapshots loaded and compared by the audit."""
     log_records: int
-    """Records in the durable step log (steps 0 .. log_records - 1)."""
+    """Records replayed: from step 0 when the log is complete from there, else from the audit's snapshot."""
+    from_initial_state: bool
+    """Whether the durable log still held every record from step 0, so the initial state was replayed too."""
     steps_checked: int
-    """Steps whose replayed state was compared with the trainer's state_hash."""
+    """Distinct steps whose replayed state was compared with the trainer's state_hash (by either replay)."""
     recovery_image_step: int
     """The step of the state rebuilt from the newest snapshot plus the log suffix."""
+    audit: str
+    """The audit's one-line account: the step range proven, or why not."""
     mismatches: list[str]
     """What differed, one line each (empty when verified)."""
     seconds: float
@@ -55,30 +72,48 @@ def initial_state(job: JobConfig) -> dict:
 def verify_run(job: JobConfig, summary) -> Verification:
     """Compare `summary` (a `RunSummary` of `job`) with a replay of `job`'s durable storage."""
     started = time.perf_counter()
-    mismatches: list[str] = []
-    records = read_log(job.run_url, after_step=-1, storage_options=job.storage_options)
-    if len(records) != summary.steps:
-        mismatches.append(f"the durable log holds {len(records)} records; the run took {summary.steps} steps")
     expected = dict(summary.step_hashes)
     expected[summary.steps] = summary.final_state_hash
-    state = initial_state(job)
-    checked = 0
-    if 0 in expected:
-        checked += 1
-        if state_hash(state) != expected[0]:
-            mismatches.append("the initial state differs from the trainer's step 0")
-    for record in records:
-        replay(state, [record], job.zo, start_step=record.step)
-        step = record.step + 1
-        if step in expected:
-            checked += 1
-            if state_hash(state) != expected[step]:
-                mismatches.append(f"the log replayed to step {step} differs from the trainer's state there")
+    audit = audit_run(job.run_url, job.storage_options, expected=summary.step_hashes, final_step=summary.steps,
+                      final_hash=summary.final_state_hash, config=job.zo)
+    mismatches = list(audit.mismatches)
+    compared = set() if audit.first_step is None else {
+        s for s in expected if audit.first_step <= s <= audit.last_step}
+    log_records = audit.records_replayed
+
+    storage = open_storage(job.run_url, job.storage_options, create=False)
+    records = []
+    if first_logged_step(storage) == 0:  # else retention collected the log's start: the audit is the proof
+        try:
+            records = read_records(storage, after_step=-1)
+        except CorruptLogError as exc:
+            records = exc.records  # the audit names the damage
+    from_initial = len(records) >= summary.steps
+    if from_initial:
+        records = records[:summary.steps]
+        log_records = len(records)
+        state = initial_state(job)
+        if 0 in expected:
+            compared.add(0)
+            if state_hash(state) != expected[0]:
+                mismatches.append("the initial state differs from the trainer's step 0")
+        position = 0
+        for stop in sorted(s for s in expected if 0 < s <= summary.steps):
+            replay(state, records[position:stop], job.zo, start_step=position)
+            position = stop
+            compared.add(stop)
+            if state_hash(state) != expected[stop]:
+                mismatches.append(f"the log replayed from the initial state to step {stop} differs from the "
+                                  "trainer's state there")
+
     image, image_step = recovery_image(job.run_url, storage_options=job.storage_options)
     if image_step != summary.steps:
         mismatches.append(f"the newest durable image is at step {image_step}, not the last step {summary.steps}")
     elif state_hash(image) != summary.final_state_hash:
         mismatches.append(f"the durable image at step {image_step} differs from the trainer's final state")
-    return Verification(verified=not mismatches, log_records=len(records), steps_checked=checked,
-                        recovery_image_step=image_step, mismatches=mismatches,
+    return Verification(verified=audit.first_step is not None and not mismatches,
+                        proven_from_step=0 if from_initial else audit.first_step,
+                        proven_to_step=audit.last_step, snapshots_checked=len(audit.snapshots_checked),
+                        log_records=log_records, from_initial_state=from_initial, steps_checked=len(compared),
+                        recovery_image_step=image_step, audit=audit.describe(), mismatches=mismatches,
                         seconds=time.perf_counter() - started)

@@ -55,7 +55,7 @@ from zocheck_ray.actors.trainer import Trainer
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import state_hash
 from zocheck_ray.core.record import decode_records
-from zocheck_ray.storage import SnapshotStore, StepLog, read_log
+from zocheck_ray.storage import Lease, SnapshotStore, StepLog, read_log
 
 CHECKPOINT_EVERY = 7
 """The paper's smallest baseline interval K."""
@@ -125,6 +125,11 @@ class DurableLink:
         self.store = SnapshotStore(url, job.storage_options)
         self.meta = {"run_id": job.run_id, "zo_config": job.zo.model_dump(mode="json")}
         self.log_writable = log_writable
+        # The log's writer holds its lease (repairing what a killed writer left needs it). A
+        # trainer restarted after an injected failure is the same writer: it reclaims the
+        # lease its killed predecessor still held.
+        self.lease = Lease(self.log_url, job.storage_options, owner=f"bench-log:{job.run_id}",
+                           lease_seconds=job.lease_seconds).acquire(reclaim=True) if log_writable else None
         self.log: StepLog | None = None
         self.timing: dict = {}
         self._next = 0
@@ -132,7 +137,7 @@ class DurableLink:
     def _open_log(self, resume_step: int) -> None:
         if self.log_writable:
             self.log = StepLog(self.log_url, self.job.storage_options, seal_records=self.job.log_seal_records,
-                               resume_step=resume_step)
+                               resume_step=resume_step, lease=self.lease)
 
     def recovery_image(self):
         started = time.perf_counter()
@@ -168,6 +173,8 @@ class DurableLink:
     def close(self) -> None:
         if self.log is not None:
             self.log.close()
+        if self.lease is not None:
+            self.lease.release()
 
 
 class InProcessShadowLink:

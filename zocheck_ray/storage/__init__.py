@@ -2,8 +2,10 @@
 
     from zocheck_ray.storage import SnapshotStore, StepLog, recovery_image
 
-    store = SnapshotStore("s3://bucket/run", storage_options={"endpoint_url": url})
-    log = StepLog("s3://bucket/run")
+    lease = Lease("s3://bucket/run", {"endpoint_url": url}, owner="shadow:run-1")
+    lease.acquire(); lease.start_heartbeat()            # one writer per run
+    store = SnapshotStore("s3://bucket/run", storage_options={"endpoint_url": url}, lease=lease)
+    log = StepLog("s3://bucket/run", {"endpoint_url": url}, lease=lease)
     log.append(record); log.flush()                     # every step, buffered
     store.save(step, state, {"zo_config": config})      # every N steps, from a frozen copy
     log.collect_garbage(store.committed()[-1].step)     # after a save
@@ -20,14 +22,26 @@ from zocheck_ray.storage.errors import (
     StorageURLError,
 )
 from zocheck_ray.storage.fs import FsspecStorage, Storage, open_storage, parse_url
+from zocheck_ray.storage.lease import (
+    Lease,
+    LeaseError,
+    LeaseHeldError,
+    LeaseInfo,
+    LeaseLostError,
+    LeaseRequiredError,
+    check_no_live_writer,
+    read_lease,
+)
 from zocheck_ray.storage.recovery import Recovery, recover, recovery_image
+from zocheck_ray.storage.audit import Audit, audit_run
 from zocheck_ray.storage.manifest import Manifest, SnapshotMeta
 from zocheck_ray.storage.snapshot import SnapshotInfo, SnapshotStore, snapshot_dir
 from zocheck_ray.storage.steplog import StepLog, read_log
 
 __all__ = [
     "SnapshotStore", "SnapshotInfo", "SnapshotMeta", "Manifest", "snapshot_dir",
-    "StepLog", "read_log", "recovery_image", "recover", "Recovery",
+    "StepLog", "read_log", "recovery_image", "recover", "Recovery", "audit_run", "Audit",
     "Storage", "FsspecStorage", "open_storage", "parse_url",
     "StorageError", "StorageURLError", "CorruptSnapshotError", "CorruptLogError", "SnapshotNotFoundError",
+    "Lease", "LeaseInfo", "read_lease", "check_no_live_writer", "LeaseError", "LeaseHeldError", "LeaseLostError", "LeaseRequiredError",
 ]

@@ -36,6 +36,8 @@ from zocheck_ray.storage.localfile import open_local_write
 
 SUPPORTED = "a local path, file://PATH, s3://BUCKET[/PREFIX] or memory://PATH"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+_SCHEME_LIKE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)")
+_BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@")
 TMP_MARK = ".tmp-"
 """Part of the name of every temporary file; what carries it was never committed."""
@@ -346,8 +348,14 @@ def parse_url(url: str | os.PathLike) -> tuple[str, str]:
     text = os.fspath(url) if isinstance(url, os.PathLike) else url
     if not isinstance(text, str) or not text.strip():
         raise StorageURLError(f"storage URL must be a non-empty string ({SUPPORTED}), got {url!r}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise StorageURLError(f"storage URL {redact(text)!r} holds a control character; use {SUPPORTED}")
     match = _SCHEME.match(text)
     if match is None:
+        if (near := _SCHEME_LIKE.match(text)) is not None:
+            # "s3:/bucket" or "s3:bucket" would otherwise become a local directory named "s3:".
+            raise StorageURLError(f"{redact(text)} looks like a {near.group(1)!r} URL without its '//'; write "
+                                  f"{near.group(1)}://..., or ./{text} for a local path ({SUPPORTED})")
         return "file", os.path.abspath(os.path.expanduser(text))
     scheme, rest = match.group(1).lower(), match.group(2)
     if scheme == "file":
@@ -355,14 +363,25 @@ def parse_url(url: str | os.PathLike) -> tuple[str, str]:
             raise StorageURLError(f"{redact(text)}: a file:// URL needs an absolute path (file:///data/run)")
         return "file", os.path.abspath(rest)
     if scheme == "s3":
-        root = rest.strip("/")
-        if not root or "@" in root.split("/")[0]:
+        bucket = rest.split("/", 1)[0]
+        if not bucket:
+            raise StorageURLError(f"{redact(text)} names no bucket: an S3 URL is s3://BUCKET[/PREFIX], "
+                                  "e.g. s3://my-bucket/zocheck-runs")
+        if "@" in bucket:
             raise StorageURLError(f"{redact(text)}: an S3 URL is s3://BUCKET[/PREFIX] "
                                   "(credentials go in storage_options or the AWS environment, not the URL)")
-        return "s3", root
+        if not _BUCKET.match(bucket):
+            raise StorageURLError(f"{redact(text)}: {bucket!r} is not an S3 bucket name (letters, digits, '.', "
+                                  "'-'); an S3 URL is s3://BUCKET[/PREFIX]")
+        prefix = rest[len(bucket):].strip("/")
+        if any(part in (".", "..") for part in prefix.split("/")):
+            raise StorageURLError(f"{redact(text)}: '.' and '..' are not directories on S3; write the prefix "
+                                  "without them")
+        return "s3", f"{bucket}/{prefix}" if prefix else bucket
     if scheme == "memory":
         return "memory", "/" + rest.strip("/")
-    raise StorageURLError(f"unsupported storage URL scheme {scheme!r} in {redact(text)}: use {SUPPORTED}")
+    hint = " (s3a:// and s3n:// are Hadoop's names: write s3://)" if scheme in ("s3a", "s3n") else ""
+    raise StorageURLError(f"unsupported storage URL scheme {scheme!r} in {redact(text)}: use {SUPPORTED}{hint}")
 
 
 def open_storage(url: str | os.PathLike, storage_options: dict | None = None, *, create: bool = True) -> FsspecStorage:

@@ -18,7 +18,7 @@ trusted. Retention deletes an old snapshot's manifest first, so it stops being
 committed before any of its files go; on local disk the uncommitted directory is then
 moved to `.deleted-snapshots/` and its files are deleted on a background thread (freeing
 gigabytes takes the filesystem a while, and nothing waits for it); what a crash leaves
-there is removed when the store is next opened for writing.
+there is removed when the store is next opened by the run's writer, under its lease.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from zocheck_ray.core import state_hash as compute_state_hash
 from zocheck_ray.core.hashing import OPTIMIZER_PREFIX, combine_file_digests, dtype_name, shards, split_state
 from zocheck_ray.storage.errors import CorruptSnapshotError, SnapshotNotFoundError, StorageError
 from zocheck_ray.storage.fs import PROBE_PREFIX, TMP_MARK, Storage, file_size, open_storage
+from zocheck_ray.storage.lease import Lease, check_lease_for, require_lease
 from zocheck_ray.storage.manifest import FileEntry, Manifest, SnapshotMeta, TensorEntry
 from zocheck_ray.storage.tensorfile import DTYPE_BY_NAME, read_tensors, write_tensors
 
@@ -80,16 +81,26 @@ class SnapshotStore:
     """Snapshots under `<url>/snapshots/`, committed by their manifest, newest `keep` retained.
 
     One writer per store: `save` is not safe to call from two threads or processes at once.
-    `create=False` opens an existing store read-only (no cleanup, no test write).
+    The run's writer passes its held `Lease` (`lease=`): only then does opening remove what
+    killed saves left (`clean_uncommitted`), and every commit and deletion first checks the
+    lease is still held (`LeaseLostError` otherwise). Without a lease the store saves and
+    prunes but never removes uncommitted directories at open (a tool or benchmark on a
+    directory of its own). `create=False` opens an existing store read-only (no cleanup, no test write).
     `close()` (or leaving a `with` block) waits for the background deletion of pruned snapshots.
     """
 
-    def __init__(self, url: str, storage_options: dict | None = None, *, keep: int = 2, create: bool = True):
+    def __init__(self, url: str, storage_options: dict | None = None, *, keep: int = 2, create: bool = True,
+                 lease: Lease | None = None):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 2:
             raise ValueError(f"keep must be an integer >= 2 (one snapshot to load, one to fall back to), got {keep!r}")
+        if lease is not None and not create:
+            raise ValueError("lease= is for a writer; a store opened with create=False only reads")
         self.keep = keep
         self.storage: Storage = open_storage(url, storage_options, create=create)
         self.url = self.storage.url
+        check_lease_for(lease, self.storage)
+        self.lease = lease
+        """The run's single-writer lease, when this store is its writer; checked before every commit and deletion."""
         self._hashers: ThreadPoolExecutor | None = None
         self._deleter: ThreadPoolExecutor | None = None
         self._deletions: list[Future] = []
@@ -97,7 +108,8 @@ class SnapshotStore:
         if create:
             self.storage.make_dirs(SNAPSHOTS_DIR)
             self.storage.sync_dir("")
-            self.clean_uncommitted()
+            if lease is not None:  # without the lease, what looks uncommitted may be another writer's save
+                self.clean_uncommitted()
         else:
             _check_is_root(self.storage)
 
@@ -163,6 +175,19 @@ class SnapshotStore:
         """Every committed snapshot whose manifest is sound, newest first."""
         return [info for step, d in self._steps() if (info := self._info(step, d)) is not None]
 
+    def scan(self) -> tuple[list[SnapshotInfo], list[CorruptSnapshotError]]:
+        """`committed()`, plus the damaged manifests it skips (for an audit that must name them)."""
+        found, damaged = [], []
+        for step, directory in self._steps():
+            try:
+                info = self._info(step, directory, strict=True)
+            except CorruptSnapshotError as exc:
+                damaged.append(exc)
+                continue
+            if info is not None:
+                found.append(info)
+        return found, damaged
+
     def latest(self) -> SnapshotInfo | None:
         """The newest committed snapshot whose manifest parses, or None."""
         for step, directory in self._steps():
@@ -199,6 +224,7 @@ class SnapshotStore:
                              f"got {state_hash!r}")
         meta = meta if isinstance(meta, SnapshotMeta) else SnapshotMeta.model_validate(dict(meta or {}))
         entries = _entries(tensors)
+        check_lease_for(self.lease, self.storage)
         self.wait_for_deletions()  # disk holds at most one pruned snapshot besides the kept ones and this one
         directory = snapshot_dir(step)
         leftovers = self.storage.list_dir(directory)
@@ -248,6 +274,7 @@ class SnapshotStore:
         if not self.storage.local:
             self._check_objects(directory, files)
 
+        check_lease_for(self.lease, self.storage)  # a writer that lost the lease commits nothing
         manifest = Manifest(step=step, run_id=meta.run_id, created_unix=time.time(), state_hash=digest_of_state,
                             tensors=tensor_entries,
                             files=files, zo_config=meta.zo_config, user=meta.user)
@@ -329,6 +356,7 @@ class SnapshotStore:
         On return the removed snapshots are uncommitted and gone from `snapshots/`; on local
         disk their files are then deleted in the background (see `wait_for_deletions`).
         """
+        check_lease_for(self.lease, self.storage)
         kept: list[int] = []
         removed, doomed = [], []
         for step, directory in self._steps():
@@ -375,7 +403,12 @@ class SnapshotStore:
             future.result()
 
     def clean_uncommitted(self) -> list[str]:
-        """Remove what killed saves left: directories without a manifest, temporary files, open uploads."""
+        """Remove what killed saves left: directories without a manifest, temporary files, open uploads.
+
+        Needs the held lease (`lease=`): an uncommitted directory may be a live writer's save
+        in progress. Raises `LeaseRequiredError` without one, `LeaseLostError` once lost.
+        """
+        require_lease(self.lease, self.storage, "remove uncommitted snapshots")
         removed = []
         for _, directory in self._steps():
             names = self.storage.list_dir(directory)

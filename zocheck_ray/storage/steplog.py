@@ -30,6 +30,7 @@ from zocheck_ray.core.errors import CorruptRecordError
 from zocheck_ray.core.record import MAGIC as RECORD_MAGIC
 from zocheck_ray.storage.errors import CorruptLogError, StorageError
 from zocheck_ray.storage.fs import Storage, open_storage
+from zocheck_ray.storage.lease import Lease, check_lease_for, require_lease
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,12 @@ def list_segments(storage: Storage) -> list[Segment]:
         if match:
             out.append(Segment(int(match.group(1)), f"{LOG_DIR}/{name}", match.group(2) == SEALED_SUFFIX))
     return sorted(out, key=lambda s: (s.first_step, not s.sealed))
+
+
+def first_logged_step(storage: Storage) -> int | None:
+    """The first step of the oldest segment (retention collects the log below the oldest snapshot), or None."""
+    segments = list_segments(storage)
+    return segments[0].first_step if segments else None
 
 
 def parse_segment(data: bytes, segment: Segment, url: str, torn_tail_ok: bool) -> tuple[list[StepRecord], int]:
@@ -170,11 +177,16 @@ class StepLog:
     continue after the last durable step. `resume_step` declares where the caller's
     state resumes instead: logged records from that step on are dropped (a deterministic
     trainer regenerates them identically), which also removes a corrupt tail.
+    Repair and `resume_step` truncation are writes that need the run's held `lease`.
+    On an object store records are durable once sealed (see the module's durability window).
+    `auto_seal=False` keeps every write out of `append` (a slow store then never blocks the
+    thread that appends): only `flush`, `seal` and `close` write.
     One writer per log, and not thread-safe: serialize `append`, `flush` and `seal`.
     """
 
     def __init__(self, url: str, storage_options: dict | None = None, *, seal_records: int = 4096,
-                 seal_seconds: float = 60.0, fsync: bool = True, resume_step: int | None = None):
+                 seal_seconds: float = 60.0, fsync: bool = True, resume_step: int | None = None,
+                 lease: Lease | None = None, auto_seal: bool = True):
         if isinstance(seal_records, bool) or not isinstance(seal_records, int) or seal_records < 1:
             raise ValueError(f"seal_records must be a positive integer, got {seal_records!r}")
         if not seal_seconds > 0:
@@ -183,10 +195,14 @@ class StepLog:
                                         or resume_step < 0):
             raise ValueError(f"resume_step must be a non-negative integer, got {resume_step!r}")
         self.seal_records = seal_records
+        self.auto_seal = bool(auto_seal)
+        """False: `append` only buffers, never writes; `flush` (a persistence stage's) seals what is due."""
         self.seal_seconds = float(seal_seconds)
         self.fsync = bool(fsync)
         self.storage = open_storage(url, storage_options, create=True)
         self.url = self.storage.url
+        check_lease_for(lease, self.storage)
+        self.lease = lease
         self.storage.make_dirs(LOG_DIR)
         self.storage.sync_dir("")
         self._buffer = bytearray()         # appended, not yet written (local) or uploaded (object store)
@@ -199,7 +215,8 @@ class StepLog:
         self._repair()
         last = self._truncate_from(resume_step) if resume_step is not None else self._last_durable_step()
         self.durable_step: int | None = last
-        """The last step known durable (None if the log is empty)."""
+        """The last step known durable (None if the log is empty): fsync'd locally (written, with
+        fsync=False), in a sealed, uploaded segment on an object store."""
         self._next_step: int | None = resume_step if resume_step is not None else (None if last is None else last + 1)
 
     def __repr__(self) -> str:
@@ -229,9 +246,12 @@ class StepLog:
         self._buffer += record.to_bytes()
         self._segment_records += 1
         self._next_step = record.step + 1
+        if not self.auto_seal:
+            return
         now = time.monotonic()
         if (self._segment_records >= self.seal_records or now - self._segment_started >= self.seal_seconds) \
-                and now >= self._next_auto_seal:
+                and now >= self._next_auto_seal and (self.lease is None or self.lease.held):
+            # (A lost lease is reported by the next flush or seal, not by an append.)
             try:
                 self.seal()
             except StorageError as exc:
@@ -241,9 +261,18 @@ class StepLog:
                 logger.warning("could not seal a segment of %s, will retry: %s", self.url, exc)
 
     def flush(self) -> None:
-        """Make every appended record durable: write and fsync locally; seal and upload on an object store."""
+        """Locally: write and fsync every appended record. On an object store: seal the segment if it is due.
+
+        On an object store a segment is uploaded once it holds `seal_records` records or is
+        `seal_seconds` old, not at every flush, so a run makes few objects; `durable_step`
+        says what is durable. `seal()` forces the upload.
+        """
+        check_lease_for(self.lease, self.storage)
         if not self.storage.local:
-            self.seal()
+            if self._segment_first is not None and (
+                    self._segment_records >= self.seal_records
+                    or time.monotonic() - self._segment_started >= self.seal_seconds):
+                self.seal()
             return
         if self._buffer:
             self._write_local()
@@ -290,6 +319,7 @@ class StepLog:
         """Close the current segment for good: rename it locally, upload it as one object elsewhere."""
         if self._segment_first is None:
             return
+        check_lease_for(self.lease, self.storage)
         first = self._segment_first
         if self.storage.local:
             if self._buffer or self._file is None:
@@ -320,6 +350,7 @@ class StepLog:
 
     def collect_garbage(self, keep_from_step: int) -> list[str]:
         """Delete sealed segments holding only steps before `keep_from_step` (the oldest retained snapshot)."""
+        check_lease_for(self.lease, self.storage)
         removed = []
         segments = list_segments(self.storage)
         for seg, following in zip(segments, segments[1:]):
@@ -338,6 +369,8 @@ class StepLog:
             if seg.sealed:
                 continue
             url = self.storage.url_of(seg.rel)
+            require_lease(self.lease, self.storage,
+                          f"repair {url} (an open segment: a crashed writer's, or a live writer's)")
             records, valid = parse_segment(self.storage.read_bytes(seg.rel), seg, url, torn_tail_ok=True)
             path = self.storage.local_path(seg.rel)
             if not records:
@@ -368,6 +401,7 @@ class StepLog:
         last = None
         for seg in reversed(list_segments(self.storage)):  # newest first, so a crash leaves a prefix
             if seg.first_step >= resume_step:
+                require_lease(self.lease, self.storage, f"drop the logged records from step {resume_step} on")
                 self.storage.remove(seg.rel)
                 continue
             url = self.storage.url_of(seg.rel)
@@ -378,6 +412,9 @@ class StepLog:
                 records, damaged = exc.records, True
                 logger.warning("dropping the damaged end of %s: %s", url, exc)
             kept = [r for r in records if r.step < resume_step]
+            if not kept or damaged or len(kept) != len(records):
+                require_lease(self.lease, self.storage, f"drop the logged records from step {resume_step} on"
+                              if not damaged else f"cut the damaged end of {url}")
             if not kept:
                 self.storage.remove(seg.rel)
                 continue
