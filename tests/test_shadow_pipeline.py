@@ -201,3 +201,44 @@ def test_replies_to_earlier_pushes_never_cause_a_resend(job):
         assert shadow.replica_hash() == (10, state_hash(opt.state_tensors()))
     finally:
         shadow.close()
+
+
+def test_a_second_shadow_on_a_live_run_is_refused_with_the_holder_named(job):
+    from zocheck_ray.storage import LeaseHeldError
+
+    first = Shadow(job, writer="shadow:first")
+    try:
+        with pytest.raises(LeaseHeldError, match="shadow:first"):
+            Shadow(job, writer="shadow:second")
+    finally:
+        first.close()
+    Shadow(job, writer="shadow:second").close()  # released: the next writer gets in at once
+
+
+def test_a_shadow_whose_lease_was_taken_over_stops_persisting_and_says_why(job):
+    from dataclasses import replace
+
+    from zocheck_ray.storage import Lease, LeaseLostError
+    from zocheck_ray.storage.lease import generation_name
+
+    initial, opt, records = trained(job, 4)
+    shadow = Shadow(job, writer="shadow:first")
+    intruder = None
+    try:
+        shadow.initialize(initial, 0)
+        shadow.lease.stop_heartbeat()      # as if the shadow hung: its lease goes stale ...
+        info = shadow.lease.info
+        shadow.lease.storage.write_atomic(generation_name(info.generation),
+                                          replace(info, heartbeat_unix=info.heartbeat_unix - 3600).encode())
+        intruder = Lease(job.run_url, owner="shadow:intruder").acquire()   # ... and another writer takes it
+        with pytest.raises(LeaseLostError):
+            shadow.lease.renew()           # what its heartbeat finds at the next beat
+        shadow.push(encode(records), 4)
+        with pytest.raises(StageError, match="another writer holds the run's storage.*shadow:intruder"):
+            shadow.drain(4, timeout=120)
+        m = shadow.metrics()
+        assert m.persist_stopped and "shadow:intruder" in m.persist_error and m.durable_step == 0
+    finally:
+        shadow.close()
+        if intruder is not None:
+            intruder.release()

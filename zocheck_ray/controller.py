@@ -26,12 +26,12 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from zocheck_ray.actors.ray_actors import (
-    NAMESPACE, ShadowActor, TrainerActor, call_when_alive, shadow_name, trainer_name,
+    NAMESPACE, ShadowActor, TrainerActor, call_when_alive, shadow_name, shadow_writer, trainer_name,
 )
 from zocheck_ray.config import JobConfig, JobConfigError, check_task
 from zocheck_ray.faults import NO_FAULTS, FaultInjection
 from zocheck_ray.policies import ProfileReport, ProfileSettings, profile_startup
-from zocheck_ray.storage import StorageError
+from zocheck_ray.storage import LeaseHeldError, StorageError, check_no_live_writer
 from zocheck_ray.storage.fs import open_storage
 
 
@@ -229,7 +229,7 @@ class Action(enum.Enum):
 @dataclass(frozen=True)
 class Failure:
     kind: Literal["trainer_lost", "trainer_gone", "shadow_gone", "shadow_lag", "replay_error", "record_gap",
-                  "durability_stalled", "drain_failed"]
+                  "durability_stalled", "writer_lost", "drain_failed"]
     step: int
     detail: str
     mode: str = "unplanned"
@@ -255,6 +255,9 @@ def decide(failure: Failure, job: JobConfig) -> Decision:
         return Decision(Action.FAIL, f"{failure.detail}; the run stops rather than go on without durability "
                                      f"(max_undurable_steps={job.max_undurable_steps}): fix the storage at "
                                      f"{job.run_url} and run the same job again to resume")
+    if kind == "writer_lost":
+        return Decision(Action.FAIL, f"{failure.detail}; one writer per run: stop the other writer or give this "
+                                     "job another run_id or storage")
     if kind == "trainer_gone":
         return Decision(Action.FAIL, f"the trainer cannot be restarted ({failure.detail}); raise max_restarts "
                                      f"(now {job.max_restarts}) or look at the trainer's log")
@@ -423,6 +426,8 @@ class Controller:
             self.shadow_restarts += 1
             self._warn(f"the shadow restarted (it came back from durable storage); the trainer re-sends what it "
                        f"lacks ({progress['publisher']['resent_records']} records so far)")
+        if metrics["persist_stopped"]:
+            return Failure("writer_lost", self.step, metrics["persist_error"])
         if metrics["replay_error"]:
             return Failure("replay_error", self.step, metrics["replay_error"])
         if progress["publisher"]["gap"]:
@@ -603,6 +608,11 @@ def run(job: JobConfig, fail_at: list[int] | None = None,
         raise JobConfigError(f"fail_mode must be software, host or shadow, got {fail_mode!r}")
     if not ray.is_initialized():
         connect_ray(say=progress)
+    try:  # another live writer of this run's storage is refused, named; this cluster's dead shadow is not
+        check_no_live_writer(job.run_url, job.storage_options)
+    except LeaseHeldError as exc:
+        if exc.holder is None or exc.holder.owner != shadow_writer(job.run_id):
+            raise JobConfigError(f"storage={job.storage!r}: {exc}") from exc
     if placement_group is None:
         gpus = _check_resources(job)
     else:

@@ -52,6 +52,8 @@ class ShadowMetrics(BaseModel):
     """Failed attempts to write the log or a snapshot (each retried with backoff)."""
     persist_failing_seconds: float
     """How long persistence has been failing without a success (0 when it works)."""
+    persist_stopped: bool = False
+    """Persistence stopped for good: another writer took over the run's storage (see `persist_error`)."""
     ingest_error: str | None = None
     """The last error of the ingest stage (a damaged push)."""
     replay_error: str | None = None

@@ -46,6 +46,12 @@ def shadow_name(run_id: str) -> str:
     return f"zocheck-shadow-{run_id}"
 
 
+def shadow_writer(run_id: str) -> str:
+    """The shadow's name in its run's storage lease. An actor name is unique in a cluster, so a
+    holder of this name is a dead predecessor (a restart, a lost node): the new shadow reclaims it."""
+    return f"shadow:{run_id}@{ray.get_runtime_context().gcs_address}"
+
+
 def trainer_name(run_id: str) -> str:
     return f"zocheck-trainer-{run_id}"
 
@@ -59,7 +65,7 @@ class ShadowActor:
         self.job = JobConfig.model_validate(job)
         threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         self.shadow = Shadow(self.job, publish=ray.put, threads=threads,
-                             faults=FaultInjection.model_validate(faults or {}))
+                             faults=FaultInjection.model_validate(faults or {}), writer=shadow_writer(self.job.run_id))
         self._gauges = None
 
     @ray.method(concurrency_group="control")

@@ -40,7 +40,8 @@ from zocheck_ray.core.errors import CorruptRecordError
 from zocheck_ray.core.fused import warm_up
 from zocheck_ray.core.record import decode_records
 from zocheck_ray.faults import NO_FAULTS, FaultInjection
-from zocheck_ray.storage import SnapshotStore, StepLog, StorageError, recover
+from zocheck_ray.storage import (Lease, LeaseError, LeaseHeldError, SnapshotStore, StepLog, StorageError,
+                                 recover)
 from zocheck_ray.workload.models import TORCH_DTYPES, model_config_dict
 
 logger = logging.getLogger(__name__)
@@ -246,10 +247,11 @@ class ReplayStage:
 class PersistStage:
     """Owns the snapshot store and the step log: makes records and images durable, whatever the store does."""
 
-    def __init__(self, ledger: RecordLedger, job: JobConfig, store: SnapshotStore, meta: dict):
+    def __init__(self, ledger: RecordLedger, job: JobConfig, store: SnapshotStore, lease: Lease, meta: dict):
         self.ledger = ledger
         self.job = job
         self.store = store
+        self.lease = lease
         self._meta = meta
         self.log: StepLog | None = None
         self._log_generation = -1
@@ -262,6 +264,8 @@ class PersistStage:
         self.failures = 0
         self.error: str | None = None
         self.failing_since: float | None = None
+        self.stopped: str | None = None
+        """Why persistence stopped for good (another writer took the run's lease), if it did."""
         self._image: Image | None = None
         self._image_lock = threading.Lock()   # the one-slot mailbox: the newest image wins
         self._seal_requested = False
@@ -284,7 +288,9 @@ class PersistStage:
         self._seal_requested = True
         self._wake.set()
         with self._durable:
-            return self._durable.wait_for(lambda: self.durable_step == step and self._log_covers(step), timeout)
+            return self._durable.wait_for(lambda: self.stopped is not None
+                                          or (self.durable_step == step and self._log_covers(step)), timeout) \
+                and self.stopped is None
 
     def _log_covers(self, step: int) -> bool:
         return step == 0 or (self.durable_log_step is not None and self.durable_log_step >= step - 1) \
@@ -307,6 +313,11 @@ class PersistStage:
             try:
                 self._persist_log(seal=stopping or self._seal_requested)
                 self._persist_image()
+            except LeaseError as exc:  # never retried as an outage: ours again, or stop for good
+                if not self._reacquire(exc):
+                    return
+                backoff = min(max(2 * backoff, 0.1), MAX_BACKOFF_SECONDS)
+                continue
             except Exception as exc:  # storage down, full, refusing: report, wait, try again
                 self.failures += 1
                 self.error = f"{type(exc).__name__}: {exc}"
@@ -321,6 +332,26 @@ class PersistStage:
             backoff = 0.0
             if stopping:
                 return
+
+    def _reacquire(self, lost: LeaseError) -> bool:
+        """After the lease lapsed (an outage longer than `lease_seconds`), take it again unless another
+        writer holds it; False when persistence must stop for good."""
+        self.failures += 1
+        self.error = f"{type(lost).__name__}: {lost}"
+        try:
+            self.lease.acquire(reclaim=True)
+            self.lease.start_heartbeat()
+        except LeaseHeldError as exc:
+            self.stopped = self.error = f"another writer holds the run's storage: {exc}"
+            logger.error("persistence stopped: %s", self.stopped)
+            with self._durable:
+                self._durable.notify_all()
+            return False
+        except (StorageError, LeaseError) as exc:  # still unreachable: try again after the backoff
+            logger.warning("the run's lease lapsed and cannot be taken again yet: %s", exc)
+            return True
+        logger.warning("the run's lease lapsed (%s) and was taken again: generation %s", lost, self.lease.generation)
+        return True
 
     def _recovered(self) -> None:
         """A write went through: the outage, if any, is over (before waiters are told)."""
@@ -337,7 +368,7 @@ class PersistStage:
                 self.log = None
             generation, start = self.ledger.generation, self.ledger.generation_start
             self.log = StepLog(self.job.run_url, self.job.storage_options, seal_records=self.job.log_seal_records,
-                               resume_step=start)
+                               resume_step=start, lease=self.lease)
             self._log_generation, self._log_next = generation, start
             self._publish_log_step()
         for record in self.ledger.read(self._log_next):
@@ -392,7 +423,10 @@ class Shadow:
     """Ingest, replay and persistence of one run's records (see the module docstring)."""
 
     def __init__(self, job: JobConfig, publish: Callable[[np.ndarray], object] | None = None,
-                 threads: int | None = None, persist: bool = True, faults: FaultInjection = NO_FAULTS):
+                 threads: int | None = None, persist: bool = True, faults: FaultInjection = NO_FAULTS,
+                 writer: str | None = None):
+        """`writer` names this shadow in the run's lease; a restarted shadow passes the same name and
+        reclaims the lease of its dead predecessor. Any other live writer is refused (`LeaseHeldError`)."""
         self.job = job
         self.incarnation = uuid.uuid4().hex[:12]
         self.trainer_step: int | None = None
@@ -406,12 +440,18 @@ class Shadow:
         self.persist: PersistStage | None = None
         self.replay = ReplayStage(self.ledger, job, publish or (lambda buffer: None), self._on_image, threads,
                                   faults)
+        self.lease: Lease | None = None
         if persist:
-            store = _with_retries(lambda: SnapshotStore(job.run_url, job.storage_options),
+            self.lease = _with_retries(lambda: Lease(job.run_url, job.storage_options,
+                                                     owner=writer or f"shadow:{job.run_id}:{self.incarnation}",
+                                                     lease_seconds=job.lease_seconds).acquire(reclaim=True),
+                                       f"taking the lease of {job.run_url}")
+            self.lease.start_heartbeat()
+            store = _with_retries(lambda: SnapshotStore(job.run_url, job.storage_options, lease=self.lease),
                                   f"opening the snapshot store {job.run_url}")
             meta = {"run_id": job.run_id, "hf_config": model_config_dict(job.model),
                     "zo_config": job.zo.model_dump(mode="json")}
-            self.persist = PersistStage(self.ledger, job, store, meta)
+            self.persist = PersistStage(self.ledger, job, store, self.lease, meta)
             self._durable_rebuild(store)
         warm.join()
         self.replay.start()
@@ -505,8 +545,9 @@ class Shadow:
                              f"{timeout:.0f} s" + (f": {self.replay.error}" if self.replay.error else ""))
         self.replay.call(lambda: self.replay.snapshot_now(step))
         if self.persist is not None and not self.persist.wait_durable(step, max(deadline - time.monotonic(), 0.0)):
-            raise StageError(f"the image of step {step} and its log are not durable after {timeout:.0f} s: "
-                             f"{self.persist.error or 'storage is slow'}")
+            raise StageError(f"the image of step {step} and its log are not durable"
+                             + (f": {self.persist.stopped}" if self.persist.stopped else
+                                f" after {timeout:.0f} s: {self.persist.error or 'storage is slow'}"))
         return self.metrics()
 
     def profile_replay(self, threads: int) -> float | None:
@@ -548,6 +589,7 @@ class Shadow:
             rejected_records=self.rejected, persist_failures=persist.failures if persist else 0,
             persist_failing_seconds=time.monotonic() - failing if failing is not None else 0.0,
             ingest_error=self.ingest_error, replay_error=replay.error, persist_error=persist.error if persist else None,
+            persist_stopped=persist.stopped is not None if persist else False,
             regime=self.regime, source=replay.source,
         )
 
@@ -559,8 +601,9 @@ class Shadow:
             if self.persist.log is not None:
                 try:
                     self.persist.log.close()
-                except StorageError as exc:
+                except (StorageError, LeaseError) as exc:
                     logger.warning("closing the step log: %s", exc)
+            self.lease.release()
 
 
 def _with_retries(fn: Callable[[], object], what: str, seconds: float = STARTUP_STORAGE_SECONDS):
