@@ -159,3 +159,22 @@ def test_storage_gone_for_good_fails_the_run_with_a_clear_error(tmp_path, privat
     with pytest.raises(RunFailedError, match=r"not durable in s3://.*max_undurable_steps=8"):
         run(job, progress=None, on_segment=outage)
     assert not ray.util.list_named_actors(all_namespaces=True)  # nothing left running
+
+
+@pytest.mark.parametrize("fail_mode", ["host", "shadow"])
+@pytest.mark.parametrize("storage", ["local", "s3"])
+def test_verify_proves_the_run_after_a_failure_and_collected_log_segments(tmp_path, storage, fail_mode, request):
+    from zocheck_ray.cli import main
+    from zocheck_ray.verify import verify_run
+
+    root, options = (str(tmp_path), {}) if storage == "local" else request.getfixturevalue("s3_bucket")
+    job = job_for(tmp_path, storage=root, storage_options=options, log_seal_records=4)
+    summary = run(job, fail_at=[21], fail_mode=fail_mode, progress=None)
+    assert_exact(summary, uninterrupted_hashes(job))
+    result = verify_run(job, summary)
+    assert result.verified, result.mismatches
+    assert not result.from_initial_state          # retention collected the log below the oldest snapshot
+    assert 0 < result.proven_from_step < STEPS and result.proven_to_step == STEPS
+    assert result.steps_checked >= STEPS - result.proven_from_step
+    argv = ["verify", job.run_url] + (["--endpoint-url", options["endpoint_url"]] if options else [])
+    assert main(argv) == 0                         # the same proof from the storage alone
