@@ -6,10 +6,19 @@
 `step` runs perturb(+eps), loss+, perturb(-2 eps), loss-, perturb(+eps), update,
 in place, exactly as `update.py` spells the operations, and returns the
 `StepRecord` a replay needs to reproduce it.
+
+Two backends, one answer: "eager" works through each tensor in chunks (z from the
+fused numba generator on the CPU, from the eager oracle elsewhere, then one torch
+operation at a time); "triton" runs each phase as one fused kernel launch per dtype
+(`triton_kernels.py`). `backend="auto"` takes the kernels on CUDA once they pass the
+start-up guard (`kernel_guard.py`) and the eager path otherwise; `kernel_backend` and
+`kernel_check` say which was taken and why. `backend="triton"` on CPU tensors runs the
+kernels in Triton's interpreter (the tests drive the CUDA code path that way).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Callable, Iterable
 
@@ -23,6 +32,10 @@ from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout, T
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.scalars import StepScalars
 from zocheck_ray.core import update
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "eager", "triton")
 
 CHUNK_ELEMENTS = 1 << 22
 """Elements processed at once; bounds the generator's temporaries to ~100 MB."""
@@ -49,17 +62,25 @@ def sparse_thresholds(params: list[torch.Tensor], sparsity: float) -> tuple[floa
 class ZOOptimizer:
     """Zeroth-order optimizer over named parameters, producing replayable step records."""
 
-    def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], config: ZOConfig, step: int = 0):
+    def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], config: ZOConfig, step: int = 0,
+                 backend: str = "auto"):
         if not isinstance(config, ZOConfig):
             raise TypeError(f"config must be a ZOConfig, got {type(config).__name__}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         named = [(n, p) for n, p in named_params]
         self.config = config
         self.layout = Layout.from_params(named, config.optimizer)
         self.params = [p for _, p in named]
-        devices = {p.device for p in self.params}
-        if len(devices) != 1:
-            raise StateMismatchError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
-        self.device = self.params[0].device
+        first_name, first = named[0]
+        for name, p in named:
+            if p.device != first.device:
+                raise StateMismatchError(
+                    f"parameter {name!r} is on {p.device} but {first_name!r} is on {first.device}; a ZO step "
+                    "perturbs every parameter with one generator, so the model must be on one device "
+                    "(move it with model.to(device) before building the optimizer)"
+                )
+        self.device = first.device
         for spec, p in zip(self.layout.params, self.params):
             if not p.is_contiguous():
                 raise StateMismatchError(f"parameter {spec.name!r} is not contiguous")
@@ -71,6 +92,32 @@ class ZOOptimizer:
             self.exp_avg_sq = [torch.zeros(p.shape, dtype=torch.float32, device=self.device) for p in self.params]
         self.step_index = step
         self.last_losses: tuple[float, float] | None = None
+        self.kernel_check = None
+        """The start-up guard's `KernelCheck` where the kernels were considered, else None."""
+        self._stepper = None
+        if backend == "triton" or (backend == "auto" and self.device.type == "cuda"):
+            self._stepper = self._kernels(required=backend == "triton")
+
+    @property
+    def kernel_backend(self) -> str:
+        """"triton" when the steps run the fused GPU kernels, "eager" otherwise."""
+        return "eager" if self._stepper is None else "triton"
+
+    def _kernels(self, required: bool):
+        from zocheck_ray.core import kernel_guard, triton_kernels
+
+        if required and not triton_kernels.available():
+            raise RuntimeError("backend='triton' needs Triton: pip install triton (it comes with CUDA builds of torch)")
+        triton_kernels.check_device(self.device)
+        self.kernel_check = kernel_guard.check_kernels(self.device, {p.dtype for p in self.params}, self.config)
+        if not self.kernel_check.passed:
+            if self.kernel_check.passed is None:
+                logger.warning("zocheck-ray: %s; the trainer on %s runs the eager path", self.kernel_check.reason,
+                               self.device)
+            return None
+        segments = [triton_kernels.Segment(s.offset, s.numel, s.decay) for s in self.layout.params]
+        return triton_kernels.KernelStepper(segments, self.params, self.exp_avg, self.exp_avg_sq,
+                                            self.config)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The canonical state (live tensors, not copies): parameters, then moments."""
@@ -100,14 +147,17 @@ class ZOOptimizer:
         if self.device.type == "cpu":  # the fused generator: same bits, far fewer passes
             z = perturbation_cpu(seed, spec.offset + a, b - a, self.config.perturbation)
         else:
-            z = perturbation(seed, spec.offset + a, b - a, self.config.perturbation, self.device)
+            z = perturbation(seed, spec.offset + a, b - a, self.config.perturbation, self.device, backend="eager")
         return update.cast_perturbation(z, dtype)
 
-    def _perturb(self, seed: int, c: float, masks) -> None:
+    def _perturb(self, seed: int, c: float, masks, first: bool = False, thresholds=()) -> None:
+        if self._stepper is not None:
+            self._stepper.perturb(seed, c, first, thresholds)
+            return
         for i, spec, flat, a, b in self._walk():
             chunk = flat[a:b]
             zd = self._z(spec, seed, a, b, chunk.dtype)
-            mask = masks[(i, a)] if masks is not None else None
+            mask = update.unpack_mask(masks[(i, a)], b - a) if masks is not None else None
             chunk.copy_(update.perturb(chunk.float(), zd, c, chunk.dtype, mask))
 
     @torch.no_grad()
@@ -122,11 +172,13 @@ class ZOOptimizer:
         masks = None
         if self.config.optimizer == "sparse-mezo":
             extras = sparse_thresholds(self.params, self.config.sparsity)
-            masks = {(i, a): update.sparse_mask(flat[a:b].float(), extras[i]) for i, _, flat, a, b in self._walk()}
+            if self._stepper is None:  # packed, one bit per element (the kernels keep their own)
+                masks = {(i, a): update.pack_mask(update.sparse_mask(flat[a:b].float(), extras[i]))
+                         for i, _, flat, a, b in self._walk()}
         # Scalars as the record will carry them; g is filled in after the two losses.
         probe = StepRecord(self.step_index, seed, 0.0, lr, eps, self.fingerprint, self.config.optimizer, extras)
         s = StepScalars.of(probe, self.config)
-        self._perturb(seed, s.plus, masks)
+        self._perturb(seed, s.plus, masks, first=True, thresholds=extras)
         loss_plus = float(closure())
         self._perturb(seed, s.minus, masks)
         loss_minus = float(closure())
@@ -146,10 +198,13 @@ class ZOOptimizer:
     def _update(self, record: StepRecord, masks) -> None:
         """The update after the three perturbations, in place; z is regenerated once more."""
         s = StepScalars.of(record, self.config)
+        if self._stepper is not None:
+            self._stepper.update(record.seed, s)
+            return
         state = self.state_tensors()
         for i, spec, flat, a, b in self._walk():
             chunk = flat[a:b]
             zd = self._z(spec, record.seed, a, b, chunk.dtype)
-            mask = masks[(i, a)] if masks is not None else None
+            mask = update.unpack_mask(masks[(i, a)], b - a) if masks is not None else None
             chunk.copy_(update.update_chunk(state, spec.name, a, b, chunk.float(), zd, s, spec.decay, chunk.dtype,
                                             self.config.optimizer, mask))
