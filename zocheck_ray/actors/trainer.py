@@ -25,7 +25,8 @@ from typing import Protocol
 import torch
 
 from zocheck_ray.config import JobConfig
-from zocheck_ray.core import StepRecord, ZOOptimizer, replay, replay_reference, state_hash
+from zocheck_ray.core import StepRecord, ZOOptimizer, replay, state_hash
+from zocheck_ray.core.triton_kernels import replay_on_device
 from zocheck_ray.core.fused import warm_up
 from zocheck_ray.workload.data import step_seed
 from zocheck_ray.workload.models import TORCH_DTYPES, build_model, trainable_parameters
@@ -97,8 +98,8 @@ class Trainer:
             live = self.opt.state_tensors()
             if self.device.type == "cpu":
                 replay(live, records, self.job.zo, start_step=step)
-            else:
-                replay_reference(live, records, self.job.zo, start_step=step)
+            else:  # the fused GPU kernels where they passed the start-up guard, else the eager oracle
+                replay_on_device(live, records, self.job.zo, start_step=step, backend=self.opt.kernel_backend)
             self.opt.step_index = step + len(records)
         replayed = time.perf_counter()
         logger.info("trainer recovered at step %d from the %s image of step %d (+%d records)",

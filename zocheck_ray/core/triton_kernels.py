@@ -282,3 +282,14 @@ def replay_triton(state: dict[str, torch.Tensor], records: Sequence[StepRecord],
     for record, s in zip(records, all_scalars):
         stepper.replay_step(record, s)
     return state
+
+
+def replay_on_device(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
+                     start_step: int | None = None, backend: str = "triton") -> dict[str, torch.Tensor]:
+    """Replay on the state's own device: `replay_triton` for backend "triton" (what a trainer whose
+    kernels passed the guard uses), else the eager `replay_reference`. Same bits either way."""
+    if backend == "triton":
+        return replay_triton(state, records, config, start_step)
+    from zocheck_ray.core.reference import replay_reference
+
+    return replay_reference(state, records, config, start_step)

@@ -74,15 +74,25 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """A bool mask packed 8 elements a byte (bit j of byte k is element 8k + j): one bit per element."""
     if mask.device.type == "cpu":
         return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
-    padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, (-mask.numel()) % 8))
-    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=mask.device)
-    return (padded.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+    return pack_mask_torch(mask)
 
 
 def unpack_mask(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """The bool mask of `numel` elements that `pack_mask` packed."""
     if packed.device.type == "cpu":
         return torch.from_numpy(np.unpackbits(packed.numpy(), count=numel, bitorder="little").view(np.bool_))
+    return unpack_mask_torch(packed, numel)
+
+
+def pack_mask_torch(mask: torch.Tensor) -> torch.Tensor:
+    """`pack_mask` in torch operations (any device)."""
+    padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, (-mask.numel()) % 8))
+    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=mask.device)
+    return (padded.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+
+
+def unpack_mask_torch(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """`unpack_mask` in torch operations (any device)."""
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     return ((packed[:, None] >> shifts) & 1).view(-1)[:numel].bool()
 
