@@ -226,9 +226,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(commands, bench) -> None:
-    parser = bench.add_parser("trainer", help="the ZOCheck trainer step vs a plain MeZO step",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default="opt-14m",
                         help=f"{' or '.join(BENCH_MODELS)} (built from config), or any model build_model knows "
                              "(default opt-14m)")
@@ -241,3 +239,14 @@ def register(commands, bench) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; figures are the best (default 5)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.set_defaults(func=run)
+    return parser
+
+
+def register(commands, bench) -> None:
+    add_arguments(bench.add_parser("trainer", help="the ZOCheck trainer step vs a plain MeZO step",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+if __name__ == "__main__":  # without the CLI's other commands (and Ray): scripts/cuda_check.sh
+    arguments = add_arguments(argparse.ArgumentParser(prog="python -m zocheck_ray.bench.trainer")).parse_args()
+    raise SystemExit(run(arguments))
