@@ -22,12 +22,13 @@ import logging
 import math
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import NonFiniteError, StateMismatchError
-from zocheck_ray.core.fused import perturbation_cpu
-from zocheck_ray.core.generator import check_seed, perturbation
+from zocheck_ray.core.fused import _perturbation_kernel
+from zocheck_ray.core.generator import MASK32, check_seed, perturbation
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout, TensorSpec
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.scalars import StepScalars
@@ -44,6 +45,11 @@ CHUNK_ELEMENTS = 1 << 22
 def chunks(numel: int, size: int = CHUNK_ELEMENTS):
     for start in range(0, numel, size):
         yield start, min(start + size, numel)
+
+
+def fused_perturbation_into(out: np.ndarray, seed: int, offset: int, kind: str) -> None:
+    """`fused.perturbation_cpu` into a float32 buffer of the caller's (z for offset .. offset + len(out) - 1)."""
+    _perturbation_kernel(np.uint64(seed & MASK32), np.uint64(seed >> 32), offset, kind == "gaussian", out)
 
 
 def sparse_thresholds(params: list[torch.Tensor], sparsity: float) -> tuple[float, ...]:
@@ -95,6 +101,7 @@ class ZOOptimizer:
         self.kernel_check = None
         """The start-up guard's `KernelCheck` where the kernels were considered, else None."""
         self._stepper = None
+        self._buffers: dict[str, torch.Tensor] = {}
         if backend == "triton" or (backend == "auto" and self.device.type == "cuda"):
             self._stepper = self._kernels(required=backend == "triton")
 
@@ -143,9 +150,18 @@ class ZOOptimizer:
             for a, b in chunks(spec.numel):
                 yield i, spec, flat, a, b
 
+    def _scratch(self, name: str, numel: int) -> torch.Tensor:
+        """A float32 CPU buffer reused across chunks and steps (fresh large allocations page-fault)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[name] = torch.empty(min(CHUNK_ELEMENTS, max(s.numel for s in self.layout.params)))
+        return buf[:numel]
+
     def _z(self, spec: TensorSpec, seed: int, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
         if self.device.type == "cpu":  # the fused generator: same bits, far fewer passes
-            z = perturbation_cpu(seed, spec.offset + a, b - a, self.config.perturbation)
+            z = self._scratch("z", b - a)
+            if b > a:
+                fused_perturbation_into(z.numpy(), seed, spec.offset + a, self.config.perturbation)
         else:
             z = perturbation(seed, spec.offset + a, b - a, self.config.perturbation, self.device, backend="eager")
         return update.cast_perturbation(z, dtype)
@@ -157,6 +173,11 @@ class ZOOptimizer:
         for i, spec, flat, a, b in self._walk():
             chunk = flat[a:b]
             zd = self._z(spec, seed, a, b, chunk.dtype)
+            if masks is None and chunk.dtype == torch.float32 and self.device.type == "cpu":
+                # in place: t = z * c; p = p + t (the same two IEEE operations, no allocation)
+                t = torch.mul(zd, c, out=self._scratch("t", b - a))
+                chunk.add_(t)
+                continue
             mask = update.unpack_mask(masks[(i, a)], b - a) if masks is not None else None
             chunk.copy_(update.perturb(chunk.float(), zd, c, chunk.dtype, mask))
 
@@ -205,6 +226,14 @@ class ZOOptimizer:
         for i, spec, flat, a, b in self._walk():
             chunk = flat[a:b]
             zd = self._z(spec, record.seed, a, b, chunk.dtype)
+            if (masks is None and chunk.dtype == torch.float32 and self.device.type == "cpu"
+                    and self.config.optimizer == "zo-sgd"):
+                # in place, update.sgd_update's operations: u = z * g; [u = u + p * wd]; p = p - u * lr
+                u = torch.mul(zd, s.grad, out=self._scratch("t", b - a))
+                if spec.decay and s.weight_decay > 0:
+                    u.add_(torch.mul(chunk, s.weight_decay, out=self._scratch("decay", b - a)))
+                chunk.sub_(u.mul_(s.lr))
+                continue
             mask = update.unpack_mask(masks[(i, a)], b - a) if masks is not None else None
             chunk.copy_(update.update_chunk(state, spec.name, a, b, chunk.float(), zd, s, spec.decay, chunk.dtype,
                                             self.config.optimizer, mask))
