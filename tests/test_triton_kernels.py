@@ -197,3 +197,42 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+COMPILED = [  # (PHASE, OPT, DTYPE, GAUSSIAN, MASK, SEARCH): every phase, optimizer and dtype once
+    (0, 0, 0, True, 0, 0), (1, 2, 2, True, 1, 0), (2, 1, 0, False, 0, 1), (3, 0, 1, True, 0, 2),
+    (3, 1, 2, True, 0, 3), (2, 2, 1, False, 2, 1),
+]
+
+
+@pytest.mark.parametrize("phase,opt,dtype,gaussian,mask,search", COMPILED)
+def test_the_compiled_kernel_rounds_every_operation_on_its_own(phase, opt, dtype, gaussian, mask, search):
+    """Compiled for Hopper (sm_90, no GPU needed): no FMA, IEEE division and square root, no
+    flush-to-zero; with fp fusion on, the Gaussian transform does contract (so the check can fail)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = triton_kernels._source(False).zo_kernel
+    types = ["*i64"] * 6 + ["*i32", "*fp32", "*i32", "i32", "i32", "*u8", "*fp32", "i64", "i64"] + ["fp32"] * 12
+    signature = dict(zip(kernel.arg_names, types))
+    constexprs = dict(PHASE=phase, OPT=opt, DTYPE=dtype, GAUSSIAN=gaussian, MASK=mask, B4=256, SEARCH=search)
+    signature.update({name: "constexpr" for name in constexprs})
+
+    def ptx(fusion):
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4, enable_fp_fusion=fusion)).asm["ptx"]
+
+    code = ptx(triton_kernels.ENABLE_FP_FUSION)
+    assert not re.search(r"\b(?:fma|mad)(?:\.\w+)*\.f(?:16|32|64)\b", code)  # (integer mad.wide is fine)
+    assert not re.search(r"\.ftz\b|\.approx\b|div\.full", code)
+    assert re.search(r"\badd\.rn\.f32", code) and not re.search(r"\badd\.f32", code)
+    if gaussian or opt == 1:
+        assert "div.rn.f32" in code
+    if opt == 1 and phase in (2, 3):
+        assert "sqrt.rn.f32" in code
+    if gaussian:  # the polynomials are multiply-add chains
+        assert re.search(r"\bfma\.rn\.f32", ptx(True))

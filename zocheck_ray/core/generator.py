@@ -171,9 +171,10 @@ def perturbation(seed: int, offset: int, numel: int, kind: str = "gaussian", dev
         raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'eager' or 'triton'")
     device = torch.device(device)
     if backend == "auto" and device.type == "cuda":
+        from zocheck_ray.core.config import ZOConfig
         from zocheck_ray.core.kernel_guard import kernels_usable
 
-        backend = "triton" if kernels_usable(device, (torch.float32,)) else "eager"
+        backend = "triton" if kernels_usable(device, (torch.float32,), ZOConfig(perturbation=kind)) else "eager"
     if backend == "triton":
         from zocheck_ray.core.triton_kernels import perturbation_triton
 

@@ -50,6 +50,8 @@ COUNTERS_PER_PROGRAM_CUDA = 256
 COUNTERS_PER_PROGRAM_INTERPRETED = 4096
 """... in the interpreter (at most), where a program costs tens of ms of numpy calls whatever its size."""
 NUM_WARPS = 4
+ENABLE_FP_FUSION = False
+"""Never True: a fused multiply-add rounds once where the oracle rounds twice (ptxas gets --fmad=false)."""
 _KEY_TAG = 1 << 32
 """Added to each 32-bit key word so Triton always sees an int64 (one compiled signature)."""
 
@@ -184,7 +186,7 @@ class Plan:
             self._dummy_u8 if mask is None else mask, self._dummy_f32 if z is None else z,
             (seed & MASK32) | _KEY_TAG, (seed >> 32) | _KEY_TAG, c_a, c_b, *scal,
             PHASE=phase, OPT=OPT_CODES[optimizer], DTYPE=DTYPE_CODES[dtype], GAUSSIAN=gaussian, MASK=mask_mode,
-            B4=self.b4, SEARCH=self.search, num_warps=NUM_WARPS, enable_fp_fusion=False,
+            B4=self.b4, SEARCH=self.search, num_warps=NUM_WARPS, enable_fp_fusion=ENABLE_FP_FUSION,
         )
         if _fault_hook is not None:
             _fault_hook(phase, [z] if phase == PHASE_Z else [*params, *exp_avg, *exp_avg_sq])
