@@ -5,12 +5,13 @@
 the CPU, for CPU tensors and the tests). Every helper is decorated with `_jit`, so each
 module object is consistently one or the other, and no function of Triton's own library
 that is itself `@triton.jit` (`tl.zeros`, `tl.sum`, ...) is used: those were made for one
-mode when Triton was imported.
+mode when Triton was imported. (Interpreted, a constant must not come first in an
+operation with a tensor: `constexpr - tensor` stays a constexpr there.)
 
 One kernel, `zo_kernel`, serves every phase (z only, one perturbation, the update, a
-whole replayed step) for a group of tensors of one dtype, in one launch: each program
-takes `B4` Philox counters (4*B4 elements) of one tensor, found in a program table.
-It repeats `generator.py` and `update.py` operation for operation, each float32
+whole replayed step) for a group of tensors of one dtype, in one launch: the tensors are
+laid end to end in rows, one Philox counter (four elements) per row, and each program
+takes `B4` rows. It repeats `generator.py` and `update.py` operation for operation, each float32
 operation rounded on its own: launched with fp fusion off (no FMA), dividing with
 `div_rn` and taking square roots with `sqrt_rn` (correctly rounded), and rounding to
 bf16/fp16 with integer operations (to nearest even, as `fused.py` does), so the bits
@@ -42,6 +43,7 @@ def _kernel_jit(fn):
         return InterpretedFunction(fn)
     # the keys arrive with bit 32 set, so every launch has the same (int64) signature
     return triton.jit(fn, do_not_specialize=["key0", "key1"])
+
 
 PHILOX_M0 = tl.constexpr(G.PHILOX_M0)
 PHILOX_M1 = tl.constexpr(G.PHILOX_M1)
@@ -218,7 +220,7 @@ def _log_unit(u):
     t = m - 1.0
     s = tl.math.div_rn(t, t + 2.0)
     s2 = s * s
-    acc = s2 * L0  # (tensor first: the interpreter keeps constexpr op tensor a constexpr)
+    acc = s2 * L0
     acc = acc + L1
     acc = acc * s2
     acc = acc + L2

@@ -150,21 +150,50 @@ class ZOOptimizer:
             for a, b in chunks(spec.numel):
                 yield i, spec, flat, a, b
 
-    def _scratch(self, name: str, numel: int) -> torch.Tensor:
-        """A float32 CPU buffer reused across chunks and steps (fresh large allocations page-fault)."""
-        buf = self._buffers.get(name)
+    def _scratch(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A CPU buffer reused across chunks and steps (fresh large allocations page-fault)."""
+        buf = self._buffers.get((name, dtype))
         if buf is None or buf.numel() < numel:
-            buf = self._buffers[name] = torch.empty(min(CHUNK_ELEMENTS, max(s.numel for s in self.layout.params)))
+            size = min(CHUNK_ELEMENTS, max(s.numel for s in self.layout.params))
+            buf = self._buffers[(name, dtype)] = torch.empty(size, dtype=dtype)
         return buf[:numel]
 
     def _z(self, spec: TensorSpec, seed: int, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.device.type == "cpu":  # the fused generator: same bits, far fewer passes
-            z = self._scratch("z", b - a)
-            if b > a:
-                fused_perturbation_into(z.numpy(), seed, spec.offset + a, self.config.perturbation)
-        else:
+        """zd = r(z) (float32) for elements a..b of `spec`."""
+        if self.device.type != "cpu":
             z = perturbation(seed, spec.offset + a, b - a, self.config.perturbation, self.device, backend="eager")
-        return update.cast_perturbation(z, dtype)
+            return update.cast_perturbation(z, dtype)
+        # the fused generator (same bits, far fewer passes) into a reused buffer, rounded there
+        z = self._scratch("z", b - a)
+        if b > a:
+            fused_perturbation_into(z.numpy(), seed, spec.offset + a, self.config.perturbation)
+        if dtype != torch.float32:
+            z.copy_(self._scratch("z", b - a, dtype).copy_(z))
+        return z
+
+    def _rounded(self, name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x rounded to `dtype` (to nearest even), held in a `dtype` scratch buffer."""
+        return x if dtype == torch.float32 else self._scratch(name, x.numel(), dtype).copy_(x)
+
+    def _perturb_in_place(self, chunk: torch.Tensor, zd: torch.Tensor, c: float) -> None:
+        """update.perturb's operations on a CPU chunk with no allocation: t = r(zd * c); p = r(p + t).
+
+        `chunk.add_(t)` with both in the dtype is one float32 addition rounded once to the dtype,
+        which is what the eager sequence computes."""
+        t = torch.mul(zd, c, out=self._scratch("t", chunk.numel()))
+        chunk.add_(self._rounded("t", t, chunk.dtype))
+
+    def _sgd_in_place(self, chunk: torch.Tensor, zd: torch.Tensor, s: StepScalars, decay: bool) -> None:
+        """update.sgd_update's operations, in place: u = r(zd * g); [u = r(u + r(p * wd))]; p = r(p - r(u * lr))."""
+        n, dtype = chunk.numel(), chunk.dtype
+        u32 = torch.mul(zd, s.grad, out=self._scratch("t", n))
+        u = self._rounded("u", u32, dtype)
+        if decay and s.weight_decay > 0:
+            x = chunk if dtype == torch.float32 else self._scratch("x", n).copy_(chunk)
+            u.add_(self._rounded("decay", torch.mul(x, s.weight_decay, out=self._scratch("decay", n)), dtype))
+        if dtype != torch.float32:
+            u32.copy_(u)
+        chunk.sub_(self._rounded("step", u32.mul_(s.lr), dtype))
 
     def _perturb(self, seed: int, c: float, masks, first: bool = False, thresholds=()) -> None:
         if self._stepper is not None:
@@ -173,10 +202,8 @@ class ZOOptimizer:
         for i, spec, flat, a, b in self._walk():
             chunk = flat[a:b]
             zd = self._z(spec, seed, a, b, chunk.dtype)
-            if masks is None and chunk.dtype == torch.float32 and self.device.type == "cpu":
-                # in place: t = z * c; p = p + t (the same two IEEE operations, no allocation)
-                t = torch.mul(zd, c, out=self._scratch("t", b - a))
-                chunk.add_(t)
+            if masks is None and self.device.type == "cpu":
+                self._perturb_in_place(chunk, zd, c)
                 continue
             mask = update.unpack_mask(masks[(i, a)], b - a) if masks is not None else None
             chunk.copy_(update.perturb(chunk.float(), zd, c, chunk.dtype, mask))
@@ -226,13 +253,8 @@ class ZOOptimizer:
         for i, spec, flat, a, b in self._walk():
             chunk = flat[a:b]
             zd = self._z(spec, record.seed, a, b, chunk.dtype)
-            if (masks is None and chunk.dtype == torch.float32 and self.device.type == "cpu"
-                    and self.config.optimizer == "zo-sgd"):
-                # in place, update.sgd_update's operations: u = z * g; [u = u + p * wd]; p = p - u * lr
-                u = torch.mul(zd, s.grad, out=self._scratch("t", b - a))
-                if spec.decay and s.weight_decay > 0:
-                    u.add_(torch.mul(chunk, s.weight_decay, out=self._scratch("decay", b - a)))
-                chunk.sub_(u.mul_(s.lr))
+            if masks is None and self.device.type == "cpu" and self.config.optimizer == "zo-sgd":
+                self._sgd_in_place(chunk, zd, s, spec.decay)
                 continue
             mask = update.unpack_mask(masks[(i, a)], b - a) if masks is not None else None
             chunk.copy_(update.update_chunk(state, spec.name, a, b, chunk.float(), zd, s, spec.decay, chunk.dtype,

@@ -1,21 +1,23 @@
 """Fused GPU kernels (Triton) for the trainer's perturbations and update and for replay.
 
-    stepper = KernelStepper(specs, params, exp_avg, exp_avg_sq, config)
-    stepper.perturb(seed, scalars.plus, first=True, thresholds=extras)   # p = r(p + r(r(z) * c)), one pass
+    stepper = KernelStepper(segments, params, exp_avg, exp_avg_sq, config)
+    stepper.perturb(seed, scalars.plus, first=True, thresholds=extras)   # p = r(p + r(r(z) * c))
     ...
-    replay_triton(state, records, config)                               # one launch per dtype per step
+    stepper.update(seed, scalars)
+    replay_triton(state, records, config)                                # a whole step per launch
 
 The kernel (`_triton_src.zo_kernel`) gives the bits of the eager oracle (`generator.py`,
 `update.py`) on any device: same Philox4x32-10, same float32 operation sequence, fp
 fusion off, `div_rn`/`sqrt_rn`, integer rounding to bf16/fp16. One launch covers every
-tensor of one dtype (a table maps each program to a tensor and a block of it), so a
-phase costs one launch per dtype instead of several per tensor, and nothing but the
-parameters (and ZO-Adam's moments) is read or written: no z, no int64 temporaries.
+tensor of one dtype (the tensors are laid end to end in rows of four elements, one
+Philox counter each, and each program takes a run of rows), so a phase costs one launch
+per dtype, and nothing but the parameters (and ZO-Adam's moments) is read or written:
+no z, no int64 temporaries, no chunk loop.
 
 On CUDA the kernels are compiled; on CPU tensors they run in Triton's interpreter
 (numpy, slow, exact), which is how the tests check them without a GPU. Triton is
-optional: `available()` says whether it can be imported, and nothing here is imported
-by the package unless a kernel is asked for.
+optional: `available()` says whether it can be imported, and the package imports it
+only when a kernel is asked for.
 """
 
 from __future__ import annotations
