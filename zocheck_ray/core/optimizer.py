@@ -22,12 +22,13 @@ import logging
 import math
 from typing import Callable, Iterable
 
+import numba
 import numpy as np
 import torch
 
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import NonFiniteError, StateMismatchError
-from zocheck_ray.core.fused import _perturbation_kernel
+from zocheck_ray.core.fused import CHUNK_ELEMENTS as FUSED_BLOCK, _perturbation_kernel
 from zocheck_ray.core.generator import MASK32, check_seed, perturbation
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout, TensorSpec
 from zocheck_ray.core.record import StepRecord
@@ -47,9 +48,22 @@ def chunks(numel: int, size: int = CHUNK_ELEMENTS):
         yield start, min(start + size, numel)
 
 
+SERIAL_BELOW = 4 * FUSED_BLOCK
+"""Fewer elements than this get z on the calling thread: waking numba's pool costs more (ms on a busy machine)."""
+
+
 def fused_perturbation_into(out: np.ndarray, seed: int, offset: int, kind: str) -> None:
     """`fused.perturbation_cpu` into a float32 buffer of the caller's (z for offset .. offset + len(out) - 1)."""
-    _perturbation_kernel(np.uint64(seed & MASK32), np.uint64(seed >> 32), offset, kind == "gaussian", out)
+    args = (np.uint64(seed & MASK32), np.uint64(seed >> 32), offset, kind == "gaussian", out)
+    if out.size >= SERIAL_BELOW:
+        _perturbation_kernel(*args)
+        return
+    previous = numba.get_num_threads()  # thread-local
+    numba.set_num_threads(1)
+    try:
+        _perturbation_kernel(*args)
+    finally:
+        numba.set_num_threads(previous)
 
 
 def sparse_thresholds(params: list[torch.Tensor], sparsity: float) -> tuple[float, ...]:
