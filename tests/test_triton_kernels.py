@@ -236,3 +236,20 @@ def test_the_compiled_kernel_rounds_every_operation_on_its_own(phase, opt, dtype
         assert "sqrt.rn.f32" in code
     if gaussian:  # the polynomials are multiply-add chains
         assert re.search(r"\bfma\.rn\.f32", ptx(True))
+
+
+def test_extra_search_steps_find_the_same_tensors():
+    """On CUDA a plan takes at least SEARCH_STEPS_CUDA binary-search steps (so the guard compiled the
+    variant the model uses); more steps than a plan needs must change nothing."""
+    segments = [triton_kernels.Segment(*s) for s in SEGMENTS]
+    results = []
+    for extra in (0, 3):
+        plan = triton_kernels.Plan(segments, torch.device("cpu"), weight_decay=0.1)
+        plan.search += extra
+        params = [torch.zeros(n) for _, n, _ in SEGMENTS]
+        plan.launch(triton_kernels.PHASE_PERTURB, seed=5, optimizer="zo-sgd", dtype=torch.float32, gaussian=True,
+                    params=params, c_a=1.0)
+        results.append(params)
+    for got, want, (offset, n, _) in zip(results[1], results[0], SEGMENTS):
+        assert torch.equal(got, want)
+        assert torch.equal(want, perturbation(5, offset, n, backend="eager"))

@@ -52,6 +52,9 @@ COUNTERS_PER_PROGRAM_CUDA = 256
 COUNTERS_PER_PROGRAM_INTERPRETED = 4096
 """... in the interpreter (at most), where a program costs tens of ms of numpy calls whatever its size."""
 NUM_WARPS = 4
+SEARCH_STEPS_CUDA = 3
+"""At least this many (up to 8 tensors per program), on CUDA: the guard's sample and most models compile
+the same kernel variant."""
 ENABLE_FP_FUSION = False
 """Never True: a fused multiply-add rounds once where the oracle rounds twice (ptxas gets --fmad=false)."""
 _KEY_TAG = 1 << 32
@@ -141,7 +144,9 @@ class Plan:
         prog_last = np.searchsorted(starts, np.minimum(first_rows + self.b4, rows) - 1, side="right") - 1
         span = int((prog_last - prog_first).max()) + 1 if self.programs else 1
         self.search = (span - 1).bit_length()
-        """Binary-search steps a row takes to find its tensor among a program's (0: one tensor per program)."""
+        if not self.interpret:  # more steps find the same tensor; a common value means the guard compiled it
+            self.search = max(SEARCH_STEPS_CUDA, self.search)
+        """Binary-search steps a row takes to find its tensor among its program's (0: one tensor per program)."""
         self.mask_bytes = (rows + 1) // 2
         """Bytes of a packed Sparse-MeZO mask of the group: one bit per element, plus at most 3 per tensor."""
 
