@@ -110,6 +110,9 @@ class RunSummary(BaseModel):
     """What went wrong without ending the run (storage failing, durability behind), in order."""
     states: list[str] = []
     """The controller's states, in the order it went through them."""
+    kernel: dict = {}
+    """The trainer's device, its kernel backend (`triton` on CUDA once the start-up guard passed, else
+    `eager`) and the guard's result; a guard that failed also leaves a warning."""
     profile_check: dict[str, dict[str, float]] = {}
     """With a startup profile: for the trainer step and the replay step, the profiled and the run's
     steady-state seconds and their ratio (steady / profiled); a ratio beyond `PROFILE_TOLERANCE`
@@ -497,6 +500,10 @@ class Controller:
         publisher = ray.get(self.trainer.publisher_stats.remote())
         evaluations = self.evaluations
         profile_check = self._profile_check(metrics)
+        kernel = (self.last or {}).get("kernel") or {}
+        if kernel.get("check") and kernel["check"].get("passed") is False:
+            self._warn(f"the GPU kernels differed from the CPU oracle at start-up: the trainer ran the eager "
+                       f"path ({kernel['check']})")
         self.summary = RunSummary(
             run_id=job.run_id, steps=final_step, final_state_hash=final_hash, shadow_state_hash=shadow_hash,
             losses=self.losses, recoveries=self.recoveries, metrics=metrics,
@@ -509,7 +516,7 @@ class Controller:
             metric_after=evaluations[final_step][task.metric] if final_step in evaluations else None,
             eval_seconds=self.eval_seconds, shadow_restarts=self.shadow_restarts,
             resent_records=publisher["resent_records"], resyncs=self.resyncs, warnings=self.warnings,
-            states=self.states + [State.DONE.value], profile_check=profile_check,
+            states=self.states + [State.DONE.value], profile_check=profile_check, kernel=kernel,
         )
         return State.DONE
 

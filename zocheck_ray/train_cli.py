@@ -65,6 +65,7 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
         ("shadow restarts", f"{summary.shadow_restarts} ({summary.resent_records} records re-sent by the trainer)"),
         ("durable", f"snapshot {m['durable_step']}, log through step {m['durable_log_step']}; "
                     f"{m['persist_failures']} failed writes, retried"),
+        ("trainer kernels", f"{summary.kernel.get('device', '-')}: {summary.kernel.get('backend', '-')}"),
         ("warnings", "; ".join(summary.warnings) or "none"),
         ("final state_hash", summary.final_state_hash[:16] + "..."),
         ("shadow == trainer", "yes, bit for bit" if summary.final_state_hash == summary.shadow_state_hash else "NO"),

@@ -23,7 +23,8 @@ import torch
 
 from zocheck_ray.actors.publisher import FLUSH_SECONDS, Publisher, ShadowLink
 from zocheck_ray.config import JobConfig
-from zocheck_ray.core import ZOOptimizer, replay, replay_reference, state_hash
+from zocheck_ray.core import ZOOptimizer, replay, state_hash
+from zocheck_ray.core.triton_kernels import replay_on_device
 from zocheck_ray.core.fused import warm_up
 from zocheck_ray.faults import NO_FAULTS, FaultInjection
 from zocheck_ray.workload.data import step_seed
@@ -87,8 +88,8 @@ class Trainer:
             live = self.opt.state_tensors()
             if self.device.type == "cpu":
                 replay(live, records, self.job.zo, start_step=step)
-            else:
-                replay_reference(live, records, self.job.zo, start_step=step)
+            else:  # the fused GPU kernels where they passed the start-up guard, else the eager oracle
+                replay_on_device(live, records, self.job.zo, start_step=step, backend=self.opt.kernel_backend)
             self.opt.step_index = step + len(records)
         replayed = time.perf_counter()
         logger.info("trainer recovered at step %d from the %s image of step %d (+%d records)",
@@ -146,7 +147,14 @@ class Trainer:
         return {"step": self.step, "loss": self.last_loss, "step_hashes": hashes, "step_seconds": seconds,
                 "evaluations": evaluations, "eval_seconds": eval_seconds,
                 "publish_us_median": statistics.median(recent) / 1e3 if recent else None,
-                "publisher": self.publisher.stats()}
+                "publisher": self.publisher.stats(), "kernel": self.kernel()}
+
+    def kernel(self) -> dict:
+        """Which implementation updates the weights (`fused`/`eager` on the CPU, `triton` or `eager` on CUDA)
+        and, on CUDA, the start-up guard's verdict."""
+        check = self.opt.kernel_check
+        return {"device": self.device.type, "backend": self.opt.kernel_backend,
+                "check": check.as_dict() if check is not None else None}
 
     def _flush_loop(self) -> None:
         # Off the training loop's critical path: encode and send, take replies, re-send what a

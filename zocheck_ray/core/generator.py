@@ -153,8 +153,13 @@ def box_muller(wa: torch.Tensor, wb: torch.Tensor) -> tuple[torch.Tensor, torch.
     return radius * x, radius * y
 
 
-def perturbation(seed: int, offset: int, numel: int, kind: str = "gaussian", device="cpu") -> torch.Tensor:
+def perturbation(seed: int, offset: int, numel: int, kind: str = "gaussian", device="cpu",
+                 backend: str = "auto") -> torch.Tensor:
     """z (float32, 1-D) for `numel` elements starting at global offset `offset`.
+
+    `backend`: "eager" is this module's torch code (the oracle, any device); "triton" the
+    z-only GPU kernel (`triton_kernels.perturbation_triton`, same bits); "auto" takes the
+    kernel on CUDA when it has passed its start-up check there (`kernel_guard`), else eager.
 
     >>> z = perturbation(seed=7, offset=0, numel=10)
     >>> torch.equal(z[4:], perturbation(seed=7, offset=4, numel=6))
@@ -162,6 +167,18 @@ def perturbation(seed: int, offset: int, numel: int, kind: str = "gaussian", dev
     """
     if kind not in ("gaussian", "rademacher"):
         raise ValueError(f"unknown perturbation kind {kind!r}; expected 'gaussian' or 'rademacher'")
+    if backend not in ("auto", "eager", "triton"):
+        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'eager' or 'triton'")
+    device = torch.device(device)
+    if backend == "auto" and device.type == "cuda":
+        from zocheck_ray.core.config import ZOConfig
+        from zocheck_ray.core.kernel_guard import kernels_usable
+
+        backend = "triton" if kernels_usable(device, (torch.float32,), ZOConfig(perturbation=kind)) else "eager"
+    if backend == "triton":
+        from zocheck_ray.core.triton_kernels import perturbation_triton
+
+        return perturbation_triton(seed, offset, numel, kind, device)
     if numel == 0:
         return torch.empty(0, dtype=torch.float32, device=device)
     first = offset >> 2

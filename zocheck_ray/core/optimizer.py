@@ -6,23 +6,38 @@
 `step` runs perturb(+eps), loss+, perturb(-2 eps), loss-, perturb(+eps), update,
 in place, exactly as `update.py` spells the operations, and returns the
 `StepRecord` a replay needs to reproduce it.
+
+Two backends, one answer: "eager" works through each tensor in chunks (z from the
+fused numba generator on the CPU, from the eager oracle elsewhere, then one torch
+operation at a time); "triton" runs each phase as one fused kernel launch per dtype
+(`triton_kernels.py`). `backend="auto"` takes the kernels on CUDA once they pass the
+start-up guard (`kernel_guard.py`) and the eager path otherwise; `kernel_backend` and
+`kernel_check` say which was taken and why. `backend="triton"` on CPU tensors runs the
+kernels in Triton's interpreter (the tests drive the CUDA code path that way).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Callable, Iterable
 
+import numba
+import numpy as np
 import torch
 
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import NonFiniteError, StateMismatchError
-from zocheck_ray.core.fused import perturbation_cpu
-from zocheck_ray.core.generator import check_seed, perturbation
+from zocheck_ray.core.fused import CHUNK_ELEMENTS as FUSED_BLOCK, _perturbation_kernel
+from zocheck_ray.core.generator import MASK32, check_seed, perturbation
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout, TensorSpec
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.scalars import StepScalars
 from zocheck_ray.core import update
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "eager", "triton")
 
 CHUNK_ELEMENTS = 1 << 22
 """Elements processed at once; bounds the generator's temporaries to ~100 MB."""
@@ -31,6 +46,24 @@ CHUNK_ELEMENTS = 1 << 22
 def chunks(numel: int, size: int = CHUNK_ELEMENTS):
     for start in range(0, numel, size):
         yield start, min(start + size, numel)
+
+
+SERIAL_BELOW = 4 * FUSED_BLOCK
+"""Fewer elements than this get z on the calling thread: waking numba's pool costs more (ms on a busy machine)."""
+
+
+def fused_perturbation_into(out: np.ndarray, seed: int, offset: int, kind: str) -> None:
+    """`fused.perturbation_cpu` into a float32 buffer of the caller's (z for offset .. offset + len(out) - 1)."""
+    args = (np.uint64(seed & MASK32), np.uint64(seed >> 32), offset, kind == "gaussian", out)
+    if out.size >= SERIAL_BELOW:
+        _perturbation_kernel(*args)
+        return
+    previous = numba.get_num_threads()  # thread-local
+    numba.set_num_threads(1)
+    try:
+        _perturbation_kernel(*args)
+    finally:
+        numba.set_num_threads(previous)
 
 
 def sparse_thresholds(params: list[torch.Tensor], sparsity: float) -> tuple[float, ...]:
@@ -49,17 +82,25 @@ def sparse_thresholds(params: list[torch.Tensor], sparsity: float) -> tuple[floa
 class ZOOptimizer:
     """Zeroth-order optimizer over named parameters, producing replayable step records."""
 
-    def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], config: ZOConfig, step: int = 0):
+    def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], config: ZOConfig, step: int = 0,
+                 backend: str = "auto"):
         if not isinstance(config, ZOConfig):
             raise TypeError(f"config must be a ZOConfig, got {type(config).__name__}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         named = [(n, p) for n, p in named_params]
         self.config = config
         self.layout = Layout.from_params(named, config.optimizer)
         self.params = [p for _, p in named]
-        devices = {p.device for p in self.params}
-        if len(devices) != 1:
-            raise StateMismatchError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
-        self.device = self.params[0].device
+        first_name, first = named[0]
+        for name, p in named:
+            if p.device != first.device:
+                raise StateMismatchError(
+                    f"parameter {name!r} is on {p.device} but {first_name!r} is on {first.device}; a ZO step "
+                    "perturbs every parameter with one generator, so the model must be on one device "
+                    "(move it with model.to(device) before building the optimizer)"
+                )
+        self.device = first.device
         for spec, p in zip(self.layout.params, self.params):
             if not p.is_contiguous():
                 raise StateMismatchError(f"parameter {spec.name!r} is not contiguous")
@@ -71,6 +112,33 @@ class ZOOptimizer:
             self.exp_avg_sq = [torch.zeros(p.shape, dtype=torch.float32, device=self.device) for p in self.params]
         self.step_index = step
         self.last_losses: tuple[float, float] | None = None
+        self.kernel_check = None
+        """The start-up guard's `KernelCheck` where the kernels were considered, else None."""
+        self._stepper = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        if backend == "triton" or (backend == "auto" and self.device.type == "cuda"):
+            self._stepper = self._kernels(required=backend == "triton")
+
+    @property
+    def kernel_backend(self) -> str:
+        """"triton" when the steps run the fused GPU kernels, "eager" otherwise."""
+        return "eager" if self._stepper is None else "triton"
+
+    def _kernels(self, required: bool):
+        from zocheck_ray.core import kernel_guard, triton_kernels
+
+        if required and not triton_kernels.available():
+            raise RuntimeError("backend='triton' needs Triton: pip install triton (it comes with CUDA builds of torch)")
+        triton_kernels.check_device(self.device)
+        self.kernel_check = kernel_guard.check_kernels(self.device, {p.dtype for p in self.params}, self.config)
+        if not self.kernel_check.passed:
+            if self.kernel_check.passed is None:
+                logger.warning("zocheck-ray: %s; the trainer on %s runs the eager path", self.kernel_check.reason,
+                               self.device)
+            return None
+        segments = [triton_kernels.Segment(s.offset, s.numel, s.decay) for s in self.layout.params]
+        return triton_kernels.KernelStepper(segments, self.params, self.exp_avg, self.exp_avg_sq,
+                                            self.config)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The canonical state (live tensors, not copies): parameters, then moments."""
@@ -96,18 +164,62 @@ class ZOOptimizer:
             for a, b in chunks(spec.numel):
                 yield i, spec, flat, a, b
 
-    def _z(self, spec: TensorSpec, seed: int, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.device.type == "cpu":  # the fused generator: same bits, far fewer passes
-            z = perturbation_cpu(seed, spec.offset + a, b - a, self.config.perturbation)
-        else:
-            z = perturbation(seed, spec.offset + a, b - a, self.config.perturbation, self.device)
-        return update.cast_perturbation(z, dtype)
+    def _scratch(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A CPU buffer reused across chunks and steps (fresh large allocations page-fault)."""
+        buf = self._buffers.get((name, dtype))
+        if buf is None or buf.numel() < numel:
+            size = min(CHUNK_ELEMENTS, max(s.numel for s in self.layout.params))
+            buf = self._buffers[(name, dtype)] = torch.empty(size, dtype=dtype)
+        return buf[:numel]
 
-    def _perturb(self, seed: int, c: float, masks) -> None:
+    def _z(self, spec: TensorSpec, seed: int, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """zd = r(z) (float32) for elements a..b of `spec`."""
+        if self.device.type != "cpu":
+            z = perturbation(seed, spec.offset + a, b - a, self.config.perturbation, self.device, backend="eager")
+            return update.cast_perturbation(z, dtype)
+        # the fused generator (same bits, far fewer passes) into a reused buffer, rounded there
+        z = self._scratch("z", b - a)
+        if b > a:
+            fused_perturbation_into(z.numpy(), seed, spec.offset + a, self.config.perturbation)
+        if dtype != torch.float32:
+            z.copy_(self._scratch("z", b - a, dtype).copy_(z))
+        return z
+
+    def _rounded(self, name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x rounded to `dtype` (to nearest even), held in a `dtype` scratch buffer."""
+        return x if dtype == torch.float32 else self._scratch(name, x.numel(), dtype).copy_(x)
+
+    def _perturb_in_place(self, chunk: torch.Tensor, zd: torch.Tensor, c: float) -> None:
+        """update.perturb's operations on a CPU chunk with no allocation: t = r(zd * c); p = r(p + t).
+
+        `chunk.add_(t)` with both in the dtype is one float32 addition rounded once to the dtype,
+        which is what the eager sequence computes."""
+        t = torch.mul(zd, c, out=self._scratch("t", chunk.numel()))
+        chunk.add_(self._rounded("t", t, chunk.dtype))
+
+    def _sgd_in_place(self, chunk: torch.Tensor, zd: torch.Tensor, s: StepScalars, decay: bool) -> None:
+        """update.sgd_update's operations, in place: u = r(zd * g); [u = r(u + r(p * wd))]; p = r(p - r(u * lr))."""
+        n, dtype = chunk.numel(), chunk.dtype
+        u32 = torch.mul(zd, s.grad, out=self._scratch("t", n))
+        u = self._rounded("u", u32, dtype)
+        if decay and s.weight_decay > 0:
+            x = chunk if dtype == torch.float32 else self._scratch("x", n).copy_(chunk)
+            u.add_(self._rounded("decay", torch.mul(x, s.weight_decay, out=self._scratch("decay", n)), dtype))
+        if dtype != torch.float32:
+            u32.copy_(u)
+        chunk.sub_(self._rounded("step", u32.mul_(s.lr), dtype))
+
+    def _perturb(self, seed: int, c: float, masks, first: bool = False, thresholds=()) -> None:
+        if self._stepper is not None:
+            self._stepper.perturb(seed, c, first, thresholds)
+            return
         for i, spec, flat, a, b in self._walk():
             chunk = flat[a:b]
             zd = self._z(spec, seed, a, b, chunk.dtype)
-            mask = masks[(i, a)] if masks is not None else None
+            if masks is None and self.device.type == "cpu":
+                self._perturb_in_place(chunk, zd, c)
+                continue
+            mask = update.unpack_mask(masks[(i, a)], b - a) if masks is not None else None
             chunk.copy_(update.perturb(chunk.float(), zd, c, chunk.dtype, mask))
 
     @torch.no_grad()
@@ -122,11 +234,13 @@ class ZOOptimizer:
         masks = None
         if self.config.optimizer == "sparse-mezo":
             extras = sparse_thresholds(self.params, self.config.sparsity)
-            masks = {(i, a): update.sparse_mask(flat[a:b].float(), extras[i]) for i, _, flat, a, b in self._walk()}
+            if self._stepper is None:  # packed, one bit per element (the kernels keep their own)
+                masks = {(i, a): update.pack_mask(update.sparse_mask(flat[a:b].float(), extras[i]))
+                         for i, _, flat, a, b in self._walk()}
         # Scalars as the record will carry them; g is filled in after the two losses.
         probe = StepRecord(self.step_index, seed, 0.0, lr, eps, self.fingerprint, self.config.optimizer, extras)
         s = StepScalars.of(probe, self.config)
-        self._perturb(seed, s.plus, masks)
+        self._perturb(seed, s.plus, masks, first=True, thresholds=extras)
         loss_plus = float(closure())
         self._perturb(seed, s.minus, masks)
         loss_minus = float(closure())
@@ -146,10 +260,16 @@ class ZOOptimizer:
     def _update(self, record: StepRecord, masks) -> None:
         """The update after the three perturbations, in place; z is regenerated once more."""
         s = StepScalars.of(record, self.config)
+        if self._stepper is not None:
+            self._stepper.update(record.seed, s)
+            return
         state = self.state_tensors()
         for i, spec, flat, a, b in self._walk():
             chunk = flat[a:b]
             zd = self._z(spec, record.seed, a, b, chunk.dtype)
-            mask = masks[(i, a)] if masks is not None else None
+            if masks is None and self.device.type == "cpu" and self.config.optimizer == "zo-sgd":
+                self._sgd_in_place(chunk, zd, s, spec.decay)
+                continue
+            mask = update.unpack_mask(masks[(i, a)], b - a) if masks is not None else None
             chunk.copy_(update.update_chunk(state, spec.name, a, b, chunk.float(), zd, s, spec.decay, chunk.dtype,
                                             self.config.optimizer, mask))

@@ -28,7 +28,8 @@ def replay_reference(state: dict[str, torch.Tensor], records: Sequence[StepRecor
             flat = state[spec.name].view(-1)
             dtype = flat.dtype
             for a, b in chunks(spec.numel):
-                z = perturbation(record.seed, spec.offset + a, b - a, config.perturbation, flat.device)
+                z = perturbation(record.seed, spec.offset + a, b - a, config.perturbation, flat.device,
+                                 backend="eager")
                 zd = update.cast_perturbation(z, dtype)
                 p = flat[a:b].float()
                 mask = update.sparse_mask(p, record.extras[i]) if config.optimizer == "sparse-mezo" else None

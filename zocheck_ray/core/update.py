@@ -19,6 +19,7 @@ bracketed decay terms apply only to decayed tensors when wd > 0.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX
@@ -67,6 +68,33 @@ def adam_update(p, m, v, zd, s: StepScalars, decay: bool, dtype):
 def sparse_mask(p_start: torch.Tensor, threshold: float) -> torch.Tensor:
     """Elements Sparse-MeZO perturbs: |p| <= threshold, on the step's starting values."""
     return p_start.abs() <= threshold
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask packed 8 elements a byte (bit j of byte k is element 8k + j): one bit per element."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
+    return pack_mask_torch(mask)
+
+
+def unpack_mask(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The bool mask of `numel` elements that `pack_mask` packed."""
+    if packed.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(packed.numpy(), count=numel, bitorder="little").view(np.bool_))
+    return unpack_mask_torch(packed, numel)
+
+
+def pack_mask_torch(mask: torch.Tensor) -> torch.Tensor:
+    """`pack_mask` in torch operations (any device)."""
+    padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, (-mask.numel()) % 8))
+    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=mask.device)
+    return (padded.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+
+
+def unpack_mask_torch(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """`unpack_mask` in torch operations (any device)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed[:, None] >> shifts) & 1).view(-1)[:numel].bool()
 
 
 def update_chunk(state: dict[str, torch.Tensor], name: str, a: int, b: int, p: torch.Tensor, zd: torch.Tensor,

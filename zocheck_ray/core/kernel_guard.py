@@ -1,0 +1,189 @@
+"""The start-up guard: the GPU kernels must give the CPU oracle's bits, or they are not used.
+
+    check = check_kernels(torch.device("cuda"), (torch.bfloat16,), config)
+    check.passed, check.backend, check.mismatches
+
+On a sample (odd sizes; offsets not a multiple of 4, one past 2**32, one past 2**34;
+decayed and undecayed tensors; every dtype the job uses) the kernels run two steps of
+the job's optimizer as the trainer runs them (perturb, perturb, perturb, update) and as
+a replay runs them (one pass per step), and z alone; each result is compared with
+`torch.equal` to the eager oracle (`generator.py`, `update.py`) computed on the CPU.
+Any difference, or an error, and the check fails: the trainer logs it, runs eagerly and
+reports `kernel_backend = "eager"`. Exactness is never traded for speed silently.
+Results are cached per (device, dtypes, optimizer settings) for the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from zocheck_ray.core import update
+from zocheck_ray.core.config import ZOConfig
+from zocheck_ray.core.generator import perturbation
+from zocheck_ray.core.layout import DTYPES
+from zocheck_ray.core.optimizer import sparse_thresholds
+from zocheck_ray.core.record import StepRecord
+from zocheck_ray.core.scalars import StepScalars
+
+logger = logging.getLogger(__name__)
+
+SAMPLE = ((0, 1, False), (5, 131, True), (2**32 + 3, 1029, True), (2**34 + 1, 4099, False))
+"""(global offset, numel, decay) of the sample tensors."""
+SEEDS = (0x0123456789ABCDEF, 2**64 - 1)
+"""One per step checked (the second one's key words are all ones)."""
+
+
+@dataclass(frozen=True)
+class KernelCheck:
+    """What the start-up guard found; the trainer's metrics and summary report it."""
+
+    backend: str
+    """"triton" when the kernels passed and are used, "eager" otherwise."""
+    passed: bool | None
+    """True: the kernels gave the oracle's bits; False: they did not (or failed); None: not checked."""
+    device: str
+    dtypes: tuple[str, ...] = ()
+    mismatches: tuple[str, ...] = ()
+    """What differed (or the error), one line each."""
+    reason: str = ""
+    seconds: float = 0.0
+    checks: int = 0
+    """Tensors compared."""
+
+    def as_dict(self) -> dict:
+        return {"backend": self.backend, "passed": self.passed, "device": self.device, "dtypes": list(self.dtypes),
+                "mismatches": list(self.mismatches), "reason": self.reason, "seconds": self.seconds,
+                "checks": self.checks}
+
+
+_cache: dict[tuple, KernelCheck] = {}
+
+
+def clear_cache() -> None:
+    _cache.clear()
+
+
+def _oracle_step(p: torch.Tensor, m, v, offset: int, decay: bool, seed: int, s: StepScalars, config: ZOConfig,
+                 threshold: float):
+    """One step of `config.optimizer` on a CPU tensor at `offset`, in eager torch: (p, m, v)."""
+    dtype = p.dtype
+    z = perturbation(seed, offset, p.numel(), config.perturbation, "cpu", backend="eager")
+    zd = update.cast_perturbation(z, dtype)
+    x = p.float()
+    mask = update.sparse_mask(x, threshold) if config.optimizer == "sparse-mezo" else None
+    for c in (s.plus, s.minus, s.plus):
+        x = update.perturb(x, zd, c, dtype, mask)
+    if config.optimizer == "zo-adam":
+        x, m, v = update.adam_update(x, m, v, zd, s, decay, dtype)
+    else:
+        x = update.sgd_update(x, zd, s, decay, dtype, mask)
+    return x.to(dtype), m, v
+
+
+def _sample(dtype: torch.dtype, adam: bool):
+    gen = torch.Generator().manual_seed(1234)
+    params = [(torch.randn(n, generator=gen) * 0.05).to(dtype) for _, n, _ in SAMPLE]
+    params[1][:3] = torch.tensor([0.0, -0.0, 1e-30])  # zeros and an underflowing value
+    moments = [torch.zeros(n) for _, n, _ in SAMPLE] if adam else []
+    return params, moments, [m.clone() for m in moments]
+
+
+def _compare(label: str, got: torch.Tensor, want: torch.Tensor, mismatches: list[str]) -> None:
+    got = got.cpu()
+    if not torch.equal(got.view(-1), want.view(-1)):
+        diff = (got.view(-1) != want.view(-1)).nonzero()
+        first = int(diff[0]) if len(diff) else -1
+        mismatches.append(f"{label}: {len(diff)} of {want.numel()} elements differ (first at {first}: "
+                          f"kernel {got.view(-1)[first].item()!r}, oracle {want.view(-1)[first].item()!r})")
+
+
+def _run_checks(device: torch.device, dtypes: Sequence[torch.dtype], config: ZOConfig) -> tuple[list[str], int]:
+    from zocheck_ray.core.triton_kernels import KernelStepper, Segment, perturbation_triton
+
+    mismatches, checks = [], 0
+    config = config.model_copy(update={"weight_decay": config.weight_decay or 0.05})
+    adam = config.optimizer == "zo-adam"
+    segments = [Segment(o, n, d) for o, n, d in SAMPLE]
+    for o, n, _ in SAMPLE:
+        for seed in SEEDS:
+            z = perturbation_triton(seed, o, n, config.perturbation, device)
+            _compare(f"z (seed {seed:#x}, offset {o})", z, perturbation(seed, o, n, config.perturbation,
+                                                                         backend="eager"), mismatches)
+            checks += 1
+    for dtype in dtypes:
+        name = DTYPES[dtype]
+        want, want_m, want_v = _sample(dtype, adam)
+        # copies (`.to` would alias the CPU sample on a CPU device)
+        params = {path: [p.to(device, copy=True) for p in want] for path in ("trainer", "replay")}
+        ms = {path: [m.to(device, copy=True) for m in want_m] for path in params}
+        vs = {path: [v.to(device, copy=True) for v in want_v] for path in params}
+        steppers = {path: KernelStepper(segments, params[path], ms[path], vs[path], config) for path in params}
+        for step, seed in enumerate(SEEDS):
+            thresholds = sparse_thresholds(want, config.sparsity) if config.optimizer == "sparse-mezo" else ()
+            record = StepRecord(step, seed, 0.731, 1e-2, 1e-2, 0, config.optimizer, thresholds)
+            s = StepScalars.of(record, config)
+            for i, (o, _, d) in enumerate(SAMPLE):
+                threshold = thresholds[i] if thresholds else 0.0
+                want[i], m, v = _oracle_step(want[i], want_m[i] if adam else None, want_v[i] if adam else None,
+                                             o, d, seed, s, config, threshold)
+                if adam:
+                    want_m[i], want_v[i] = m, v
+            trainer = steppers["trainer"]
+            trainer.perturb(seed, s.plus, first=True, thresholds=thresholds)
+            trainer.perturb(seed, s.minus, first=False)
+            trainer.perturb(seed, s.plus, first=False)
+            trainer.update(seed, s)
+            steppers["replay"].replay_step(record, s)
+            for path in params:
+                for i, (o, n, _) in enumerate(SAMPLE):
+                    where = f"{name} {path} step {step} (offset {o}, {n} elements)"
+                    _compare(f"{where} parameter", params[path][i], want[i], mismatches)
+                    checks += 1
+                    if adam:
+                        _compare(f"{where} exp_avg", ms[path][i], want_m[i], mismatches)
+                        _compare(f"{where} exp_avg_sq", vs[path][i], want_v[i], mismatches)
+                        checks += 2
+    return mismatches, checks
+
+
+def check_kernels(device: torch.device | str, dtypes: Sequence[torch.dtype], config: ZOConfig) -> KernelCheck:
+    """Run the kernels on the sample against the CPU oracle; never raises (a failure is a failed check)."""
+    from zocheck_ray.core import triton_kernels
+
+    device = torch.device(device)
+    dtypes = tuple(sorted(set(dtypes), key=lambda d: DTYPES[d]))
+    names = tuple(DTYPES[d] for d in dtypes)
+    key = (str(device), names, config.optimizer, config.perturbation, config.weight_decay > 0, config.betas,
+           config.adam_eps, config.sparsity)
+    if key in _cache:
+        return _cache[key]
+    if not triton_kernels.available():
+        result = KernelCheck("eager", None, str(device), names, reason="triton is not installed")
+        _cache[key] = result
+        return result
+    began = time.perf_counter()
+    try:
+        mismatches, checks = _run_checks(device, dtypes, config)
+    except Exception as e:  # a kernel that does not compile or run is a failed check, not a failed job
+        mismatches, checks = [f"the kernels failed: {type(e).__name__}: {e}"], 0
+    passed = not mismatches
+    result = KernelCheck("triton" if passed else "eager", passed, str(device), names, tuple(mismatches[:20]),
+                         "the kernels match the CPU oracle" if passed else
+                         "the kernels differ from the CPU oracle; using the eager path",
+                         time.perf_counter() - began, checks)
+    if not passed:
+        logger.error("zocheck-ray: the GPU kernels on %s give other bits than the CPU oracle (%d differences, "
+                     "first: %s); the trainer falls back to the eager path (slower, exact)",
+                     device, len(mismatches), mismatches[0])
+    _cache[key] = result
+    return result
+
+
+def kernels_usable(device: torch.device, dtypes: Sequence[torch.dtype], config: ZOConfig | None = None) -> bool:
+    """Whether the kernels passed the guard on `device` (checking them now if not yet checked)."""
+    return check_kernels(device, dtypes, config or ZOConfig()).passed is True
