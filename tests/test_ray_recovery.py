@@ -18,7 +18,7 @@ from zocheck_ray.faults import FaultInjection
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=3, namespace="zocheck", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, namespace="zocheck", include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
