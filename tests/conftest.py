@@ -99,3 +99,13 @@ def private_s3(aws_env):
 def s3_bucket(s3_endpoint):
     """`(s3://bucket/run URL, storage_options)` in a fresh bucket."""
     return f"s3://{s3_endpoint.new_bucket()}/run", s3_endpoint.options()
+
+
+@pytest.fixture
+def no_matplotlib(monkeypatch):
+    """matplotlib made unimportable for the test, as on an install without the `bench` extra."""
+    import sys
+
+    for name in [n for n in sys.modules if n == "matplotlib" or n.startswith(("matplotlib.", "mpl_toolkits"))]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
