@@ -1,0 +1,63 @@
+"""Set-up: the torch build matches the machine, and the environment holds only what it needs.
+
+`make venv` installs the CPU build of torch where there is no CUDA device
+(scripts/install_torch.sh) and pins it while the package and its extras install; these
+tests check the environment they run in (CI runs them in a fresh clone's `.venv`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def machine_has_cuda_device() -> bool:
+    """The rule scripts/install_torch.sh applies: `nvidia-smi -L` lists a device."""
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+HAS_CUDA_DEVICE = machine_has_cuda_device()
+
+
+@pytest.mark.skipif(HAS_CUDA_DEVICE, reason="a CUDA device is present: the CUDA build is the right one")
+def test_a_machine_without_cuda_runs_the_cpu_build_of_torch():
+    assert torch.version.cuda is None, (
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}) in {sys.prefix} on a machine without a CUDA device: "
+        "set-up should have kept the CPU build (rm -rf .venv && make venv)")
+
+
+@pytest.mark.skipif(HAS_CUDA_DEVICE, reason="a CUDA device is present: CUDA libraries belong there")
+def test_a_machine_without_cuda_holds_no_nvidia_libraries():
+    nvidia = sorted({d.metadata["Name"] for d in md.distributions() if (d.metadata["Name"] or "").startswith("nvidia-")})
+    assert not nvidia, f"{len(nvidia)} NVIDIA wheels in {sys.prefix} on a machine without CUDA: {', '.join(nvidia)}"
+
+
+@pytest.mark.skipif(not HAS_CUDA_DEVICE, reason="no CUDA device")
+def test_a_machine_with_cuda_runs_a_cuda_build_of_torch():
+    assert torch.version.cuda is not None and torch.cuda.is_available(), torch.__version__
+
+
+def names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[\[<>=~! ;]", r, maxsplit=1)[0] for r in requirements}
+
+
+def test_plots_are_an_extra_not_a_dependency():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "matplotlib" not in names(project["dependencies"])
+    assert "matplotlib" in names(project["optional-dependencies"]["bench"])
+    assert "matplotlib" in names(project["optional-dependencies"]["test"])
