@@ -61,3 +61,27 @@ def test_plots_are_an_extra_not_a_dependency():
     assert "matplotlib" not in names(project["dependencies"])
     assert "matplotlib" in names(project["optional-dependencies"]["bench"])
     assert "matplotlib" in names(project["optional-dependencies"]["test"])
+
+
+def test_python_m_zocheck_ray_runs_the_command_line(monkeypatch, capsys):
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["zocheck_ray", "status", "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("zocheck_ray", run_name="__main__")
+    assert done.value.code == 0
+    assert "usage: zocheck-ray status" in capsys.readouterr().out
+
+
+def test_python_m_zocheck_ray_under_a_python_without_the_dependencies_says_which_python_to_use(tmp_path):
+    # outside Ray there is no node's Python to hand over to: the error says what to run instead
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    lacks = "import importlib.util, sys; sys.exit(importlib.util.find_spec('pydantic') is not None)"
+    if subprocess.run([base, "-c", lacks], capture_output=True, timeout=60).returncode != 0:
+        pytest.skip(f"{base} has the dependencies installed")
+    out = subprocess.run([base, "-m", "zocheck_ray", "status", "x"], cwd=ROOT, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin"}, timeout=60)
+    assert out.returncode != 0
+    assert "ModuleNotFoundError" in out.stderr
+    assert f"zocheck-ray's dependencies are not installed for {base}" in out.stderr
+    assert "-m zocheck_ray" in out.stderr
