@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest_plugins = ["pytester"]
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -85,3 +87,30 @@ def test_python_m_zocheck_ray_under_a_python_without_the_dependencies_says_which
     assert "ModuleNotFoundError" in out.stderr
     assert f"zocheck-ray's dependencies are not installed for {base}" in out.stderr
     assert "-m zocheck_ray" in out.stderr
+
+
+def test_every_test_marked_slow_by_name_exists():
+    from conftest import SLOW_TESTS
+
+    for module, names in SLOW_TESTS.items():
+        source = (ROOT / "tests" / module).read_text()
+        for name in [] if names == "*" else sorted(names):
+            assert re.search(rf"^def {name}\(", source, re.M), f"conftest.SLOW_TESTS: {module} has no {name}"
+
+
+def test_the_slow_marker_selects(pytester):
+    # in this process: pytest's own collection with the suite's conftest, modules already imported
+    files = [str(ROOT / "tests" / name) for name in ("test_tune.py", "test_job_submit.py", "test_setup.py")]
+
+    def collected(expression: str) -> set[str]:
+        items, recorder = pytester.inline_genitems("-m", expression, "-p", "no:cacheprovider", "--rootdir",
+                                                   str(ROOT), *files)
+        deselected = {id(item) for call in recorder.getcalls("pytest_deselected") for item in call.items}
+        return {f"{item.path.name}::{item.name}" for item in items if id(item) not in deselected}
+
+    slow, quick = collected("slow"), collected("not slow")
+    assert "test_job_submit.py::test_status_of_an_unknown_run_is_a_clear_error" in slow
+    assert "test_tune.py::test_restored_trial_resumes_exactly" in slow
+    assert "test_tune.py::test_grid_option_parses_values_as_yaml" in quick
+    assert "test_setup.py::test_every_test_marked_slow_by_name_exists" in quick
+    assert slow and quick and not slow & quick
