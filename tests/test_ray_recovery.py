@@ -17,7 +17,8 @@ from zocheck_ray.controller import run
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=3, namespace="zocheck", include_dashboard=False, log_to_driver=False)
+    # address="local": a new instance of its own, even where another `ray start` cluster runs on this machine
+    ray.init(address="local", num_cpus=3, namespace="zocheck", include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -33,7 +33,8 @@ LRS = [2e-3, 5e-3]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("tune")
-    ray.init(num_cpus=6, namespace="zocheck", include_dashboard=False, log_to_driver=False)
+    # address="local": a new instance of its own, even where another `ray start` cluster runs on this machine
+    ray.init(address="local", num_cpus=6, namespace="zocheck", include_dashboard=False, log_to_driver=False)
     job = JobConfig(run_id="sweep", steps=STEPS, snapshot_interval=4, log_interval=4, storage=str(root / "runs"),
                     task={**SMALL_TASK, "eval_interval": 8}, zo={"lr": LRS[0], "eps": 1e-3})
     fail_second = tune.sample_from(lambda spec: FAIL_AT if spec.config["zo.lr"] == LRS[1] else None)
