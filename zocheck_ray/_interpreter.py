@@ -54,7 +54,7 @@ def ray_node_python(pid: int | None = None) -> str | None:
 
 
 def hand_over_to_ray_python(missing: ModuleNotFoundError) -> None:
-    """Re-run this `python -m zocheck_ray ...` under the Ray node's Python; return only where there is none.
+    """Re-run this `python -m zocheck_ray[.module] ...` under the Ray node's Python; return only where there is none.
 
     Called by `zocheck_ray/__init__.py` when run with `-m` and a dependency is missing.
     """
@@ -68,4 +68,4 @@ def hand_over_to_ray_python(missing: ModuleNotFoundError) -> None:
     print(f"zocheck-ray: {sys.executable} lacks {missing.name!r}; running under this Ray node's Python, {python}",
           file=sys.stderr, flush=True)
     os.environ[HANDED_OVER] = sys.executable
-    os.execv(python, [python, "-m", "zocheck_ray", *sys.argv[1:]])
+    os.execv(python, [python, *sys.orig_argv[1:]])  # the same options, module and arguments
