@@ -25,8 +25,7 @@ def fine_tune(model_name: str, task, steps: int, run_seed: int = 0):
 
 @pytest.fixture(scope="module")
 def lm_task():
-    # 8 rows a step: half the forward passes of 16, and every assertion below holds with a margin
-    return build_task(TaskConfig(kind="lm", batch_size=8), "tiny-opt")
+    return build_task(TaskConfig(kind="lm", batch_size=16), "tiny-opt")
 
 
 @pytest.mark.parametrize("model_name", ["tiny-opt", "tiny-llama", "tiny-qwen3"])
@@ -34,7 +33,7 @@ def test_zo_fine_tuning_lowers_held_out_loss(lm_task, model_name):
     _, curve = fine_tune(model_name, lm_task, STEPS)
     losses = [m["loss"] for m in curve]
     # From a uniform next-byte guess (ln 128 = 4.85 nats) the model learns the text's byte
-    # statistics: measured 4.84 -> 3.49 (tiny-opt), 4.89 -> 3.66 (tiny-llama), 4.89 -> 3.76 (tiny-qwen3).
+    # statistics: measured 4.84 -> 3.45 (tiny-opt), 4.89 -> 3.68 (tiny-llama), 4.89 -> 3.62 (tiny-qwen3).
     assert abs(losses[0] - 4.85) < 0.1
     assert losses[-1] < losses[0] - 1.0
     assert all(later < earlier for earlier, later in zip(losses, losses[1:]))  # every third of the run helps
