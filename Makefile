@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean reference
+.PHONY: demo test test-quick bench venv clean reference
 
 $(STAMP): pyproject.toml scripts/install_torch.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Everything but the tests marked slow (Ray clusters, benchmarks, long exactness runs).
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
 
 bench: $(STAMP)
 	$(VENV)/bin/zocheck-ray bench replay --json benchmarks/results/replay.json

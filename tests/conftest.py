@@ -1,4 +1,5 @@
-"""Shared fixtures: a real S3 endpoint on 127.0.0.1 (moto's server, as s3fs's own suite uses)."""
+"""Shared fixtures: a real S3 endpoint on 127.0.0.1 (moto's server, as s3fs's own suite uses);
+the `slow` marker on the tests that take more than a few seconds (`pytest -m "not slow"`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,36 @@ import socket
 import uuid
 
 import pytest
+
+SLOW_TESTS: dict[str, str | set[str]] = {
+    # module: "*" (all of its tests), or the names of its slow tests and of the fixtures that make a test slow
+    "test_job_submit.py": "*",  # a `ray start --head` node and two submitted jobs
+    "test_ray_host_failure.py": "*",  # multi-node clusters, node loss, rebuilds from durable storage
+    "test_ray_recovery.py": "*",  # jobs on a real Ray instance with injected failures
+    "test_bench_overhead_recovery.py": "*",  # the overhead and recovery benchmarks on a real Ray instance
+    "test_train_cli.py": {"local_ray"},  # the embedded default job on Ray
+    "test_tune.py": {"results"},  # a two-trial sweep with a restored trial
+    "test_bench_eval.py": {"waste_doc", "scaling_doc", "memory_doc"},  # three benchmarks at a small scale
+    "test_workload_training.py": {"test_zo_fine_tuning_lowers_held_out_loss", "test_a_task_run_is_reproducible"},
+    "test_core_exactness.py": {"test_trainer_reference_and_fused_replay_agree_on_a_hf_model",
+                               "test_odd_tensor_shapes"},  # HF models in every dtype; the fp16 kernels' compile
+    "test_storage_crash.py": {"test_sigkill_during_saves_never_exposes_a_torn_snapshot"},  # 12 killed writers
+}
+"""The tests marked `slow`, by module: measured at more than a few seconds on two cores (with the
+fixtures they start). `pytest -m "not slow"` runs the rest in a fraction of the time."""
+
+
+def is_slow(module: str, test_name: str, fixture_names) -> bool:
+    names = SLOW_TESTS.get(module)
+    return names == "*" or bool(names and (test_name in names or names & set(fixture_names)))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if is_slow(item.path.name, getattr(item, "originalname", item.name), getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 # Nothing may reach real AWS: dummy credentials and no instance-metadata lookups.
 _AWS_ENV = {
@@ -99,3 +130,13 @@ def private_s3(aws_env):
 def s3_bucket(s3_endpoint):
     """`(s3://bucket/run URL, storage_options)` in a fresh bucket."""
     return f"s3://{s3_endpoint.new_bucket()}/run", s3_endpoint.options()
+
+
+@pytest.fixture
+def no_matplotlib(monkeypatch):
+    """matplotlib made unimportable for the test, as on an install without the `bench` extra."""
+    import sys
+
+    for name in [n for n in sys.modules if n == "matplotlib" or n.startswith(("matplotlib.", "mpl_toolkits"))]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError

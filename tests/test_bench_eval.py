@@ -185,6 +185,21 @@ def test_report_writes_markdown_figures_machine_and_summary(out, waste_doc, scal
         assert f"## {s['name']}" in table
 
 
+def test_report_without_matplotlib_writes_tables_and_summary_and_names_the_missing_figures(
+        tmp_path, waste_doc, scaling_doc, memory_doc, no_matplotlib):
+    info = report.describe_machine()  # versions from package metadata: nothing is imported
+    docs = {"waste": waste_doc, "scaling": scaling_doc, "memory": memory_doc}
+    written = report.write_outputs(docs, tmp_path, info, quick=True)
+    names = {p.name for p in written}
+    assert {"waste.md", "scaling.md", "memory.md", "machine.json", "summary.md"} <= names
+    assert not any(name.endswith(".png") for name in names) and not list(tmp_path.glob("*.png"))
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Figures not drawn (waste.png, tradeoff.png, scaling.png, memory.png)" in summary
+    assert "zocheck-ray[bench]" in summary
+    for name in docs:
+        assert f"**{name}**" in summary and f"({name}.md)" in summary
+
+
 def test_bench_all_rejects_an_unknown_benchmark(tmp_path):
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()

@@ -48,16 +48,28 @@ def quantity(text) -> float:
     return float(match.group(1)) * scale[match.group(2)]
 
 
+ENTRYPOINT = ["python3", "-m", "zocheck_ray"]
+"""How the deploy files start the command line: unlike the `zocheck-ray` script, it works whichever
+way Ray was started (a `python3` without the dependencies hands over to Ray's own Python)."""
+
+
+def command_args(argv: list[str]) -> list[str]:
+    """The `zocheck-ray` arguments of an entrypoint (`python3 -m zocheck_ray ...`)."""
+    assert argv[:3] == ENTRYPOINT, f"an entrypoint starts with {' '.join(ENTRYPOINT)}: {argv}"
+    return argv[3:]
+
+
 def entrypoint_job(argv: list[str], model_root: str | None = None) -> tuple[JobConfig, dict[str, str]]:
-    """The job a `zocheck-ray train --config F --set k=v ...` command line runs.
+    """The job a `python3 -m zocheck_ray train --config F --set k=v ...` command line runs.
 
     The config path is inside the image (Dockerfile WORKDIR) and maps onto this repository.
     A `model=` override naming a directory under `model_root` (a volume of the cluster) is
     returned apart, since that directory exists only there.
     """
-    assert argv[:2] == ["zocheck-ray", "train"], argv
+    args = command_args(argv)
+    assert args[:1] == ["train"], argv
     config, sets = None, {}
-    args = iter(argv[2:])
+    args = iter(args[1:])
     for arg in args:
         if arg == "--config":
             config = next(args)
@@ -134,7 +146,7 @@ def test_every_documented_submit_command_runs_a_valid_job():
     found = 0
     for path in [ROOT / "README.md", *DEPLOY.rglob("*.yaml")]:
         for argv in submit_commands(path.read_text()):
-            if argv[:2] == ["zocheck-ray", "train"]:
+            if command_args(argv)[:1] == ["train"]:
                 job, _ = entrypoint_job(argv, model_root="/models")
                 check_job_environment(job, {RAY_JOB_ENV: "{}"})  # a submitted job: no relative storage
                 found += 1

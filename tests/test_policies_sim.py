@@ -264,6 +264,25 @@ def test_simulate_writes_a_png_and_json(tmp_path, capsys):
     assert "closed form" in printed and "log-only" in printed
 
 
+def test_simulate_prints_and_writes_json_without_matplotlib(tmp_path, capsys, no_matplotlib):
+    out = tmp_path / "waste.json"
+    argv = ["simulate", *TIMING_ARGS, "--mtbf-hours", "2", "--strategies", "zocheck", "--trials", "500",
+            "--json", str(out)]
+    assert run_cli(argv) == 0
+    assert [r["strategy"] for r in json.loads(out.read_text())["rows"]] == ["zocheck"]
+    assert "closed form" in capsys.readouterr().out
+
+
+def test_simulate_plot_without_matplotlib_says_how_to_get_it_before_simulating(tmp_path, capsys, no_matplotlib):
+    png, out = tmp_path / "waste.png", tmp_path / "waste.json"
+    argv = ["simulate", *TIMING_ARGS, "--mtbf-hours", "2", "--trials", "500", "--plot", str(png), "--json", str(out)]
+    assert run_cli(argv) == 2
+    captured = capsys.readouterr()
+    assert "--plot" in captured.err and "matplotlib" in captured.err and "zocheck-ray[bench]" in captured.err
+    assert "closed form" not in captured.out  # refused before any work
+    assert not png.exists() and not out.exists()
+
+
 def test_simulate_selected_strategies_and_values(capsys):
     argv = ["simulate", *TIMING_ARGS, "--mtbf-hours", "2", "8", "--strategies", "zocheck", "--trials", "500"]
     assert run_cli(argv) == 0

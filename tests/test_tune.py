@@ -20,8 +20,9 @@ from reference_runs import SMALL_TASK, uninterrupted_hashes
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.storage import SnapshotStore
 from zocheck_ray.tune import (
-    FAIL_ONCE_KEY, POINTER_FILE, CheckpointPointer, CheckpointPointerError, _grid_entry, check_pointer,
-    read_pointer, summarize, sweep, trial_resources, write_pointer,
+    FAIL_ONCE_KEY, POINTER_FILE, CheckpointPointer, CheckpointPointerError, TrialResourcesError, _grid_entry,
+    check_cluster_fits_a_trial, check_pointer, format_table, read_pointer, summarize, sweep, trial_resources,
+    write_pointer,
 )
 
 STEPS = 16
@@ -32,6 +33,7 @@ LRS = [2e-3, 5e-3]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("tune")
+    # address="local": a new instance of its own, even where another `ray start` cluster runs on this machine
     ray.init(address="local", num_cpus=6, namespace="zocheck", include_dashboard=False, log_to_driver=False)
     job = JobConfig(run_id="sweep", steps=STEPS, snapshot_interval=4, log_interval=4, storage=str(root / "runs"),
                     task={**SMALL_TASK, "eval_interval": 8}, zo={"lr": LRS[0], "eps": 1e-3})
@@ -168,3 +170,71 @@ def test_tune_command_rejects_a_bad_grid_before_starting_ray(capsys):
     assert main(["tune", "--config", str(config), "--grid", "task.batch_size=8,0"]) == 2
     err = capsys.readouterr().err
     assert "zocheck-ray tune:" in err and "batch_size" in err
+
+
+def node(cpus: float, gpus: float = 0, alive: bool = True) -> dict:
+    """A node as `ray.nodes()` describes it (the fields the check reads)."""
+    return {"Alive": alive, "Resources": {"CPU": cpus, **({"GPU": gpus} if gpus else {})}}
+
+
+def test_a_two_cpu_machine_is_told_what_a_trial_is_missing_and_how_to_fix_it():
+    job = JobConfig(shadow_cpus=1)
+    with pytest.raises(TrialResourcesError) as error:
+        check_cluster_fits_a_trial(job, 0, [node(2)])
+    message = str(error.value)
+    assert "needs 3 CPUs on one node" in message and "shadow_cpus=1" in message
+    assert "has 2 CPUs" in message and "PENDING" in message
+    assert "--num-cpus 3" in message and "ray start --num-cpus=3" in message
+    assert "lower shadow_cpus" not in message  # already the least
+
+
+def test_a_trial_must_fit_on_one_node_not_across_nodes():
+    job = JobConfig(shadow_cpus=4)
+    check_cluster_fits_a_trial(job, 0, [node(2), node(6)])
+    with pytest.raises(TrialResourcesError, match="needs 6 CPUs on one node") as error:
+        check_cluster_fits_a_trial(job, 0, [node(4), node(4), node(8, alive=False)])
+    assert "lower shadow_cpus to 2" in str(error.value)
+
+
+def test_a_gpu_trial_needs_the_gpu_on_the_node_with_the_cpus():
+    job = JobConfig(shadow_cpus=2)
+    check_cluster_fits_a_trial(job, 1, [node(4, gpus=1)])
+    with pytest.raises(TrialResourcesError, match="4 CPUs and 1 GPU") as error:
+        check_cluster_fits_a_trial(job, 1, [node(16), node(2, gpus=1)])
+    assert "has 2 CPUs and 1 GPUs" in str(error.value)
+
+
+def test_a_sweep_that_cannot_place_a_trial_fails_before_starting_it(results):
+    job, _ = results  # the module's 6-CPU cluster
+    too_big = JobConfig(**{**job.model_dump(), "run_id": "too-big", "shadow_cpus": 8})
+    with pytest.raises(TrialResourcesError, match="needs 10 CPUs on one node.*has 6 CPUs"):
+        sweep(too_big, {"zo.lr": LRS}, tune_storage=str(Path(job.storage).parent / "tune-too-big"))
+
+
+def test_tune_command_rejects_num_cpus_below_one(capsys):
+    from zocheck_ray.cli import main
+
+    assert main(["tune", "--grid", "zo.lr=1e-3", "--num-cpus", "0"]) == 2
+    assert "--num-cpus must be at least 1" in capsys.readouterr().err
+
+
+def test_the_final_table_fits_its_columns_and_prints_metrics_to_4_significant_digits():
+    rows = [{"zo.lr": 0.001, "run_id": "sweep-4f2a9_00000", "step": 16, "eval_accuracy": 0.8123456,
+             "exact": True, "state_hash": "ab" * 32, "error": None},
+            {"zo.lr": 0.0031622776, "run_id": "sweep-4f2a9_00001", "step": 1200, "eval_accuracy": 1.0 / 3.0,
+             "exact": False, "state_hash": None, "error": "RuntimeError: boom"}]
+    lines = format_table(rows, ["zo.lr"], "eval_accuracy").splitlines()
+    assert len(lines) == 3
+    header = lines[0].split()
+    assert header == ["zo.lr", "run_id", "step", "eval_accuracy", "exact", "state_hash"]
+    first, second = lines[1].split(), lines[2].split()
+    assert first == ["0.001", "sweep-4f2a9_00000", "16", "0.8123", "True", "abababababababab"]
+    assert second[:6] == ["0.003162", "sweep-4f2a9_00001", "1200", "0.3333", "False", "-"]
+    assert lines[2].endswith("error: RuntimeError: boom")
+    # every column starts (left-aligned) or ends (numbers, right-aligned) at the same place on every line
+    for column in ("run_id", "exact", "state_hash"):
+        start = lines[0].index(column)
+        assert all(line[start - 2:start] == "  " and line[start] != " " for line in lines[1:])
+    for column in ("step", "eval_accuracy"):
+        end = lines[0].index(column) + len(column)
+        assert all(line[end - 1] != " " and line[end:end + 2] == "  " for line in lines[1:])

@@ -3,22 +3,33 @@
 The public API is re-exported here; `zocheck_ray.core` runs without Ray.
 """
 
-from zocheck_ray.core import (
-    CorruptRecordError,
-    IncompleteRecordError,
-    Layout,
-    NonFiniteError,
-    RecordSequenceError,
-    StateMismatchError,
-    StepRecord,
-    ZOCheckError,
-    ZOConfig,
-    ZOOptimizer,
-    perturbation,
-    replay,
-    replay_reference,
-    state_hash,
-)
+import sys
+
+try:
+    from zocheck_ray.core import (
+        CorruptRecordError,
+        IncompleteRecordError,
+        Layout,
+        NonFiniteError,
+        RecordSequenceError,
+        StateMismatchError,
+        StepRecord,
+        ZOCheckError,
+        ZOConfig,
+        ZOOptimizer,
+        perturbation,
+        replay,
+        replay_reference,
+        state_hash,
+    )
+except ModuleNotFoundError as missing:
+    # `python3 -m zocheck_ray ...` run by a Python without the dependencies (a `ray job submit` entrypoint on a
+    # node whose Ray runs from an environment not on PATH): hand over to the Python that runs Ray there.
+    if sys.argv[:1] == ["-m"]:  # only while `python -m` imports this package
+        from zocheck_ray._interpreter import hand_over_to_ray_python
+
+        hand_over_to_ray_python(missing)
+    raise
 
 __version__ = "0.1.0"
 

@@ -103,7 +103,8 @@ def _sections():
         ("`JobConfig`: the job (YAML file, `--set key=value`)", JobConfig, "", True),
         ("`zo`: the zeroth-order optimizer (`ZOConfig`)", ZOConfig, "zo.", True),
         ("`task`: data, prompt, batches, evaluation (`TaskConfig`)", TaskConfig, "task.", True),
-        ("Shadow metrics (`ShadowMetrics`: `zocheck-ray status`, gauges `zocheck_shadow_*`)", ShadowMetrics, "", False),
+        ("Shadow metrics (`ShadowMetrics`: `zocheck-ray status`, Prometheus gauges `ray_zocheck_shadow_*`)",
+         ShadowMetrics, "", False),
         ("Run summary (`RunSummary`: `zocheck_ray.run(...)`, `zocheck-ray train --json`)", RunSummary, "", False),
         ("Recoveries (`Recovery`: `RunSummary.recoveries`)", Recovery, "", False),
     ]

@@ -57,6 +57,10 @@ class CheckpointPointerError(ValueError):
     """A Tune checkpoint that does not point at a usable durable ZOCheck image; the message names it."""
 
 
+class TrialResourcesError(JobConfigError):
+    """No node of the Ray cluster can hold one trial's placement group; the message says what is missing."""
+
+
 class InjectedTrialFailure(RuntimeError):
     """Raised on purpose by a trial whose config sets `fail_once_at_step`."""
 
@@ -134,6 +138,36 @@ def trial_resources(job: JobConfig, gpus: int = 0):
 
     trainer = {"CPU": 1, **({"GPU": gpus} if gpus else {})}
     return PlacementGroupFactory([TRAINABLE_BUNDLE, trainer, {"CPU": job.shadow_cpus}], strategy="STRICT_PACK")
+
+
+def check_cluster_fits_a_trial(job: JobConfig, gpus: int, nodes: list[dict]) -> None:
+    """Raise `TrialResourcesError` unless one alive node of `nodes` (as `ray.nodes()` lists them) holds a
+    whole trial: its STRICT_PACK group needs every bundle on one node, or Tune leaves it PENDING forever."""
+    bundles = trial_resources(job, gpus).bundles
+    need = {kind: sum(b.get(kind, 0) for b in bundles) for kind in ("CPU", "GPU")}
+    alive = [n["Resources"] for n in nodes if n.get("Alive")]
+    if any(all(r.get(kind, 0) >= amount for kind, amount in need.items()) for r in alive):
+        return
+    largest = max(alive, key=lambda r: (r.get("GPU", 0) >= need["GPU"], r.get("CPU", 0)), default={})
+    have_cpus, have_gpus = largest.get("CPU", 0), largest.get("GPU", 0)
+    wanted = f"{need['CPU']:g} CPUs" + (f" and {need['GPU']:g} GPU" if need["GPU"] else "")
+    fixes = []
+    if job.shadow_cpus > 1 and have_cpus >= 3:
+        fixes.append(f"lower shadow_cpus to {max(1, int(have_cpus) - 2)} (--set shadow_cpus=N)")
+    elif job.shadow_cpus > 1:
+        fixes.append("lower shadow_cpus (--set shadow_cpus=1)")
+    if have_cpus < need["CPU"]:
+        fixes.append(f"give Ray {need['CPU']:g} logical CPUs on a node (a local instance: zocheck-ray tune "
+                     f"--num-cpus {need['CPU']:g}, or ray.init(num_cpus={need['CPU']:g}); a cluster node: "
+                     f"ray start --num-cpus={need['CPU']:g})")
+    if need["GPU"] and have_gpus < need["GPU"]:
+        fixes.append("add a node with a GPU, or set use_gpu=no")
+    raise TrialResourcesError(
+        f"a trial needs {wanted} on one node (its controller 1 CPU, the trainer 1 CPU"
+        + (f" and {need['GPU']:g} GPU" if need["GPU"] else "") + f", the shadow shadow_cpus={job.shadow_cpus}), "
+        f"but the largest node of this Ray cluster has {have_cpus:g} CPUs"
+        + (f" and {have_gpus:g} GPUs" if need["GPU"] else "")
+        + " and Tune would leave every trial PENDING: " + "; or ".join(fixes))
 
 
 def trial_job(job: dict, config: dict, trial_id: str) -> JobConfig:
@@ -256,6 +290,7 @@ def sweep(job: JobConfig, grid: dict[str, list], *, tune_storage: str | None = N
 
         ray.init(namespace=NAMESPACE, log_to_driver=False)
     gpus = 1 if job.use_gpu == "yes" or (job.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1) else 0
+    check_cluster_fits_a_trial(job, gpus, ray.nodes())
     trainable = tune.with_resources(tune.with_parameters(train_trial, job=_absolute(job)), trial_resources(job, gpus))
     tuner = tune.Tuner(
         trainable, param_space=space,
@@ -296,10 +331,17 @@ def tune_command(args: argparse.Namespace) -> int:
     from zocheck_ray.actors.ray_actors import NAMESPACE
 
     try:
+        if args.num_cpus is not None and args.num_cpus < 1:
+            raise JobConfigError(f"--num-cpus must be at least 1, got {args.num_cpus}")
+        if args.address and args.num_cpus:
+            raise JobConfigError("--num-cpus sizes a local Ray instance; a cluster (--address) has its own "
+                                 "(ray start --num-cpus=N on its nodes)")
         job = load_job_config(args.config, args.set, steps=args.steps, storage=args.storage)
         check_job_environment(job)
         if args.address:
             ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+        elif args.num_cpus:
+            ray.init(num_cpus=args.num_cpus, namespace=NAMESPACE, log_to_driver=False)
         results = sweep(job, dict(args.grid), tune_storage=args.tune_storage, max_failures=args.max_failures,
                         metric=args.metric, mode=args.mode)
     except (JobConfigError, CheckpointPointerError) as exc:
@@ -308,15 +350,35 @@ def tune_command(args: argparse.Namespace) -> int:
     keys = [key for key, _ in args.grid]
     rows = summarize(results, keys, args.metric)
     print()
-    header = keys + ["run_id", "step", args.metric, "exact", "state_hash"]
-    print("  " + "  ".join(h.ljust(14) for h in header))
-    for row in rows:
-        cells = [str(row[h] if h != "state_hash" else (row[h] or "-")[:16]) for h in header]
-        print("  " + "  ".join(c.ljust(14) for c in cells) + (f"  error: {row['error']}" if row["error"] else ""))
+    print(format_table(rows, keys, args.metric))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
         print(f"wrote {args.json}")
     return 0 if rows and all(r["exact"] and not r["error"] for r in rows) else 1
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"  # metrics and swept values to 4 significant digits
+    return str(value)
+
+
+def format_table(rows: list[dict], keys: list[str], metric: str) -> str:
+    """The sweep's final table: one line per trial, every column as wide as its widest cell."""
+    header = [*keys, "run_id", "step", metric, "exact", "state_hash"]
+    cells = [header] + [[_cell(row.get(h)) if h != "state_hash" else (row.get(h) or "-")[:16] for h in header]
+                        for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
+    numeric = {"step", metric}
+    lines = []
+    for n, line in enumerate(cells):
+        text = "  ".join(cell.rjust(width) if header[i] in numeric else cell.ljust(width)
+                         for i, (cell, width) in enumerate(zip(line, widths)))
+        error = rows[n - 1]["error"] if n else None
+        lines.append(("  " + text + (f"  error: {error}" if error else "")).rstrip())
+    return "\n".join(lines)
 
 
 def summarize(results, keys: list[str], metric: str) -> list[dict]:
@@ -345,5 +407,8 @@ def register(commands, bench) -> None:
     p.add_argument("--metric", default="loss")
     p.add_argument("--mode", choices=["min", "max"], default="min")
     p.add_argument("--address", help="Ray cluster address (default: start a local one)")
+    p.add_argument("--num-cpus", type=int, metavar="N",
+                   help="logical CPUs of the local Ray instance (default: the machine's cores); a trial needs "
+                        "2 + shadow_cpus on one node")
     p.add_argument("--json", metavar="FILE", help="write one row per trial as JSON")
     p.set_defaults(func=tune_command)

@@ -17,6 +17,9 @@ restart and publishing costs measured by those two feed the wasted-time model),
   count, and against tokens per batch next to the trainer step), `memory.png`;
 - `summary.md`: the machine, every target with its verdict, links to the tables and figures.
 
+The figures need matplotlib (`pip install 'zocheck-ray[bench]'`); without it the tables,
+JSON and summary are written all the same and the summary names the figures left out.
+
 A benchmark that fails is reported in the summary with its error; the others still run. A
 benchmark not run this time (`--only`) whose JSON is already in DIR is summarised from it,
 marked as from an earlier run.
@@ -33,6 +36,7 @@ import traceback
 from pathlib import Path
 
 from zocheck_ray.bench.common import machine
+from zocheck_ray.plotting import missing_reason
 
 BENCHES = ("overhead", "recovery", "waste", "scaling", "memory")
 
@@ -226,12 +230,9 @@ MARKDOWN = {"waste": waste_markdown, "scaling": scaling_markdown, "memory": memo
 
 
 def _pyplot():
-    import matplotlib
+    from zocheck_ray.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot()
 
 
 STYLE = {"zocheck": ("tab:green", "o"), "log-only": ("tab:gray", "s"), "sync-checkpoint": ("tab:blue", "^"),
@@ -436,12 +437,16 @@ def write_outputs(docs: dict, out: Path, info: dict, errors: dict | None = None,
     """Markdown per benchmark, the figures, machine.json and summary.md; returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
     errors = errors or {}
-    written = []
+    written, left_out = [], []
+    no_plots = missing_reason()  # the tables and JSON need no matplotlib; only the figures do
     for name, doc in docs.items():
         path = out / f"{name}.md"
         path.write_text(MARKDOWN[name](doc))
         written.append(path)
         for filename, plot in FIGURES.get(name, []):
+            if no_plots:
+                left_out.append(filename)
+                continue
             plot(doc, out / filename)
             written.append(out / filename)
     (out / "machine.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -464,6 +469,8 @@ def write_outputs(docs: dict, out: Path, info: dict, errors: dict | None = None,
             lines.extend(f"- **{name}**{when}: {v}" for v in _verdicts(name, docs[name]))
         elif name in errors:
             lines.append(f"- **{name}**: did not complete: {errors[name]}")
+    if left_out:
+        lines.append(f"\nFigures not drawn ({', '.join(left_out)}): {no_plots}.")
     lines.append("\n## Tables and figures\n")
     lines.extend(f"- [{p.name}]({p.name})" for p in written if p.suffix in (".md", ".png"))
     lines.extend(f"\n![{p.stem}]({p.name})" for p in written if p.suffix == ".png")
@@ -497,6 +504,9 @@ def bench_all(out: str | os.PathLike, quick: bool = False, only: list[str] | Non
     info["reused_from_earlier_runs"] = reused
     written = write_outputs(docs, out, info, errors, quick)
     say(f"\nwrote {len(written)} files to {out}: " + ", ".join(p.name for p in written))
+    no_plots = missing_reason()
+    if no_plots:
+        say(f"no figures: {no_plots}")
     return {"docs": docs, "errors": errors, "written": [str(p) for p in written]}
 
 

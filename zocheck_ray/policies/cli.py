@@ -147,6 +147,14 @@ def _mtbf_points(args: argparse.Namespace) -> list[float]:
 def simulate_command(args: argparse.Namespace) -> int:
     """`zocheck-ray simulate`: Monte-Carlo wasted time against MTBF for each strategy."""
     rows = []
+    if args.plot is not None:  # asked for a figure: say at once if it cannot be drawn, not after the simulation
+        from zocheck_ray.plotting import missing_reason
+
+        reason = missing_reason()
+        if reason is not None:
+            print(f"zocheck-ray simulate: error: --plot {args.plot}: {reason}; "
+                  "or leave out --plot for the table and --json", file=sys.stderr)
+            return 2
     try:
         timings = _timings(args)
         for mtbf in _mtbf_points(args):
@@ -182,7 +190,10 @@ def simulate_command(args: argparse.Namespace) -> int:
 
 
 def plot_waste(rows: list[dict], path: Path, failure_kind: str) -> None:
-    """Wasted time per failure window and share of wall-clock wasted, against MTBF."""
+    """Wasted time per failure window and share of wall-clock wasted, against MTBF (needs matplotlib)."""
+    from zocheck_ray.plotting import require_matplotlib
+
+    require_matplotlib(f"plot {path}")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -231,5 +242,5 @@ def register(subparsers, bench_subparsers) -> None:
     sim_parser.add_argument("--trials", type=int, default=20_000, help="failure windows per point (default 20000)")
     sim_parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     sim_parser.add_argument("--confidence", type=float, default=0.95, help="interval confidence (default 0.95)")
-    sim_parser.add_argument("--plot", type=Path, metavar="FILE.png", help="draw wasted time against MTBF")
+    sim_parser.add_argument("--plot", type=Path, metavar="FILE.png", help="draw wasted time against MTBF (needs matplotlib: pip install 'zocheck-ray[bench]')")
     sim_parser.set_defaults(func=simulate_command)
