@@ -207,6 +207,12 @@ class TrainerActor:
         self.incarnation = uuid.uuid4().hex  # tells a restarted trainer from the one before
         # A restarted data-parallel rank recovers when the controller says to which step (`rejoin`).
         defer = self.job.trainers > 1 and ray.get_runtime_context().was_current_actor_reconstructed
+        if self.job.trainers > 1:  # k ranks on a node share its cores: each uses the CPUs it reserved
+            import numba
+
+            cpus = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+            numba.set_num_threads(min(cpus, numba.config.NUMBA_NUM_THREADS))
+            torch.set_num_threads(cpus)
         self.trainer = Trainer(self.job, RayShadowLink(self.job.run_id), device=device,
                                faults=FaultInjection.model_validate(faults or {}), rank=rank, defer_recovery=defer)
 
