@@ -115,3 +115,41 @@ def test_three_ranks_lose_the_last_one_and_stay_exact(tmp_path):
     summary = run(job, fail_at=[9], fail_rank=2, progress=None)
     assert [r.rank for r in summary.recoveries] == [2]
     assert_replicas_exact(summary, job)
+
+
+def test_a_tune_trial_reserves_every_rank_and_the_shadow():
+    from zocheck_ray.config import JobConfig
+    from zocheck_ray.tune import trial_resources
+
+    pgf = trial_resources(JobConfig(trainers=3, shadow_cpus=2, task=dict(batch_size=6)), gpus=1)
+    assert pgf.strategy == "STRICT_PACK"
+    assert pgf.bundles == [{"CPU": 1}, {"CPU": 1, "GPU": 1}, {"CPU": 2}, {"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}]
+    assert trial_resources(JobConfig(trainers=2, placement="spread")).strategy == "PACK"
+
+
+def test_a_holding_rank_keeps_records_until_durable_and_delivers_what_the_shadow_lacks():
+    from zocheck_ray.actors.publisher import Publisher, PushReply, poll_answered
+    from zocheck_ray.core import StepRecord
+
+    class Shadow:  # an in-process shadow that expects step 5 and has made steps before 3 durable
+        pushes = []
+
+        def push(self, data, trainer_step):
+            from zocheck_ray.core.record import decode_records
+
+            records = decode_records(data)
+            self.pushes.append([r.step for r in records])
+            return PushReply("one", 5 + len([r for r in records if r.step >= 5]), 3, len(records))
+
+        poll = staticmethod(poll_answered)
+
+    shadow = Shadow()
+    publisher = Publisher(shadow, 3, lambda: 8, publishing=False)
+    for step in range(3, 8):
+        publisher.append(StepRecord(step, step, 0.5, 1e-3, 1e-3, 12345, "zo-sgd"))
+    publisher.tick()
+    assert shadow.pushes == [] and publisher.held_records == 5  # a holding rank never sends on its own
+    publisher.acknowledge(4)
+    assert publisher.held_records == 4
+    assert publisher.deliver() == 8  # asked what the shadow expects (5), then handed it 5, 6, 7
+    assert shadow.pushes == [[], [5, 6, 7]]
