@@ -34,6 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from zocheck_ray.actors.ray_actors import (
     NAMESPACE, ShadowActor, TrainerActor, call_when_alive, shadow_name, shadow_writer, trainer_name,
 )
+from zocheck_ray.actors.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig, JobConfigError, check_task
 from zocheck_ray.faults import NO_FAULTS, FaultInjection
 from zocheck_ray.policies import ProfileReport, ProfileSettings, profile_startup
@@ -571,6 +572,10 @@ class Controller:
             try:
                 results[r] = ray.get(ref)
             except RayActorError:
+                lost.append(r)
+            except RayTaskError as exc:  # the call reached the rank's restarted process (its node was lost)
+                if not isinstance(exc.cause, RejoinRequiredError):
+                    raise
                 lost.append(r)
         for r, progress in results.items():
             self.rank_seconds[r] += sum(progress["step_seconds"])

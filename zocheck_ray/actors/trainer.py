@@ -41,6 +41,11 @@ from zocheck_ray.workload.tasks import build_task
 
 logger = logging.getLogger(__name__)
 
+
+class RejoinRequiredError(RuntimeError):
+    """A data-parallel rank was asked to train before it rejoined (it was restarted, or its state is torn)."""
+
+
 class Trainer:
     def __init__(self, job: JobConfig, shadow: ShadowLink, device: str = "cpu", faults: FaultInjection = NO_FAULTS,
                  rank: int = 0, defer_recovery: bool = False):
@@ -157,7 +162,7 @@ class Trainer:
         `durable_next`: every record before it is durable (a holding rank drops them). A data-parallel
         rank whose gather fails stops there and reports `interrupted` instead of raising."""
         if self.torn_at is not None or self.publisher is None:
-            raise RuntimeError(f"rank {self.rank} must rejoin before it trains (its state is torn at step "
+            raise RejoinRequiredError(f"rank {self.rank} must rejoin before it trains (its state is torn at step "
                                f"{self.torn_at})" if self.torn_at is not None else
                                f"rank {self.rank} has not recovered yet (it waits for rejoin)")
         if durable_next is not None:
