@@ -153,6 +153,8 @@ class Trainer:
         return metrics
 
     def _due_for_evaluation(self) -> bool:
+        if self.rank != 0:  # the replicas are identical: rank 0's held-out metrics are every rank's
+            return False
         step = self.step
         return step % self.job.task.eval_interval == 0 or step == self.job.steps
 
