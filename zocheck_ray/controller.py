@@ -292,7 +292,8 @@ class Action(enum.Enum):
 
 @dataclass(frozen=True)
 class Failure:
-    kind: Literal["trainer_lost", "rank_lost", "trainer_gone", "shadow_gone", "shadow_lag", "replay_error", "record_gap",
+    kind: Literal["trainer_lost", "rank_lost", "trainer_gone", "shadow_gone", "shadow_lag", "replay_error",
+                  "record_gap",
                   "durability_stalled", "writer_lost", "drain_failed"]
     step: int
     detail: str
@@ -476,7 +477,6 @@ class Controller:
         return self._after_segment(last, began)
 
     def _after_segment(self, last: dict, began: float) -> State:
-        job = self.job
         elapsed = time.perf_counter() - began - self._absorb(last)
         self.steps_timed += last["step"] - self.step
         self.seconds_timed += elapsed
@@ -802,8 +802,9 @@ def run(job: JobConfig, fail_at: list[int] | None = None,
     A run whose storage already holds a snapshot of `job.run_id` resumes from it (the newest
     durable image plus the log, exactly). `placement_group`: an existing, reserved group (a Ray
     Tune trial's) whose bundles `first_bundle` (trainer) and `first_bundle + 1` (shadow) the
-    actors use (and the next `trainers - 1` bundles, the other ranks); it is left in place. `on_segment(progress, metrics)` is called after each
-    segment with the trainer's progress and the shadow's metrics. `fail_at` / `fail_mode` /
+    actors use (and the next `trainers - 1` bundles, the other ranks); it is left in place.
+    `on_segment(progress, metrics)` is called after each segment with the trainer's (rank 0's)
+    progress and the shadow's metrics. `fail_at` / `fail_mode` /
     `faults` inject failures (tests, benchmarks, the demonstration): `software` kills the
     trainer process, `host` both processes, `shadow` the shadow process. With `trainers > 1`,
     `software` kills the process of rank `fail_rank`.
