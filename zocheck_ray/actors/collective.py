@@ -26,8 +26,10 @@ import time
 import torch
 import torch.distributed as dist
 
-TIMEOUT_SECONDS = 60.0
-"""How long a join or a gather waits for the other ranks (a peer's death is seen sooner: its sockets close)."""
+TIMEOUT_SECONDS = 600.0
+"""How long a join or a gather waits for the other ranks. Long, because the other ranks wait in the
+gather while rank 0 evaluates the held-out rows; a dead peer is seen at once (its sockets close), a
+peer cut off without closing them after this long."""
 
 
 class RankLostError(RuntimeError):
