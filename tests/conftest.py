@@ -16,6 +16,8 @@ SLOW_TESTS: dict[str, str | set[str]] = {
     "test_ray_host_failure.py": "*",  # multi-node clusters, node loss, rebuilds from durable storage
     "test_ray_recovery.py": "*",  # jobs on a real Ray instance with injected failures
     "test_ray_shadow_faults.py": "*",  # jobs with a killed shadow and S3 outages, then verified
+    "test_data_parallel.py": "*",  # k trainer ranks on a real Ray instance, ranks killed
+    "test_data_parallel_nodes.py": "*",  # a 3-node cluster, a rank's node removed
     "test_shadow_pipeline.py": {"test_a_storage_outage_is_reported_retried_and_leaves_no_gap"},  # S3 retries
     "test_triton_kernels.py": "*",  # kernels run by Triton's CPU interpreter
     "test_bench_overhead_recovery.py": "*",  # the overhead and recovery benchmarks on a real Ray instance

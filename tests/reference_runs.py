@@ -39,3 +39,26 @@ def assert_exact(summary, expected):
     assert summary.step_hashes, "per-step hashes were recorded"
     for step, digest in summary.step_hashes.items():
         assert digest == expected[step], f"state after step {step} differs"
+
+
+def uninterrupted_data_parallel_hashes(job: JobConfig) -> dict[int, str]:
+    """The k-rank run that would have happened, as one plain loop: each step evaluates the k slices of its
+    batch in rank order and forms the losses from their (sum, count) pairs added in rank order in float64."""
+    k = job.trainers
+    model = build_model(job.model, job.dtype, seed=job.run_seed)
+    opt = ZOOptimizer(trainable_parameters(model), job.zo)
+    task = build_task(job.task, job.model)
+
+    def losses(plus, minus):
+        totals = [0.0, 0.0, 0.0, 0.0]
+        for pair_plus, pair_minus in zip(plus, minus):
+            for i, value in enumerate((*pair_plus, *pair_minus)):
+                totals[i] += value
+        return totals[0] / totals[1], totals[2] / totals[3]
+
+    hashes = {0: state_hash(opt.state_tensors())}
+    for t in range(job.steps):
+        slices = [task.batch_slice(t, r, k) for r in range(k)]
+        opt.step(lambda: [task.loss_sum(model, b) for b in slices], seed=step_seed(job.run_seed, t), combine=losses)
+        hashes[t + 1] = state_hash(opt.state_tensors())
+    return hashes

@@ -85,6 +85,13 @@ class JobConfig(BaseModel):
     third of it). A second writer is refused while it is fresh and takes it over once it is stale."""
     hash_every_step: bool = False
     """Record the trainer's `state_hash` after every step (for verification; costs a hash per step)."""
+    trainers: int = Field(1, ge=1)
+    """Data-parallel trainer ranks (one GPU each, or one CPU). Rank r evaluates slice r of each step's global
+    batch (`task.batch_size` rows, which must divide by `trainers`); the ranks all-gather their loss sums and
+    stay bit-identical replicas, served by one shadow."""
+    placement: Literal["pack", "spread"] = "pack"
+    """Where the ranks go: `pack` puts every rank and the shadow on one node (STRICT_PACK); `spread` keeps
+    rank 0 with the shadow and lets the other ranks go to any node."""
 
     @model_validator(mode="before")
     @classmethod
@@ -94,6 +101,14 @@ class JobConfig(BaseModel):
                 if old in data:
                     raise ValueError(f"{old} is no longer a job field: set {new} (one place for each setting)")
         return data
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> "JobConfig":
+        if self.task.batch_size % self.trainers:
+            raise ValueError(f"task.batch_size={self.task.batch_size} does not divide among trainers={self.trainers} "
+                             "ranks: every rank evaluates an equal slice of the batch; make task.batch_size a "
+                             "multiple of trainers")
+        return self
 
     @field_validator("model")
     @classmethod

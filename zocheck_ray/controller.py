@@ -10,6 +10,12 @@ shadow's metrics and prints a progress line. Everything that goes wrong becomes 
 `Failure`, and one function, `decide`, turns it into what happens next: wait for
 Ray's restart of the trainer (which recovers in its constructor), resync the shadow
 from the trainer, or fail the run with a clear error.
+
+Data parallel (`trainers: k`): the controller drives all k ranks segment by segment;
+a segment call that fails is the step boundary. A lost rank becomes `rank_lost`
+(RESTART): the survivors hand the shadow the records it lacks, Ray restarts the lost
+rank, every rank rejoins at the shadow's step (from its image plus records), the
+process group is formed again, and training resumes, exactly.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from zocheck_ray.actors.ray_actors import (
     NAMESPACE, ShadowActor, TrainerActor, call_when_alive, shadow_name, shadow_writer, trainer_name,
 )
+from zocheck_ray.actors.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig, JobConfigError, check_task
 from zocheck_ray.faults import NO_FAULTS, FaultInjection
 from zocheck_ray.policies import ProfileReport, ProfileSettings, profile_startup
@@ -53,6 +60,8 @@ class Recovery(BaseModel):
     """The step of that image."""
     replayed_records: int
     """Records after the image, replayed by the trainer on its own device."""
+    rank: int = 0
+    """The data-parallel rank that was lost (0 for a single trainer)."""
 
 
 class RunSummary(BaseModel):
@@ -113,6 +122,15 @@ class RunSummary(BaseModel):
     kernel: dict = {}
     """The trainer's device, its kernel backend (`triton` on CUDA once the start-up guard passed, else
     `eager`) and the guard's result; a guard that failed also leaves a warning."""
+    trainers: int = 1
+    """Data-parallel ranks (`trainers`)."""
+    rank_state_hashes: list[str] = []
+    """With several ranks: every rank's `state_hash` at the end, in rank order (all equal when exact)."""
+    rank_seconds_per_step: list[float] = []
+    """With several ranks: each rank's mean step time (its forward passes, the gather and the update)."""
+    collective_seconds_per_step: float | None = None
+    """With several ranks: mean seconds per step in the all-gather of the loss sums (waiting for the
+    slowest rank included), over all ranks."""
     profile_check: dict[str, dict[str, float]] = {}
     """With a startup profile: for the trainer step and the replay step, the profiled and the run's
     steady-state seconds and their ratio (steady / profiled); a ratio beyond `PROFILE_TOLERANCE`
@@ -138,34 +156,79 @@ def _check_resources(job: JobConfig) -> int:
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     max_cpus = max((n["Resources"].get("CPU", 0) for n in nodes), default=0)
     gpus = max((n["Resources"].get("GPU", 0) for n in nodes), default=0)
+    total_cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
+    total_gpus = sum(n["Resources"].get("GPU", 0) for n in nodes)
     if job.shadow_cpus + 1 > max_cpus:
         raise JobConfigError(f"shadow_cpus={job.shadow_cpus} plus one trainer CPU exceed the largest node "
                              f"({max_cpus:g} CPUs); lower shadow_cpus")
+    k = job.trainers
+    if k > 1:
+        if job.placement == "pack" and k + job.shadow_cpus > max_cpus:
+            raise JobConfigError(f"trainers={k} with placement=pack needs one node with {k} trainer CPUs plus "
+                                 f"shadow_cpus={job.shadow_cpus}, but the largest node has {max_cpus:g} CPUs; "
+                                 "lower trainers or set placement=spread")
+        if k + job.shadow_cpus > total_cpus:
+            raise JobConfigError(f"trainers={k} plus shadow_cpus={job.shadow_cpus} need {k + job.shadow_cpus} CPUs, "
+                                 f"but the cluster has {total_cpus:g}; lower trainers")
     if job.use_gpu == "yes" and gpus < 1:
         raise JobConfigError("use_gpu=yes but no node of the Ray cluster has a GPU; set use_gpu=auto or no")
-    return 1 if (job.use_gpu == "yes" or (job.use_gpu == "auto" and gpus >= 1)) else 0
+    placeable = (gpus if job.placement == "pack" else total_gpus) >= k
+    if job.use_gpu == "yes" and not placeable:
+        raise JobConfigError(f"use_gpu=yes and trainers={k} need {k} GPUs "
+                             f"({'on one node' if job.placement == 'pack' else 'in the cluster'}); lower trainers")
+    return 1 if (job.use_gpu == "yes" or (job.use_gpu == "auto" and gpus >= 1 and placeable)) else 0
+
+
+def trainer_bundle(gpus: int) -> dict:
+    return {"CPU": 1, **({"GPU": gpus} if gpus else {})}
+
+
+def job_bundles(job: JobConfig, gpus: int) -> list[dict]:
+    """The bundles a job reserves: rank 0, the shadow, then ranks 1..k-1."""
+    return [trainer_bundle(gpus), {"CPU": job.shadow_cpus}] + [trainer_bundle(gpus)] * (job.trainers - 1)
+
+
+def rank_placements(job: JobConfig, gpus: int, pg: PlacementGroup | None = None,
+                    first_bundle: int = 0) -> tuple[list[PlacementGroup], list[tuple[PlacementGroup, int]]]:
+    """(the groups created here, (group, bundle) of the shadow then of each rank).
+
+    `pack`: one STRICT_PACK group for everything. `spread`: rank 0 and the shadow in a
+    STRICT_PACK group, the other ranks in a SPREAD group (any node). A given `pg` (a Tune
+    trial's) holds them all from `first_bundle` on, as `job_bundles` orders them."""
+    if pg is not None:
+        return [], [(pg, first_bundle + 1), (pg, first_bundle)] + [(pg, first_bundle + 1 + r)
+                                                                  for r in range(1, job.trainers)]
+    if job.placement == "pack" or job.trainers == 1:
+        pg = placement_group(job_bundles(job, gpus), strategy="STRICT_PACK", name=f"zocheck-{job.run_id}")
+        return [pg], [(pg, 1), (pg, 0)] + [(pg, 1 + r) for r in range(1, job.trainers)]
+    home = placement_group(job_bundles(job, gpus)[:2], strategy="STRICT_PACK", name=f"zocheck-{job.run_id}")
+    others = placement_group([trainer_bundle(gpus)] * (job.trainers - 1), strategy="SPREAD",
+                             name=f"zocheck-{job.run_id}-ranks")
+    return [home, others], [(home, 1), (home, 0)] + [(others, r - 1) for r in range(1, job.trainers)]
 
 
 def start_actors(job: JobConfig, gpus: int, pg: PlacementGroup | None = None, first_bundle: int = 0,
                  faults: FaultInjection = NO_FAULTS):
-    """Trainer in bundle `first_bundle`, shadow in the next; a new STRICT_PACK group unless `pg` is given."""
-    if pg is None:
-        bundles = [{"CPU": 1, **({"GPU": gpus} if gpus else {})}, {"CPU": job.shadow_cpus}]
-        pg = placement_group(bundles, strategy="STRICT_PACK", name=f"zocheck-{job.run_id}")
-    ray.get(pg.ready(), timeout=120)
+    """The shadow, then the trainer ranks, in their placement groups (see `rank_placements`).
+
+    Returns (the placement groups created here, the shadow, the trainer of each rank)."""
+    groups, places = rank_placements(job, gpus, pg, first_bundle)
+    for group in groups or [pg]:
+        ray.get(group.ready(), timeout=120)
     payload, injected = job.model_dump(mode="json"), faults.model_dump()
+    (shadow_pg, shadow_bundle), rank_places = places[0], places[1:]
     shadow = ShadowActor.options(
         name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=job.shadow_cpus, max_restarts=job.max_restarts,
         max_task_retries=-1,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + 1),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(shadow_pg, placement_group_bundle_index=shadow_bundle),
     ).remote(payload, injected)
     ray.get(shadow.ready.remote())
-    trainer = TrainerActor.options(
-        name=trainer_name(job.run_id), namespace=NAMESPACE, num_cpus=1, num_gpus=gpus,
+    trainers = [TrainerActor.options(
+        name=trainer_name(job.run_id, rank), namespace=NAMESPACE, num_cpus=1, num_gpus=gpus,
         max_restarts=job.max_restarts,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle),
-    ).remote(payload, injected)
-    return pg, shadow, trainer
+        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+    ).remote(payload, injected, rank) for rank, (group, bundle) in enumerate(rank_places)]
+    return groups, shadow, trainers
 
 
 def _lose_processes(trainer, shadow) -> Callable[[], None]:
@@ -186,13 +249,14 @@ def profile_settings(job: JobConfig, remaining_steps: int | None = None) -> Prof
 
 
 def startup_profile(job: JobConfig, trainer, shadow, on_progress: Callable[[dict], None],
-                    first_step: int = 0) -> ProfileReport:
+                    first_step: int = 0, train_to: Callable[[int], dict] | None = None) -> ProfileReport:
     """Measure the trainer step, the replay per thread count, the snapshot copy and the
-    persistence time in the first training steps (at most 30) and choose N and the threads."""
+    persistence time in the first training steps (at most 30) and choose N and the threads.
+    `train_to(step)`: how to train every rank to `step` (data parallel); rank 0's progress is timed."""
     settings = profile_settings(job, job.steps - first_step)
 
     def trainer_step(i: int) -> float:
-        progress = ray.get(trainer.run.remote(first_step + i + 1))
+        progress = (train_to or (lambda step: ray.get(trainer.run.remote(step))))(first_step + i + 1)
         on_progress(progress)
         return progress["step_seconds"][-1] if progress["step_seconds"] else 0.0
 
@@ -224,19 +288,22 @@ class State(enum.Enum):
 
 
 class Action(enum.Enum):
-    RESTART = "restart"    # Ray restarts the trainer; wait for it to recover in its constructor
+    RESTART = "restart"    # Ray restarts the trainer (or a lost rank); wait for it to recover
     RESYNC = "resync"      # copy the trainer's state into the shadow
     FAIL = "fail"          # end the run with a clear error
 
 
 @dataclass(frozen=True)
 class Failure:
-    kind: Literal["trainer_lost", "trainer_gone", "shadow_gone", "shadow_lag", "replay_error", "record_gap",
+    kind: Literal["trainer_lost", "rank_lost", "trainer_gone", "shadow_gone", "shadow_lag", "replay_error",
+                  "record_gap",
                   "durability_stalled", "writer_lost", "drain_failed"]
     step: int
     detail: str
     mode: str = "unplanned"
     """For a lost trainer: `software`, `host` (injected) or `unplanned`."""
+    ranks: tuple[int, ...] = ()
+    """For `rank_lost`: the data-parallel ranks whose processes were lost (none: only the collective broke)."""
 
 
 @dataclass(frozen=True)
@@ -250,6 +317,10 @@ def decide(failure: Failure, job: JobConfig) -> Decision:
     kind = failure.kind
     if kind == "trainer_lost":
         return Decision(Action.RESTART, "Ray restarts the trainer, which recovers from the shadow's image")
+    if kind == "rank_lost":
+        return Decision(Action.RESTART, "the other ranks stop at the step boundary and hand the shadow its missing "
+                                        "records; Ray restarts the lost rank; every rank rejoins at the shadow's "
+                                        "step and the process group is formed again")
     if kind in ("shadow_lag", "replay_error", "record_gap"):
         return Decision(Action.RESYNC, {"shadow_lag": f"the shadow lags more than {job.max_lag_steps} steps",
                                         "replay_error": "the shadow's replay stopped",
@@ -276,14 +347,24 @@ class Controller:
     def __init__(self, job: JobConfig, task, gpus: int, fail_at: list[int], fail_mode: str,
                  say: Callable[[str], None], kill_node: Callable[[], None] | None,
                  placement_group: PlacementGroup | None, first_bundle: int,
-                 on_segment: Callable[[dict, dict], None] | None, faults: FaultInjection):
+                 on_segment: Callable[[dict, dict], None] | None, faults: FaultInjection, fail_rank: int = 0):
         self.job, self.task, self.gpus, self.say, self.faults = job, task, gpus, say, faults
+        self.fail_rank = fail_rank
         self.failures = sorted(set(fail_at))
         self.fail_mode, self.kill_node = fail_mode, kill_node
         self.given_pg, self.first_bundle, self.on_segment = placement_group, first_bundle, on_segment
         self.state = State.STARTING
         self.states: list[str] = []
-        self.pg = self.trainer = self.shadow = None
+        self.trainer = self.shadow = None
+        self.groups: list[PlacementGroup] = []
+        self.ranks: list = []
+        """The trainer actor of each data-parallel rank (`self.trainer` is rank 0)."""
+        self.rank_incarnations: list[str | None] = []
+        self.rank_seconds = [0.0] * job.trainers
+        self.rank_steps = [0] * job.trainers
+        self.collective_seconds, self.collective_steps = 0.0, 0
+        self.durable_next: int | None = None
+        """Every record before this step is durable (the holding ranks drop them)."""
         self.resync_reason = ""
         self._failure_started: float | None = None
         self.step = 0
@@ -343,8 +424,9 @@ class Controller:
 
     def _start(self) -> State:
         job = self.job
-        self.pg, self.shadow, self.trainer = start_actors(job, self.gpus, self.given_pg, self.first_bundle,
-                                                          self.faults)
+        self.groups, self.shadow, self.ranks = start_actors(job, self.gpus, self.given_pg, self.first_bundle,
+                                                            self.faults)
+        self.trainer = self.ranks[0]
         self.say(f"run {job.run_id}: {job.model} {job.dtype} {job.zo.optimizer}, {job.steps} steps, "
                  f"storage {job.run_url}")
         task = self.task
@@ -352,6 +434,14 @@ class Controller:
                  f"({task.metric}), batch {task.config.batch_size}, {task.tokenizer.describe()}")
         started_from = call_when_alive(lambda: self.trainer.recovery.remote())
         self.incarnation = started_from["incarnation"]
+        if job.trainers > 1:
+            others = [call_when_alive(lambda: rank.recovery.remote()) for rank in self.ranks[1:]]
+            self.rank_incarnations = [started_from["incarnation"]] + [o["incarnation"] for o in others]
+            if any(o["step"] != started_from["step"] for o in others):  # a rank asked before rank 0 had
+                ray.get([rank.rejoin.remote(started_from["step"]) for rank in self.ranks[1:]])  # initialized
+            self._form_group()
+            self.say(f"  {job.trainers} data-parallel ranks ({job.placement}), batch slices of "
+                     f"{job.task.batch_size // job.trainers} rows, gloo process group formed")
         if started_from["source"] != "fresh":
             self.resumed_from = self.step = started_from["step"]
             self.say(f"  resumed from the {started_from['source']} image at step {self.step}")
@@ -359,7 +449,8 @@ class Controller:
         return State.PROFILING if job.snapshot_interval is None and self.step < job.steps else State.RUNNING
 
     def _profile(self) -> State:
-        report = startup_profile(self.job, self.trainer, self.shadow, self._absorb, first_step=self.step)
+        report = startup_profile(self.job, self.trainer, self.shadow, self._absorb, first_step=self.step,
+                                 train_to=self._train_all if self.job.trainers > 1 else None)
         self.step += report.training_steps
         self.profile = report.model_dump(mode="json")
         if self.job.max_lag_steps is None and report.plan.lag_bound_steps:
@@ -379,11 +470,16 @@ class Controller:
         fail = self.failures[0] if self.failures and self.step < self.failures[0] <= target else None
         if fail is not None:
             return self._inject(fail)
+        if job.trainers > 1:
+            return self._segment_ranks(target)
         began = time.perf_counter()
         try:
             last = ray.get(self.trainer.run.remote(target))
         except RayActorError as exc:  # a failure nobody injected
             return self._handle(Failure("trainer_lost", self.step, str(exc).splitlines()[0]))
+        return self._after_segment(last, began)
+
+    def _after_segment(self, last: dict, began: float) -> State:
         elapsed = time.perf_counter() - began - self._absorb(last)
         self.steps_timed += last["step"] - self.step
         self.seconds_timed += elapsed
@@ -394,6 +490,8 @@ class Controller:
         if failure is not None:
             return self._handle(failure)
         self.lag_samples.append((self.step, metrics["lag_steps"]))
+        if metrics["durable_log_step"] is not None:
+            self.durable_next = metrics["durable_log_step"] + 1
         if self.on_segment is not None:
             self.on_segment(last, metrics)
         evaluated = max(last.get("evaluations") or {}, default=None)
@@ -405,6 +503,15 @@ class Controller:
 
     def _inject(self, fail: int) -> State:
         self.failures.pop(0)
+        if self.job.trainers > 1:
+            self.say(f"  injected failure at step {fail}: rank {self.fail_rank}'s process exits")
+            results, lost = self._run_ranks(fail + 1, die=(self.fail_rank, fail))
+            if 0 in results:
+                self._absorb(results[0])
+            if self.fail_rank not in lost:
+                raise RuntimeError(f"rank {self.fail_rank} survived its injected failure at step {fail}")
+            self._failure_started = time.perf_counter()
+            return self._handle(Failure("rank_lost", fail, "injected", mode="software", ranks=tuple(lost)))
         self.say(f"  injected failure at step {fail}: {INJECTED[self.fail_mode]}")
         if self.fail_mode == "software":
             try:
@@ -452,7 +559,104 @@ class Controller:
             return Failure("shadow_lag", self.step, f"lag {metrics['lag_steps']} steps")
         return None
 
+    # ------------------------------------------------------------------ data parallel
+
+    def _form_group(self) -> None:
+        """(Re-)form the ranks' gloo process group: rank 0 offers a fresh port, every rank joins."""
+        address, port = ray.get(self.trainer.group_address.remote())
+        ray.get([rank.join_group.remote(address, port) for rank in self.ranks])
+
+    def _run_ranks(self, target: int, die: tuple[int, int] | None = None) -> tuple[dict[int, dict], list[int]]:
+        """Every rank trains to `target` (`die`: (rank, step) exits there); (progress by rank, lost ranks)."""
+        refs = [rank.run.remote(target, die[1] if die and die[0] == r else None, self.durable_next)
+                for r, rank in enumerate(self.ranks)]
+        results, lost = {}, []
+        for r, ref in enumerate(refs):
+            try:
+                results[r] = ray.get(ref)
+            except RayActorError:
+                lost.append(r)
+            except RayTaskError as exc:  # the call reached the rank's restarted process (its node was lost)
+                if not isinstance(exc.cause, RejoinRequiredError):
+                    raise
+                lost.append(r)
+        for r, progress in results.items():
+            self.rank_seconds[r] += sum(progress["step_seconds"])
+            self.rank_steps[r] += len(progress["step_seconds"])
+            self.collective_seconds += sum(progress["collective_seconds"])
+            self.collective_steps += len(progress["collective_seconds"])
+            self._absorb_ranks(r, progress)
+        return results, lost
+
+    def _absorb_ranks(self, rank: int, progress: dict) -> None:
+        """Step hashes from every rank: equal for every step, or the replicas diverged (a warning)."""
+        for step, digest in (progress.get("step_hashes") or {}).items():
+            seen = self.step_hashes.setdefault(step, digest)
+            if seen != digest:
+                self._warn(f"rank {rank}'s state after step {step} differs from another rank's")
+
+    def _train_all(self, step: int) -> dict:
+        results, lost = self._run_ranks(step)
+        if lost or any(p["interrupted"] is not None for p in results.values()):
+            raise RunFailedError(f"a rank was lost during the startup profile (ranks {lost}); run again, or set "
+                                 "snapshot_interval to skip the profile")
+        return results[0]
+
+    def _segment_ranks(self, target: int) -> State:
+        began = time.perf_counter()
+        results, lost = self._run_ranks(target)
+        interrupted = [r for r, p in results.items() if p["interrupted"] is not None]
+        if lost or interrupted:  # a failure nobody injected
+            self._failure_started = time.perf_counter()
+            self.step = min([p["step"] for p in results.values()] or [self.step])
+            return self._handle(Failure("rank_lost", self.step, f"ranks lost {lost}, interrupted {interrupted}",
+                                        ranks=tuple(lost)))
+        return self._after_segment(results[0], began)
+
+    def _recover_ranks(self) -> State:
+        failure = self.failure
+        started = self._failure_started or time.perf_counter()
+        self._failure_started = None
+        lost = set(failure.ranks)
+        survivors = [r for r in range(self.job.trainers) if r not in lost]
+        # Whichever rank died, the survivors hold every record the shadow lacks.
+        delivered = [call_when_alive(lambda r=r: self.ranks[r].deliver.remote()) for r in survivors]
+        step = max(delivered) if survivors else None
+        for r in sorted(lost):  # wait for Ray's restart of the lost rank (a new incarnation)
+            while True:
+                try:
+                    info = call_when_alive(lambda r=r: self.ranks[r].recovery.remote())
+                except RayActorError as exc:
+                    return self._handle(Failure("trainer_gone", failure.step, f"rank {r}: "
+                                                + str(exc).splitlines()[0]))
+                if info["incarnation"] != self.rank_incarnations[r]:
+                    break
+                time.sleep(0.02)
+        infos = ray.get([rank.rejoin.remote(step) for rank in self.ranks])
+        if len({info["step"] for info in infos}) != 1:
+            return self._handle(Failure("rank_lost", failure.step, "the ranks rejoined at different steps "
+                                        f"{[info['step'] for info in infos]}"))
+        self._form_group()
+        self.rank_incarnations = [info["incarnation"] for info in infos]
+        self.incarnation = self.rank_incarnations[0]
+        seconds = time.perf_counter() - started
+        rank = min(lost) if lost else 0
+        info = infos[rank]
+        self.recoveries.append(Recovery(failed_at_step=failure.step, mode=failure.mode, recovered_step=info["step"],
+                                        seconds=seconds, image_source=info["source"],
+                                        image_step=info.get("image_step"),
+                                        replayed_records=info["replayed_records"], rank=rank))
+        self.say(f"  rank {rank} lost at step {failure.step} ({failure.mode}); {len(survivors)} survivors handed "
+                 f"the shadow its records; every rank rejoined at step {info['step']} (rank {rank} from the "
+                 f"{info['source']} image, {info['replayed_records']} records replayed) in {seconds:.2f} s")
+        self.step = info["step"]
+        if info.get("state_hash"):
+            self.step_hashes[self.step] = info["state_hash"]
+        return State.RUNNING
+
     def _recover(self) -> State:
+        if self.job.trainers > 1:
+            return self._recover_ranks()
         failure = self.failure
         started = self._failure_started or time.perf_counter()
         self._failure_started = None
@@ -490,7 +694,8 @@ class Controller:
 
     def _finish(self) -> State:
         job, task = self.job, self.task
-        final_step, final_hash = ray.get(self.trainer.state_hash.remote())
+        rank_hashes = ray.get([rank.state_hash.remote() for rank in self.ranks])
+        final_step, final_hash = rank_hashes[0]
         try:
             metrics = call_when_alive(lambda: self.shadow.drain.remote(final_step, DRAIN_SECONDS))
         except RayTaskError as exc:
@@ -517,6 +722,12 @@ class Controller:
             eval_seconds=self.eval_seconds, shadow_restarts=self.shadow_restarts,
             resent_records=publisher["resent_records"], resyncs=self.resyncs, warnings=self.warnings,
             states=self.states + [State.DONE.value], profile_check=profile_check, kernel=kernel,
+            trainers=job.trainers,
+            rank_state_hashes=[h for _, h in rank_hashes] if job.trainers > 1 else [],
+            rank_seconds_per_step=[s / max(n, 1) for s, n in zip(self.rank_seconds, self.rank_steps)]
+            if job.trainers > 1 else [],
+            collective_seconds_per_step=self.collective_seconds / self.collective_steps
+            if self.collective_steps else None,
         )
         return State.DONE
 
@@ -556,15 +767,15 @@ class Controller:
         self.say(f"  warning: {message}")
 
     def _stop_actors(self) -> None:
-        for actor in (self.trainer, self.shadow):
+        for actor in [*self.ranks, self.shadow]:
             if actor is None:
                 continue
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass
-        if self.given_pg is None and self.pg is not None:
-            remove_placement_group(self.pg)
+        for group in self.groups:  # a given group (a Tune trial's) is not among them
+            remove_placement_group(group)
 
 
 class _Gone(Exception):
@@ -592,16 +803,19 @@ def run(job: JobConfig, fail_at: list[int] | None = None,
         fail_mode: Literal["software", "host", "shadow"] = "software",
         progress: Callable[[str], None] | None = print, kill_node: Callable[[], None] | None = None,
         placement_group: PlacementGroup | None = None, first_bundle: int = 0,
-        on_segment: Callable[[dict, dict], None] | None = None, faults: FaultInjection | None = None) -> RunSummary:
+        on_segment: Callable[[dict, dict], None] | None = None, faults: FaultInjection | None = None,
+        fail_rank: int = 0) -> RunSummary:
     """Run `job` to completion on the connected Ray cluster (a local one is started if none).
 
     A run whose storage already holds a snapshot of `job.run_id` resumes from it (the newest
     durable image plus the log, exactly). `placement_group`: an existing, reserved group (a Ray
     Tune trial's) whose bundles `first_bundle` (trainer) and `first_bundle + 1` (shadow) the
-    actors use; it is left in place. `on_segment(progress, metrics)` is called after each
-    segment with the trainer's progress and the shadow's metrics. `fail_at` / `fail_mode` /
+    actors use (and the next `trainers - 1` bundles, the other ranks); it is left in place.
+    `on_segment(progress, metrics)` is called after each segment with the trainer's (rank 0's)
+    progress and the shadow's metrics. `fail_at` / `fail_mode` /
     `faults` inject failures (tests, benchmarks, the demonstration): `software` kills the
-    trainer process, `host` both processes, `shadow` the shadow process.
+    trainer process, `host` both processes, `shadow` the shadow process. With `trainers > 1`,
+    `software` kills the process of rank `fail_rank`.
     Raises `JobConfigError` before any actor starts for a job that cannot run, and
     `RunFailedError` for a run that cannot go on.
     """
@@ -613,6 +827,11 @@ def run(job: JobConfig, fail_at: list[int] | None = None,
         raise JobConfigError(f"storage={job.storage!r} cannot be used: {exc}") from exc
     if fail_mode not in ("software", "host", "shadow"):
         raise JobConfigError(f"fail_mode must be software, host or shadow, got {fail_mode!r}")
+    if not 0 <= fail_rank < job.trainers:
+        raise JobConfigError(f"fail_rank={fail_rank} is not a rank of trainers={job.trainers} (0..{job.trainers - 1})")
+    if job.trainers > 1 and fail_at and fail_mode != "software":
+        raise JobConfigError(f"fail_mode={fail_mode} with trainers={job.trainers}: only software failures (one "
+                             "rank's process, --fail-rank) are injected into data-parallel runs")
     if not ray.is_initialized():
         connect_ray(say=progress)
     try:  # another live writer of this run's storage is refused, named; this cluster's dead shadow is not
@@ -626,6 +845,10 @@ def run(job: JobConfig, fail_at: list[int] | None = None,
         gpus = int(placement_group.bundle_specs[first_bundle].get("GPU", 0))
         if job.use_gpu == "yes" and gpus < 1:
             raise JobConfigError(f"use_gpu=yes but bundle {first_bundle} of the given placement group has no GPU")
+        if len(placement_group.bundle_specs) < first_bundle + 1 + job.trainers:
+            raise JobConfigError(f"trainers={job.trainers} need {job.trainers + 1} bundles from bundle {first_bundle} "
+                                 f"of the given placement group (rank 0, the shadow, ranks 1..), which has "
+                                 f"{len(placement_group.bundle_specs)}")
     failures = sorted(set(fail_at or []))
     if any(not 0 < f < job.steps for f in failures):
         raise JobConfigError(f"fail_at steps must lie in (0, {job.steps}), got {failures}")
@@ -636,4 +859,4 @@ def run(job: JobConfig, fail_at: list[int] | None = None,
             raise JobConfigError(f"fail_at step {failures[0]} falls in the startup profile (its first "
                                  f"{profile_steps} steps); fail later or set snapshot_interval")
     return Controller(job, task, gpus, failures, fail_mode, say, kill_node, placement_group, first_bundle, on_segment,
-                      faults or NO_FAULTS).run()
+                      faults or NO_FAULTS, fail_rank).run()

@@ -2,7 +2,8 @@
 
     zocheck-ray train                     # the embedded default job (see zocheck_ray/demo.py)
     zocheck-ray train [--config FILE] [--set key=value ...] [--steps N] [--storage URL]
-                      [--fail-at 20,35,50|none] [--fail-mode software|host] [--verify] [--json FILE]
+                      [--fail-at 20,35,50|none] [--fail-mode software|host] [--fail-rank R] [--verify]
+                      [--json FILE]
     zocheck-ray status RUN_ID [--json]
     zocheck-ray config-reference [--check README.md | --write README.md]
 
@@ -42,7 +43,8 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
     first = evaluations[min(evaluations)] if evaluations else None
     last = evaluations.get(summary.steps)
     lags = [lag for _, lag in summary.lag_samples]
-    persisted = [f"{r.seconds:.2f} s from the {r.image_source} image of step {r.image_step or 0} "
+    persisted = [(f"rank {r.rank}: " if summary.trainers > 1 else "")
+                 + f"{r.seconds:.2f} s from the {r.image_source} image of step {r.image_step or 0} "
                  f"(+{r.replayed_records} records), lost at step {r.failed_at_step}" for r in summary.recoveries]
     rows = [
         ("run", summary.run_id),
@@ -66,6 +68,12 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
         ("durable", f"snapshot {m['durable_step']}, log through step {m['durable_log_step']}; "
                     f"{m['persist_failures']} failed writes, retried"),
         ("trainer kernels", f"{summary.kernel.get('device', '-')}: {summary.kernel.get('backend', '-')}"),
+        *([("data-parallel ranks", f"{summary.trainers}: step " + ", ".join(
+            f"{s * 1e3:.1f}" for s in summary.rank_seconds_per_step) + " ms by rank, all-gather "
+            + (f"{summary.collective_seconds_per_step * 1e3:.3f} ms per step" if summary.collective_seconds_per_step
+               is not None else "-")),
+           ("every rank == shadow", "yes, bit for bit" if set(summary.rank_state_hashes) == {summary.shadow_state_hash}
+            else "NO")] if summary.trainers > 1 else []),
         ("warnings", "; ".join(summary.warnings) or "none"),
         ("final state_hash", summary.final_state_hash[:16] + "..."),
         ("shadow == trainer", "yes, bit for bit" if summary.final_state_hash == summary.shadow_state_hash else "NO"),
@@ -104,7 +112,7 @@ def train(args: argparse.Namespace) -> int:
                   f"{'on' if verify else 'off'}", flush=True)  # before Ray's processes inherit the buffer
         if args.address:
             connect_ray(args.address)
-        summary = run(job, fail_at=fail_at, fail_mode=args.fail_mode)
+        summary = run(job, fail_at=fail_at, fail_mode=args.fail_mode, fail_rank=args.fail_rank)
     except JobConfigError as exc:
         print(f"zocheck-ray train: {exc}", file=sys.stderr)
         return 2
@@ -164,6 +172,8 @@ def add_train_arguments(p: argparse.ArgumentParser, with_config: bool = True) ->
                    help="software: kill the trainer process; host: lose both processes and their in-memory "
                         "images, so the pair comes back from durable storage; shadow: kill the shadow process "
                         "(it comes back from durable storage, the trainer re-sends what it lacks)")
+    p.add_argument("--fail-rank", type=int, default=0, metavar="R",
+                   help="with trainers > 1: the data-parallel rank whose process --fail-at kills (default 0)")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                    help="after the run, replay the durable log from the oldest retained snapshot whose log is "
                         "complete (and from the initial state when the whole log is kept) and compare every later "

@@ -9,8 +9,8 @@
     zocheck-ray tune --config deploy/examples/sst2-opt.yaml --grid zo.lr=1e-3,3e-3 --grid zo.eps=1e-3,1e-2
 
 Each trial reserves one STRICT_PACK placement group (`trial_resources`): a bundle for the
-trial's controller, one for the trainer (with a GPU where there is one) and one for the
-shadow. The trial runs `controller.run` in that group and reports the trainer's progress
+trial's controller, one for the trainer (with a GPU where there is one), one for the
+shadow, and one for each further data-parallel rank (`trainers: k`). The trial runs `controller.run` in that group and reports the trainer's progress
 and the shadow's metrics with `tune.report` after every segment. Whenever the shadow has
 made a newer snapshot durable, the report carries a Tune checkpoint: a directory holding
 one small JSON pointer (`CheckpointPointer`: storage URL, run id, step, state_hash), never
@@ -133,11 +133,15 @@ def check_pointer(pointer: CheckpointPointer, storage_options: dict) -> None:
 
 
 def trial_resources(job: JobConfig, gpus: int = 0):
-    """The placement-group factory of one trial: controller, trainer (`gpus` GPUs), shadow; one node."""
+    """The placement-group factory of one trial: controller, trainer (`gpus` GPUs), shadow, then the other
+    data-parallel ranks (`trainers`); one node (STRICT_PACK), or with `placement: spread`, PACK (together
+    where they fit, otherwise the ranks go to other nodes)."""
     from ray.tune import PlacementGroupFactory
 
-    trainer = {"CPU": 1, **({"GPU": gpus} if gpus else {})}
-    return PlacementGroupFactory([TRAINABLE_BUNDLE, trainer, {"CPU": job.shadow_cpus}], strategy="STRICT_PACK")
+    from zocheck_ray.controller import job_bundles
+
+    return PlacementGroupFactory([TRAINABLE_BUNDLE, *job_bundles(job, gpus)],
+                                 strategy="STRICT_PACK" if job.placement == "pack" else "PACK")
 
 
 def check_cluster_fits_a_trial(job: JobConfig, gpus: int, nodes: list[dict]) -> None:

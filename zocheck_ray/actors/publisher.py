@@ -8,6 +8,10 @@ the durable log does not hold yet, so when a shadow comes back from durable stor
 (its process was killed and Ray restarted it) and expects an older step, the
 publisher re-sends what it lacks; the run stays exact. A shadow that expects a step
 older than anything held reports a gap, which the controller repairs with a resync.
+
+With data-parallel ranks only rank 0 publishes; every other rank's publisher only holds
+(`publishing=False`): it keeps the records the controller has not reported durable
+(`acknowledge`), so when rank 0 dies a survivor hands the shadow what it missed (`deliver`).
 """
 
 from __future__ import annotations
@@ -63,8 +67,10 @@ class Publisher:
     """Sends records to the shadow and keeps those not yet durable; one thread drives it (`tick`)."""
 
     def __init__(self, link: ShadowLink, next_step: int, trainer_step: Callable[[], int],
-                 held: list[StepRecord] | tuple = ()):
+                 held: list[StepRecord] | tuple = (), publishing: bool = True):
         self.link = link
+        self.publishing = publishing
+        """False on a data-parallel rank other than 0: records are held, never sent unless `deliver`ed."""
         self._trainer_step = trainer_step
         self._pending: deque[StepRecord] = deque()    # appended by the training loop, no lock
         self._held: deque[StepRecord] = deque(held)   # sent, not yet known durable
@@ -79,6 +85,8 @@ class Publisher:
         self.incarnation: str | None = None
         self.shadow_restarts_seen = 0
         self.resent_records = 0
+        self.delivered_records = 0
+        """Records handed to the shadow by `deliver` (after a lost rank)."""
         self.errors = 0
         self.last_error: str | None = None
         self.gap: str | None = None
@@ -96,6 +104,8 @@ class Publisher:
         """Send what is pending, take the replies that arrived, re-send or ping if needed."""
         with self._lock:
             self._send_pending()
+            if not self.publishing:
+                return
             if not self._inflight and time.monotonic() - self._last_contact >= PING_SECONDS and (
                     self._durable_next < self.sent_next or self._reported_step != self._trainer_step()):
                 self._send([])
@@ -113,7 +123,42 @@ class Publisher:
         if batch:
             self._held.extend(batch)
             self.sent_next = batch[-1].step + 1
-            self._send(batch)
+            if self.publishing:
+                self._send(batch)
+
+    def acknowledge(self, durable_next: int) -> None:
+        """Every record before `durable_next` is durable (a holding rank learns it from the controller)."""
+        with self._lock:
+            if durable_next > self._durable_next:
+                self._durable_next = durable_next
+                while self._held and self._held[0].step < durable_next:
+                    self._held.popleft()
+
+    def deliver(self, timeout: float = 60.0) -> int:
+        """Hand the shadow, now, every held record it lacks; returns the step it then expects.
+
+        After a lost rank: whichever rank died, the survivors together hold every record the
+        shadow lacks (the records not yet durable), so the shadow's log keeps no gap."""
+        with self._lock:
+            self._send_pending()
+            expected = self._ask([], timeout).next_step  # pushes are answered in order: after those in flight
+            missing = [r for r in self._held if r.step >= expected]
+            if missing and missing[0].step == expected:
+                expected = self._ask(missing, timeout).next_step
+                self.delivered_records += len(missing)
+            return expected
+
+    def _ask(self, records: list[StepRecord], timeout: float) -> PushReply:
+        handle = self.link.push(b"".join(r.to_bytes() for r in records), self._trainer_step())
+        deadline = time.monotonic() + timeout
+        while True:
+            for _, reply in self.link.poll([handle]):
+                if isinstance(reply, BaseException):
+                    raise reply
+                return reply
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the shadow did not answer within {timeout:.0f} s")
+            time.sleep(0.005)
 
     def _send(self, records: list[StepRecord]) -> int:
         number = self._pushes
@@ -181,5 +226,6 @@ class Publisher:
 
     def stats(self) -> dict:
         return {"held_records": len(self._held), "resent_records": self.resent_records,
+                "delivered_records": self.delivered_records,
                 "shadow_restarts_seen": self.shadow_restarts_seen, "publish_errors": self.errors,
                 "last_publish_error": self.last_error, "gap": self.gap}

@@ -52,8 +52,9 @@ def shadow_writer(run_id: str) -> str:
     return f"shadow:{run_id}@{ray.get_runtime_context().gcs_address}"
 
 
-def trainer_name(run_id: str) -> str:
-    return f"zocheck-trainer-{run_id}"
+def trainer_name(run_id: str, rank: int = 0) -> str:
+    """Rank 0 keeps the single trainer's name; data-parallel rank r > 0 is `...-rank{r}`."""
+    return f"zocheck-trainer-{run_id}" + (f"-rank{rank}" if rank else "")
 
 
 @ray.remote(num_gpus=0, concurrency_groups={"inbox": 1, "control": 4})
@@ -199,19 +200,43 @@ class RayShadowLink:
 class TrainerActor:
     """Runs the ZO loop on its GPU (or the CPU); recovers exactly in its constructor."""
 
-    def __init__(self, job: dict, faults: dict | None = None):
+    def __init__(self, job: dict, faults: dict | None = None, rank: int = 0):
         logging.basicConfig(level=logging.INFO)
         self.job = JobConfig.model_validate(job)
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
         self.incarnation = uuid.uuid4().hex  # tells a restarted trainer from the one before
+        # A restarted data-parallel rank recovers when the controller says to which step (`rejoin`).
+        defer = self.job.trainers > 1 and ray.get_runtime_context().was_current_actor_reconstructed
+        if self.job.trainers > 1:  # k ranks on a node share its cores: each uses the CPUs it reserved
+            import numba
+
+            cpus = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+            numba.set_num_threads(min(cpus, numba.config.NUMBA_NUM_THREADS))
+            torch.set_num_threads(cpus)
         self.trainer = Trainer(self.job, RayShadowLink(self.job.run_id), device=device,
-                               faults=FaultInjection.model_validate(faults or {}))
+                               faults=FaultInjection.model_validate(faults or {}), rank=rank, defer_recovery=defer)
 
     def recovery(self) -> dict:
         return {**self.trainer.recovery, "incarnation": self.incarnation}
 
-    def run(self, until_step: int, die_at_step: int | None = None) -> dict:
-        return self.trainer.run(until_step, die_at_step)
+    def run(self, until_step: int, die_at_step: int | None = None, durable_next: int | None = None) -> dict:
+        return self.trainer.run(until_step, die_at_step, durable_next)
+
+    def group_address(self) -> tuple[str, int]:
+        """Rank 0: this node's address and a port free on it, the rendezvous of the ranks' process group."""
+        from zocheck_ray.actors.collective import free_port
+
+        address = ray.util.get_node_ip_address()
+        return address, free_port(address)
+
+    def join_group(self, address: str, port: int) -> float:
+        return self.trainer.join_group(address, port)
+
+    def deliver(self) -> int:
+        return self.trainer.deliver()
+
+    def rejoin(self, step: int | None) -> dict:
+        return {**self.trainer.rejoin(step), "incarnation": self.incarnation}
 
     def export_state(self) -> list:
         state, step = self.trainer.export_state()

@@ -10,6 +10,14 @@ The batch of step t comes from the job's task (`task.batch(t)`, a pure function 
 step 0 and at the last step, between steps on the unperturbed weights under
 `no_grad`: it reads the state and never changes it, so the records and every
 state_hash are those of a run without evaluation.
+
+Data parallel (`job.trainers` = k > 1): this is rank `rank` of k identical replicas. It
+evaluates its slice of each step's batch, the ranks all-gather their loss sums through
+`LossGroup` (actors/collective.py) and every rank forms g from them in rank order, so the
+replicas stay bit-identical. Rank 0 publishes the records; the others hold them until
+they are durable. When a peer dies mid-step the gather fails: this rank stops with its
+state torn (mid-perturbation), keeps its records, and is brought back to the common step
+by `rejoin` (from the shadow's image plus records, like a restarted rank).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import threading
 import time
 import torch
 
+from zocheck_ray.actors.collective import LossGroup, RankLostError, reduce_in_rank_order
 from zocheck_ray.actors.publisher import FLUSH_SECONDS, Publisher, ShadowLink
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, replay, state_hash
@@ -33,11 +42,24 @@ from zocheck_ray.workload.tasks import build_task
 
 logger = logging.getLogger(__name__)
 
+
+class RejoinRequiredError(RuntimeError):
+    """A data-parallel rank was asked to train before it rejoined (it was restarted, or its state is torn)."""
+
+
 class Trainer:
-    def __init__(self, job: JobConfig, shadow: ShadowLink, device: str = "cpu", faults: FaultInjection = NO_FAULTS):
+    def __init__(self, job: JobConfig, shadow: ShadowLink, device: str = "cpu", faults: FaultInjection = NO_FAULTS,
+                 rank: int = 0, defer_recovery: bool = False):
+        """`defer_recovery`: a restarted data-parallel rank waits for `rejoin` (the survivors must first
+        hand the shadow their records, so every rank recovers to the same step)."""
         self.job = job
         self.shadow = shadow
         self.faults = faults
+        self.rank, self.ranks = rank, job.trainers
+        self.group = LossGroup(rank, self.ranks) if self.ranks > 1 else None
+        self.torn_at: int | None = None
+        """The step a failed gather interrupted: the state is mid-perturbation until `rejoin`."""
+        self._collective_seconds: list[float] = []
         self.device = torch.device(device)
         started = time.perf_counter()
         warm = None
@@ -49,12 +71,11 @@ class Trainer:
         self.opt = ZOOptimizer(trainable_parameters(self.model), job.zo)
         if warm is not None:
             warm.join()
-        restore_started = time.perf_counter()
-        self.recovery, held = self._recover()
-        self.recovery["restore_seconds"] = time.perf_counter() - restore_started  # image + records -> state
-        self.recovery["seconds"] = time.perf_counter() - started
-        # The records the shadow holds only in memory stay with the trainer until they are durable.
-        self.publisher = Publisher(shadow, self.step, lambda: self.opt.step_index, held)
+        self.publisher: Publisher | None = None
+        if defer_recovery:
+            self.recovery = {"step": None, "source": "deferred", "replayed_records": 0}
+        else:
+            self._restore(started)
         self._publish_ns: list[int] = []
         self.step_hashes: dict[int, str] = {}
         self._step_seconds: list[float] = []
@@ -70,13 +91,37 @@ class Trainer:
     def step(self) -> int:
         return self.opt.step_index
 
+    def _restore(self, started: float) -> None:
+        restore_started = time.perf_counter()
+        self.recovery, held = self._recover()
+        self.recovery["restore_seconds"] = time.perf_counter() - restore_started  # image + records -> state
+        self.recovery["seconds"] = time.perf_counter() - started
+        # The records the shadow holds only in memory stay with the trainer until they are durable.
+        self.publisher = Publisher(self.shadow, self.step, lambda: self.opt.step_index, held,
+                                   publishing=self.rank == 0)
+        self.torn_at = None
+
+    def rejoin(self, step: int | None) -> dict:
+        """Be a clean replica at `step` (None: whatever the shadow holds) after a lost rank; returns `recovery`.
+
+        A rank whose state is torn, deferred or at another step recovers from the shadow's image
+        plus records (which the survivors have completed); a clean rank at `step` stays as it is."""
+        if self.publisher is None or self.torn_at is not None or step is None or self.step != step:
+            self._restore(time.perf_counter())
+        else:
+            self.recovery = {"step": self.step, "source": "kept", "replayed_records": 0}
+        if step is not None and self.step != step:
+            raise RuntimeError(f"rank {self.rank} recovered to step {self.step}, not {step}: the shadow lacks records")
+        return self.recovery
+
     def _recover(self) -> tuple[dict, list]:
         began = time.perf_counter()
         state, step, records, source = self.shadow.recovery_image()
         fetched = time.perf_counter()
         if state is None:
-            initial = {k: v.detach().to("cpu").clone() for k, v in self.opt.state_tensors().items()}
-            self.shadow.initialize(initial, 0)
+            if self.rank == 0:  # the other ranks build the same initial state from run_seed
+                initial = {k: v.detach().to("cpu").clone() for k, v in self.opt.state_tensors().items()}
+                self.shadow.initialize(initial, 0)
             return {"step": 0, "source": "fresh", "replayed_records": 0}, []
         self.opt.load_state_tensors({k: v.to(self.device) for k, v in state.items()}, step=step)
         marker = self.faults.crash_in_recovery_marker
@@ -109,11 +154,22 @@ class Trainer:
         return metrics
 
     def _due_for_evaluation(self) -> bool:
+        if self.rank != 0:  # the replicas are identical: rank 0's held-out metrics are every rank's
+            return False
         step = self.step
         return step % self.job.task.eval_interval == 0 or step == self.job.steps
 
-    def run(self, until_step: int, die_at_step: int | None = None) -> dict:
-        """Train up to `until_step` (exclusive); `die_at_step` kills the process there (failure injection)."""
+    def run(self, until_step: int, die_at_step: int | None = None, durable_next: int | None = None) -> dict:
+        """Train up to `until_step` (exclusive); `die_at_step` kills the process there (failure injection).
+
+        `durable_next`: every record before it is durable (a holding rank drops them). A data-parallel
+        rank whose gather fails stops there and reports `interrupted` instead of raising."""
+        if self.torn_at is not None or self.publisher is None:
+            raise RejoinRequiredError(f"rank {self.rank} must rejoin before it trains (its state is torn at step "
+                               f"{self.torn_at})" if self.torn_at is not None else
+                               f"rank {self.rank} has not recovered yet (it waits for rejoin)")
+        if durable_next is not None:
+            self.publisher.acknowledge(durable_next)
         model = self.model
         if self.step < until_step and self._due_for_evaluation() and self.step not in self._evaluated:
             self.evaluate()  # step 0 (the metric before training), or a step a recovery resumed at
@@ -121,9 +177,18 @@ class Trainer:
             t = self.step
             if die_at_step is not None and t == die_at_step:
                 os._exit(1)  # an abrupt software failure: unsent records are lost
-            closure = self.task.closure(model, t)
             began = time.perf_counter()
-            record = self.opt.step(closure, seed=step_seed(self.job.run_seed, t))
+            if self.group is None:
+                record = self.opt.step(self.task.closure(model, t), seed=step_seed(self.job.run_seed, t))
+            else:
+                closure = self.task.slice_closure(model, t, self.rank, self.ranks)
+                try:
+                    record = self.opt.step(closure, seed=step_seed(self.job.run_seed, t), combine=self._combine)
+                except RankLostError as exc:
+                    logger.warning("%s: stopping at step %d until the group is re-formed", exc, t)
+                    self.torn_at = t
+                    self.group.leave()
+                    break
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             self._step_seconds.append(time.perf_counter() - began)
@@ -138,13 +203,29 @@ class Trainer:
         self.publisher.flush()
         return self.progress()
 
+    def _combine(self, plus: tuple[float, float], minus: tuple[float, float]) -> tuple[float, float]:
+        began = time.perf_counter()
+        gathered = self.group.gather((*plus, *minus))
+        self._collective_seconds.append(time.perf_counter() - began)
+        return reduce_in_rank_order(gathered)
+
+    def join_group(self, address: str, port: int) -> float:
+        """Join the ranks' process group (rank 0 offered address:port); returns the seconds it took."""
+        return self.group.join(address, port)
+
+    def deliver(self) -> int:
+        """Hand the shadow every record it lacks (after a lost rank); returns the step it then expects."""
+        return self.publisher.deliver() if self.publisher is not None else 0
+
     def progress(self) -> dict:
         recent = self._publish_ns[-1000:]
         hashes, self.step_hashes = self.step_hashes, {}
         seconds, self._step_seconds = self._step_seconds, []
         evaluations, self._evaluations = self._evaluations, {}
         eval_seconds, self._eval_seconds = self._eval_seconds, 0.0
+        collective, self._collective_seconds = self._collective_seconds, []
         return {"step": self.step, "loss": self.last_loss, "step_hashes": hashes, "step_seconds": seconds,
+                "rank": self.rank, "collective_seconds": collective, "interrupted": self.torn_at,
                 "evaluations": evaluations, "eval_seconds": eval_seconds,
                 "publish_us_median": statistics.median(recent) / 1e3 if recent else None,
                 "publisher": self.publisher.stats(), "kernel": self.kernel()}
@@ -160,8 +241,11 @@ class Trainer:
         # Off the training loop's critical path: encode and send, take replies, re-send what a
         # restarted shadow lacks.
         while not self._stop.wait(FLUSH_SECONDS):
+            publisher = self.publisher  # replaced by a rejoin
+            if publisher is None:
+                continue
             try:
-                self.publisher.tick()
+                publisher.tick()
             except Exception:  # never end the publishing thread: the next tick tries again
                 logger.exception("publishing failed")
 
@@ -176,4 +260,7 @@ class Trainer:
     def close(self) -> None:
         self._stop.set()
         self._flusher.join(timeout=5)
-        self.publisher.flush()
+        if self.publisher is not None:
+            self.publisher.flush()
+        if self.group is not None:
+            self.group.leave()

@@ -7,7 +7,7 @@
 Runs, in this order, `bench overhead` and `bench recovery` (through their own command
 lines, so their defaults and checks apply), then `bench waste --from DIR` (so the
 restart and publishing costs measured by those two feed the wasted-time model),
-`bench scaling` and `bench memory`. Writes into DIR:
+`bench scaling`, `bench memory` and `bench data-parallel`. Writes into DIR:
 
 - `<bench>.json` (each benchmark's own document) and `<bench>.md` (its tables);
 - `machine.json`: CPU model, cores, memory, load average before and after, versions;
@@ -38,7 +38,7 @@ from pathlib import Path
 from zocheck_ray.bench.common import machine
 from zocheck_ray.plotting import missing_reason
 
-BENCHES = ("overhead", "recovery", "waste", "scaling", "memory")
+BENCHES = ("overhead", "recovery", "waste", "scaling", "memory", "data-parallel")
 
 QUICK = {
     "overhead": ["--params", "1M", "10M", "--min-steps", "2", "--max-steps", "3", "--step-seconds", "1",
@@ -49,6 +49,7 @@ QUICK = {
     "scaling": {"params": [1_000_000, 4_000_000, 16_000_000], "dtypes": ["fp32", "bf16"], "batches": [1, 8],
                 "seq_lens": [16, 128], "repeats": 2},
     "memory": {"sizes": [10_000_000, 40_000_000, 80_000_000], "hidden": 512, "layers": 2, "steps": 14},
+    "data-parallel": {"steps": 30, "fail_at": 15, "gathers": 300},
 }
 FULL = {
     "overhead": [],
@@ -57,6 +58,7 @@ FULL = {
     "scaling": {"params": [1_000_000, 4_000_000, 16_000_000, 64_000_000], "dtypes": ["fp32", "bf16", "fp16"],
                 "batches": [1, 4, 16], "seq_lens": [16, 64, 256], "repeats": 3},
     "memory": {"sizes": [25_000_000, 50_000_000, 100_000_000, 200_000_000]},
+    "data-parallel": {},
 }
 
 
@@ -222,8 +224,14 @@ def recovery_markdown(doc: dict) -> str:
         f"\nTargets met: {targets.get('met')}. " + " ".join(targets.get("notes", [])) + "\n"])
 
 
+def data_parallel_markdown(doc: dict) -> str:
+    from zocheck_ray.bench.data_parallel import markdown
+
+    return markdown(doc)
+
+
 MARKDOWN = {"waste": waste_markdown, "scaling": scaling_markdown, "memory": memory_markdown,
-            "overhead": overhead_markdown, "recovery": recovery_markdown}
+            "overhead": overhead_markdown, "recovery": recovery_markdown, "data-parallel": data_parallel_markdown}
 
 
 # --------------------------------------------------------------------------- figures
@@ -383,6 +391,10 @@ def run_bench(name: str, out: Path, quick: bool) -> dict:
         from zocheck_ray.bench.memory import memory_benchmark
 
         return memory_benchmark(json_path=path, **options)
+    if name == "data-parallel":
+        from zocheck_ray.bench.data_parallel import data_parallel_benchmark
+
+        return data_parallel_benchmark(json_path=path, **options)
     raise ValueError(f"unknown benchmark {name!r}; choose from {', '.join(BENCHES)}")
 
 
@@ -401,6 +413,12 @@ def _verdicts(name: str, doc: dict) -> list[str]:
         return [f"{k.replace('_', ' ')}: {v}" for k, v in doc["invariants"].items()]
     if name == "recovery":
         return _recovery_verdicts(doc.get("targets", {}))
+    if name == "data-parallel":
+        t, (one, two) = doc["targets"], doc["runs"]
+        return [f"all-gather <= 1 ms: {t['collective_under_1ms']} ({doc['collective']['median_seconds'] * 1e3:.3f} ms); "
+                f"k=2 steps/s within 20% of k=1: {t['weak_scaling_within_20pct']} ({doc['weak_scaling_ratio']:.2f}x); "
+                f"rank recovery no slower than k=1: {t['rank_recovery_no_slower']} ({two['recovery_seconds']:.2f} s vs "
+                f"{one['recovery_seconds']:.2f} s); exact: {t['exact']}"]
     targets = doc.get("targets", {})
     return [f"targets met: {targets.get('met')}"] + [f"note: {n}" for n in targets.get("notes", [])]
 

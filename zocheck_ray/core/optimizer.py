@@ -223,8 +223,13 @@ class ZOOptimizer:
             chunk.copy_(update.perturb(chunk.float(), zd, c, chunk.dtype, mask))
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor | float], seed: int, lr: float | None = None) -> StepRecord:
-        """One ZO step; `closure` returns the loss at the current parameters."""
+    def step(self, closure: Callable[[], object], seed: int, lr: float | None = None,
+             combine: Callable[[object, object], tuple[float, float]] | None = None) -> StepRecord:
+        """One ZO step; `closure` returns the loss at the current parameters.
+
+        `combine(out_plus, out_minus) -> (loss_plus, loss_minus)`: with it, the closure's two
+        results are turned into the losses g is formed from, after the last perturbation (a
+        data-parallel rank gathers every rank's loss sums here, so all ranks form the same g)."""
         check_seed(seed)
         lr = self.config.lr if lr is None else float(lr)
         eps = self.config.eps
@@ -241,10 +246,11 @@ class ZOOptimizer:
         probe = StepRecord(self.step_index, seed, 0.0, lr, eps, self.fingerprint, self.config.optimizer, extras)
         s = StepScalars.of(probe, self.config)
         self._perturb(seed, s.plus, masks, first=True, thresholds=extras)
-        loss_plus = float(closure())
+        out_plus = closure() if combine is not None else float(closure())
         self._perturb(seed, s.minus, masks)
-        loss_minus = float(closure())
+        out_minus = closure() if combine is not None else float(closure())
         self._perturb(seed, s.plus, masks)
+        loss_plus, loss_minus = (out_plus, out_minus) if combine is None else combine(out_plus, out_minus)
         if not (math.isfinite(loss_plus) and math.isfinite(loss_minus)):
             raise NonFiniteError(
                 f"step {self.step_index}: non-finite loss (loss+={loss_plus}, loss-={loss_minus}); "

@@ -129,6 +129,26 @@ class Task(ABC):
         batch = self.batch(step, _device_of(model))
         return lambda: self._loss(model, batch)
 
+    def batch_slice(self, step: int, rank: int, ranks: int,
+                    device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """Rank `rank`'s contiguous slice of step `step`'s batch (of `ranks` equal slices), on `device`."""
+        if self.config.batch_size % ranks:
+            raise WorkloadError(f"task.batch_size={self.config.batch_size} does not divide among {ranks} ranks")
+        rows = batch_indices(self.config.data_seed, step, self.config.batch_size, self.n_train)
+        size = len(rows) // ranks
+        return _to(self._collate([self.train_examples[i] for i in rows[rank * size:(rank + 1) * size]]), device)
+
+    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """(summed loss, count it is a mean over) on `batch`: what data-parallel ranks add up in float64."""
+        total, count = self._loss_sum(model, _to(batch, _device_of(model)))
+        return float(total), float(count)
+
+    def slice_closure(self, model: torch.nn.Module, step: int, rank: int,
+                      ranks: int) -> Callable[[], tuple[float, float]]:
+        """A data-parallel rank's closure: (loss sum, count) on its slice of step `step`'s batch."""
+        batch = self.batch_slice(step, rank, ranks, _device_of(model))
+        return lambda: self.loss_sum(model, batch)
+
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """Metrics on the held-out rows, in `eval_batch_size` chunks (the chunking does not change them)."""
@@ -151,6 +171,10 @@ class Task(ABC):
 
     @abstractmethod
     def _loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    def _loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        # Classification tasks: the mean is over rows.
+        return self._loss(model, batch) * batch["labels"].shape[0], batch["labels"].shape[0]
 
     @abstractmethod
     def _eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, float]: ...
@@ -263,6 +287,9 @@ class LanguageModelingTask(Task):
     def _loss(self, model, batch):
         total, count = self._nll(model, batch)
         return total / count
+
+    def _loss_sum(self, model, batch):
+        return self._nll(model, batch)
 
     def _eval_sums(self, model, batch):
         total, count = self._nll(model, batch)

@@ -1,0 +1,98 @@
+"""The data-parallel ranks' collective: a `torch.distributed` gloo process group among trainer actors.
+
+    group = LossGroup(rank=1, ranks=2)
+    group.join("127.0.0.1", 29512)                    # rank 0 picked the port (`free_port`)
+    loss_plus, loss_minus = reduce_in_rank_order(group.gather((s_plus, n_plus, s_minus, n_minus)))
+
+Set up the way Ray Train sets up its workers: rank 0 picks a free port on its node's
+address, every rank joins with a TCP `init_method`. A ZO step exchanges four float64
+numbers per rank (the loss sums and counts at +eps and -eps), so gloo serves CPU and GPU
+ranks alike. Every rank reduces the gathered numbers in rank order in float64, so all
+ranks (and every rerun) form the same g, bit for bit.
+
+When a peer dies, its sockets close and the pending `gather` raises `RankLostError` on
+every survivor; the group is then left and formed again (a new port) once Ray has
+restarted the lost rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT_SECONDS = 600.0
+"""How long a join or a gather waits for the other ranks. Long, because the other ranks wait in the
+gather while rank 0 evaluates the held-out rows; a dead peer is seen at once (its sockets close), a
+peer cut off without closing them after this long."""
+
+
+class RankLostError(RuntimeError):
+    """The collective failed: a peer rank died (or could not be reached)."""
+
+
+def free_port(address: str) -> int:
+    """A TCP port free on `address` now (rank 0 offers it to the others as the rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def reduce_in_rank_order(gathered: list[tuple[float, float, float, float]]) -> tuple[float, float]:
+    """(loss+, loss-) of the global batch from every rank's (sum+, count+, sum-, count-), in float64,
+    added in rank order (never a tree or a library reduction, whose order may vary)."""
+    sum_plus = count_plus = sum_minus = count_minus = 0.0
+    for s_plus, n_plus, s_minus, n_minus in gathered:
+        sum_plus += s_plus
+        count_plus += n_plus
+        sum_minus += s_minus
+        count_minus += n_minus
+    return sum_plus / count_plus, sum_minus / count_minus
+
+
+class LossGroup:
+    """This rank's membership of the ranks' process group (the default torch.distributed group)."""
+
+    def __init__(self, rank: int, ranks: int):
+        self.rank, self.ranks = rank, ranks
+        self.generation = 0
+        """How often the group was formed (a re-formed group after a lost rank counts again)."""
+
+    @property
+    def joined(self) -> bool:
+        return dist.is_initialized()
+
+    def join(self, address: str, port: int, timeout: float = TIMEOUT_SECONDS) -> float:
+        """Join (or re-join) the group whose rendezvous rank 0 offers at address:port; returns the seconds."""
+        began = time.perf_counter()
+        self.leave()
+        if ipaddress.ip_address(address).is_loopback:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own lookup of the host name may not be
+        dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=self.rank,
+                                world_size=self.ranks, timeout=datetime.timedelta(seconds=timeout))
+        self.generation += 1
+        return time.perf_counter() - began
+
+    def leave(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a group broken by a dead peer may not shut down cleanly; it is gone either way
+                pass
+
+    def gather(self, local: tuple[float, ...]) -> list[tuple[float, ...]]:
+        """Every rank's `local` numbers (float64), in rank order."""
+        if not dist.is_initialized():
+            raise RankLostError(f"rank {self.rank} is not in a process group (it was left after a failure)")
+        mine = torch.tensor(local, dtype=torch.float64)
+        out = [torch.empty_like(mine) for _ in range(self.ranks)]
+        try:
+            dist.all_gather(out, mine)
+        except RuntimeError as exc:
+            raise RankLostError(f"rank {self.rank}: the all-gather failed ({str(exc).splitlines()[0]})") from exc
+        return [tuple(t.tolist()) for t in out]
