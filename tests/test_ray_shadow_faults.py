@@ -161,8 +161,7 @@ def test_storage_gone_for_good_fails_the_run_with_a_clear_error(tmp_path, privat
     assert not ray.util.list_named_actors(all_namespaces=True)  # nothing left running
 
 
-@pytest.mark.parametrize("fail_mode", ["host", "shadow"])
-@pytest.mark.parametrize("storage", ["local", "s3"])
+@pytest.mark.parametrize("storage, fail_mode", [("local", "host"), ("s3", "shadow")])
 def test_verify_proves_the_run_after_a_failure_and_collected_log_segments(tmp_path, storage, fail_mode, request):
     from zocheck_ray.cli import main
     from zocheck_ray.verify import verify_run
