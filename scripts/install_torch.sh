@@ -16,7 +16,7 @@ elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; the
 # A wheel on local disk (pip's find-links) is used first; it must be a CPU build.
 elif "$py" -m pip install --no-deps --no-index "torch==$version+cpu" >/dev/null 2>&1; then
   echo "install_torch: no CUDA device, installed the local CPU build of torch==$version"
-  "$py" -m pip install "torch==$version+cpu"   # its pure-Python dependencies
+  "$py" -m pip install -q "torch==$version+cpu"   # its pure-Python dependencies
 else
   echo "install_torch: no CUDA device, installing the CPU build of torch==$version"
   "$py" -m pip install "torch==$version" --index-url https://download.pytorch.org/whl/cpu \
