@@ -73,6 +73,8 @@ class Publisher:
         """False on a data-parallel rank other than 0: records are held, never sent unless `deliver`ed."""
         self._trainer_step = trainer_step
         self._pending: deque[StepRecord] = deque()    # appended by the training loop, no lock
+        self.append: Callable[[StepRecord], None] = self._pending.append
+        """The training loop's whole cost of publishing: a deque append (no Python frame)."""
         self._held: deque[StepRecord] = deque(held)   # sent, not yet known durable
         self.sent_next = next_step
         self._durable_next = held[0].step if held else next_step
@@ -91,10 +93,6 @@ class Publisher:
         self.last_error: str | None = None
         self.gap: str | None = None
         """Set when the shadow expects a record no longer held: only a resync repairs it."""
-
-    def append(self, record: StepRecord) -> None:
-        """The training loop's whole cost of publishing."""
-        self._pending.append(record)
 
     @property
     def held_records(self) -> int:
