@@ -4,23 +4,13 @@ filled in by the trainer's publisher, and a storage outage delays durability wit
 import time
 
 import pytest
-import torch
 
 from zocheck_ray.actors.publisher import Publisher, PushReply, poll_answered
 from zocheck_ray.actors.shadow import Shadow, StageError
 from zocheck_ray.config import JobConfig
-from zocheck_ray.core import ZOOptimizer, state_hash
+from zocheck_ray.core import state_hash
 from zocheck_ray.storage import SnapshotStore, read_log
-from zocheck_ray.workload.models import build_model, trainable_parameters
-
-
-def trained(job, steps):
-    model = build_model(job.model, job.dtype)
-    opt = ZOOptimizer(trainable_parameters(model), job.zo)
-    initial = {k: v.detach().clone() for k, v in opt.state_tensors().items()}
-    ids = torch.arange(24).reshape(2, 12) % 100
-    records = [opt.step(lambda: model(input_ids=ids, labels=ids).loss, seed=t) for t in range(steps)]
-    return initial, opt, records
+from test_shadow import trained
 
 
 def wait_until(predicate, timeout=120.0):
