@@ -138,7 +138,7 @@ def trial_resources(job: JobConfig, gpus: int = 0):
     where they fit, otherwise the ranks go to other nodes)."""
     from ray.tune import PlacementGroupFactory
 
-    from zocheck_ray.controller import job_bundles
+    from zocheck_ray.placement import job_bundles
 
     return PlacementGroupFactory([TRAINABLE_BUNDLE, *job_bundles(job, gpus)],
                                  strategy="STRICT_PACK" if job.placement == "pack" else "PACK")
