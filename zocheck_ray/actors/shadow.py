@@ -46,7 +46,6 @@ from zocheck_ray.workload.models import TORCH_DTYPES, model_config_dict
 logger = logging.getLogger(__name__)
 
 
-
 class Shadow:
     """Ingest, replay and persistence of one run's records (see the module docstring)."""
 
