@@ -70,7 +70,8 @@ class JobConfig(BaseModel):
     bound from the startup profile (64 without one)."""
     max_undurable_steps: int = Field(5000, ge=1)
     """Fail the run when this many of the trainer's steps are not durable in the step log (storage down
-    or too slow); a warning comes at a tenth of it. A node lost now would recompute that many steps."""
+    or too slow), beyond the `log_seal_records` an object store's open log segment holds by design; a
+    warning comes at a tenth of it. A node lost now would recompute that many steps."""
     use_gpu: Literal["auto", "yes", "no"] = "auto"
     """Train on a GPU: `auto` uses one when the cluster has one, `yes` requires one."""
     log_interval: int = Field(10, ge=1)

@@ -34,7 +34,7 @@ from zocheck_ray.actors.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig, JobConfigError, check_task
 from zocheck_ray.faults import NO_FAULTS, FaultInjection
 from zocheck_ray.storage import LeaseHeldError, StorageError, check_no_live_writer
-from zocheck_ray.storage.fs import open_storage
+from zocheck_ray.storage.fs import open_storage, parse_url
 from zocheck_ray.placement import (
     _check_resources, _lose_processes, connect_ray, profile_settings, start_actors, startup_profile,
 )
@@ -142,6 +142,9 @@ class Controller:
         self.resyncs: list[tuple[int, str]] = []
         self.warnings: list[str] = []
         self._warned_durability = False
+        # On an object store a log segment is uploaded once it holds `log_seal_records` records (or is 60 s old):
+        # that many steps are not durable by design, and do not count against `max_undurable_steps`.
+        self.seal_window = 0 if parse_url(job.run_url)[0] == "file" else job.log_seal_records
         self.losses: list[tuple[int, float]] = []
         self.profile: dict | None = None
         self.max_lag_steps = job.max_lag_steps or DEFAULT_MAX_LAG_STEPS
@@ -308,16 +311,17 @@ class Controller:
         if progress["publisher"]["gap"]:
             return Failure("record_gap", self.step, progress["publisher"]["gap"])
         undurable = metrics["undurable_steps"]
-        if undurable > job.max_undurable_steps:
+        behind = undurable - self.seal_window  # beyond what an object store's open segment holds by design
+        if behind > job.max_undurable_steps:
             return Failure("durability_stalled", self.step,
                            f"{undurable} steps are not durable in {job.run_url} (last storage error: "
                            f"{metrics['persist_error'] or 'none; storage is too slow'})")
-        if (undurable > job.max_undurable_steps // 10 or metrics["persist_error"]) and not self._warned_durability:
+        if (behind > job.max_undurable_steps // 10 or metrics["persist_error"]) and not self._warned_durability:
             self._warned_durability = True
             self._warn(f"durability is behind: {undurable} steps not durable in {job.run_url}, "
                        f"{metrics['persist_failures']} failed writes (last: {metrics['persist_error'] or 'none'}); "
-                       f"the run fails beyond {job.max_undurable_steps}")
-        elif self._warned_durability and not metrics["persist_error"] and undurable <= job.max_undurable_steps // 10:
+                       f"the run fails beyond {job.max_undurable_steps + self.seal_window}")
+        elif self._warned_durability and not metrics["persist_error"] and behind <= job.max_undurable_steps // 10:
             self._warned_durability = False
             self._warn(f"durability caught up: {undurable} steps not durable")
         if metrics["lag_steps"] > self.max_lag_steps:
