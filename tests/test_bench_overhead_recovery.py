@@ -121,7 +121,9 @@ def test_the_baseline_replays_its_log_from_its_newest_persisted_checkpoint(recov
         assert r["checkpoint_step"] % 7 == 0 and r["checkpoint_step"] <= r["failed_at_step"]
         assert r["checkpoint_step"] + r["replayed_records"] + r["recomputed_steps"] == r["failed_at_step"]
         assert r["state_step"] == r["failed_at_step"]
-        assert r["seconds"] >= r["constructor_seconds"] > r["restore_seconds"] >= r["load_seconds"] >= 0
+        # `seconds` starts when the driver sees the failure, which Ray's restart may precede: only the restarted
+        # process's own times are ordered against each other
+        assert r["seconds"] > 0 and r["constructor_seconds"] > r["restore_seconds"] >= r["load_seconds"] >= 0
         assert r["process_seconds"] == pytest.approx(r["constructor_seconds"] + r["catch_up_seconds"])
 
 
@@ -227,7 +229,8 @@ def test_the_comparison_recovers_every_strategy_in_both_modes_to_the_uninterrupt
         assert r["image_step"] + r["replayed_records"] + r["recomputed_steps"] == r["failed_at_step"] == 9
         assert r["replayed_steps"] == 9 - r["image_step"]
         assert r["work_seconds"] == pytest.approx(r["restore_seconds"] + r["catch_up_seconds"])
-        assert r["seconds"] >= r["process_seconds"] >= r["work_seconds"] > 0
+        # `seconds` (the driver's) may start after Ray already restarted the process: not ordered against it
+        assert r["seconds"] > 0 and r["process_seconds"] >= r["work_seconds"] > 0
         parts = r["breakdown"]  # fetch, install, replay, hash: the restore, part by part
         assert set(parts) == {"fetch_seconds", "install_seconds", "replay_seconds", "hash_seconds"}
         assert sum(parts.values()) == pytest.approx(r["restore_seconds"], abs=0.01), (r["strategy"], r["mode"])
