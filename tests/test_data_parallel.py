@@ -74,7 +74,10 @@ def test_a_lost_rank_is_restarted():
 
 def test_two_ranks_lose_rank_0_and_equal_the_plain_loop(tmp_path):
     job = dp_job(tmp_path)
-    summary = run(job, fail_at=[13], fail_rank=0, progress=None)
+    seen = []  # what `zocheck-ray status` shows mid-run: every rank's step time and the all-gather's
+    summary = run(job, fail_at=[13], fail_rank=0, progress=None, on_segment=lambda last, metrics: seen.append(metrics))
+    assert seen and all(len(m["rank_seconds_per_step"]) == 2 and min(m["rank_seconds_per_step"]) > 0
+                        and m["collective_seconds_per_step"] > 0 for m in seen)
     (recovery,) = summary.recoveries
     assert recovery.rank == 0 and recovery.failed_at_step == 13
     assert recovery.recovered_step == 13  # the survivor handed the shadow every record before the failure

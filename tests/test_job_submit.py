@@ -175,7 +175,7 @@ def test_submitted_jobs_run_report_status_and_print_their_summary(head, tmp_path
         out = zocheck_ray_cli(head, "status", endless_run, "--address", head["gcs"], "--json")
         if out.returncode == 0:
             status = json.loads(out.stdout)
-            if status["trainer_step"] > 0 and (status["durable_step"] or 0) > 0:
+            if status["trainer_step"] > 0 and (status["durable_step"] or 0) > 0 and status["rank_seconds_per_step"]:
                 break
         time.sleep(0.5)
     assert status is not None, (f"zocheck-ray status never found the running job:\n{out.stderr[-3000:]}\njob logs:\n"
@@ -183,6 +183,7 @@ def test_submitted_jobs_run_report_status_and_print_their_summary(head, tmp_path
     assert status["run_id"] == endless_run
     assert status["trainer_step"] > 0 and status["durable_step"] > 0, status
     assert status["replayed_step"] <= status["received_step"] <= status["trainer_step"]
+    assert len(status["rank_seconds_per_step"]) == 1 and status["rank_seconds_per_step"][0] > 0, status
     assert (tmp_path / "runs" / endless_run / "snapshots").is_dir()
     stopped = ray_cli(head, "job", "stop", "--address", head["dashboard"], endless)
     assert stopped.returncode == 0, stopped.stderr

@@ -21,6 +21,7 @@ process group is formed again, and training resumes, exactly.
 from __future__ import annotations
 
 import enum
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Literal
@@ -128,6 +129,9 @@ class Controller:
         self.rank_seconds = [0.0] * job.trainers
         self.rank_steps = [0] * job.trainers
         self.collective_seconds, self.collective_steps = 0.0, 0
+        self.recent_rank_seconds: list[float] = []
+        """Each rank's mean step seconds over the last segment (reported to the shadow, so `status` shows it)."""
+        self.recent_collective: float | None = None
         self.durable_next: int | None = None
         """Every record before this step is durable (the holding ranks drop them)."""
         self.resync_reason = ""
@@ -249,6 +253,8 @@ class Controller:
 
     def _after_segment(self, last: dict, began: float) -> State:
         elapsed = time.perf_counter() - began - self._absorb(last)
+        if self.job.trainers == 1 and last["step_seconds"]:
+            self.recent_rank_seconds = [statistics.fmean(last["step_seconds"])]
         self.steps_timed += last["step"] - self.step
         self.seconds_timed += elapsed
         self.step, self.last = last["step"], last
@@ -355,6 +361,10 @@ class Controller:
             self.collective_seconds += sum(progress["collective_seconds"])
             self.collective_steps += len(progress["collective_seconds"])
             self._absorb_ranks(r, progress)
+        if len(results) == len(self.ranks) and all(p["step_seconds"] for p in results.values()):
+            self.recent_rank_seconds = [statistics.fmean(results[r]["step_seconds"]) for r in range(len(self.ranks))]
+            gathers = [s for p in results.values() for s in p["collective_seconds"]]
+            self.recent_collective = statistics.fmean(gathers) if gathers else None
         return results, lost
 
     def _absorb_ranks(self, rank: int, progress: dict) -> None:
@@ -520,7 +530,9 @@ class Controller:
 
     def _metrics(self) -> dict:
         try:
-            return call_when_alive(lambda: self.shadow.metrics.remote())
+            report = ({"rank_seconds_per_step": self.recent_rank_seconds,
+                       "collective_seconds_per_step": self.recent_collective} if self.recent_rank_seconds else None)
+            return call_when_alive(lambda: self.shadow.metrics.remote(report))
         except ActorDiedError as exc:
             raise _Gone(Failure("shadow_gone", self.step, str(exc).splitlines()[0])) from exc
 

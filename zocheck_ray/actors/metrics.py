@@ -60,6 +60,11 @@ class ShadowMetrics(BaseModel):
     """The replay stage's error: it stopped, and only a resync from the trainer repairs the replica."""
     persist_error: str | None = None
     """The last error of the persistence stage (cleared by the next success)."""
+    rank_seconds_per_step: list[float] = []
+    """Each trainer rank's mean step time over the controller's last segment (one entry with one
+    trainer; empty until the first segment). Exported as one gauge tagged by `rank`."""
+    collective_seconds_per_step: float | None = None
+    """Data parallel: the ranks' all-gather per step over the last segment, waits for the slowest rank included."""
     regime: Literal["keep-pace", "lag", "unknown"]
     """The cost model's regime: `keep-pace` (replay faster than training), `lag` (slower), `unknown` (no profile)."""
     source: str

@@ -96,7 +96,10 @@ class ShadowActor:
                 "records": b"".join(r.to_bytes() for r in records), "source": self.shadow.replay.source}
 
     @ray.method(concurrency_group="control")
-    def metrics(self) -> dict:
+    def metrics(self, trainers: dict | None = None) -> dict:
+        """The shadow's metrics; `trainers` (from the controller): the ranks' step times to report with them."""
+        if trainers:
+            self.shadow.note_trainers(**trainers)
         m = self.shadow.metrics()
         self._export(m)
         return m.model_dump()
@@ -108,11 +111,15 @@ class ShadowActor:
         if self._gauges is None:
             self._gauges = {n: Gauge(f"zocheck_shadow_{n}", description=f"zocheck-ray shadow {n}",
                                      tag_keys=("run_id",)) for n in type(m).model_fields
-                            if n not in ("run_id", "incarnation", "regime", "source")
+                            if n not in ("run_id", "incarnation", "regime", "source", "rank_seconds_per_step")
                             and not n.endswith("_error")}
+            self._rank_gauge = Gauge("zocheck_shadow_rank_seconds_per_step", tag_keys=("run_id", "rank"),
+                                     description="zocheck-ray trainer rank's mean step seconds (last segment)")
         for name, gauge in self._gauges.items():
             if name in values:
                 gauge.set(values[name], tags={"run_id": m.run_id})
+        for rank, seconds in enumerate(m.rank_seconds_per_step):
+            self._rank_gauge.set(seconds, tags={"run_id": m.run_id, "rank": str(rank)})
 
     @ray.method(concurrency_group="control")
     def profile_replay(self, threads: int) -> float | None:

@@ -57,6 +57,8 @@ class Shadow:
         self.job = job
         self.incarnation = uuid.uuid4().hex[:12]
         self.trainer_step: int | None = None
+        self.rank_seconds_per_step: list[float] = []
+        self.collective_seconds_per_step: float | None = None
         self.rejected = 0
         self.last_rejection = ""
         self.ingest_error: str | None = None
@@ -217,8 +219,14 @@ class Shadow:
             persist_failing_seconds=time.monotonic() - failing if failing is not None else 0.0,
             ingest_error=self.ingest_error, replay_error=replay.error, persist_error=persist.error if persist else None,
             persist_stopped=persist.stopped is not None if persist else False,
-            regime=self.regime, source=replay.source,
+            rank_seconds_per_step=self.rank_seconds_per_step,
+            collective_seconds_per_step=self.collective_seconds_per_step, regime=self.regime, source=replay.source,
         )
+
+    def note_trainers(self, rank_seconds_per_step: list[float], collective_seconds_per_step: float | None) -> None:
+        """The trainers' step times, as the controller measured them over its last segment."""
+        self.rank_seconds_per_step = [float(s) for s in rank_seconds_per_step]
+        self.collective_seconds_per_step = collective_seconds_per_step
 
     def close(self) -> None:
         """Stop the stages; the persistence stage seals the log and writes what it can first."""
