@@ -65,6 +65,11 @@ class JobConfig(BaseModel):
     """Steps between shadow snapshots; None lets the startup profile choose."""
     shadow_cpus: int = Field(1, ge=1)
     """CPUs reserved for the shadow (its replay threads)."""
+    shadow_nice: int = Field(19, ge=0, le=19)
+    """The least niceness of every thread of the shadow's process (Linux). Ray runs actors' tasks at
+    niceness 15 (the trainers' too) and its own threads at 0; at 19 the shadow yields where the node's
+    CPUs are all busy: the trainers run first, the shadow takes what is left (a shadow that falls too
+    far behind is resynced). 0 leaves Ray's niceness as it is."""
     max_lag_steps: int | None = Field(None, ge=1)
     """Resync the shadow from the trainer when it falls this many steps behind; None: the cost model's
     bound from the startup profile (64 without one)."""

@@ -337,8 +337,9 @@ class Controller:
     # ------------------------------------------------------------------ data parallel
 
     def _form_group(self) -> None:
-        """(Re-)form the ranks' gloo process group: rank 0 offers a fresh port, every rank joins."""
-        address, port = ray.get(self.trainer.group_address.remote())
+        """(Re-)form the ranks' gloo process group: rank 0 offers a fresh port, every rank joins (over
+        loopback when `pack` placed them all on one node)."""
+        address, port = ray.get(self.trainer.group_address.remote(self.job.placement == "pack"))
         ray.get([rank.join_group.remote(address, port) for rank in self.ranks])
 
     def _run_ranks(self, target: int, die: tuple[int, int] | None = None) -> tuple[dict[int, dict], list[int]]:

@@ -11,6 +11,7 @@ trainer's re-sent records; a node loss from the durable snapshot and log.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 
@@ -52,6 +53,20 @@ def shadow_writer(run_id: str) -> str:
     return f"shadow:{run_id}@{ray.get_runtime_context().gcs_address}"
 
 
+def lower_priority(nice: int) -> None:
+    """Raise the niceness of every thread of this process to at least `nice` (Linux keeps it per
+    thread; threads started later inherit their creator's)."""
+    if nice <= 0 or not os.path.isdir("/proc/self/task"):
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            current = os.getpriority(os.PRIO_PROCESS, int(tid))
+            if current < nice:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
 def trainer_name(run_id: str, rank: int = 0) -> str:
     """Rank 0 keeps the single trainer's name; data-parallel rank r > 0 is `...-rank{r}`."""
     return f"zocheck-trainer-{run_id}" + (f"-rank{rank}" if rank else "")
@@ -64,6 +79,7 @@ class ShadowActor:
     def __init__(self, job: dict, faults: dict | None = None):
         logging.basicConfig(level=logging.INFO)
         self.job = JobConfig.model_validate(job)
+        lower_priority(self.job.shadow_nice)
         threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         self.shadow = Shadow(self.job, publish=ray.put, threads=threads,
                              faults=FaultInjection.model_validate(faults or {}), writer=shadow_writer(self.job.run_id))
@@ -150,8 +166,6 @@ class ShadowActor:
 
     @ray.method(concurrency_group="control")
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
     @ray.method(concurrency_group="control")
@@ -223,17 +237,21 @@ class TrainerActor:
         self.trainer = Trainer(self.job, RayShadowLink(self.job.run_id), device=device,
                                faults=FaultInjection.model_validate(faults or {}), rank=rank, defer_recovery=defer)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def recovery(self) -> dict:
         return {**self.trainer.recovery, "incarnation": self.incarnation}
 
     def run(self, until_step: int, die_at_step: int | None = None, durable_next: int | None = None) -> dict:
         return self.trainer.run(until_step, die_at_step, durable_next)
 
-    def group_address(self) -> tuple[str, int]:
-        """Rank 0: this node's address and a port free on it, the rendezvous of the ranks' process group."""
+    def group_address(self, loopback: bool = False) -> tuple[str, int]:
+        """Rank 0: this node's address (127.0.0.1 with `loopback`: every rank is on this node) and a port
+        free on it, the rendezvous of the ranks' process group."""
         from zocheck_ray.actors.collective import free_port
 
-        address = ray.util.get_node_ip_address()
+        address = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         return address, free_port(address)
 
     def join_group(self, address: str, port: int) -> float:
