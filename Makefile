@@ -24,12 +24,17 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/zocheck-ray train
 
+# Two test processes, each taking whole files (a module shares one Ray cluster): a Ray test spends
+# most of its time waiting for processes to start, so two overlap well even on two cores.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PYTEST) tests
 
 # Everything but the tests marked slow (Ray clusters, benchmarks, long exactness runs).
 test-quick: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 bench: $(STAMP)
 	$(VENV)/bin/zocheck-ray bench replay --json benchmarks/results/replay.json

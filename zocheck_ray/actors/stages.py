@@ -387,11 +387,15 @@ class PersistStage:
         with self._image_lock:
             if self._image is image:
                 self._image = None
+        # Before the snapshot is reported durable, so a drained run's log is already collected.
+        try:
+            committed = self.store.committed()
+            if committed and self.log is not None:
+                self.log.collect_garbage(committed[-1].step)  # nothing below the oldest retained snapshot is needed
+        except StorageError as exc:  # housekeeping: the next snapshot collects what this one left
+            logger.warning("collecting the step log below the oldest retained snapshot: %s", exc)
         with self._durable:
             self.durable_step = image.step
             self.snapshots_persisted += 1
             self._recovered()
             self._durable.notify_all()
-        committed = self.store.committed()
-        if committed and self.log is not None:
-            self.log.collect_garbage(committed[-1].step)  # nothing below the oldest retained snapshot is needed
