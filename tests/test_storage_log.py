@@ -12,7 +12,8 @@ import pytest
 
 from zocheck_ray.core import RecordSequenceError, StepRecord
 from zocheck_ray.storage import CorruptLogError, Lease, LeaseRequiredError, StepLog, read_log
-from zocheck_ray.storage.steplog import SEGMENT_MAGIC, list_segments
+from zocheck_ray.storage.fs import open_storage
+from zocheck_ray.storage.steplog import SEGMENT_MAGIC, list_segments, read_records
 
 
 def record(step: int, extras: int = 0) -> StepRecord:
@@ -112,6 +113,26 @@ def test_an_object_store_segment_is_sealed_by_age_at_a_flush(s3_bucket):
         time.sleep(0.01)
     log.flush()
     assert log.durable_step == 0 and read_log(url, -1, options) == [record(0)]
+
+
+def test_a_segment_a_live_writer_seals_while_it_is_read_is_read_again(tmp_path):
+    url = str(tmp_path / "run")
+    log = StepLog(url, seal_records=1000)
+    for r in records(0, 10):
+        log.append(r)
+    log.flush()
+    reader = open_storage(url, create=False)
+    read_bytes, raced = reader.read_bytes, []
+
+    def sealed_meanwhile(rel):  # the writer seals (renames) the open segment right after the listing
+        if not raced:
+            raced.append(rel)
+            log.close()
+        return read_bytes(rel)
+
+    reader.read_bytes = sealed_meanwhile
+    assert read_records(reader, -1) == records(0, 10)
+    assert raced[0].endswith(".open") and not list_segments(reader)[0].rel.endswith(".open")
 
 
 def test_a_segment_is_sealed_by_age(tmp_path):

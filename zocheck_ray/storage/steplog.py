@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from zocheck_ray.core import IncompleteRecordError, RecordSequenceError, StepRecord
 from zocheck_ray.core.errors import CorruptRecordError
 from zocheck_ray.core.record import MAGIC as RECORD_MAGIC
-from zocheck_ray.storage.errors import CorruptLogError, StorageError
+from zocheck_ray.storage.errors import CorruptLogError, ObjectNotFoundError, StorageError
 from zocheck_ray.storage.fs import Storage, open_storage
 from zocheck_ray.storage.lease import Lease, check_lease_for, require_lease
 
@@ -132,9 +132,26 @@ def _check_after_step(after_step: int) -> None:
         raise ValueError(f"after_step must be an integer >= -1, got {after_step!r}")
 
 
+LISTING_ATTEMPTS = 5
+"""How often `read_records` lists the log again when a listed segment is gone before it is read."""
+
+
 def read_records(storage: Storage, after_step: int) -> list[StepRecord]:
-    """`read_log` on an opened `Storage` (the run's root)."""
+    """`read_log` on an opened `Storage` (the run's root).
+
+    A live writer may seal (rename) or collect a listed segment before it is read: the log is
+    then listed and read again."""
     _check_after_step(after_step)
+    for attempt in range(LISTING_ATTEMPTS):
+        try:
+            return _read_listed(storage, after_step)
+        except ObjectNotFoundError:
+            if attempt == LISTING_ATTEMPTS - 1:
+                raise
+
+
+
+def _read_listed(storage: Storage, after_step: int) -> list[StepRecord]:
     segments = list_segments(storage)
     out: list[StepRecord] = []
     for i, seg in enumerate(segments):
