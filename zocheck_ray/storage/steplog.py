@@ -142,13 +142,12 @@ def read_records(storage: Storage, after_step: int) -> list[StepRecord]:
     A live writer may seal (rename) or collect a listed segment before it is read: the log is
     then listed and read again."""
     _check_after_step(after_step)
-    for attempt in range(LISTING_ATTEMPTS):
+    for _ in range(LISTING_ATTEMPTS - 1):
         try:
             return _read_listed(storage, after_step)
         except ObjectNotFoundError:
-            if attempt == LISTING_ATTEMPTS - 1:
-                raise
-
+            pass
+    return _read_listed(storage, after_step)  # the last attempt raises what it meets
 
 
 def _read_listed(storage: Storage, after_step: int) -> list[StepRecord]:
