@@ -38,7 +38,48 @@ def test_three_software_failures_recover_exactly(tmp_path, optimizer, dtype):
     for r in summary.recoveries:
         assert r.recovered_step <= r.failed_at_step
         assert r.recovered_step == (r.image_step or 0) + r.replayed_records
+        # where the time went: Ray's restart (the constructor, its restore inside it)
+        assert set(r.phases) == {"restart", "constructor", "restore"}
+        assert r.phases["restart"] == r.seconds and 0 < r.phases["restore"] < r.phases["constructor"]
     assert_exact(summary, uninterrupted_hashes(job))
+
+
+@ray.remote(max_restarts=1)
+class _RestartsSlowly:
+    """Its restart waits in the constructor until `gate` exists: a restart that cannot finish by itself."""
+
+    def __init__(self, gate: str):
+        import time
+
+        while ray.get_runtime_context().was_current_actor_reconstructed and not os.path.exists(gate):
+            time.sleep(0.01)
+
+    def ping(self) -> str:
+        return "alive"
+
+
+def test_waiting_for_a_restart_ends_when_the_actor_is_alive_again(tmp_path):
+    import threading
+    import time
+
+    from zocheck_ray.actors.ray_actors import wait_until_alive
+
+    gate = tmp_path / "gate"
+    actor = _RestartsSlowly.remote(str(gate))
+    assert ray.get(actor.ping.remote()) == "alive"
+    ray.kill(actor, no_restart=False)
+    from ray._private.state import actors
+    while actors(actor_id=actor._actor_id.hex())["State"] != "RESTARTING":  # the GCS has seen the kill
+        time.sleep(0.01)
+    waiter = threading.Thread(target=wait_until_alive, args=(actor,))
+    waiter.start()
+    waiter.join(timeout=1.0)
+    assert waiter.is_alive()  # the constructor cannot finish before the gate opens: still restarting
+    gate.touch()
+    waiter.join(timeout=120)
+    assert not waiter.is_alive()
+    assert ray.get(actor.ping.remote()) == "alive"
+    ray.kill(actor)
 
 
 def test_one_failure_before_the_first_snapshot(tmp_path):

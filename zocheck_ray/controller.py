@@ -30,7 +30,7 @@ import ray
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from zocheck_ray.actors.ray_actors import call_when_alive, shadow_writer
+from zocheck_ray.actors.ray_actors import call_when_alive, shadow_writer, wait_until_alive
 from zocheck_ray.actors.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig, JobConfigError, check_task
 from zocheck_ray.faults import NO_FAULTS, FaultInjection
@@ -402,30 +402,42 @@ class Controller:
         # Whichever rank died, the survivors hold every record the shadow lacks.
         delivered = [call_when_alive(lambda r=r: self.ranks[r].deliver.remote()) for r in survivors]
         step = max(delivered) if survivors else None
+        marks = [("deliver", time.perf_counter())]
+        # The survivors rejoin (a rank the failed gather left half-perturbed restores) while Ray restarts
+        # the lost rank: off the recovery's critical path.
+        rejoined = {r: self.ranks[r].rejoin.remote(step) for r in survivors}
+        restarted = {}
         for r in sorted(lost):  # wait for Ray's restart of the lost rank (a new incarnation)
             while True:
+                wait_until_alive(self.ranks[r])
                 try:
                     info = call_when_alive(lambda r=r: self.ranks[r].recovery.remote())
                 except RayActorError as exc:
                     return self._handle(Failure("trainer_gone", failure.step, f"rank {r}: "
                                                 + str(exc).splitlines()[0]))
                 if info["incarnation"] != self.rank_incarnations[r]:
+                    restarted[r] = info
                     break
                 time.sleep(0.02)
-        infos = ray.get([rank.rejoin.remote(step) for rank in self.ranks])
+        marks.append(("restart", time.perf_counter()))
+        rejoined.update({r: self.ranks[r].rejoin.remote(step) for r in sorted(lost)})
+        infos = ray.get([rejoined[r] for r in range(len(self.ranks))])
+        marks.append(("rejoin", time.perf_counter()))
         if len({info["step"] for info in infos}) != 1:
             return self._handle(Failure("rank_lost", failure.step, "the ranks rejoined at different steps "
                                         f"{[info['step'] for info in infos]}"))
         self._form_group()
+        marks.append(("group", time.perf_counter()))
         self.rank_incarnations = [info["incarnation"] for info in infos]
         self.incarnation = self.rank_incarnations[0]
-        seconds = time.perf_counter() - started
+        seconds = marks[-1][1] - started
         rank = min(lost) if lost else 0
         info = infos[rank]
         self.recoveries.append(Recovery(failed_at_step=failure.step, mode=failure.mode, recovered_step=info["step"],
                                         seconds=seconds, image_source=info["source"],
                                         image_step=info.get("image_step"),
-                                        replayed_records=info["replayed_records"], rank=rank))
+                                        replayed_records=info["replayed_records"], rank=rank,
+                                        phases=_phases(started, marks, restarted.get(rank), info)))
         self.say(f"  rank {rank} lost at step {failure.step} ({failure.mode}); {len(survivors)} survivors handed "
                  f"the shadow its records; every rank rejoined at step {info['step']} (rank {rank} from the "
                  f"{info['source']} image, {info['replayed_records']} records replayed) in {seconds:.2f} s")
@@ -441,6 +453,7 @@ class Controller:
         started = self._failure_started or time.perf_counter()
         self._failure_started = None
         while True:  # until the restarted trainer (a new incarnation) has recovered in its constructor
+            wait_until_alive(self.trainer)
             try:
                 info = call_when_alive(lambda: self.trainer.recovery.remote())
             except RayActorError as exc:
@@ -449,10 +462,12 @@ class Controller:
                 break
             time.sleep(0.02)
         self.incarnation = info["incarnation"]
-        seconds = time.perf_counter() - started
+        ended = time.perf_counter()
+        seconds = ended - started
         self.recoveries.append(Recovery(failed_at_step=failure.step, mode=failure.mode, recovered_step=info["step"],
                                         seconds=seconds, image_source=info["source"],
-                                        image_step=info.get("image_step"), replayed_records=info["replayed_records"]))
+                                        image_step=info.get("image_step"), replayed_records=info["replayed_records"],
+                                        phases=_phases(started, [("restart", ended)], info, info)))
         self.say(f"  trainer lost at step {failure.step} ({failure.mode}); recovered at step {info['step']} from "
                  f"{info['source']} image in {seconds:.2f} s ({info['replayed_records']} records replayed)")
         self.step = info["step"]
@@ -576,6 +591,19 @@ INJECTED = {
 PROFILE_TOLERANCE = 3.0
 """The startup profile's timings should agree with the run's steady state within this factor."""
 DEFAULT_MAX_LAG_STEPS = 64
+
+
+def _phases(started: float, marks: list[tuple[str, float]], constructed: dict | None, restored: dict) -> dict:
+    """`Recovery.phases`: the seconds of each step of a recovery, in order, and the restarted
+    process's constructor and restore (parts of `restart`, or of `rejoin` for a data-parallel rank)."""
+    phases, last = {}, started
+    for name, at in marks:
+        phases[name], last = at - last, at
+    if constructed and constructed.get("seconds") is not None:
+        phases["constructor"] = constructed["seconds"]
+    if restored.get("restore_seconds") is not None:
+        phases["restore"] = restored["restore_seconds"]
+    return phases
 """Resync bound when the job sets none and the startup profile gives none."""
 DRAIN_SECONDS = 300.0
 """How long the end of a run waits for the shadow to replay and persist the final state."""

@@ -27,6 +27,12 @@ class Recovery(BaseModel):
     """Records after the image, replayed by the trainer on its own device."""
     rank: int = 0
     """The data-parallel rank that was lost (0 for a single trainer)."""
+    phases: dict[str, float] = {}
+    """Seconds of each part, in order: `restart` (Ray restarts the process until it answers); with
+    data-parallel ranks first `deliver` (the survivors hand the shadow its missing records), then
+    `restart`, `rejoin` (every rank at the survivors' step) and `group` (the process group formed
+    again). `constructor` (the restarted process's set-up) and `restore` (image plus records into the
+    state) are parts of those."""
 
 
 class RunSummary(BaseModel):

@@ -1,11 +1,11 @@
 """The data-parallel ranks' collective: a `torch.distributed` gloo process group among trainer actors.
 
     group = LossGroup(rank=1, ranks=2)
-    group.join("127.0.0.1", 29512)                    # rank 0 picked the port (`free_port`)
+    group.join("127.0.0.1", 29512)                    # the port rank 0's `listen` opened
     loss_plus, loss_minus = reduce_in_rank_order(group.gather((s_plus, n_plus, s_minus, n_minus)))
 
-Set up the way Ray Train sets up its workers: rank 0 picks a free port on its node's
-address, every rank joins with a TCP `init_method`. A ZO step exchanges four float64
+Set up the way Ray Train sets up its workers: rank 0 opens a TCP store on a free port of its
+node's address (`listen`), every rank joins the group through it. A ZO step exchanges four float64
 numbers per rank (the loss sums and counts at +eps and -eps), so gloo serves CPU and GPU
 ranks alike. Every rank reduces the gathered numbers in rank order in float64, so all
 ranks (and every rerun) form the same g, bit for bit.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import socket
 import time
 
 import torch
@@ -34,13 +33,6 @@ peer cut off without closing them after this long."""
 
 class RankLostError(RuntimeError):
     """The collective failed: a peer rank died (or could not be reached)."""
-
-
-def free_port(address: str) -> int:
-    """A TCP port free on `address` now (rank 0 offers it to the others as the rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
 
 
 def reduce_in_rank_order(gathered: list[tuple[float, float, float, float]]) -> tuple[float, float]:
@@ -62,19 +54,35 @@ class LossGroup:
         self.rank, self.ranks = rank, ranks
         self.generation = 0
         """How often the group was formed (a re-formed group after a lost rank counts again)."""
+        self._store: dist.TCPStore | None = None
+        """Rank 0's listening rendezvous between `listen` and `join`."""
 
     @property
     def joined(self) -> bool:
         return dist.is_initialized()
 
+    def listen(self, address: str, timeout: float = TIMEOUT_SECONDS) -> int:
+        """Rank 0: open the group's rendezvous (a TCP store on a free port of `address`) before any rank
+        joins; returns the port. A rank whose connection is refused (the store not up yet) retries after
+        a backoff of up to a second, so the store listens first."""
+        self.leave()
+        self._store = dist.TCPStore(address, 0, self.ranks, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        return self._store.port
+
     def join(self, address: str, port: int, timeout: float = TIMEOUT_SECONDS) -> float:
-        """Join (or re-join) the group whose rendezvous rank 0 offers at address:port; returns the seconds."""
+        """Join (or re-join) the group whose rendezvous rank 0 opened at address:port (`listen`); returns
+        the seconds."""
         began = time.perf_counter()
+        store, self._store = self._store, None
         self.leave()
         if ipaddress.ip_address(address).is_loopback:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own lookup of the host name may not be
-        dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=self.ranks, timeout=datetime.timedelta(seconds=timeout))
+        if store is None:  # every rank but rank 0: a client of rank 0's store
+            store = dist.TCPStore(address, port, self.ranks, is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.ranks,
+                                timeout=datetime.timedelta(seconds=timeout))
         self.generation += 1
         return time.perf_counter() - began
 

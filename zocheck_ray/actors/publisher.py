@@ -28,8 +28,11 @@ from zocheck_ray.core import StepRecord
 
 logger = logging.getLogger(__name__)
 
-FLUSH_SECONDS = 0.005
-"""Records are sent in batches at most this often (one remote call per batch, never per step)."""
+FLUSH_SECONDS = 0.1
+"""Records are sent in batches at most this often (one remote call per batch, never per step; the end
+of every `run` segment sends too). Each push costs both processes about a millisecond of CPU (Ray's
+task path and the shadow's replay call), so pushing every 5 ms took a fifth of a core from CPU-bound
+trainers; a trainer that dies loses at most this long of unsent steps, which it trains again."""
 PING_SECONDS = 0.25
 """With no reply for this long and records not yet durable (or a new trainer step to report), ask."""
 

@@ -10,6 +10,7 @@ trainer's re-sent records; a node loss from the durable snapshot and log.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -43,6 +44,26 @@ def call_when_alive(submit, timeout: float = 300.0):
             time.sleep(0.02)
 
 
+def wait_until_alive(actor, timeout: float = 300.0) -> None:
+    """Return once the GCS reports `actor` alive (or dead, or after `timeout`). A task sent to an
+    actor while Ray restarts it waits on Ray's death-info timer (1 s or more) before it fails and
+    can be sent again, so a caller that just polls learns of the restart seconds late; the GCS's
+    actor table says it at once."""
+    try:
+        from ray._private.state import actors
+    except ImportError:  # another Ray: callers fall back to calling until the actor answers
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = actors(actor_id=actor._actor_id.hex()).get("State")
+        except Exception:  # the table is unreachable: fall back as above
+            return
+        if state in ("ALIVE", "DEAD", None):
+            return
+        time.sleep(0.01)
+
+
 def shadow_name(run_id: str) -> str:
     return f"zocheck-shadow-{run_id}"
 
@@ -67,6 +88,14 @@ def lower_priority(nice: int) -> None:
             pass
 
 
+def settle_heap() -> None:
+    """Move what a constructor built (modules, model, kernels: alive as long as the process) out of the
+    cyclic collector's reach, so its passes walk only what the loops allocate (the shadow spent a tenth
+    of its CPU in `gc` walking start-up objects)."""
+    gc.collect()
+    gc.freeze()
+
+
 def trainer_name(run_id: str, rank: int = 0) -> str:
     """Rank 0 keeps the single trainer's name; data-parallel rank r > 0 is `...-rank{r}`."""
     return f"zocheck-trainer-{run_id}" + (f"-rank{rank}" if rank else "")
@@ -84,6 +113,7 @@ class ShadowActor:
         self.shadow = Shadow(self.job, publish=ray.put, threads=threads,
                              faults=FaultInjection.model_validate(faults or {}), writer=shadow_writer(self.job.run_id))
         self._gauges = None
+        settle_heap()
 
     @ray.method(concurrency_group="control")
     def ready(self) -> bool:
@@ -236,10 +266,12 @@ class TrainerActor:
             torch.set_num_threads(cpus)
         self.trainer = Trainer(self.job, RayShadowLink(self.job.run_id), device=device,
                                faults=FaultInjection.model_validate(faults or {}), rank=rank, defer_recovery=defer)
+        settle_heap()
 
     def pid(self) -> int:
         return os.getpid()
 
+    @ray.method(max_task_retries=-1)
     def recovery(self) -> dict:
         return {**self.trainer.recovery, "incarnation": self.incarnation}
 
@@ -247,12 +279,10 @@ class TrainerActor:
         return self.trainer.run(until_step, die_at_step, durable_next)
 
     def group_address(self, loopback: bool = False) -> tuple[str, int]:
-        """Rank 0: this node's address (127.0.0.1 with `loopback`: every rank is on this node) and a port
-        free on it, the rendezvous of the ranks' process group."""
-        from zocheck_ray.actors.collective import free_port
-
+        """Rank 0: open the ranks' rendezvous on this node's address (127.0.0.1 with `loopback`: every rank
+        is on this node) and return it with the port it listens on."""
         address = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-        return address, free_port(address)
+        return address, self.trainer.group.listen(address)
 
     def join_group(self, address: str, port: int) -> float:
         return self.trainer.join_group(address, port)

@@ -73,7 +73,8 @@ class Trainer:
             warm.join()
         self.publisher: Publisher | None = None
         if defer_recovery:
-            self.recovery = {"step": None, "source": "deferred", "replayed_records": 0}
+            self.recovery = {"step": None, "source": "deferred", "replayed_records": 0,
+                             "seconds": time.perf_counter() - started}
         else:
             self._restore(started)
         self._publish_ns: list[int] = []
@@ -213,7 +214,7 @@ class Trainer:
         return reduce_in_rank_order(gathered)
 
     def join_group(self, address: str, port: int) -> float:
-        """Join the ranks' process group (rank 0 offered address:port); returns the seconds it took."""
+        """Join the ranks' process group (rank 0 opened address:port); returns the seconds it took."""
         return self.group.join(address, port)
 
     def deliver(self) -> int:
