@@ -23,8 +23,8 @@ Three parts, each measured side by side in one run:
 Recovery is timed from the driver seeing the failure until the trainer is back at the failed
 step, and broken down: `restore_seconds` (image or checkpoint plus records -> state, inside
 the restarted trainer), `catch_up_seconds` (recomputing the steps whose records were still
-unsent when the process died: the trainer publishes every 5 ms, so a failure usually loses
-the last record, for every strategy alike), `process_seconds` (the restarted trainer's
+unsent when the process died: the trainer publishes every 100 ms and at each segment's end, so
+a failure loses the records of up to 100 ms, for every strategy alike), `process_seconds` (the restarted trainer's
 constructor, which also builds the model, plus the catch-up), and the total, which adds
 Ray's start of the process. The comparison's targets are checked on the restore, the part a
 strategy decides (every strategy loses the same unsent records and starts the same process);
