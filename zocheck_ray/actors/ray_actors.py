@@ -271,7 +271,7 @@ class TrainerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    @ray.method(max_task_retries=-1)
+    @ray.method(max_task_retries=-1)  # a query: sent while Ray restarts the actor, it waits for the new one
     def recovery(self) -> dict:
         return {**self.trainer.recovery, "incarnation": self.incarnation}
 
