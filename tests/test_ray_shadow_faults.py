@@ -132,8 +132,13 @@ def test_a_paused_s3_endpoint_never_holds_up_ingest_and_durability_catches_up(tm
                 server.process.send_signal(signal.SIGSTOP)
                 seen["paused_at"] = progress["step"]
             elif "paused_at" in seen and "resumed" not in seen and progress["step"] >= seen["paused_at"] + 12:
-                seen["received"] = metrics["received_step"]   # the shadow kept receiving while storage hung
-                seen["undurable"] = metrics["undurable_steps"]
+                # The shadow keeps receiving while storage hangs: the segment's last push (sent as the
+                # segment ended, beside this metrics call) arrives with storage still paused.
+                shadow = ray.get_actor(shadow_name(job.run_id), namespace=NAMESPACE)
+                wait_until(lambda: ray.get(shadow.metrics.remote())["received_step"] >= progress["step"])
+                latest = ray.get(shadow.metrics.remote())
+                seen["received"] = latest["received_step"]
+                seen["undurable"] = latest["undurable_steps"]
                 server.process.send_signal(signal.SIGCONT)
                 seen["resumed"] = True
 

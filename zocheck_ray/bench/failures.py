@@ -22,10 +22,11 @@ from zocheck_ray.config import JobConfig
 
 
 def wait_new_incarnation(actor, old_pid: int | None, timeout: float = 300.0) -> dict:
-    from zocheck_ray.actors.ray_actors import call_when_alive
+    from zocheck_ray.actors.ray_actors import call_when_alive, wait_until_alive
 
     deadline = time.monotonic() + timeout
     while True:
+        wait_until_alive(actor, timeout)  # as the controller does: a call sent during the restart waits on Ray's timer
         try:
             info = call_when_alive(lambda: actor.recovery.remote(), timeout=timeout)
         except ray.exceptions.RayActorError:  # the old process is still going down
