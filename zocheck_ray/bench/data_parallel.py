@@ -113,6 +113,12 @@ def _run(trainers: int, batch_per_rank: int, steps: int, fail_at: int, model: st
             "recovered_rank": recovery.rank, "exact": hashes == {summary.shadow_state_hash}}
 
 
+def round_order(i: int) -> tuple[int, int]:
+    """The trainer counts of round `i` in the order they run: k=1 first in even rounds, k=2 first in odd
+    ones, so a machine that slows or speeds up during the benchmark favours neither."""
+    return (1, 2) if i % 2 == 0 else (2, 1)
+
+
 def _median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -129,7 +135,7 @@ def data_parallel_benchmark(steps: int = 400, batch: int = 16, fail_at: int = 30
     runs = []
     with tempfile.TemporaryDirectory(prefix="zocheck-dp-bench-") as storage:
         for i in range(rounds):  # k=1 and k=2 side by side, the order alternating (a machine that drifts)
-            for k in ((1, 2) if i % 2 == 0 else (2, 1)):
+            for k in round_order(i):
                 say(f"  round {i + 1}/{rounds}, k={k}: {steps} steps of {batch} rows per rank, rank {k - 1} lost "
                     f"at step {fail_at} ...")
                 runs.append({"round": i, **_run(k, batch, steps, fail_at, model, storage, snapshot_interval)})
