@@ -21,6 +21,13 @@ def test_rounds_alternate_which_run_goes_first():
     assert [round_order(i) for i in range(4)] == [(1, 2), (2, 1), (1, 2), (2, 1)]
 
 
+def test_a_failure_too_early_to_time_steps_before_it_is_refused_before_any_run():
+    with pytest.raises(ValueError, match="fail_at=20 must lie in"):
+        data_parallel_benchmark(steps=50, fail_at=20)
+    with pytest.raises(ValueError, match="rounds=0"):
+        data_parallel_benchmark(steps=50, fail_at=40, rounds=0)
+
+
 def test_the_benchmark_pairs_k1_and_k2_side_by_side(tmp_path):
     path = tmp_path / "data-parallel.json"
     doc = data_parallel_benchmark(steps=50, batch=2, fail_at=40, gathers=20, rounds=1, json_path=str(path),

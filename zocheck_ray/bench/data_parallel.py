@@ -126,6 +126,11 @@ def _median_of(runs: list[dict], key: str) -> float:
 def data_parallel_benchmark(steps: int = 400, batch: int = 16, fail_at: int = 300, gathers: int = 1000,
                             model: str = "tiny-opt", rounds: int = 3, json_path: str | None = None,
                             say=print, snapshot_interval: int | None = None) -> dict:
+    if not MIN_FAIL_AT <= fail_at < steps:
+        raise ValueError(f"fail_at={fail_at} must lie in [{MIN_FAIL_AT}, steps={steps}): steps per second are timed "
+                         "between the warm-up and the failure")
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds} must be at least 1")
     if not ray.is_initialized():
         # One thread per process in both runs (torch and the fused generator), as the comparison says.
         ray.init(address="local", num_cpus=4, namespace="zocheck", include_dashboard=False, log_to_driver=False,
@@ -203,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
     if not MIN_FAIL_AT <= args.fail_at < args.steps:
         raise SystemExit(f"--fail-at must lie in [{MIN_FAIL_AT}, {args.steps}): steps per second are timed between "
                          "the warm-up and the failure")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     doc = data_parallel_benchmark(args.steps, args.batch, args.fail_at, args.gathers, args.model, args.rounds,
                                  args.json, snapshot_interval=args.snapshot_interval)
     return 0 if doc["targets"]["exact"] else 1
