@@ -591,6 +591,9 @@ INJECTED = {
 PROFILE_TOLERANCE = 3.0
 """The startup profile's timings should agree with the run's steady state within this factor."""
 DEFAULT_MAX_LAG_STEPS = 64
+"""Resync bound when the job sets none and the startup profile gives none."""
+DRAIN_SECONDS = 300.0
+"""How long the end of a run waits for the shadow to replay and persist the final state."""
 
 
 def _phases(started: float, marks: list[tuple[str, float]], constructed: dict | None, restored: dict) -> dict:
@@ -604,9 +607,6 @@ def _phases(started: float, marks: list[tuple[str, float]], constructed: dict | 
     if restored.get("restore_seconds") is not None:
         phases["restore"] = restored["restore_seconds"]
     return phases
-"""Resync bound when the job sets none and the startup profile gives none."""
-DRAIN_SECONDS = 300.0
-"""How long the end of a run waits for the shadow to replay and persist the final state."""
 
 
 def run(job: JobConfig, fail_at: list[int] | None = None,
