@@ -36,7 +36,7 @@ def test_a_record_refused_in_the_middle_of_a_batch_leaves_exactly_the_accepted_o
     initial, opt, records = trained(job, 4)
     shadow = Shadow(job)
     try:
-        shadow.initialize(initial, 0)
+        shadow.initialize(0, initial)
         reply = shadow.push(encode([records[0], records[1], records[3], records[2]]))  # step 3 comes too early
         assert (reply.accepted, reply.next_step) == (3, 3)
         assert shadow.metrics().rejected_records == 1
@@ -66,7 +66,7 @@ class SwitchableLink:
 def test_a_restarted_shadow_gets_what_it_lacks_from_the_publisher_and_ends_exact(job):
     initial, opt, records = trained(job, 20)
     first = Shadow(job)
-    first.initialize(initial, 0)
+    first.initialize(0, initial)
     link = SwitchableLink(first)
     publisher = Publisher(link, 0, trainer_step=lambda: 20)
     for record in records[:10]:
@@ -121,7 +121,7 @@ def test_a_storage_outage_is_reported_retried_and_leaves_no_gap(private_s3, job)
     initial, opt, records = trained(job, 12)
     shadow = Shadow(job)
     try:
-        shadow.initialize(initial, 0)
+        shadow.initialize(0, initial)
         shadow.push(encode(records[:4]), 4)
         shadow.drain(4, timeout=120)
         private_s3.stop()
@@ -146,7 +146,7 @@ def test_a_storage_outage_is_reported_retried_and_leaves_no_gap(private_s3, job)
 
 
 def test_every_numeric_metric_is_a_gauge_and_status_shows_the_stage_errors(job):
-    from zocheck_ray.actors.metrics import ShadowMetrics, numeric_fields
+    from zocheck_ray.actors.messages import ShadowMetrics, numeric_fields
 
     shadow = Shadow(job, persist=False)
     try:
@@ -178,7 +178,7 @@ def test_replies_to_earlier_pushes_never_cause_a_resend(job):
             return [] if self.polls == 1 else poll_answered(handles)
 
     try:
-        shadow.initialize(initial, 0)
+        shadow.initialize(0, initial)
         publisher = Publisher(SlowReplies(), 0, trainer_step=lambda: 10)
         for record in records[:5]:
             publisher.append(record)
@@ -215,7 +215,7 @@ def test_a_shadow_whose_lease_was_taken_over_stops_persisting_and_says_why(job):
     shadow = Shadow(job, writer="shadow:first")
     intruder = None
     try:
-        shadow.initialize(initial, 0)
+        shadow.initialize(0, initial)
         shadow.lease.stop_heartbeat()      # as if the shadow hung: its lease goes stale ...
         info = shadow.lease.info
         shadow.lease.storage.write_atomic(generation_name(info.generation),

@@ -477,14 +477,18 @@ class Controller:
         return State.RUNNING
 
     def _resync(self) -> State:
-        packed = call_when_alive(lambda: self.trainer.export_state.remote())
         lost = self.failure is not None and self.failure.kind == "record_gap"  # don't wait for records nobody has
-        call_when_alive(lambda: self.shadow.resync.remote(packed[:2], packed[2], 0.0 if lost else 60.0))
-        ray.get(self.trainer.resynced.remote(packed[2]))
-        self.resyncs.append((packed[2], self.resync_reason))
+        try:  # the trainer writes its state into the shadow's intake, on their node
+            step = ray.get(self.trainer.export_to_shadow.remote())
+        except RayActorError as exc:
+            call_when_alive(lambda: self.shadow.abort_intake.remote())  # the shadow snapshots its replica again
+            return self._handle(Failure("trainer_lost", self.step, str(exc).splitlines()[0]))
+        call_when_alive(lambda: self.shadow.resync.remote(step, 0.0 if lost else 60.0))
+        ray.get(self.trainer.resynced.remote(step))
+        self.resyncs.append((step, self.resync_reason))
         metrics = self._metrics()
         self.lag_samples.append((self.step, metrics["lag_steps"]))
-        self.say(f"  {self.resync_reason}: resynced from the trainer at step {packed[2]}")
+        self.say(f"  {self.resync_reason}: resynced from the trainer at step {step}")
         return State.RUNNING
 
     def _finish(self) -> State:

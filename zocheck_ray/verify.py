@@ -66,7 +66,8 @@ class Verification(BaseModel):
 def initial_state(job: JobConfig) -> dict:
     """The state every trainer of `job` starts from (canonical order, optimizer moments included)."""
     model = build_model(job.model, job.dtype, seed=job.run_seed)
-    return {k: v.detach().clone() for k, v in ZOOptimizer(trainable_parameters(model), job.zo).state_tensors().items()}
+    # The model's own tensors (not copies): the model is dropped, so this is the one copy of the state.
+    return {k: v.detach() for k, v in ZOOptimizer(trainable_parameters(model), job.zo).state_tensors().items()}
 
 
 def verify_run(job: JobConfig, summary) -> Verification:
@@ -105,6 +106,7 @@ def verify_run(job: JobConfig, summary) -> Verification:
             if state_hash(state) != expected[stop]:
                 mismatches.append(f"the log replayed from the initial state to step {stop} differs from the "
                                   "trainer's state there")
+        del state  # one copy of the state at a time
 
     image, image_step = recovery_image(job.run_url, storage_options=job.storage_options)
     if image_step != summary.steps:

@@ -1,21 +1,49 @@
-"""A state image: one flat byte buffer plus a JSON-able layout, for the Ray object store.
+"""State images: a state as one flat buffer, kept in shared memory that the shadow owns.
 
-One contiguous buffer makes the snapshot one copy and lets `ray.get` return it
-zero-copy from shared memory; the layout says where each tensor lives.
+`ImageLayout` places each tensor of a canonical state at a 64-byte-aligned offset of one
+buffer, so an image is one object to copy, hand over and persist, and every tensor is a
+view of it.
+
+The shadow keeps its images in memfds (anonymous shared memory, Linux), not in Ray's
+object store. The object store frees an object asynchronously and the pages of a freed
+object stay mapped in the process that wrote it (four puts of 1 GB, each after dropping
+the previous reference, left 3 GB resident in the writer), so a shadow that snapshots into
+it cannot hold itself to its budget of two copies of the state. A memfd is freed exactly
+when its last holder closes it. It is handed over without serialisation:
+
+- a trainer on the same node opens the shadow's memfd through `/proc/<pid>/fd/<n>`
+  (`ImageHandle.path`) and copies it into its own tensors one window (`WINDOW_BYTES`) at a
+  time (`transfer`), so the image is never resident in the trainer: its memory is its model
+  plus one window, and a copy runs near the machine's copy bandwidth;
+- the same windows carry a trainer's state the other way, into an intake buffer the shadow
+  hands out (a fresh run's initial state, a resync);
+- an image handed to a trainer is lent: the shadow never writes it again, and a trainer
+  that holds its descriptor keeps the pages alive however long it takes.
+
+A reader on another node cannot open the descriptor; the Ray transport streams the image
+to it in windows instead (`ray_actors.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import mmap
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Iterator, Literal, Mapping
 
-import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from zocheck_ray.core.layout import DTYPE_BY_NAME, DTYPES
 
-
 ALIGN = 64
 """Every tensor starts on a 64-byte boundary, so views of any dtype are aligned."""
+WINDOW_BYTES = 64 << 20
+"""What a transfer maps of an image at a time: the reader's whole resident share of it."""
 
 
 @dataclass(frozen=True)
@@ -27,43 +55,309 @@ class ImageLayout:
     nbytes: int
 
     @classmethod
-    def of(cls, state: dict[str, torch.Tensor]) -> "ImageLayout":
+    def of(cls, state: Mapping[str, torch.Tensor]) -> "ImageLayout":
+        return cls.from_specs([(n, DTYPES[t.dtype], tuple(t.shape)) for n, t in state.items()])
+
+    @classmethod
+    def from_specs(cls, specs: list[tuple[str, str, tuple[int, ...]]]) -> "ImageLayout":
+        """From (name, dtype name, shape) in canonical order (e.g. a snapshot's manifest)."""
         offsets, total = [], 0
-        for t in state.values():
+        for _, dtype, shape in specs:
             offsets.append(total)
-            total += (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
-        return cls(tuple(state), tuple(DTYPES[t.dtype] for t in state.values()),
-                   tuple(tuple(t.shape) for t in state.values()), tuple(offsets), total)
+            total += (_numel(shape) * _itemsize(dtype) + ALIGN - 1) // ALIGN * ALIGN
+        return cls(tuple(n for n, _, _ in specs), tuple(d for _, d, _ in specs),
+                   tuple(tuple(s) for _, _, s in specs), tuple(offsets), total)
+
+    @property
+    def state_bytes(self) -> int:
+        """The tensors' own bytes (without alignment padding)."""
+        return sum(_numel(s) * _itemsize(d) for d, s in zip(self.dtypes, self.shapes))
+
+    def spans(self) -> Iterator[tuple[str, int, int]]:
+        """(name, offset, bytes) of each tensor, in order."""
+        for name, dtype, shape, offset in zip(self.names, self.dtypes, self.shapes, self.offsets):
+            yield name, offset, _numel(shape) * _itemsize(dtype)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Tensors over the uint8 buffer `flat` (no copy), in canonical order."""
+        out = {}
+        for name, dtype, shape, offset in zip(self.names, self.dtypes, self.shapes, self.offsets):
+            size = _numel(shape) * _itemsize(dtype)
+            out[name] = flat[offset: offset + size].view(DTYPE_BY_NAME[dtype]).view(shape)
+        return out
+
+    def matches(self, state: Mapping[str, torch.Tensor]) -> str | None:
+        """None when `state` has this layout's names, order, dtypes and shapes; else what differs."""
+        if tuple(state) != self.names:
+            missing = sorted(set(self.names) - set(state))[:3]
+            extra = sorted(set(state) - set(self.names))[:3]
+            return f"the tensors differ (missing {missing}, unexpected {extra})" if missing or extra else \
+                "the tensors are in another order"
+        for (name, t), dtype, shape in zip(state.items(), self.dtypes, self.shapes):
+            if DTYPES.get(t.dtype) != dtype or tuple(t.shape) != shape:
+                return f"{name} is {t.dtype} {tuple(t.shape)} here and {dtype} {shape} in the image"
+        return None
 
 
-def new_buffer(layout: ImageLayout) -> np.ndarray:
-    return np.empty(layout.nbytes, dtype=np.uint8)
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
-def pack_into(buffer: np.ndarray, state: dict[str, torch.Tensor], layout: ImageLayout) -> np.ndarray:
-    """Copy `state` (any device) into `buffer`; one copy per tensor."""
-    flat = torch.from_numpy(buffer)
-    for name, offset in zip(layout.names, layout.offsets):
-        t = state[name].detach()
-        size = t.numel() * t.element_size()
-        flat[offset : offset + size].copy_(t.reshape(-1).view(torch.uint8), non_blocking=False)
-    return buffer
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=DTYPE_BY_NAME[dtype]).element_size()
 
 
-def pack(state: dict[str, torch.Tensor]) -> tuple[np.ndarray, ImageLayout]:
-    layout = ImageLayout.of(state)
-    return pack_into(new_buffer(layout), state, layout), layout
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor (no copy; any device)."""
+    if not t.is_contiguous():
+        raise ValueError("an image holds contiguous tensors only")
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
-def unpack(buffer: np.ndarray, layout: ImageLayout, copy: bool = True) -> dict[str, torch.Tensor]:
-    """Tensors over (copy=False) or copied out of (copy=True) the buffer."""
-    if copy or not buffer.flags.writeable:
-        buffer = buffer.copy()
-    flat = torch.from_numpy(buffer)
-    out = {}
-    for name, dtype, shape, offset in zip(layout.names, layout.dtypes, layout.shapes, layout.offsets):
-        torch_dtype = DTYPE_BY_NAME[dtype]
-        numel = int(np.prod(shape)) if shape else 1
-        size = numel * torch.empty((), dtype=torch_dtype).element_size()
-        out[name] = flat[offset : offset + size].view(torch_dtype).reshape(shape)
-    return out
+# ---------------------------------------------------------------------------------------- memory
+
+
+def anonymous_buffer(nbytes: int) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """A private uint8 buffer of `nbytes`, with its pages faulted now and huge pages where the kernel
+    offers them (a replica is read and written whole every step: fewer TLB misses). Returns the
+    tensor and the mapping that owns its memory (keep it referenced while the tensor lives)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8), None
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    flat = _frombuffer(region)
+    flat.zero_()  # fault every page now, not inside the first copy into it
+    return flat, region
+
+
+class SharedBuffer:
+    """A memfd of `nbytes` whose pages are allocated up front, mapped read-write in this process.
+
+    Allocating up front (`posix_fallocate`) makes a machine out of memory fail here with an error,
+    not later with SIGBUS inside a copy. `close()` unmaps it and closes the descriptor; the memory
+    is freed once no other process holds it open.
+    """
+
+    def __init__(self, nbytes: int, name: str = "zocheck-image"):
+        self.nbytes = nbytes
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, nbytes)
+            if nbytes:
+                os.posix_fallocate(self.fd, 0, nbytes)
+        except OSError as exc:
+            os.close(self.fd)
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise MemoryError(f"cannot allocate an image of {nbytes / 1e9:.2f} GB of shared memory on this "
+                                  f"node: {exc.strerror}") from exc
+            raise
+        self._map = mmap.mmap(self.fd, nbytes) if nbytes else None
+        self.bytes = _frombuffer(self._map) if nbytes else torch.empty(0, dtype=torch.uint8)
+        """The whole buffer as a uint8 tensor (views of it must be dropped before `close`)."""
+
+    @property
+    def path(self) -> str:
+        """Where another process on this node opens it (while this one keeps it open)."""
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
+    @property
+    def closed(self) -> bool:
+        return self.fd < 0
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        self.bytes = None
+        region, self._map = self._map, None
+        if region is not None:
+            try:
+                region.close()
+            except BufferError:  # a view is still referenced (an exception's frame): unmapped with the last one
+                pass
+        os.close(self.fd)
+        self.fd = -1
+
+
+def _frombuffer(region: mmap.mmap) -> torch.Tensor:
+    with warnings.catch_warnings():  # a read-only mapping is fine for reading; torch warns regardless
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(region, dtype=torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------- hand-over
+
+
+class ImageHandle(BaseModel):
+    """An image (or an intake buffer) as another process reaches it: the typed message for the hand-over."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pid: int
+    """The owning process (the shadow)."""
+    fd: int
+    """Its descriptor in the owner: `/proc/<pid>/fd/<fd>` on the owner's node."""
+    node_id: str | None
+    """The owner's Ray node (None outside Ray): a reader elsewhere streams it instead of opening it."""
+    token: str
+    """Names this buffer for `give_back` (the owner's incarnation and a serial)."""
+    step: int | None
+    """The step the image holds (None for an intake buffer, written by the reader)."""
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def path(self) -> str:
+        return f"/proc/{self.pid}/fd/{self.fd}"
+
+    @property
+    def layout(self) -> ImageLayout:
+        return ImageLayout.from_specs(list(zip(self.names, self.dtypes, self.shapes)))
+
+    @classmethod
+    def of(cls, buffer: SharedBuffer, layout: ImageLayout, token: str, step: int | None,
+           node_id: str | None = None) -> "ImageHandle":
+        return cls(pid=os.getpid(), fd=buffer.fd, node_id=node_id, token=token, step=step, names=layout.names,
+                   dtypes=layout.dtypes, shapes=layout.shapes)
+
+
+class ImageGoneError(RuntimeError):
+    """The image's owner closed it (a newer snapshot replaced it) or died before it was opened: ask again."""
+
+
+def open_image(handle: ImageHandle, write: bool = False) -> int:
+    """Open the owner's buffer on this node; raises `ImageGoneError` when it is no longer there."""
+    try:
+        fd = os.open(handle.path, os.O_RDWR if write else os.O_RDONLY)
+    except FileNotFoundError as exc:
+        raise ImageGoneError(f"the image of step {handle.step} is no longer held by process {handle.pid}") from exc
+    size = os.fstat(fd).st_size
+    if size != handle.layout.nbytes:
+        os.close(fd)
+        raise ImageGoneError(f"{handle.path} holds {size} bytes, not the image's {handle.layout.nbytes}: the "
+                             "descriptor was reused")
+    return fd
+
+
+Direction = Literal["from_image", "to_image"]
+
+
+def transfer(fd: int, layout: ImageLayout, tensors: Mapping[str, torch.Tensor], direction: Direction,
+             threads: int = 1, window: int = WINDOW_BYTES) -> None:
+    """Copy between the image in `fd` and `tensors` (any device, `layout`'s order), a window at a time.
+
+    `from_image` fills the tensors (a restore); `to_image` writes them into the buffer (an
+    intake). Windows are mapped one by one and unmapped when copied, so the caller's resident
+    memory grows by at most `threads` windows. CUDA tensors go through pinned staging buffers
+    with the host-to-device copies overlapped (`_CudaStaging`).
+    """
+    plan = WindowPlan(layout, tensors, window)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if direction == "to_image" else 0)
+
+    def one(start: int) -> None:
+        region = mmap.mmap(fd, plan.length(start), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot,
+                           offset=start)
+        try:
+            plan.copy(_frombuffer(region), start, direction)
+        finally:
+            region.close()
+
+    if threads <= 1 or len(plan.starts) <= 1 or plan.staging is not None:
+        for start in plan.starts:
+            one(start)
+    else:
+        with ThreadPoolExecutor(min(threads, len(plan.starts)), thread_name_prefix="zocheck-transfer") as pool:
+            list(pool.map(one, plan.starts))
+
+
+class WindowPlan:
+    """Which bytes of which tensor each window of an image holds, and the copies between them."""
+
+    def __init__(self, layout: ImageLayout, tensors: Mapping[str, torch.Tensor], window: int = WINDOW_BYTES):
+        problem = layout.matches(tensors)
+        if problem is not None:
+            raise ValueError(f"the state does not fit the image: {problem}")
+        granule = mmap.ALLOCATIONGRANULARITY
+        self.window = max(granule, window // granule * granule)  # mapped windows start on a page
+        self.nbytes = layout.nbytes
+        self.starts = list(range(0, layout.nbytes, self.window))
+        self.targets = {name: byte_view(t) for name, t in tensors.items()}
+        self.staging = _CudaStaging(self.window) if any(t.is_cuda for t in self.targets.values()) else None
+        self.pieces: dict[int, list[tuple[str, int, int]]] = {s: [] for s in self.starts}
+        for name, offset, size in layout.spans():  # (name, first, last byte of the tensor's own bytes)
+            a, end = 0, size
+            while a < end:
+                start = (offset + a) // self.window * self.window
+                b = min(end, start + self.window - offset)
+                self.pieces[start].append((name, offset + a - start, a, b))
+                a = b
+
+    def length(self, start: int) -> int:
+        return min(self.window, self.nbytes - start)
+
+    def copy(self, win: torch.Tensor, start: int, direction: Direction) -> None:
+        """Copy window `start` (`win`: its bytes) into the tensors, or the tensors into it."""
+        for name, at, a, b in self.pieces[start]:
+            target, source = self.targets[name][a:b], win[at: at + b - a]
+            if direction == "to_image":
+                source.copy_(target)  # from a CUDA tensor: a synchronous device-to-host copy
+            elif self.staging is not None and target.is_cuda:
+                self.staging.upload(source, target)
+            else:
+                target.copy_(source)
+        if self.staging is not None:
+            self.staging.drain()  # the window is unmapped next: every copy out of it must have finished
+
+
+class _CudaStaging:
+    """Two pinned host buffers: while one window's bytes go to the device, the next window is staged."""
+
+    def __init__(self, window: int):
+        self.buffers = [torch.empty(window, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.events: list = [None, None]
+        self.turn = 0
+        self.used = 0
+
+    def upload(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        n = source.numel()
+        if self.used + n > self.buffers[self.turn].numel():
+            self._switch()
+        staged = self.buffers[self.turn][self.used: self.used + n]
+        staged.copy_(source)
+        target.copy_(staged, non_blocking=True)
+        self.used += n
+
+    def _switch(self) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        self.events[self.turn] = event
+        self.turn, self.used = 1 - self.turn, 0
+        if self.events[self.turn] is not None:
+            self.events[self.turn].synchronize()  # the buffer about to be reused has reached the device
+
+    def drain(self) -> None:
+        torch.cuda.current_stream().synchronize()
+        self.used = 0
+        self.events = [None, None]
+
+
+# ---------------------------------------------------------------------------------------- in-process
+
+
+def copy_state(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor], threads: int = 1) -> None:
+    """`dst[k].copy_(src[k])` for every tensor, large tensors split so `threads` threads share the work."""
+    jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, target in dst.items():
+        t, s = byte_view(target), byte_view(src[name])
+        for a in range(0, t.numel(), WINDOW_BYTES):
+            jobs.append((t[a: a + WINDOW_BYTES], s[a: a + WINDOW_BYTES]))
+    if threads <= 1 or len(jobs) <= 1:
+        for t, s in jobs:
+            t.copy_(s)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="zocheck-copy") as pool:
+        list(pool.map(lambda job: job[0].copy_(job[1]), jobs))

@@ -7,20 +7,36 @@ a record is dropped once every floor has passed it. The image and its records ar
 read together (`recovery_view`), so a recovering trainer never sees a gap between an
 image and the records after it.
 
+The ledger also knows who reads the image, because the shadow holds one image and
+writes the next one into the same memory when nobody does: the persistence stage *pins*
+it while it writes it to storage, a recovering trainer *borrows* it (`recovery_view`)
+until it gives it back. The replay stage *claims* the image's memory before it writes a
+new snapshot or an intake into it (`claim`): a pinned image defers the snapshot, a borrowed
+one is replaced rather than rewritten, and while the memory is being written no image is
+offered (a recovery waits for the new one, which is a few hundred milliseconds away).
+
 All methods are thread-safe; the lock is the ledger's own and is never held while
-a caller does work (replay, storage I/O).
+a caller does work (replay, copies, storage I/O).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable
+from typing import Callable, Literal
 
 from zocheck_ray.core import StepRecord
 
 REPLAY, LOG = "replay", "log"
 """The readers whose floors keep records alive."""
+
+Claim = Literal["new", "reuse", "replace", "busy"]
+"""What `claim` found: no image yet (`new` memory), an image nobody reads (`reuse` its memory),
+a borrowed one (`replace` it: never written again), or one being persisted or written (`busy`)."""
+
+
+class NoImageError(RuntimeError):
+    """The shadow holds records but no image to recover from (its snapshot could not be taken)."""
 
 
 class RecordLedger:
@@ -32,7 +48,9 @@ class RecordLedger:
         """The step the next accepted record must carry (read without the lock: an int)."""
         self._floors = {REPLAY: next_step, LOG: next_step}
         self.image = None
-        """The newest image (immutable; any object with `.step`), set by the replay stage."""
+        """The newest image offered (any object with `.step`, `.lent` and `.pinned`), set by `publish`."""
+        self._writing = False             # the image's memory is claimed: no image is offered meanwhile
+        self._missing: str | None = None  # why an initialized shadow holds no image
         self.generation_start = next_step
         """The step this generation of records starts at (the replica's step at the last reset)."""
         self.generation = 0
@@ -60,13 +78,13 @@ class RecordLedger:
             self._on_accept()
         return accepted, refused
 
-    def reset(self, step: int, image=None) -> None:
-        """Start over at `step` (a fresh replica, or a resync past the records received): nothing older is kept."""
+    def reset(self, step: int) -> None:
+        """Start over at `step` (a fresh replica, or a resync past the records received): nothing older is
+        kept. The image, if any, is the caller's to replace (its memory is claimed)."""
         with self._lock:
             self._records.clear()
             self._first = self.next_step = step
             self._floors = {REPLAY: step, LOG: step}
-            self.image = image
             self.generation_start = step
             self.generation += 1
             self._lock.notify_all()
@@ -89,29 +107,96 @@ class RecordLedger:
         with self._lock:
             return self._lock.wait_for(lambda: self.next_step >= step, timeout)
 
-    def release(self, reader: str, step: int, image=None) -> None:
-        """`reader` no longer needs records before `step`; the replay stage passes its newest image along."""
+    def release(self, reader: str, step: int) -> None:
+        """`reader` no longer needs records before `step`."""
         with self._lock:
-            self._floors[reader] = max(self._floors[reader], step)
-            if image is not None:
-                self.image = image
-            floor = min(self._floors.values())
-            while self._records and self._first < floor:
-                self._records.popleft()
-                self._first += 1
-            if not self._records:
-                self._first = max(self._first, min(floor, self.next_step))
+            self._release(reader, step)
 
-    def recovery_view(self):
-        """(the newest image, every accepted record after it), read together."""
+    def _release(self, reader: str, step: int) -> None:
+        self._floors[reader] = max(self._floors[reader], step)
+        floor = min(self._floors.values())
+        while self._records and self._first < floor:
+            self._records.popleft()
+            self._first += 1
+        if not self._records:
+            self._first = max(self._first, min(floor, self.next_step))
+
+    # ------------------------------------------------------------------ the image
+
+    def publish(self, image) -> None:
+        """Offer `image` (its memory was claimed and is written); records before its step are no longer
+        needed for replay."""
+        with self._lock:
+            self.image, self._writing, self._missing = image, False, None
+            self._release(REPLAY, image.step)
+            self._lock.notify_all()
+
+    def claim(self, wait: bool = False, timeout: float = 300.0) -> tuple[Claim, object]:
+        """Claim the image's memory for writing; returns what was found and the image it held.
+
+        `busy` (with `wait=False`): the image is being persisted, or its memory is already claimed;
+        nothing changes. Otherwise no image is offered until `publish` (or `unclaim`)."""
+        with self._lock:
+            if wait and not self._lock.wait_for(lambda: not self._busy(), timeout):
+                raise TimeoutError(f"the image stayed pinned by persistence for {timeout:.0f} s")
+            if self._busy():
+                return "busy", self.image
+            image, self.image, self._writing = self.image, None, True
+            if image is None:
+                return "new", None
+            return ("replace" if image.lent else "reuse"), image
+
+    def unclaim(self, missing: str | None = None) -> None:
+        """The claimed memory was not published; `missing`: why no image is offered now."""
+        with self._lock:
+            self._writing = False
+            self._missing = missing
+            self._lock.notify_all()
+
+    def _busy(self) -> bool:
+        return self._writing or (self.image is not None and self.image.pinned)
+
+    def pin(self, skip_step: int | None):
+        """The newest image for the persistence stage (pinned until `unpin`), unless it is at `skip_step`."""
         with self._lock:
             image = self.image
+            if image is None or image.step == skip_step:
+                return None
+            image.pinned = True
+            return image
+
+    def unpin(self, image) -> None:
+        with self._lock:
+            image.pinned = False
+            self._lock.notify_all()
+
+    def recovery_view(self, lend: bool = False, timeout: float = 300.0):
+        """(the newest image, every accepted record after it), read together; `lend` marks the image
+        borrowed (see `give_back`). Waits while the image's memory is being written."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: not self._writing, timeout):
+                raise TimeoutError(f"no image was offered for {timeout:.0f} s: the snapshot being written did "
+                                   "not finish")
+            image = self.image
             if image is None:
+                if self._missing is not None:
+                    raise NoImageError(self._missing)
                 return None, []
             begin = image.step - self._first
             if begin < 0:  # the replay floor is the image's step, so this cannot happen
                 raise LookupError(f"records from step {image.step} (the image's) are no longer held")
+            if lend:
+                image.lent += 1
             return image, [self._records[i] for i in range(begin, len(self._records))]
+
+    def give_back(self, token: str) -> bool:
+        """A borrower is done with the image named `token`; True when it was the offered image."""
+        with self._lock:
+            image = self.image
+            if image is None or image.token != token or not image.lent:
+                return False
+            image.lent -= 1
+            return True
 
     def __len__(self) -> int:
         return len(self._records)

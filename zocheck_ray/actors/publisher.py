@@ -20,10 +20,12 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, Protocol
 
 import torch
 
+from zocheck_ray.actors.image import ImageLayout, copy_state
+from zocheck_ray.actors.messages import PublisherStats, PushReply  # noqa: F401  (PushReply: links return it)
 from zocheck_ray.core import StepRecord
 
 logger = logging.getLogger(__name__)
@@ -37,28 +39,40 @@ PING_SECONDS = 0.25
 """With no reply for this long and records not yet durable (or a new trainer step to report), ask."""
 
 
-class PushReply(NamedTuple):
-    """What the shadow answers to every push."""
-
-    incarnation: str
-    """Tells a restarted shadow from the one before."""
-    next_step: int
-    """The step the shadow expects next."""
-    durable_next: int
-    """Every record before this step is durable in the step log."""
-    accepted: int
-    """Records of this push that continued the sequence."""
-
-
 class ShadowLink(Protocol):
     """How the trainer reaches its shadow (a Ray actor, or an in-process one in tests)."""
 
-    def recovery_image(self) -> tuple[dict[str, torch.Tensor] | None, int, list[StepRecord], str]: ...
-    def initialize(self, state: dict[str, torch.Tensor], step: int) -> None: ...
+    def recovery_image(self):
+        """The shadow's newest image, opened for reading (`.step`, `.layout`, `.records`, `.source`,
+        `.copy_into(tensors)`, `.release()`), or None when the shadow has none (a fresh run)."""
+    def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
+        """Hand the shadow the initial state (written into its intake; no copy kept here)."""
+    def write_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Write `state` into the shadow's intake (a resync follows)."""
     def push(self, data: bytes, trainer_step: int) -> object:
         """Send encoded records (may be empty: a ping); returns a handle to the future reply."""
     def poll(self, handles: list) -> list[tuple[object, PushReply | BaseException]]:
         """The replies (or errors) of the handles that have finished, without waiting."""
+
+
+class StateOffer:
+    """An image that is already a state in this process (a checkpoint read from disk, an in-process
+    shadow's image): what `ShadowLink.recovery_image` returns for links without shared memory."""
+
+    def __init__(self, state: dict[str, torch.Tensor], step: int, records: list[StepRecord], source: str,
+                 release: Callable[[], None] | None = None):
+        self.state, self.step, self.records, self.source = state, step, records, source
+        self.layout = ImageLayout.of(state)
+        self._release = release or (lambda: None)
+
+    def copy_into(self, tensors: dict[str, torch.Tensor]) -> None:
+        problem = self.layout.matches(tensors)
+        if problem is not None:
+            raise ValueError(f"the state does not fit the image: {problem}")
+        copy_state(tensors, self.state)
+
+    def release(self) -> None:
+        self._release()
 
 
 def poll_answered(handles: list) -> list:
@@ -226,7 +240,6 @@ class Publisher:
             self._resend_after = self._pushes - 1
 
     def stats(self) -> dict:
-        return {"held_records": len(self._held), "resent_records": self.resent_records,
-                "delivered_records": self.delivered_records,
-                "shadow_restarts_seen": self.shadow_restarts_seen, "publish_errors": self.errors,
-                "last_publish_error": self.last_error, "gap": self.gap}
+        return PublisherStats(held_records=len(self._held), resent_records=self.resent_records,
+                              delivered_records=self.delivered_records, shadow_restarts_seen=self.shadow_restarts_seen,
+                              publish_errors=self.errors, last_publish_error=self.last_error, gap=self.gap).model_dump()

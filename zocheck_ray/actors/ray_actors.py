@@ -2,10 +2,11 @@
 
 Records travel trainer -> shadow in batches from one publishing thread (so Ray keeps
 them in order); every push is answered with what the shadow holds, and the trainer
-re-sends what a restarted shadow lacks (see `actors/publisher.py`). Images travel as
-one flat buffer in the object store, owned by the shadow process: a trainer failure
-finds them alive; a shadow failure is repaired from durable storage plus the
-trainer's re-sent records; a node loss from the durable snapshot and log.
+re-sends what a restarted shadow lacks (see `actors/publisher.py`). Images stay in the
+shadow's shared memory (`actors/image.py`): a trainer on the shadow's node opens the
+image and copies it in windows; a trainer elsewhere streams the same windows through
+Ray. A trainer failure finds the image alive; a shadow failure is repaired from durable
+storage plus the trainer's re-sent records; a node loss from the durable snapshot and log.
 """
 
 from __future__ import annotations
@@ -18,14 +19,18 @@ import uuid
 
 import ray
 import torch
-from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
-from zocheck_ray.actors.image import pack, unpack
-from zocheck_ray.actors.metrics import numeric_fields
+from zocheck_ray.actors.image import (
+    ImageGoneError, ImageHandle, ImageLayout, WindowPlan, open_image, transfer,
+)
+from zocheck_ray.actors.messages import RecoveryOffer
+from zocheck_ray.actors.messages import numeric_fields
 from zocheck_ray.actors.publisher import PushReply
 from zocheck_ray.actors.shadow import Shadow
 from zocheck_ray.actors.trainer import Trainer
 from zocheck_ray.config import JobConfig
+from zocheck_ray.core import StepRecord
 from zocheck_ray.core.record import decode_records
 from zocheck_ray.faults import FaultInjection
 
@@ -110,7 +115,8 @@ class ShadowActor:
         self.job = JobConfig.model_validate(job)
         lower_priority(self.job.shadow_nice)
         threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
-        self.shadow = Shadow(self.job, publish=ray.put, threads=threads,
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.shadow = Shadow(self.job, threads=threads,
                              faults=FaultInjection.model_validate(faults or {}), writer=shadow_writer(self.job.run_id))
         self._gauges = None
         settle_heap()
@@ -124,22 +130,42 @@ class ShadowActor:
         return tuple(self.shadow.push(data, trainer_step))
 
     @ray.method(concurrency_group="control")
-    def initialize(self, packed: list, step: int) -> None:
-        buffer, layout = ray.get(packed[0]), packed[1]
-        self.shadow.initialize(unpack(buffer, layout, copy=False), step)
+    def open_intake(self, names: tuple, dtypes: tuple, shapes: tuple) -> ImageHandle:
+        """Memory on this node for a trainer to write its state into (see `Shadow.open_intake`)."""
+        layout = ImageLayout.from_specs(list(zip(names, dtypes, shapes)))
+        buffer = self.shadow.open_intake(layout)
+        return ImageHandle.of(buffer, layout, token="intake", step=None, node_id=self.node_id)
 
     @ray.method(concurrency_group="control")
-    def resync(self, packed: list, step: int, wait_seconds: float = 60.0) -> None:
-        buffer, layout = ray.get(packed[0]), packed[1]
-        self.shadow.resync(unpack(buffer, layout, copy=False), step, wait_seconds)
+    def initialize(self, step: int) -> None:
+        self.shadow.initialize(step)
 
     @ray.method(concurrency_group="control")
-    def recovery_image(self) -> dict | None:
-        image, records = self.shadow.recovery_image()
+    def resync(self, step: int, wait_seconds: float = 60.0) -> None:
+        self.shadow.resync(step, wait_seconds=wait_seconds)
+
+    @ray.method(concurrency_group="control")
+    def abort_intake(self) -> None:
+        self.shadow.abort_intake()
+
+    @ray.method(concurrency_group="control")
+    def recovery_image(self) -> RecoveryOffer | None:
+        image, records = self.shadow.recovery_image(lend=True)
         if image is None:
             return None
-        return {"ref": [image.handle], "layout": image.layout, "step": image.step,
-                "records": b"".join(r.to_bytes() for r in records), "source": self.shadow.replay.source}
+        handle = ImageHandle.of(image.buffer, image.layout, token=image.token, step=image.step,
+                                node_id=self.node_id)
+        return RecoveryOffer(image=handle, records=b"".join(r.to_bytes() for r in records),
+                             source=self.shadow.replay.source)
+
+    @ray.method(concurrency_group="control")
+    def give_back(self, token: str) -> None:
+        self.shadow.give_back(token)
+
+    @ray.method(concurrency_group="control")
+    def image_window(self, token: str, start: int, length: int):
+        """Bytes `start..start+length` of the lent image `token`, for a reader on another node."""
+        return self.shadow.image_bytes(token, start, length)
 
     @ray.method(concurrency_group="control")
     def metrics(self, trainers: dict | None = None) -> dict:
@@ -206,32 +232,43 @@ class ShadowActor:
 class RayShadowLink:
     """The trainer's side of the link, over a named `ShadowActor`."""
 
-    def __init__(self, run_id: str):
+    def __init__(self, run_id: str, threads: int = 1):
         self.actor = ray.get_actor(shadow_name(run_id), namespace=NAMESPACE)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.threads = threads
 
-    def recovery_image(self, timeout: float = 300.0):
-        # The image may belong to a shadow that is dying right now (both processes lost):
-        # ask again until the shadow that answers is one that lives.
+    def recovery_image(self, timeout: float = 300.0) -> "OfferedImage | None":
+        # The image may belong to a shadow that is dying right now (both processes lost), or be replaced
+        # by a newer one before it is opened: ask again until an image is opened.
         deadline = time.monotonic() + timeout
         while True:
-            found = call_when_alive(lambda: self.actor.recovery_image.remote())
-            if found is None:
-                return None, 0, [], "fresh"
+            offer: RecoveryOffer | None = call_when_alive(lambda: self.actor.recovery_image.remote())
+            if offer is None:
+                return None
             try:
-                buffer = ray.get(found["ref"][0])
-                break
-            except (ObjectLostError, RayActorError):
+                return OfferedImage(self.actor, offer, local=offer.image.node_id == self.node_id,
+                                    threads=self.threads)
+            except (ImageGoneError, RayActorError):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
-        records = decode_records(found["records"])
-        source = "durable" if found["source"] == "durable" else "memory"
-        return unpack(buffer, found["layout"], copy=True), found["step"], records, source
+
+    def write_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Write `state` into the shadow's intake (it must be on this node: rank 0 shares the shadow's)."""
+        layout = ImageLayout.of(state)
+        handle = call_when_alive(lambda: self.actor.open_intake.remote(layout.names, layout.dtypes, layout.shapes))
+        if handle.node_id != self.node_id:
+            raise RuntimeError(f"the shadow is on node {handle.node_id}, this trainer on {self.node_id}: only a "
+                               "trainer on the shadow's node hands it its state")
+        fd = open_image(handle, write=True)
+        try:
+            transfer(fd, layout, state, "to_image", threads=self.threads)
+        finally:
+            os.close(fd)
 
     def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
-        buffer, layout = pack(state)
-        ref = ray.put(buffer)
-        call_when_alive(lambda: self.actor.initialize.remote([ref, layout], step))
+        self.write_state(state)
+        call_when_alive(lambda: self.actor.initialize.remote(step))
 
     def push(self, data: bytes, trainer_step: int):
         return self.actor.push.remote(data, trainer_step)
@@ -245,6 +282,38 @@ class RayShadowLink:
             except Exception as exc:  # the shadow died or is restarting: the publisher asks again later
                 out.append((ref, exc))
         return out
+
+
+class OfferedImage:
+    """A shadow's image as the trainer reads it: opened on the shadow's node (kept alive by the open
+    descriptor however long the copy takes), or streamed in windows from another node."""
+
+    def __init__(self, actor, offer: RecoveryOffer, local: bool, threads: int = 1):
+        self.actor, self.handle, self.threads = actor, offer.image, threads
+        self.step: int = offer.image.step
+        self.layout = offer.image.layout
+        self.records: list[StepRecord] = decode_records(offer.records)
+        self.source = "durable" if offer.source == "durable" else "memory"
+        self.fd = open_image(self.handle) if local else None
+
+    def copy_into(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.fd is not None:
+            transfer(self.fd, self.layout, tensors, "from_image", threads=self.threads)
+            return
+        plan = WindowPlan(self.layout, tensors)
+        for start in plan.starts:  # one window in flight: a bounded share of both object stores
+            window = ray.get(self.actor.image_window.remote(self.handle.token, start, plan.length(start)))
+            plan.copy(torch.from_numpy(window), start, "from_image")
+
+    def release(self) -> None:
+        """Done reading: close it here and give it back to the shadow (which may then reuse its memory)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        try:
+            self.actor.give_back.remote(self.handle.token)
+        except Exception:  # a shadow that is gone needs nothing back
+            pass
 
 
 @ray.remote
@@ -264,7 +333,8 @@ class TrainerActor:
             cpus = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
             numba.set_num_threads(min(cpus, numba.config.NUMBA_NUM_THREADS))
             torch.set_num_threads(cpus)
-        self.trainer = Trainer(self.job, RayShadowLink(self.job.run_id), device=device,
+        self.trainer = Trainer(self.job, RayShadowLink(self.job.run_id, threads=max(1, torch.get_num_threads())),
+                               device=device,
                                faults=FaultInjection.model_validate(faults or {}), rank=rank, defer_recovery=defer)
         settle_heap()
 
@@ -293,10 +363,9 @@ class TrainerActor:
     def rejoin(self, step: int | None) -> dict:
         return {**self.trainer.rejoin(step), "incarnation": self.incarnation}
 
-    def export_state(self) -> list:
-        state, step = self.trainer.export_state()
-        buffer, layout = pack(state)
-        return [ray.put(buffer), layout, step]
+    def export_to_shadow(self) -> int:
+        """Write the state into the shadow's intake (a resync); returns its step."""
+        return self.trainer.export_to_shadow()
 
     def resynced(self, step: int) -> None:
         self.trainer.publisher.clear_gap(step)

@@ -25,11 +25,11 @@ import time
 import uuid
 from typing import Callable
 
-import numpy as np
 import torch
 
+from zocheck_ray.actors.image import ImageGoneError, ImageLayout, SharedBuffer, copy_state
 from zocheck_ray.actors.ledger import RecordLedger
-from zocheck_ray.actors.metrics import ShadowMetrics
+from zocheck_ray.actors.messages import ShadowMetrics
 from zocheck_ray.actors.publisher import PushReply
 from zocheck_ray.actors.stages import (  # noqa: F401  (StageError: callers catch it from here)
     MAX_BACKOFF_SECONDS, STARTUP_STORAGE_SECONDS, Image, PersistStage, ReplayStage, StageError,
@@ -49,9 +49,8 @@ logger = logging.getLogger(__name__)
 class Shadow:
     """Ingest, replay and persistence of one run's records (see the module docstring)."""
 
-    def __init__(self, job: JobConfig, publish: Callable[[np.ndarray], object] | None = None,
-                 threads: int | None = None, persist: bool = True, faults: FaultInjection = NO_FAULTS,
-                 writer: str | None = None):
+    def __init__(self, job: JobConfig, threads: int | None = None, persist: bool = True,
+                 faults: FaultInjection = NO_FAULTS, writer: str | None = None):
         """`writer` names this shadow in the run's lease; a restarted shadow passes the same name and
         reclaims the lease of its dead predecessor. Any other live writer is refused (`LeaseHeldError`)."""
         self.job = job
@@ -67,8 +66,7 @@ class Shadow:
         warm.start()  # the replay kernel loads while storage is read; profiles then time the kernel, not its load
         self.ledger = RecordLedger(0, on_accept=lambda: self.replay.wake())
         self.persist: PersistStage | None = None
-        self.replay = ReplayStage(self.ledger, job, publish or (lambda buffer: None), self._on_image, threads,
-                                  faults)
+        self.replay = ReplayStage(self.ledger, job, self._on_image, threads, faults, token_prefix=self.incarnation)
         self.lease: Lease | None = None
         if persist:
             self.lease = _with_retries(lambda: Lease(job.run_url, job.storage_options,
@@ -89,42 +87,63 @@ class Shadow:
 
     def _on_image(self, image: Image) -> None:
         if self.persist is not None:
-            self.persist.offer(image)
+            self.persist.wake()
 
     def _durable_rebuild(self, store: SnapshotStore) -> None:
         latest = _with_retries(store.latest, f"listing the snapshots of {self.job.run_url}")
         if latest is None:
             return
+        # The snapshot is read into the image's memory and the log replayed there; the replica is then a copy:
+        # two copies of the state at the peak, as in every other phase.
+        layout = ImageLayout.from_specs([(t.name, t.dtype, tuple(t.shape)) for t in latest.manifest.tensors])
+        buffer = self.replay.open_intake(layout)
         result = _with_retries(lambda: recover(store, self.job.run_url, storage_options=self.job.storage_options,
-                                               config=self.job.zo, threads=self.replay.threads),
+                                               config=self.job.zo, threads=self.replay.threads,
+                                               out=layout.views(buffer.bytes)),
                                f"rebuilding from {self.job.run_url}")
         for problem in result.problems:
             logger.warning("durable recovery: %s", problem)
-        self.ledger.reset(result.step)
-        self.replay.adopt(result.state, result.step, "durable")
+        self.replay.commit_intake(result.step, "durable")
         self.persist.durable_step = result.snapshot.step
         logger.info("shadow rebuilt from durable storage at step %d (%d records replayed)", result.step,
                     result.records_replayed)
 
     # ------------------------------------------------------------------ state in
 
-    def initialize(self, state: dict[str, torch.Tensor], step: int, timeout: float = 300.0) -> None:
-        """A fresh run: the trainer's initial state at `step`, made durable before training starts."""
-        self.ledger.reset(step)
-        self.replay.call(lambda: self.replay.adopt(state, step, "fresh"))
+    def open_intake(self, layout: ImageLayout) -> SharedBuffer:
+        """Memory for a trainer to write its state of `layout` into (a fresh run's initial state, a resync);
+        then `initialize` or `resync` with the state's step, or `abort_intake`."""
+        return self.replay.call(lambda: self.replay.open_intake(layout))
+
+    def abort_intake(self) -> None:
+        self.replay.call(self.replay.abort_intake)
+
+    def initialize(self, step: int, state: dict[str, torch.Tensor] | None = None, timeout: float = 300.0) -> None:
+        """A fresh run: the trainer's initial state at `step` (written into the intake, or given here),
+        made durable before training starts."""
+        if state is not None:
+            self._fill_intake(state)
+        self.replay.call(lambda: self.replay.commit_intake(step, "fresh"))
         if self.persist is not None and not self.persist.wait_durable(step, timeout):
             raise StageError(f"the initial image could not be made durable in {timeout:.0f} s: "
                              f"{self.persist.error or 'storage did not answer'}")
 
-    def resync(self, state: dict[str, torch.Tensor], step: int, wait_seconds: float = 60.0) -> None:
-        """Replace the replica with the trainer's state at `step`.
+    def resync(self, step: int, state: dict[str, torch.Tensor] | None = None, wait_seconds: float = 60.0) -> None:
+        """Replace the replica with the trainer's state at `step` (written into the intake, or given here).
 
         The records before `step` were pushed before the state was exported; wait up to
         `wait_seconds` for them so the log stays whole (0 when they are known lost).
         """
+        if state is not None:
+            self._fill_intake(state)
         if wait_seconds > 0:
             self.ledger.wait_for(step, wait_seconds)
-        self.replay.call(lambda: self.replay.resync(state, step))
+        self.replay.call(lambda: self.replay.commit_intake(step, "resync"))
+
+    def _fill_intake(self, state: dict[str, torch.Tensor]) -> None:
+        layout = ImageLayout.of(state)
+        buffer = self.open_intake(layout)
+        copy_state(layout.views(buffer.bytes), state)
 
     @property
     def ready(self) -> bool:
@@ -159,9 +178,23 @@ class Shadow:
 
     # ------------------------------------------------------------------ out
 
-    def recovery_image(self) -> tuple[Image | None, list[StepRecord]]:
-        """The newest image and every accepted record after it (replayed or not)."""
-        return self.ledger.recovery_view()
+    def recovery_image(self, lend: bool = False) -> tuple[Image | None, list[StepRecord]]:
+        """The newest image and every accepted record after it (replayed or not). `lend`: a trainer reads
+        the image from another process; it is not written again until `give_back`."""
+        return self.ledger.recovery_view(lend=lend)
+
+    def image_bytes(self, token: str, start: int, length: int):
+        """A copy of bytes `start..start+length` of the offered image `token` (for a reader that cannot
+        open it: another node); raises `ImageGoneError` once a newer image has replaced it."""
+        image = self.ledger.image
+        view = image.buffer.bytes if image is not None and image.token == token else None
+        if view is None:
+            raise ImageGoneError(f"the image {token} has been replaced; ask for the newest")
+        return view[start: start + length].numpy().copy()
+
+    def give_back(self, token: str) -> None:
+        """A trainer is done reading the image named `token` (its memory may be reused)."""
+        self.ledger.give_back(token)
 
     def drain(self, step: int, timeout: float = 300.0) -> ShadowMetrics:
         """Wait for every record before `step`, replay them, snapshot at `step`, make it all durable."""
@@ -219,6 +252,11 @@ class Shadow:
             persist_failing_seconds=time.monotonic() - failing if failing is not None else 0.0,
             ingest_error=self.ingest_error, replay_error=replay.error, persist_error=persist.error if persist else None,
             persist_stopped=persist.stopped is not None if persist else False,
+            state_bytes=replay.layout.state_bytes if replay.layout is not None else 0,
+            **{f"{purpose}_bytes": n for purpose, n in replay.budget.held.items()},
+            held_bytes=sum(replay.budget.held.values()), peak_held_bytes=replay.budget.peak,
+            snapshots_deferred=replay.snapshots_deferred, snapshot_error=replay.snapshot_error,
+            snapshot_seconds=replay.last_copy_seconds,
             rank_seconds_per_step=self.rank_seconds_per_step,
             collective_seconds_per_step=self.collective_seconds_per_step, regime=self.regime, source=replay.source,
         )
@@ -239,6 +277,7 @@ class Shadow:
                 except (StorageError, LeaseError) as exc:
                     logger.warning("closing the step log: %s", exc)
             self.lease.release()
+        self.replay.close()
 
 
 def _with_retries(fn: Callable[[], object], what: str, seconds: float = STARTUP_STORAGE_SECONDS):

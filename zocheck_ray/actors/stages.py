@@ -8,6 +8,8 @@ any storage outage, and stops for good only when another writer holds the run.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -15,13 +17,13 @@ import time
 from concurrent.futures import Future
 from typing import Callable
 
-import numpy as np
 import torch
 
-from zocheck_ray.actors.image import ImageLayout, new_buffer, pack_into, unpack
+from zocheck_ray.actors.image import ImageLayout, SharedBuffer, anonymous_buffer, copy_state
 from zocheck_ray.actors.ledger import LOG, REPLAY, RecordLedger
 from zocheck_ray.config import JobConfig
-from zocheck_ray.core import StepRecord, replay, state_hash
+from zocheck_ray.core import StepRecord, ZOConfig, replay, state_hash
+from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout
 from zocheck_ray.faults import FaultInjection
 from zocheck_ray.storage import Lease, LeaseError, LeaseHeldError, SnapshotStore, StepLog, StorageError
 
@@ -37,41 +39,79 @@ STARTUP_STORAGE_SECONDS = 120.0
 
 
 class Image:
-    """An immutable copy of the replica at `step`, plus where it lives (a Ray ObjectRef, if any)."""
+    """A frozen copy of the replica at `step`, in a `SharedBuffer` of the shadow's.
 
-    def __init__(self, step: int, buffer: np.ndarray, layout: ImageLayout, handle=None):
-        self.step, self.buffer, self.layout, self.handle = step, buffer, layout, handle
+    `lent` (trainers that borrowed it) and `pinned` (the persistence stage writes it) are
+    changed only by the ledger, under its lock; the replay stage reads them through `claim`."""
+
+    def __init__(self, step: int, buffer: SharedBuffer, layout: ImageLayout, token: str):
+        self.step, self.buffer, self.layout, self.token = step, buffer, layout, token
+        self.lent = 0
+        self.pinned = False
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The image's tensors (views of its buffer: read them, never write)."""
+        return self.layout.views(self.buffer.bytes)
 
 
 class StageError(RuntimeError):
     """A stage cannot go on (the message says which and why)."""
 
 
+class Budget:
+    """The shadow's bytes of state-sized memory, by purpose, and their peak (read by `metrics`).
+
+    Written only by the replay thread, which allocates and frees all of it."""
+
+    def __init__(self):
+        self.held: dict[str, int] = {"replica": 0, "image": 0, "scratch": 0}
+        self.peak = 0
+
+    def set(self, purpose: str, nbytes: int) -> None:
+        self.held[purpose] = nbytes
+        self.peak = max(self.peak, sum(self.held.values()))
+
+    def add(self, purpose: str, nbytes: int) -> None:
+        self.set(purpose, self.held[purpose] + nbytes)
+
+
 # ---------------------------------------------------------------------------------------- replay
 
 
 class ReplayStage:
-    """Owns the replica: applies the ledger's records, snapshots at multiples of N."""
+    """Owns the replica and the image memory: applies the ledger's records, snapshots at multiples of N."""
 
-    def __init__(self, ledger: RecordLedger, job: JobConfig, publish: Callable[[np.ndarray], object],
-                 on_image: Callable[[Image], None], threads: int | None, faults: FaultInjection):
+    def __init__(self, ledger: RecordLedger, job: JobConfig, on_image: Callable[[Image], None],
+                 threads: int | None, faults: FaultInjection, token_prefix: str = ""):
         self.ledger = ledger
         self.zo = job.zo
         self.threads = threads
         self.snapshot_interval = job.snapshot_interval or 16
-        self._publish = publish
         self._on_image = on_image
         self._delay = faults.replay_delay_seconds
+        self._name = f"zocheck-image-{job.run_id}"
+        self._tokens = (f"{token_prefix}-{i}" for i in itertools.count())
         self.replica: dict[str, torch.Tensor] | None = None
+        self._replica_memory = None
         self.layout: ImageLayout | None = None
+        self.intake: SharedBuffer | None = None
+        """Memory handed out for a trainer to write its state into (`open_intake`), until committed."""
+        self._intake_layout: ImageLayout | None = None
+        self.budget = Budget()
         self.replayed_step = 0
         self.source = "none"
         self.replay_ema = 0.0
         self.snapshots_taken = 0
+        self.snapshots_deferred = 0
+        """Snapshots not taken at their boundary because the image was being persisted (see `_snapshot`)."""
+        self.snapshot_error: str | None = None
+        self.last_copy_seconds: float | None = None
+        """Seconds of the last copy between the replica and an image (a snapshot, an intake's adoption)."""
+        self.last_copy_bytes = 0
         self.resync_count = 0
         self.error: str | None = None
         self.last_record: StepRecord | None = None
-        self._scratch: dict[str, torch.Tensor] | None = None
+        self._scratch: ProfileScratch | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._progress = threading.Condition()
@@ -152,74 +192,200 @@ class ReplayStage:
             self.replayed_step += len(batch)
             self._progress.notify_all()
         if self.replayed_step % n == 0:
-            self._snapshot()
+            self._snapshot(wait=False)
         return True
 
-    def _snapshot(self) -> Image:
-        buffer = pack_into(new_buffer(self.layout), self.replica, self.layout)
-        image = Image(self.replayed_step, buffer, self.layout, self._publish(buffer))
-        self.ledger.release(REPLAY, image.step, image)
+    # ------------------------------------------------------------------ images
+
+    def _snapshot(self, wait: bool) -> Image | None:
+        """Copy the replica into the image memory and offer it; None when deferred (the image is being
+        persisted: a second image would break the budget, so the next boundary takes the snapshot)."""
+        kind, old = self.ledger.claim(wait=wait)
+        if kind == "busy":
+            self.snapshots_deferred += 1
+            return None
+        try:
+            buffer = self._memory_for(kind, old, self.layout)
+        except MemoryError as exc:
+            self.snapshot_error = f"the snapshot of step {self.replayed_step} could not be taken: {exc}"
+            self.ledger.unclaim(missing=self.snapshot_error)
+            logger.error(self.snapshot_error)
+            return None
+        self.snapshot_error = None
+        self._copy(self.layout.views(buffer.bytes), self.replica)
+        return self._offer(buffer, self.replayed_step)
+
+    def _memory_for(self, kind: str, old: Image | None, layout: ImageLayout) -> SharedBuffer:
+        """The claimed image's memory, or new memory when there is none or it is borrowed (a borrowed image
+        is never written again: its borrower holds its own descriptor; this process lets go of it first)."""
+        if kind == "reuse" and old.layout == layout:
+            return old.buffer
+        if old is not None:
+            old.buffer.close()
+            self.budget.add("image", -old.buffer.nbytes)
+        buffer = SharedBuffer(layout.nbytes, self._name)
+        self.budget.add("image", buffer.nbytes)
+        return buffer
+
+    def _offer(self, buffer: SharedBuffer, step: int) -> Image:
+        image = Image(step, buffer, self.layout, next(self._tokens))
+        self.ledger.publish(image)
         self.snapshots_taken += 1
         self._on_image(image)
         return image
 
+    def _copy(self, dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor]) -> None:
+        started = time.perf_counter()
+        copy_state(dst, src, threads=self.threads or 1)
+        self.last_copy_seconds = time.perf_counter() - started
+        self.last_copy_bytes = self.layout.nbytes
+
     # ------------------------------------------------------------------ commands (run on the thread)
 
-    def adopt(self, state: dict[str, torch.Tensor], step: int, source: str) -> Image:
-        """A new replica at `step` (the ledger was reset to `step` first)."""
-        self.layout = ImageLayout.of(state)
-        self.replica = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
+    def open_intake(self, layout: ImageLayout, timeout: float = 300.0) -> SharedBuffer:
+        """Memory for a trainer's state of `layout` (a fresh run's, a resync's), taken from the image's:
+        no image is offered until `commit_intake` or `abort_intake`."""
+        if self.intake is not None and self._intake_layout == layout:
+            return self.intake  # a second request (the first writer was lost): the same memory
+        if self.intake is not None:
+            self.abort_intake()
+        kind, old = self.ledger.claim(wait=True, timeout=timeout)
+        self.intake, self._intake_layout = self._memory_for(kind, old, layout), layout
+        return self.intake
+
+    def commit_intake(self, step: int, source: str) -> Image:
+        """The intake holds the state at `step`: it becomes the replica and the newest image."""
+        if self.intake is None:
+            raise StageError("no intake is open: a trainer's state is written into one first")
+        buffer, layout = self.intake, self._intake_layout
+        self.intake = self._intake_layout = None
+        return self.adopt(buffer, layout, step, source)
+
+    def abort_intake(self) -> None:
+        """Give the intake's memory back to the image: a snapshot of the replica, where there is one."""
+        if self.intake is None:
+            return
+        buffer, self.intake, self._intake_layout = self.intake, None, None
+        if self.replica is not None and buffer.nbytes == self.layout.nbytes:
+            self._copy(self.layout.views(buffer.bytes), self.replica)
+            self._offer(buffer, self.replayed_step)
+        else:
+            buffer.close()
+            self.budget.add("image", -buffer.nbytes)
+            self.ledger.unclaim()
+
+    def adopt(self, buffer: SharedBuffer, layout: ImageLayout, step: int, source: str) -> Image:
+        """`buffer` (claimed image memory of `layout`) holds the state at `step`: the replica becomes a copy
+        of it and it becomes the newest image. A fresh, durable or resynced replica."""
+        if self.layout != layout:
+            if self.replica is not None:
+                logger.warning("the state's layout changed: the replica is rebuilt")
+            self.replica = self._replica_memory = None
+            self.budget.set("replica", 0)
+            flat, self._replica_memory = anonymous_buffer(layout.nbytes)
+            self.budget.set("replica", layout.nbytes)
+            self.replica, self.layout = layout.views(flat), layout
+        if source != "resync":
+            self.ledger.reset(step)  # a fresh or durable replica: the records start here
+        else:
+            if self.ledger.next_step < step:  # records the shadow never got: the ledger (and log) restart there
+                logger.warning("resync to step %d beyond the records received (%d): the log restarts there",
+                               step, self.ledger.next_step)
+                self.ledger.reset(step)
+            self.resync_count += 1
+        self._copy(self.replica, layout.views(buffer.bytes))
         self.source, self.error = source, None
         with self._progress:
             self.replayed_step = step
             self._progress.notify_all()
-        return self._snapshot()
-
-    def resync(self, state: dict[str, torch.Tensor], step: int) -> Image:
-        """The trainer's state at `step` replaces the replica (caps the lag, repairs a failed replay)."""
-        if self.ledger.next_step < step:  # records the shadow never got: start the ledger (and log) at `step`
-            logger.warning("resync to step %d beyond the records received (%d): the log restarts there",
-                           step, self.ledger.next_step)
-            self.ledger.reset(step)
-        for name, tensor in state.items():
-            self.replica[name].copy_(tensor)
-        self.resync_count += 1
-        self.source, self.error = "resync", None
-        with self._progress:
-            self.replayed_step = step
-            self._progress.notify_all()
-        return self._snapshot()
+        return self._offer(buffer, step)
 
     def snapshot_now(self, step: int) -> Image:
         """The image at `step` (the replica must be there), taken unless the newest one is it."""
         if self.replayed_step != step:
             raise StageError(f"the replica is at step {self.replayed_step}, not {step}")
         image = self.ledger.image
-        return image if image is not None and image.step == step else self._snapshot()
+        if image is not None and image.step == step:
+            return image
+        image = self._snapshot(wait=True)
+        if image is None:
+            raise StageError(self.snapshot_error or f"the snapshot of step {step} could not be taken")
+        return image
 
     def profile_replay(self, threads: int) -> float | None:
-        """Seconds to replay the newest record with `threads` threads on a scratch copy (kernel warmed)."""
+        """Seconds to replay the newest record with `threads` threads on all of the replica, estimated from
+        a scratch copy of its first `SCRATCH_BYTES` (a copy of the whole replica would break the budget)."""
         record = self.last_record
         if record is None:
             return None
         if self._scratch is None:
-            self._scratch = {k: v.clone() for k, v in self.replica.items()}
-        replay(self._scratch, [record], self.zo, threads=threads)  # untimed: loads the kernel for `threads`
+            self._scratch = ProfileScratch(self.replica, self.zo)
+            self.budget.set("scratch", self._scratch.bytes)
+        scratch, record = self._scratch.state, self._scratch.record_for(record)
+        replay(scratch, [record], self.zo, threads=threads)  # untimed: loads the kernel for `threads`
         started = time.perf_counter()
-        replay(self._scratch, [record], self.zo, threads=threads)
-        return time.perf_counter() - started
+        replay(scratch, [record], self.zo, threads=threads)
+        return (time.perf_counter() - started) / self._scratch.fraction
 
     def profile_snapshot(self) -> float:
-        started = time.perf_counter()
-        pack_into(new_buffer(self.layout), self.replica, self.layout)
-        return time.perf_counter() - started
+        """Seconds of a snapshot's copy: the last copy between the replica and an image, as measured."""
+        if self.last_copy_seconds is None:
+            raise StageError("no copy between the replica and an image has been timed yet")
+        return self.last_copy_seconds
 
     def end_profile(self, threads: int, snapshot_interval: int) -> None:
         self._scratch = None
+        self.budget.set("scratch", 0)
         self.threads, self.snapshot_interval = threads, snapshot_interval
 
     def replica_hash(self) -> tuple[int, str]:
         return self.replayed_step, state_hash(self.replica)
+
+    def close(self) -> None:
+        """Let go of the image memory (a stopped shadow); borrowers keep what they opened."""
+        image = self.ledger.image
+        for buffer in (image.buffer if image is not None else None, self.intake):
+            if buffer is not None:
+                buffer.close()
+
+
+SCRATCH_BYTES = 64 << 20
+"""The most the startup profile copies of the replica to time replays on (bounded, not state-sized)."""
+
+
+class ProfileScratch:
+    """A copy of the replica's leading parameters (and their moments), `SCRATCH_BYTES` at most, to time
+    replays on without touching the replica. A large tensor is cut along its first dimension (its rank,
+    so its weight decay, is kept); replay time is proportional to elements, and `fraction` scales a
+    timing up to the whole state. Records are re-keyed to the scratch's layout (`record_for`)."""
+
+    def __init__(self, replica: dict[str, torch.Tensor], zo: ZOConfig):
+        moments = (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX) if zo.optimizer == "zo-adam" else ()
+        names = [n for n in replica if not n.startswith((EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX))]
+        total = sum(replica[n].numel() for n in names)
+        params, taken, elements = {}, 0, 0
+        for name in names:
+            if taken >= SCRATCH_BYTES:
+                break
+            t = replica[name]
+            per_element = t.element_size() + 4 * len(moments)  # moments are float32
+            row = max(1, t[0].numel()) if t.dim() else 1
+            rows = t.shape[0] if t.dim() else 1
+            keep = min(rows, max(1, (SCRATCH_BYTES - taken) // (per_element * row)))
+            params[name] = (t[:keep] if t.dim() else t).clone()
+            taken += params[name].numel() * per_element
+            elements += params[name].numel()
+        self.state = dict(params)
+        for prefix in moments:
+            for name, p in params.items():
+                self.state[prefix + name] = replica[prefix + name][: p.shape[0] if p.dim() else None].clone()
+        self.bytes = sum(t.numel() * t.element_size() for t in self.state.values())
+        self.fraction = elements / max(total, 1)
+        self._fingerprint = Layout.from_state(self.state, zo).fingerprint(zo)
+        self._params = len(params)
+
+    def record_for(self, record: StepRecord) -> StepRecord:
+        return dataclasses.replace(record, fingerprint=self._fingerprint, extras=record.extras[: self._params])
 
 
 # ---------------------------------------------------------------------------------------- persist
@@ -247,8 +413,6 @@ class PersistStage:
         self.failing_since: float | None = None
         self.stopped: str | None = None
         """Why persistence stopped for good (another writer took the run's lease), if it did."""
-        self._image: Image | None = None
-        self._image_lock = threading.Lock()   # the one-slot mailbox: the newest image wins
         self._seal_requested = False
         self._durable = threading.Condition()
         self._wake = threading.Event()
@@ -258,10 +422,8 @@ class PersistStage:
     def start(self) -> None:
         self._thread.start()
 
-    def offer(self, image: Image) -> None:
-        with self._image_lock:
-            if self._image is None or image.step >= self._image.step:
-                self._image = image
+    def wake(self) -> None:
+        """A new image is offered: the next pass persists it (the newest wins; older ones are skipped)."""
         self._wake.set()
 
     def wait_durable(self, step: int, timeout: float) -> bool:
@@ -373,20 +535,17 @@ class PersistStage:
         self.ledger.release(LOG, (durable + 1) if durable is not None else self.ledger.generation_start)
 
     def _persist_image(self) -> None:
-        with self._image_lock:
-            image = self._image
-        if image is None or image.step == self.durable_step:
+        image = self.ledger.pin(skip_step=self.durable_step)  # read in place: pinned, it is not rewritten
+        if image is None:
             return
         self.persist_in_flight = True
         started = time.perf_counter()
         try:
-            self.store.save(image.step, unpack(image.buffer, image.layout, copy=False), self._meta)
+            self.store.save(image.step, image.tensors(), self._meta)
         finally:
+            self.ledger.unpin(image)
             self.persist_in_flight = False
             self.last_persist_seconds = time.perf_counter() - started
-        with self._image_lock:
-            if self._image is image:
-                self._image = None
         # Before the snapshot is reported durable, so a drained run's log is already collected.
         try:
             committed = self.store.committed()

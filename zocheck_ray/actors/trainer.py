@@ -1,9 +1,11 @@
 """The trainer: the unmodified ZO loop, publishing each step's record to the shadow.
 
 `Trainer` is Ray-free; `TrainerActor` (ray_actors.py) wraps it. On construction it
-recovers: it asks the shadow for its newest image and the records after it,
-replays them on its own device and resumes at the next step; with no image, it
-starts fresh and hands the shadow its initial state.
+recovers: it asks the shadow for its newest image and the records after it, builds
+its model as a skeleton (parameters allocated, neither initialised nor loaded: the
+image overwrites every one), copies the image into it, replays the records on its own
+device and resumes at the next step; with no image, it builds the model with its
+weights, starts fresh and hands the shadow its initial state.
 
 The batch of step t comes from the job's task (`task.batch(t)`, a pure function of
 (task.data_seed, t)). Held-out evaluation runs every `task.eval_interval` steps, at
@@ -33,6 +35,7 @@ from zocheck_ray.actors.collective import LossGroup, RankLostError, reduce_in_ra
 from zocheck_ray.actors.publisher import FLUSH_SECONDS, Publisher, ShadowLink
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, replay, state_hash
+from zocheck_ray.core.errors import StateMismatchError
 from zocheck_ray.core.triton_kernels import replay_on_device
 from zocheck_ray.core.fused import warm_up
 from zocheck_ray.faults import NO_FAULTS, FaultInjection
@@ -67,16 +70,23 @@ class Trainer:
             warm = threading.Thread(target=warm_up, args=(TORCH_DTYPES[job.dtype], job.zo), name="zocheck-warm-up")
             warm.start()
         self.task = build_task(job.task, job.model)
-        self.model = build_model(job.model, job.dtype, seed=job.run_seed).to(self.device)
+        # Asked first: with an image to recover from, the model's weights would only be overwritten.
+        offer = None if defer_recovery else self.shadow.recovery_image()
+        restoring = defer_recovery or offer is not None
+        self.model = build_model(job.model, job.dtype, seed=job.run_seed, device=self.device,
+                                 weights="none" if restoring else "load")
         self.opt = ZOOptimizer(trainable_parameters(self.model), job.zo)
+        self._skeleton = restoring
+        """The parameters hold nothing until an image is copied into them."""
+        self.build_seconds = time.perf_counter() - started
         if warm is not None:
             warm.join()
         self.publisher: Publisher | None = None
         if defer_recovery:
             self.recovery = {"step": None, "source": "deferred", "replayed_records": 0,
-                             "seconds": time.perf_counter() - started}
+                             "seconds": time.perf_counter() - started, "build_seconds": self.build_seconds}
         else:
-            self._restore(started)
+            self._restore(started, offer, asked=True)
         self._publish_ns: list[int] = []
         self.step_hashes: dict[int, str] = {}
         self._step_seconds: list[float] = []
@@ -92,11 +102,15 @@ class Trainer:
     def step(self) -> int:
         return self.opt.step_index
 
-    def _restore(self, started: float) -> None:
+    def _restore(self, started: float, offer=None, asked: bool = False) -> None:
+        """Recover (from `offer`, or from what the shadow offers now unless it was `asked` already)."""
         restore_started = time.perf_counter()
-        self.recovery, held = self._recover()
+        if not asked:
+            offer = self.shadow.recovery_image()
+        self.recovery, held = self._recover(offer)
         self.recovery["restore_seconds"] = time.perf_counter() - restore_started  # image + records -> state
         self.recovery["seconds"] = time.perf_counter() - started
+        self.recovery["build_seconds"] = self.build_seconds
         # The records the shadow holds only in memory stay with the trainer until they are durable.
         self.publisher = Publisher(self.shadow, self.step, lambda: self.opt.step_index, held,
                                    publishing=self.rank == 0)
@@ -115,16 +129,24 @@ class Trainer:
             raise RuntimeError(f"rank {self.rank} recovered to step {self.step}, not {step}: the shadow lacks records")
         return self.recovery
 
-    def _recover(self) -> tuple[dict, list]:
+    def _recover(self, offer) -> tuple[dict, list]:
         began = time.perf_counter()
-        state, step, records, source = self.shadow.recovery_image()
-        fetched = time.perf_counter()
-        if state is None:
+        if offer is None:
+            if self._skeleton or self.torn_at is not None or self.opt.step_index > 0:
+                raise RuntimeError(f"rank {self.rank} must restore its state from the shadow, which holds no image "
+                                   "(a shadow that was never initialized, or lost its image)")
             if self.rank == 0:  # the other ranks build the same initial state from run_seed
-                initial = {k: v.detach().to("cpu").clone() for k, v in self.opt.state_tensors().items()}
-                self.shadow.initialize(initial, 0)
+                self.shadow.initialize(self.opt.state_tensors(), 0)
             return {"step": 0, "source": "fresh", "replayed_records": 0}, []
-        self.opt.load_state_tensors({k: v.to(self.device) for k, v in state.items()}, step=step)
+        step, records, source = offer.step, offer.records, offer.source
+        try:
+            offer.copy_into(self.opt.state_tensors())
+        except ValueError as exc:  # the image is of another model or optimizer
+            raise StateMismatchError(f"the shadow's image of step {step} does not fit this trainer: {exc}") from exc
+        finally:
+            offer.release()
+        self._skeleton = False
+        self.opt.step_index = step
         marker = self.faults.crash_in_recovery_marker
         if marker and not os.path.exists(marker):
             open(marker, "w").close()
@@ -142,8 +164,8 @@ class Trainer:
                     self.opt.step_index, source, step, len(records))
         digest = state_hash(self.opt.state_tensors()) if self.job.hash_every_step else None
         return {"step": self.opt.step_index, "source": source, "image_step": step, "replayed_records": len(records),
-                "state_hash": digest, "fetch_seconds": fetched - began, "install_seconds": loaded - fetched,
-                "replay_seconds": replayed - loaded, "hash_seconds": time.perf_counter() - replayed}, records
+                "state_hash": digest, "install_seconds": loaded - began, "replay_seconds": replayed - loaded,
+                "hash_seconds": time.perf_counter() - replayed, "state_bytes": offer.layout.state_bytes}, records
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics of the current state (recorded under the current step)."""
@@ -253,10 +275,11 @@ class Trainer:
             except Exception:  # never end the publishing thread: the next tick tries again
                 logger.exception("publishing failed")
 
-    def export_state(self) -> tuple[dict[str, torch.Tensor], int]:
-        """A CPU copy of the state at the current step boundary (for a resync)."""
+    def export_to_shadow(self) -> int:
+        """Write the state at the current step boundary into the shadow's intake (a resync); returns the step."""
         self.publisher.flush()
-        return {k: v.detach().to("cpu").clone() for k, v in self.opt.state_tensors().items()}, self.step
+        self.shadow.write_state(self.opt.state_tensors())
+        return self.step
 
     def state_hash(self) -> tuple[int, str]:
         return self.step, state_hash(self.opt.state_tensors())

@@ -49,8 +49,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from zocheck_ray.actors.image import unpack
-from zocheck_ray.actors.publisher import PushReply, poll_answered
+from zocheck_ray.actors.publisher import PushReply, StateOffer, poll_answered
 from zocheck_ray.actors.trainer import Trainer
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import state_hash
@@ -143,7 +142,7 @@ class DurableLink:
         started = time.perf_counter()
         latest = self.store.latest()
         if latest is None:
-            return None, 0, [], "fresh"
+            return None
         tensors, _ = self.store.load(latest)
         loaded = time.perf_counter()
         records = read_log(self.log_url, after_step=latest.step - 1, storage_options=self.job.storage_options)
@@ -151,7 +150,7 @@ class DurableLink:
                        "read_log_seconds": time.perf_counter() - loaded, "records": len(records)}
         self._open_log(latest.step + len(records))
         self._next = latest.step + len(records)
-        return tensors, latest.step, records, "initial" if latest.step == 0 else "checkpoint"
+        return StateOffer(tensors, latest.step, records, "initial" if latest.step == 0 else "checkpoint")
 
     def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
         """A fresh run: the initial state is written once, before the first step."""
@@ -185,13 +184,14 @@ class InProcessShadowLink:
         self.shadow = shadow
 
     def recovery_image(self):
-        image, records = self.shadow.recovery_image()
+        image, records = self.shadow.recovery_image(lend=True)
         if image is None:
-            return None, 0, [], "fresh"
-        return unpack(image.buffer, image.layout, copy=True), image.step, records, "memory"
+            return None
+        return StateOffer(image.tensors(), image.step, records, "memory",
+                          release=lambda: self.shadow.give_back(image.token))
 
     def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
-        self.shadow.initialize(state, step)
+        self.shadow.initialize(step, state)
 
     def push(self, data: bytes, trainer_step: int | None = None) -> PushReply:
         return self.shadow.push(data, trainer_step)

@@ -17,7 +17,7 @@ Two parameter sets, each as one `Timings`:
 (a) `measured`: every cost measured here, in this run, on an OPT model built from a
     config: the trainer's ZO step (two forward passes and the update) for T_gpu, the
     fused replay of one record for T_rep and T_rec, the shadow's snapshot copy
-    (`pack_into`) for C_snap and the image load, a `SnapshotStore.save` for T_per and the
+    (`copy_state` into shared memory) for C_snap and the image load, a `SnapshotStore.save` for T_per and the
     synchronous save, a `SnapshotStore.load` for the storage read, the async baseline's
     staging copy (`baselines.stage`) for C_copy, the append that publishes a record for
     the logging cost, and a fresh Python process that imports torch and builds the model

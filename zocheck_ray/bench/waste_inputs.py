@@ -124,7 +124,7 @@ def measure_timings(hidden: int = 512, layers: int = 4, batch_size: int = 4, seq
     """Every cost-model input measured on this machine (see the module docstring)."""
     import torch
 
-    from zocheck_ray.actors.image import ImageLayout, new_buffer, pack_into
+    from zocheck_ray.actors.image import ImageLayout, SharedBuffer, copy_state
     from zocheck_ray.bench.baselines import stage
     from zocheck_ray.core import ZOConfig, ZOOptimizer, replay
     from zocheck_ray.storage import SnapshotStore
@@ -156,8 +156,11 @@ def measure_timings(hidden: int = 512, layers: int = 4, batch_size: int = 4, seq
     replay_step = statistics.median(replay_samples)
 
     layout = ImageLayout.of(replica)
-    buffer = new_buffer(layout)
-    snapshot = _median_time(lambda: pack_into(buffer, replica, layout), repeats)
+    buffer = SharedBuffer(layout.nbytes)
+    image = layout.views(buffer.bytes)
+    snapshot = _median_time(lambda: copy_state(image, replica), repeats)
+    del image
+    buffer.close()
     live = opt.state_tensors()
     load = _median_time(lambda: [live[k].copy_(replica[k]) for k in live], repeats)
     staging = stage(live)
@@ -191,7 +194,7 @@ def measure_timings(hidden: int = 512, layers: int = 4, batch_size: int = 4, seq
         "gpu_step_seconds": (gpu_step, f"median ZO step (2 forward passes + update) of the {size}, batch "
                              f"{batch_size} x {seq_len} tokens, {steps} steps, on this CPU"),
         "replay_step_seconds": (replay_step, "median fused replay of one record (core.replay)"),
-        "snapshot_cost_seconds": (snapshot, "median shadow snapshot copy (actors.image.pack_into)"),
+        "snapshot_cost_seconds": (snapshot, "median shadow snapshot copy (actors.image.copy_state into shared memory)"),
         "persist_seconds": (persist, "median SnapshotStore.save to a local directory"),
         "checkpoint_save_seconds": (persist, "as persist_seconds: the sync baseline writes the same store"),
         "storage_read_seconds": (read, "median SnapshotStore.load (hashes verified)"),

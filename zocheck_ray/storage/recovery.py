@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 from pydantic import ValidationError
@@ -42,11 +43,14 @@ class Recovery:
 
 
 def recover(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *, storage_options: dict | None = None,
-            config: ZOConfig | None = None, threads: int | None = None) -> Recovery:
+            config: ZOConfig | None = None, threads: int | None = None,
+            out: Mapping[str, torch.Tensor] | None = None) -> Recovery:
     """Rebuild the newest exact state from a snapshot store and the step log.
 
     `snapshots` is a store or its URL (the run's root); `log` a `StepLog` or URL, by
     default the same root. `config` overrides the ZO config saved in the manifest.
+    `out`: CPU tensors of the snapshot's layout to read and replay into (the one copy of the
+    state this takes; without it, one is allocated).
     """
     store = snapshots if isinstance(snapshots, SnapshotStore) else SnapshotStore(
         snapshots, storage_options, create=False)
@@ -56,7 +60,7 @@ def recover(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *,
         raise SnapshotNotFoundError(f"no committed snapshot under {store.url}: nothing to recover from")
     for info in infos:
         try:
-            state, meta = store.load(info)
+            state, meta = store.load(info, out=out)
         except CorruptSnapshotError as exc:
             logger.warning("snapshot at step %d is unusable, trying an older one: %s", info.step, exc)
             problems.append(str(exc))

@@ -42,7 +42,7 @@ from zocheck_ray.storage.errors import CorruptSnapshotError, SnapshotNotFoundErr
 from zocheck_ray.storage.fs import PROBE_PREFIX, TMP_MARK, Storage, file_size, open_storage
 from zocheck_ray.storage.lease import Lease, check_lease_for, require_lease
 from zocheck_ray.storage.manifest import FileEntry, Manifest, SnapshotMeta, TensorEntry
-from zocheck_ray.storage.tensorfile import DTYPE_BY_NAME, read_tensors, write_tensors
+from zocheck_ray.storage.tensorfile import CHUNK_BYTES, DTYPE_BY_NAME, read_tensors, write_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -334,6 +334,29 @@ class SnapshotStore:
         meta = SnapshotMeta(run_id=manifest.run_id, zo_config=manifest.zo_config, hf_config=hf_config,
                             user=manifest.user)
         return tensors, meta
+
+    def check(self, which: SnapshotInfo | int) -> SnapshotInfo:
+        """Every file of a committed snapshot read back and hashed, without loading its tensors (the
+        memory of one read chunk); returns its info. Raises `CorruptSnapshotError` naming what is damaged."""
+        info = which if isinstance(which, SnapshotInfo) else self.get(which)
+        directory = snapshot_dir(info.step)
+        for name, entry in info.manifest.files.items():
+            rel = f"{directory}/{name}"
+            url = self.storage.url_of(rel)
+            digest, size = hashlib.sha256(), 0
+            try:
+                with self.storage.open_read(rel) as f:
+                    while chunk := f.read(CHUNK_BYTES):
+                        digest.update(chunk)
+                        size += len(chunk)
+            except FileNotFoundError as exc:
+                raise CorruptSnapshotError(f"{url} is missing from a committed snapshot", url) from exc
+            if digest.hexdigest() != entry.sha256 or size != entry.size:
+                raise CorruptSnapshotError(f"{url} fails its SHA-256 check (the file is damaged)", url)
+        if _state_hash_of_files(info.manifest.tensors, info.manifest.files) != info.manifest.state_hash:
+            url = self.storage.url_of(f"{directory}/{MANIFEST_FILE}")
+            raise CorruptSnapshotError(f"the tensors of {info.url} do not hash to the state_hash in {url}", url)
+        return info
 
     def _file_entry(self, manifest: Manifest, directory: str, name: str) -> FileEntry:
         if name not in manifest.files:

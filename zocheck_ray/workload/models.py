@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 from zocheck_ray.workload.errors import ModelNotFoundError
+from zocheck_ray.workload.weights import checkpoint_files, load_checkpoint, skeleton
 
 SMALL_MODELS: dict[str, dict] = {
     "tiny-opt": dict(
@@ -162,45 +163,68 @@ def _init_missing(model: torch.nn.Module, missing: list[str], seed: int) -> None
             param.copy_(values.to(param.dtype))
 
 
-def _load_directory(directory: Path, torch_dtype: torch.dtype, seed: int, overrides: dict | None):
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+def _load_directory(directory: Path, torch_dtype: torch.dtype, seed: int, overrides: dict | None,
+                    weights: Weights, device: str | torch.device):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config = json.loads((directory / "config.json").read_text())
     config.update(overrides or {})
     cls = AutoModelForSequenceClassification if _kind_of(config) == "sequence-classification" else AutoModelForCausalLM
-    with torch.random.fork_rng(devices=[]):  # transformers may draw from the global RNG; leave the caller's alone
-        model, info = cls.from_pretrained(directory, dtype=torch_dtype, local_files_only=True,
-                                          output_loading_info=True, **(overrides or {}))
-    _init_missing(model, sorted(info.get("missing_keys", [])), seed)
+    files = checkpoint_files(directory)
+    if files is None:  # no safetensors: transformers loads it (and a skeleton is the whole model)
+        with torch.random.fork_rng(devices=[]):  # transformers may draw from the global RNG; leave the caller's
+            model, info = cls.from_pretrained(directory, dtype=torch_dtype, local_files_only=True,
+                                              output_loading_info=True, **(overrides or {}))
+        _init_missing(model, sorted(info.get("missing_keys", [])), seed)
+        return model.to(device)
+    hf_config = AutoConfig.from_pretrained(directory, local_files_only=True, **(overrides or {}))
+    # Built as `from_pretrained` builds it (from the config, in the checkpoint's dtype): the same buffers.
+    with torch.random.fork_rng(devices=[]):
+        model = skeleton(lambda: cls.from_config(hf_config, dtype=torch_dtype), device)
+    if weights == "load":
+        missing = load_checkpoint(model, files, prefix=model.base_model_prefix)
+        _init_missing(model, missing, seed)
     return model
 
 
+Weights = Literal["load", "none"]
+"""`load`: the model's weights (initialised from the seed, or read from its checkpoint); `none`: a skeleton
+whose parameters are allocated but hold nothing yet (a recovering trainer fills them from an image)."""
+
+
 def build_model(name: str, dtype: str = "fp32", seed: int = 0, overrides: dict | None = None,
-                device: str | torch.device = "cpu") -> torch.nn.Module:
+                device: str | torch.device = "cpu", weights: Weights = "load") -> torch.nn.Module:
     """A named small model (see `SMALL_MODELS`), a packaged one (`PACKAGED_MODELS`) or a model directory.
 
     Weights are initialised from `seed`, so the same call gives the same model everywhere.
+    A directory's safetensors files are read straight into the parameters (`workload.weights`).
     For a directory or packaged model, `overrides` are config fields passed to
     `from_pretrained` (e.g. `{"num_labels": 3}` for a new classification head).
+    `weights="none"` builds the same model without initialising or loading any parameter.
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(TORCH_DTYPES)}")
+    if weights not in ("load", "none"):
+        raise ValueError(f"weights must be 'load' or 'none', got {weights!r}")
     torch_dtype = TORCH_DTYPES[dtype]
     directory = model_directory(name)
     if directory is not None:
-        model = _load_directory(directory, torch_dtype, seed, overrides)
+        model = _load_directory(directory, torch_dtype, seed, overrides, weights, device)
     else:
         config = _config(name, overrides)
         cls = AutoModelForSequenceClassification if _kind_of(config.to_dict()) == "sequence-classification" \
             else AutoModelForCausalLM
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = cls.from_config(config)
-        model = model.to(torch_dtype)
+        if weights == "none":  # the same construction and casts as below, the parameters left empty
+            model = skeleton(lambda: cls.from_config(config).to(torch_dtype), device)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = cls.from_config(config)
+            model = model.to(torch_dtype).to(device)
     model.eval()  # ZO uses forward passes only: no dropout
-    return model.to(device)
+    return model
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

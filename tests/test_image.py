@@ -1,0 +1,244 @@
+"""State images in shared memory: the layout, the windowed hand-over between processes, and who may write an image.
+
+The hand-over is what a recovering trainer does with the shadow's image: open it through
+/proc and copy it window by window, never holding it whole. Everything here is exact
+(`torch.equal`) and runs without Ray.
+"""
+
+import mmap
+import multiprocessing
+import os
+import threading
+
+import pytest
+import torch
+
+from zocheck_ray.actors.image import (
+    ImageGoneError, ImageHandle, ImageLayout, SharedBuffer, WindowPlan, copy_state, open_image, transfer,
+)
+from zocheck_ray.actors.ledger import NoImageError, RecordLedger
+from zocheck_ray.actors.stages import Image
+
+PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+def mixed_state(scale: int = 1) -> dict[str, torch.Tensor]:
+    """Tensors of every dtype, sized so that small windows cut through them."""
+    g = torch.Generator().manual_seed(0)
+    return {"embed": torch.randn(3 * scale, 1000, generator=g),
+            "norm": torch.randn(17, generator=g).bfloat16(),
+            "proj": torch.randn(5 * scale, 999, generator=g).half(),
+            "bias": torch.randn(1, generator=g)}
+
+
+def zeros_like(state):
+    return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+def filled_buffer(state) -> tuple[SharedBuffer, ImageLayout]:
+    layout = ImageLayout.of(state)
+    buffer = SharedBuffer(layout.nbytes)
+    copy_state(layout.views(buffer.bytes), state)
+    return buffer, layout
+
+
+def assert_equal(a, b):
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_every_tensor_starts_aligned_and_views_cover_exactly_its_bytes():
+    state = mixed_state()
+    layout = ImageLayout.of(state)
+    assert all(offset % 64 == 0 for offset in layout.offsets)
+    assert layout.state_bytes == sum(t.numel() * t.element_size() for t in state.values())
+    assert layout.nbytes >= layout.state_bytes
+    assert layout.matches(state) is None
+    assert "proj" in layout.matches({**state, "proj": state["proj"].float()})
+    assert "order" in layout.matches(dict(reversed(list(state.items()))))
+
+
+@pytest.mark.parametrize("window", [PAGE, 3 * PAGE, 1 << 26])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_image_read_through_proc_in_windows_equals_its_state(window, threads):
+    state = mixed_state(scale=4)
+    buffer, layout = filled_buffer(state)
+    handle = ImageHandle.of(buffer, layout, token="t", step=7)
+    fd = open_image(handle)
+    try:
+        out = zeros_like(state)
+        transfer(fd, handle.layout, out, "from_image", threads=threads, window=window)
+    finally:
+        os.close(fd)
+        buffer.close()
+    assert_equal(out, state)
+
+
+@pytest.mark.parametrize("window", [PAGE, 1 << 26])
+def test_a_state_written_into_an_intake_in_windows_is_the_state(window):
+    state = mixed_state(scale=4)
+    layout = ImageLayout.of(state)
+    buffer = SharedBuffer(layout.nbytes)
+    handle = ImageHandle.of(buffer, layout, token="intake", step=None)
+    fd = open_image(handle, write=True)
+    try:
+        transfer(fd, layout, state, "to_image", window=window)
+        written = {k: v.clone() for k, v in layout.views(buffer.bytes).items()}
+    finally:
+        os.close(fd)
+        buffer.close()
+    assert_equal(written, state)
+
+
+def test_every_window_piece_covers_each_byte_of_each_tensor_once():
+    state = mixed_state(scale=4)
+    layout = ImageLayout.of(state)
+    plan = WindowPlan(layout, state, window=PAGE)
+    covered = {name: [] for name in state}
+    for start, pieces in plan.pieces.items():
+        for name, at, a, b in pieces:
+            assert 0 <= at and at + (b - a) <= plan.length(start)
+            covered[name].append((a, b))
+    for name, spans in covered.items():
+        spans.sort()
+        assert spans[0][0] == 0 and spans[-1][1] == state[name].numel() * state[name].element_size()
+        assert all(x[1] == y[0] for x, y in zip(spans, spans[1:])), name
+
+
+def test_a_state_of_another_layout_is_refused_by_name():
+    state = mixed_state()
+    buffer, layout = filled_buffer(state)
+    fd = open_image(ImageHandle.of(buffer, layout, token="t", step=0))
+    try:
+        wrong = {**zeros_like(state), "norm": torch.zeros(18, dtype=torch.bfloat16)}
+        with pytest.raises(ValueError, match="norm"):
+            transfer(fd, layout, wrong, "from_image")
+    finally:
+        os.close(fd)
+        buffer.close()
+
+
+def test_an_image_its_owner_closed_is_gone_and_an_open_one_outlives_its_owner():
+    state = mixed_state()
+    buffer, layout = filled_buffer(state)
+    handle = ImageHandle.of(buffer, layout, token="t", step=3)
+    fd = open_image(handle)          # opened before the owner lets go: the pages stay
+    buffer.close()
+    with pytest.raises(ImageGoneError):
+        open_image(handle)           # opened after: gone, ask for the newest
+    try:
+        out = zeros_like(state)
+        transfer(fd, layout, out, "from_image")
+    finally:
+        os.close(fd)
+    assert_equal(out, state)
+
+
+def _own_an_image(nbytes, ready, done):
+    buffer = SharedBuffer(nbytes)
+    buffer.bytes.fill_(7)
+    ready.put((os.getpid(), buffer.fd))
+    done.wait()
+    buffer.close()
+
+
+def _peak_resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+def test_a_reader_in_another_process_never_holds_more_than_a_window_of_the_image():
+    nbytes, window = 256 << 20, 16 << 20
+    ctx = multiprocessing.get_context("spawn")
+    ready, done = ctx.Queue(), ctx.Event()
+    owner = ctx.Process(target=_own_an_image, args=(nbytes, ready, done))
+    owner.start()
+    try:
+        pid, fd_number = ready.get(timeout=120)
+        layout = ImageLayout.from_specs([("w", "float32", (nbytes // 4,))])
+        handle = ImageHandle(pid=pid, fd=fd_number, node_id=None, token="t", step=0, names=layout.names,
+                             dtypes=layout.dtypes, shapes=layout.shapes)
+        out = {"w": torch.zeros(nbytes // 4)}  # faulted in now: the copy adds only mapped windows
+        before = _peak_resident_bytes()
+        fd = open_image(handle)
+        try:
+            transfer(fd, layout, out, "from_image", window=window)
+        finally:
+            os.close(fd)
+        grown = _peak_resident_bytes() - before
+    finally:
+        done.set()
+        owner.join(timeout=60)
+    assert torch.equal(out["w"].view(torch.uint8)[:4096], torch.full((4096,), 7, dtype=torch.uint8))
+    assert grown <= 2 * window, f"the reader's peak grew by {grown / 2**20:.0f} MiB for a {nbytes >> 20} MiB image"
+
+
+# ---------------------------------------------------------------------------------------- who writes
+
+
+def image_at(step: int, state=None) -> Image:
+    state = state or mixed_state()
+    buffer, layout = filled_buffer(state)
+    return Image(step, buffer, layout, token=f"img-{step}")
+
+
+def test_an_image_nobody_reads_is_reused_and_a_pinned_one_defers_the_snapshot():
+    ledger = RecordLedger(0)
+    assert ledger.claim() == ("new", None)
+    first = image_at(0)
+    ledger.publish(first)
+    pinned = ledger.pin(skip_step=None)
+    assert pinned is first and ledger.pin(skip_step=0) is None  # persisted already: nothing to pin
+    assert ledger.claim() == ("busy", first)                    # persistence reads it: the snapshot waits
+    assert ledger.image is first
+    ledger.unpin(first)
+    assert ledger.claim() == ("reuse", first) and ledger.image is None
+    first.buffer.close()
+
+
+def test_a_borrowed_image_is_replaced_not_rewritten_until_it_is_given_back():
+    ledger = RecordLedger(0)
+    ledger.claim()
+    image = image_at(0)
+    ledger.publish(image)
+    lent, records = ledger.recovery_view(lend=True)
+    assert lent is image and records == []
+    assert ledger.give_back("another-token") is False
+    assert ledger.claim() == ("replace", image)                # still borrowed: never written again
+    ledger.publish(image)
+    ledger.recovery_view(lend=True)
+    assert ledger.give_back(image.token) is True
+    assert ledger.give_back(image.token) is True and image.lent == 0
+    assert ledger.claim() == ("reuse", image)
+    image.buffer.close()
+
+
+def test_a_recovery_waits_for_the_image_being_written_and_gets_the_new_one():
+    ledger = RecordLedger(0)
+    ledger.claim()
+    ledger.publish(image_at(0))
+    kind, old = ledger.claim()
+    assert kind == "reuse"
+    got = []
+    reader = threading.Thread(target=lambda: got.append(ledger.recovery_view(lend=True)))
+    reader.start()
+    reader.join(timeout=0.2)
+    assert reader.is_alive() and not got  # no image is offered while its memory is written
+    new = Image(4, old.buffer, old.layout, token="img-4")
+    ledger.publish(new)
+    reader.join(timeout=60)
+    assert got and got[0][0] is new and new.lent == 1
+    new.buffer.close()
+
+
+def test_an_initialized_shadow_without_an_image_says_why_instead_of_offering_a_fresh_start():
+    ledger = RecordLedger(0)
+    assert ledger.recovery_view() == (None, [])  # never initialized: a fresh run
+    ledger.claim()
+    ledger.unclaim(missing="the snapshot of step 8 could not be taken: out of memory")
+    with pytest.raises(NoImageError, match="out of memory"):
+        ledger.recovery_view()
