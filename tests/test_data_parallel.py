@@ -15,7 +15,8 @@ import yaml
 
 from reference_runs import job_for, uninterrupted_data_parallel_hashes, uninterrupted_hashes
 from zocheck_ray.config import JobConfigError, load_job_config
-from zocheck_ray.controller import Action, Failure, decide, run
+from zocheck_ray.control import Action, Failure, FailureBudget, decide
+from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.verify import verify_run
 
 
@@ -67,17 +68,21 @@ def test_bad_input_fails_before_any_actor(tmp_path):
     assert not ray.util.list_named_actors(all_namespaces=True)
 
 
-def test_a_lost_rank_is_restarted():
-    failure = Failure("rank_lost", 12, "injected", mode="software", ranks=(1,))
-    assert decide(failure, dp_job("/tmp")).action is Action.RESTART
+def test_a_lost_rank_is_restarted_within_the_failure_budget():
+    job = dp_job("/tmp")
+    budget = FailureBudget(job.max_restarts)
+    failure = Failure("trainer_lost", 12, "injected", mode="software", ranks=(1,))
+    assert all(decide(failure, job, budget).action is Action.RESTART for _ in range(job.max_restarts))
+    decision = decide(failure, job, budget)
+    assert decision.action is Action.FAIL and "max_restarts" in decision.reason
 
 
 def test_two_ranks_lose_rank_0_and_equal_the_plain_loop(tmp_path):
     job = dp_job(tmp_path)
     seen = []  # what `zocheck-ray status` shows mid-run: every rank's step time and the all-gather's
     summary = run(job, fail_at=[13], fail_rank=0, progress=None, on_segment=lambda last, metrics: seen.append(metrics))
-    assert seen and all(len(m["rank_seconds_per_step"]) == 2 and min(m["rank_seconds_per_step"]) > 0
-                        and m["collective_seconds_per_step"] > 0 for m in seen)
+    assert seen and all(len(m.rank_seconds_per_step) == 2 and min(m.rank_seconds_per_step) > 0
+                        and m.collective_seconds_per_step > 0 for m in seen)
     (recovery,) = summary.recoveries
     assert recovery.rank == 0 and recovery.failed_at_step == 13
     assert recovery.recovered_step == 13  # the survivor handed the shadow every record before the failure
@@ -89,7 +94,7 @@ def test_two_ranks_lose_rank_0_and_equal_the_plain_loop(tmp_path):
 
 def test_the_cli_kills_rank_1_and_the_run_stays_exact(tmp_path, capsys):
     from zocheck_ray.cli import main
-    from zocheck_ray.controller import RunSummary
+    from zocheck_ray.control import RunSummary
 
     job = dp_job(tmp_path / "runs")
     config = tmp_path / "job.yaml"

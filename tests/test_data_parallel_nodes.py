@@ -12,7 +12,7 @@ from ray.cluster_utils import Cluster
 
 from reference_runs import job_for, uninterrupted_data_parallel_hashes
 from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
-from zocheck_ray.controller import run
+from zocheck_ray.testing import run_with_faults as run
 
 STEPS = 24
 
@@ -41,10 +41,10 @@ def lose_node_of(c: Cluster, job, rank: int, placed: dict):
         actor = ray.get_actor(trainer_name(job.run_id, r), namespace=NAMESPACE)
         return ray.get(actor.node_id.remote())
 
-    def on_segment(progress: dict, metrics: dict) -> None:
+    def on_segment(progress, metrics) -> None:
         if "before" in placed:
             placed.setdefault("after", where(rank))
-        elif progress["step"] >= 12:
+        elif progress.step >= 12:
             placed.update(before=where(rank), ranks=[where(0), where(1)])
             node = next(n for n in c.worker_nodes if n.node_id == placed["before"])
             cpus = int(node_cpus(node.node_id))

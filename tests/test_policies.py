@@ -16,6 +16,7 @@ from zocheck_ray.policies import (
     StrategyConfig,
     Timings,
     configure,
+    durable_interval,
     expected_replay_distance,
     expected_waste,
     keep_pace_interval,
@@ -394,3 +395,19 @@ def test_bad_policy_parameters_are_rejected_by_name():
         expected_waste(t, f, StrategyConfig(strategy="zocheck", snapshot_interval=5))
     with pytest.raises(PolicyInputError, match="window_seconds"):
         lag_interval(t, math.nan)
+
+
+def test_durable_snapshots_are_spaced_so_their_writes_take_at_most_the_storage_share():
+    # A shadow that keeps pace snapshots every N = 40 steps; writing the state takes 20 s, a step 1 s.
+    t = Timings(gpu_step_seconds=1.0, replay_step_seconds=0.5, snapshot_cost_seconds=0.1, persist_seconds=20.0)
+    n = keep_pace_interval(t)
+    d = durable_interval(t, n, storage_share=0.1)
+    assert d % n == 0
+    assert d * t.trainer_step >= t.persist_seconds / 0.1 > (d - n) * t.trainer_step  # the smallest such multiple
+    assert plan(t).durable_interval == d and plan(t).storage_share == 0.1
+    assert plan(t, storage_share=1.0).durable_interval == durable_interval(t, n, 1.0) < d
+    fast = Timings(gpu_step_seconds=1.0, replay_step_seconds=0.5, snapshot_cost_seconds=0.1, persist_seconds=0.01)
+    assert durable_interval(fast, keep_pace_interval(fast)) == keep_pace_interval(fast)  # every snapshot
+    for share in (0.0, 1.5, float("nan")):
+        with pytest.raises(PolicyInputError, match="storage_share"):
+            durable_interval(t, n, share)

@@ -11,7 +11,7 @@ from ray.cluster_utils import Cluster
 
 from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
 from zocheck_ray.config import JobConfig
-from zocheck_ray.controller import run
+from zocheck_ray.testing import run_with_faults as run
 from reference_runs import SMALL_TASK, STEPS, assert_exact, uninterrupted_hashes
 
 NODE_CPUS = 2

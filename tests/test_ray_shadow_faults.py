@@ -15,7 +15,8 @@ import ray
 from conftest import free_port
 from reference_runs import STEPS, assert_exact, job_for, uninterrupted_hashes
 from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name
-from zocheck_ray.controller import RunFailedError, run
+from zocheck_ray.control import RunFailedError
+from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.storage import SnapshotStore, read_log
 
 
@@ -26,7 +27,7 @@ def local_ray():
     ray.shutdown()
 
 
-def shadow_metrics(job) -> dict:
+def shadow_metrics(job):
     return ray.get(ray.get_actor(shadow_name(job.run_id), namespace=NAMESPACE).metrics.remote())
 
 
@@ -40,7 +41,7 @@ def wait_until(predicate, timeout=180.0):
 
 def assert_durable_and_whole(job, summary):
     """A durable image at the last step, and the log from the oldest retained snapshot on is whole."""
-    assert summary.metrics["durable_step"] == STEPS and summary.metrics["durable_log_step"] == STEPS - 1
+    assert summary.metrics.durable_step == STEPS and summary.metrics.durable_log_step == STEPS - 1
     oldest = SnapshotStore(job.run_url, job.storage_options, create=False).committed()[-1].step
     records = read_log(job.run_url, after_step=oldest - 1, storage_options=job.storage_options)
     assert [r.step for r in records] == list(range(oldest, STEPS))
@@ -63,11 +64,11 @@ def test_an_s3_endpoint_stopped_and_restarted_mid_run_ends_durable_and_exact(tmp
     events = []
 
     def outage(progress, metrics):
-        if not events and progress["step"] >= 12:
+        if not events and progress.step >= 12:
             private_s3.stop()
             events.append("stopped")
         elif events == ["stopped"]:  # the next segment's check will see the failing store
-            wait_until(lambda: shadow_metrics(job)["persist_failures"] > 0)
+            wait_until(lambda: shadow_metrics(job).persist_failures > 0)
             events.append("failing")
         elif events == ["stopped", "failing"]:
             private_s3.start()
@@ -78,7 +79,7 @@ def test_an_s3_endpoint_stopped_and_restarted_mid_run_ends_durable_and_exact(tmp
     assert events == ["stopped", "failing", "restarted"]
     assert any("durability is behind" in w for w in summary.warnings)
     assert any("durability is behind" in line for line in lines)
-    assert summary.metrics["persist_failures"] > 0 and summary.metrics["persist_error"] is None
+    assert summary.metrics.persist_failures > 0 and summary.metrics.persist_error is None
     assert_exact(summary, uninterrupted_hashes(job))
     assert_durable_and_whole(job, summary)
 
@@ -128,17 +129,17 @@ def test_a_paused_s3_endpoint_never_holds_up_ingest_and_durability_catches_up(tm
         seen = {}
 
         def pause(progress, metrics):
-            if "paused_at" not in seen and progress["step"] >= 12:
+            if "paused_at" not in seen and progress.step >= 12:
                 server.process.send_signal(signal.SIGSTOP)
-                seen["paused_at"] = progress["step"]
-            elif "paused_at" in seen and "resumed" not in seen and progress["step"] >= seen["paused_at"] + 12:
+                seen["paused_at"] = progress.step
+            elif "paused_at" in seen and "resumed" not in seen and progress.step >= seen["paused_at"] + 12:
                 # The shadow keeps receiving while storage hangs: the segment's last push (sent as the
                 # segment ended, beside this metrics call) arrives with storage still paused.
                 shadow = ray.get_actor(shadow_name(job.run_id), namespace=NAMESPACE)
-                wait_until(lambda: ray.get(shadow.metrics.remote())["received_step"] >= progress["step"])
+                wait_until(lambda: ray.get(shadow.metrics.remote()).received_step >= progress.step)
                 latest = ray.get(shadow.metrics.remote())
-                seen["received"] = latest["received_step"]
-                seen["undurable"] = latest["undurable_steps"]
+                seen["received"] = latest.received_step
+                seen["undurable"] = latest.undurable_steps
                 server.process.send_signal(signal.SIGCONT)
                 seen["resumed"] = True
 
@@ -159,11 +160,11 @@ def test_storage_gone_for_good_fails_the_run_with_a_clear_error(tmp_path, privat
     stopped = []
 
     def outage(progress, metrics):
-        if not stopped and progress["step"] >= 6:
+        if not stopped and progress.step >= 6:
             private_s3.stop()
-            stopped.append(progress["step"])
+            stopped.append(progress.step)
         elif stopped:  # the records since then made a segment to upload: its upload has failed
-            wait_until(lambda: shadow_metrics(job)["persist_failures"] > 0)
+            wait_until(lambda: shadow_metrics(job).persist_failures > 0)
 
     # the store's own error, not the open segment (4 records on S3 by design) counted as behind
     with pytest.raises(RunFailedError, match=r"not durable in s3://.*last storage error: (?!none).*max_undurable_steps=8"):

@@ -13,7 +13,7 @@ import ray
 
 from zocheck_ray.cli import main
 from zocheck_ray.config import RAY_JOB_ENV, JobConfig, JobConfigError, check_job_environment, load_job_config
-from zocheck_ray.controller import run
+from zocheck_ray.testing import run_with_faults as run
 
 
 def write_jsonl(path, rows):

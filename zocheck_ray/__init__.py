@@ -43,7 +43,7 @@ __all__ = [
 def __getattr__(name: str):
     # Ray-dependent parts load on first use, so `zocheck_ray.core` runs where Ray is absent.
     if name == "run":
-        from zocheck_ray.controller import run
+        from zocheck_ray.control import run
 
         return run
     if name in ("JobConfig", "load_job_config"):
@@ -51,7 +51,7 @@ def __getattr__(name: str):
 
         return getattr(config, name)
     if name == "RunSummary":
-        from zocheck_ray.controller import RunSummary
+        from zocheck_ray.control import RunSummary
 
         return RunSummary
     raise AttributeError(f"module 'zocheck_ray' has no attribute {name!r}")

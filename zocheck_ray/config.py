@@ -63,6 +63,13 @@ class JobConfig(BaseModel):
     """fsspec options for `storage` (e.g. endpoint_url); credentials are never logged."""
     snapshot_interval: int | None = Field(None, ge=1)
     """Steps between shadow snapshots; None lets the startup profile choose."""
+    durable_interval: int | None = Field(None, ge=1)
+    """Steps between durable snapshots, a multiple of `snapshot_interval` (the step log is durable between
+    them); None: chosen by the startup profile from `storage_share`, or every snapshot when
+    `snapshot_interval` is set."""
+    storage_share: float = Field(0.1, gt=0, le=1)
+    """The most of the run's time the shadow spends writing snapshots to durable storage: the startup profile
+    spaces durable snapshots so that writing one takes at most this share of the steps between them."""
     shadow_cpus: int = Field(1, ge=1)
     """CPUs reserved for the shadow (its replay threads)."""
     shadow_nice: int = Field(19, ge=0, le=19)
@@ -95,6 +102,12 @@ class JobConfig(BaseModel):
     """Data-parallel trainer ranks (one GPU each, or one CPU). Rank r evaluates slice r of each step's global
     batch (`task.batch_size` rows, which must divide by `trainers`); the ranks all-gather their loss sums and
     stay bit-identical replicas, served by one shadow."""
+    standby: bool = False
+    """Keep a warm standby trainer: a second process beside rank 0 and the shadow, started once the run is
+    steady, with its imports done and its model's skeleton allocated (on the CPU, its pages touched: one more
+    copy of the state in host memory; on a GPU, a sliver of rank 0's GPU and no device memory until it is
+    needed). A lost trainer is replaced by it at once, without waiting for Ray to restart the process; the
+    process Ray restarts becomes the next standby."""
     placement: Literal["pack", "spread"] = "pack"
     """Where the ranks go: `pack` puts every rank and the shadow on one node (STRICT_PACK); `spread` keeps
     rank 0 with the shadow and lets the other ranks go to any node."""
@@ -107,6 +120,14 @@ class JobConfig(BaseModel):
                 if old in data:
                     raise ValueError(f"{old} is no longer a job field: set {new} (one place for each setting)")
         return data
+
+    @model_validator(mode="after")
+    def _durable_interval(self) -> "JobConfig":
+        if self.durable_interval is not None and self.snapshot_interval is not None \
+                and self.durable_interval % self.snapshot_interval:
+            raise ValueError(f"durable_interval={self.durable_interval} is not a multiple of snapshot_interval="
+                             f"{self.snapshot_interval}: a durable snapshot is one of the shadow's snapshots")
+        return self
 
     @model_validator(mode="after")
     def _batch_divides(self) -> "JobConfig":

@@ -58,16 +58,16 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
         ("publish overhead per step",
          f"{summary.publish_us_median:.2f} us (median), trainer step {summary.trainer_seconds_per_step * 1e3:.1f} ms"
          if summary.publish_us_median is not None else "-"),
-        ("shadow replay per step", f"{m['replay_seconds_per_step'] * 1e3:.3f} ms"),
-        ("lag (steps)", f"max {max(lags)}, final {m['lag_steps']}" if lags else f"final {m['lag_steps']}"),
+        ("shadow replay per step", f"{m.replay_seconds_per_step * 1e3:.3f} ms"),
+        ("lag (steps)", f"max {max(lags)}, final {m.lag_steps}" if lags else f"final {m.lag_steps}"),
         ("snapshot interval", str(summary.snapshot_interval)),
-        ("snapshots taken / persisted", f"{m['snapshots_taken']} / {m['snapshots_persisted']}"),
-        ("resyncs", str(m["resync_count"])),
+        ("snapshots taken / persisted", f"{m.snapshots_taken} / {m.snapshots_persisted}"),
+        ("resyncs", str(m.resync_count)),
         ("recoveries", "; ".join(persisted) or "none"),
         ("shadow restarts", f"{summary.shadow_restarts} ({summary.resent_records} records re-sent by the trainer)"),
-        ("durable", f"snapshot {m['durable_step']}, log through step {m['durable_log_step']}; "
-                    f"{m['persist_failures']} failed writes, retried"),
-        ("trainer kernels", f"{summary.kernel.get('device', '-')}: {summary.kernel.get('backend', '-')}"),
+        ("durable", f"snapshot {m.durable_step}, log through step {m.durable_log_step}; "
+                    f"{m.persist_failures} failed writes, retried"),
+        ("trainer kernels", f"{summary.kernel.device}: {summary.kernel.backend}" if summary.kernel else "-"),
         *([("data-parallel ranks", f"{summary.trainers}: step " + ", ".join(
             f"{s * 1e3:.1f}" for s in summary.rank_seconds_per_step) + " ms by rank, all-gather "
             + (f"{summary.collective_seconds_per_step * 1e3:.3f} ms per step" if summary.collective_seconds_per_step
@@ -90,7 +90,9 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
 
 
 def train(args: argparse.Namespace) -> int:
-    from zocheck_ray.controller import RunFailedError, connect_ray, profile_settings, run
+    from zocheck_ray.control import RunFailedError
+    from zocheck_ray.control.placement import connect_ray, profile_settings
+    from zocheck_ray.testing import run_with_faults
     from zocheck_ray.demo import EMBEDDED_DEFAULT, default_failures, describe
     from zocheck_ray.verify import verify_run
 
@@ -112,7 +114,7 @@ def train(args: argparse.Namespace) -> int:
                   f"{'on' if verify else 'off'}", flush=True)  # before Ray's processes inherit the buffer
         if args.address:
             connect_ray(args.address)
-        summary = run(job, fail_at=fail_at, fail_mode=args.fail_mode, fail_rank=args.fail_rank)
+        summary = run_with_faults(job, fail_at=fail_at, fail_mode=args.fail_mode, fail_rank=args.fail_rank)
     except JobConfigError as exc:
         print(f"zocheck-ray train: {exc}", file=sys.stderr)
         return 2
@@ -149,7 +151,7 @@ def status(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"zocheck-ray status: no running shadow for run {args.run_id!r}", file=sys.stderr)
         return 2
-    metrics = ray.get(shadow.metrics.remote())
+    metrics = ray.get(shadow.metrics.remote()).model_dump(mode="json")
     if args.json:
         print(json.dumps(metrics, indent=2))
     else:

@@ -138,7 +138,7 @@ def trial_resources(job: JobConfig, gpus: int = 0):
     where they fit, otherwise the ranks go to other nodes)."""
     from ray.tune import PlacementGroupFactory
 
-    from zocheck_ray.placement import job_bundles
+    from zocheck_ray.control.placement import job_bundles
 
     return PlacementGroupFactory([TRAINABLE_BUNDLE, *job_bundles(job, gpus)],
                                  strategy="STRICT_PACK" if job.placement == "pack" else "PACK")
@@ -205,7 +205,8 @@ def train_trial(config: dict, job: dict) -> None:
     import ray
     from ray import tune
 
-    from zocheck_ray.controller import run
+    from zocheck_ray.actors.messages import ShadowMetrics, TrainerProgress
+    from zocheck_ray.control import run
 
     trial = trial_job(job, config, tune.get_context().get_trial_id())
     restored = tune.get_checkpoint()
@@ -237,23 +238,23 @@ def train_trial(config: dict, job: dict) -> None:
             newest = evaluations[max(evaluations, key=int)]
             held_out.update({f"eval_{name}": value for name, value in _scalars(newest).items()})
 
-    def on_segment(progress: dict, metrics: dict) -> None:
-        absorb(progress.get("evaluations") or {})
-        report({**_scalars(metrics), **_scalars(progress), **held_out, "run_id": trial.run_id},
-               metrics["durable_step"])
-        if fail_at is not None and progress["step"] >= fail_at:
-            raise InjectedTrialFailure(f"injected trial failure at step {progress['step']} ({FAIL_ONCE_KEY})")
+    def on_segment(progress: TrainerProgress, metrics: ShadowMetrics) -> None:
+        absorb(progress.evaluations)
+        report({**_scalars(metrics.model_dump()), **_scalars(progress.model_dump()), **held_out,
+                "run_id": trial.run_id}, metrics.durable_step)
+        if fail_at is not None and progress.step >= fail_at:
+            raise InjectedTrialFailure(f"injected trial failure at step {progress.step} ({FAIL_ONCE_KEY})")
 
     summary = run(trial, progress=print, placement_group=ray.util.get_current_placement_group(), first_bundle=1,
                   on_segment=on_segment)
     absorb(summary.evaluations)
-    final = {**_scalars(summary.metrics), **held_out, "step": summary.steps, "run_id": trial.run_id,
+    final = {**_scalars(summary.metrics.model_dump()), **held_out, "step": summary.steps, "run_id": trial.run_id,
              "final_state_hash": summary.final_state_hash, "shadow_state_hash": summary.shadow_state_hash,
              "exact": summary.final_state_hash == summary.shadow_state_hash,
              "resumed_from_step": -1 if summary.resumed_from_step is None else summary.resumed_from_step}
     if summary.losses:
         final["loss"] = summary.losses[-1][1]
-    report(final, summary.metrics["durable_step"])
+    report(final, summary.metrics.durable_step)
 
 
 def _absolute(job: JobConfig) -> dict:

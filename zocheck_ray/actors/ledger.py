@@ -156,11 +156,12 @@ class RecordLedger:
     def _busy(self) -> bool:
         return self._writing or (self.image is not None and self.image.pinned)
 
-    def pin(self, skip_step: int | None):
-        """The newest image for the persistence stage (pinned until `unpin`), unless it is at `skip_step`."""
+    def pin(self, skip_step: int | None, due: Callable[[int], bool] = lambda step: True):
+        """The newest image for the persistence stage (pinned until `unpin`), unless it is at `skip_step` or
+        its step is not `due` to be persisted."""
         with self._lock:
             image = self.image
-            if image is None or image.step == skip_step:
+            if image is None or image.step == skip_step or not due(image.step):
                 return None
             image.pinned = True
             return image

@@ -136,11 +136,15 @@ class RecoveryInfo(BaseModel):
     build_seconds: float | None = None
     """Building the model (a skeleton when it restores)."""
     restore_seconds: float | None = None
-    """Image plus records into the state."""
+    """Image plus records into the state: the sum of the four parts below."""
+    fetch_seconds: float | None = None
+    """Asking the shadow for its image and opening it (part of restore)."""
     install_seconds: float | None = None
     """The image's copy into the state (part of restore)."""
     replay_seconds: float | None = None
     """Replaying the records after the image (part of restore)."""
+    hash_seconds: float | None = None
+    """Hashing the restored state, with `hash_every_step` (part of restore)."""
 
 
 class TrainerTimes(BaseModel):

@@ -239,7 +239,7 @@ class Publisher:
             self.gap = None
             self._resend_after = self._pushes - 1
 
-    def stats(self) -> dict:
+    def stats(self) -> PublisherStats:
         return PublisherStats(held_records=len(self._held), resent_records=self.resent_records,
                               delivered_records=self.delivered_records, shadow_restarts_seen=self.shadow_restarts_seen,
-                              publish_errors=self.errors, last_publish_error=self.last_error, gap=self.gap).model_dump()
+                              publish_errors=self.errors, last_publish_error=self.last_error, gap=self.gap)

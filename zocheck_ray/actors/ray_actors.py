@@ -24,15 +24,15 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from zocheck_ray.actors.image import (
     ImageGoneError, ImageHandle, ImageLayout, WindowPlan, open_image, transfer,
 )
-from zocheck_ray.actors.messages import RecoveryOffer
-from zocheck_ray.actors.messages import numeric_fields
-from zocheck_ray.actors.publisher import PushReply
+from zocheck_ray.actors.hooks import NO_HOOKS
+from zocheck_ray.actors.messages import (
+    PublisherStats, PushReply, RecoveryInfo, RecoveryOffer, ShadowMetrics, TrainerProgress, TrainerTimes, numeric_fields,
+)
 from zocheck_ray.actors.shadow import Shadow
 from zocheck_ray.actors.trainer import Trainer
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord
 from zocheck_ray.core.record import decode_records
-from zocheck_ray.faults import FaultInjection
 
 NAMESPACE = "zocheck"
 
@@ -49,22 +49,25 @@ def call_when_alive(submit, timeout: float = 300.0):
             time.sleep(0.02)
 
 
-def wait_until_alive(actor, timeout: float = 300.0) -> None:
-    """Return once the GCS reports `actor` alive (or dead, or after `timeout`). A task sent to an
-    actor while Ray restarts it waits on Ray's death-info timer (1 s or more) before it fails and
-    can be sent again, so a caller that just polls learns of the restart seconds late; the GCS's
-    actor table says it at once."""
+def actor_state(actor) -> str | None:
+    """The GCS's state of `actor` now (`ALIVE`, `RESTARTING`, `DEAD`, ...), or None where it cannot be read.
+
+    Ray has no public way to ask without the dashboard; its GCS actor table says it at once, where a task
+    sent to a restarting actor waits on Ray's death-info timer (1 s or more) before it fails."""
     try:
         from ray._private.state import actors
-    except ImportError:  # another Ray: callers fall back to calling until the actor answers
-        return
+
+        return actors(actor_id=actor._actor_id.hex()).get("State")
+    except Exception:  # another Ray, or the table is unreachable: callers fall back to calling the actor
+        return None
+
+
+def wait_until_alive(actor, timeout: float = 300.0) -> None:
+    """Return once the GCS reports `actor` alive (or dead, or after `timeout`; at once where the GCS's
+    table cannot be read: callers then call until the actor answers)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            state = actors(actor_id=actor._actor_id.hex()).get("State")
-        except Exception:  # the table is unreachable: fall back as above
-            return
-        if state in ("ALIVE", "DEAD", None):
+        if actor_state(actor) in ("ALIVE", "DEAD", None):
             return
         time.sleep(0.01)
 
@@ -101,8 +104,9 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def trainer_name(run_id: str, rank: int = 0) -> str:
-    """Rank 0 keeps the single trainer's name; data-parallel rank r > 0 is `...-rank{r}`."""
+def trainer_name(run_id: str, rank: int | str = 0) -> str:
+    """The process created for rank 0 keeps the single trainer's name; rank r > 0's is `...-rank{r}`, the
+    standby's `...-standby`. After a promotion the controller's group knows which process serves a rank."""
     return f"zocheck-trainer-{run_id}" + (f"-rank{rank}" if rank else "")
 
 
@@ -110,14 +114,14 @@ def trainer_name(run_id: str, rank: int = 0) -> str:
 class ShadowActor:
     """CPU-only shadow (see `Shadow`): pushes on one thread in order, everything else beside them."""
 
-    def __init__(self, job: dict, faults: dict | None = None):
+    def __init__(self, job: dict, hooks=None):
         logging.basicConfig(level=logging.INFO)
         self.job = JobConfig.model_validate(job)
         lower_priority(self.job.shadow_nice)
         threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.shadow = Shadow(self.job, threads=threads,
-                             faults=FaultInjection.model_validate(faults or {}), writer=shadow_writer(self.job.run_id))
+        self.shadow = Shadow(self.job, threads=threads, hooks=hooks or NO_HOOKS,
+                             writer=shadow_writer(self.job.run_id))
         self._gauges = None
         settle_heap()
 
@@ -168,13 +172,13 @@ class ShadowActor:
         return self.shadow.image_bytes(token, start, length)
 
     @ray.method(concurrency_group="control")
-    def metrics(self, trainers: dict | None = None) -> dict:
+    def metrics(self, trainers: TrainerTimes | None = None) -> ShadowMetrics:
         """The shadow's metrics; `trainers` (from the controller): the ranks' step times to report with them."""
-        if trainers:
-            self.shadow.note_trainers(**trainers)
+        if trainers is not None:
+            self.shadow.note_trainers(trainers)
         m = self.shadow.metrics()
         self._export(m)
-        return m.model_dump()
+        return m
 
     def _export(self, m) -> None:
         from ray.util.metrics import Gauge
@@ -206,19 +210,20 @@ class ShadowActor:
         return self.shadow.last_persist_seconds
 
     @ray.method(concurrency_group="control")
-    def end_profile(self, threads: int, snapshot_interval: int, regime: str = "unknown") -> None:
-        self.shadow.end_profile(threads, snapshot_interval, regime)
+    def end_profile(self, threads: int, snapshot_interval: int, regime: str = "unknown",
+                    durable_interval: int | None = None) -> None:
+        self.shadow.end_profile(threads, snapshot_interval, regime, durable_interval)
 
     @ray.method(concurrency_group="control")
     def replica_hash(self) -> tuple[int, str]:
         return self.shadow.replica_hash()
 
     @ray.method(concurrency_group="control")
-    def drain(self, step: int, timeout: float = 300.0) -> dict:
+    def drain(self, step: int, timeout: float = 300.0) -> ShadowMetrics:
         """Every record before `step` replayed, the image of `step` taken and durable; returns the metrics."""
         m = self.shadow.drain(step, timeout)
         self._export(m)
-        return m.model_dump()
+        return m
 
     @ray.method(concurrency_group="control")
     def pid(self) -> int:
@@ -318,15 +323,17 @@ class OfferedImage:
 
 @ray.remote
 class TrainerActor:
-    """Runs the ZO loop on its GPU (or the CPU); recovers exactly in its constructor."""
+    """Runs the ZO loop on its GPU (or the CPU) as one rank of the run, or waits as its standby.
 
-    def __init__(self, job: dict, faults: dict | None = None, rank: int = 0):
+    Created as a rank, it recovers (or starts fresh) in its constructor. Restarted by Ray, or created
+    as the standby, it builds its model's skeleton and waits for the controller's `rejoin`."""
+
+    def __init__(self, job: dict, hooks=None, rank: int = 0, standby: bool = False):
         logging.basicConfig(level=logging.INFO)
         self.job = JobConfig.model_validate(job)
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
         self.incarnation = uuid.uuid4().hex  # tells a restarted trainer from the one before
-        # A restarted data-parallel rank recovers when the controller says to which step (`rejoin`).
-        defer = self.job.trainers > 1 and ray.get_runtime_context().was_current_actor_reconstructed
+        waits = standby or ray.get_runtime_context().was_current_actor_reconstructed
         if self.job.trainers > 1:  # k ranks on a node share its cores: each uses the CPUs it reserved
             import numba
 
@@ -334,19 +341,19 @@ class TrainerActor:
             numba.set_num_threads(min(cpus, numba.config.NUMBA_NUM_THREADS))
             torch.set_num_threads(cpus)
         self.trainer = Trainer(self.job, RayShadowLink(self.job.run_id, threads=max(1, torch.get_num_threads())),
-                               device=device,
-                               faults=FaultInjection.model_validate(faults or {}), rank=rank, defer_recovery=defer)
+                               device=device, hooks=hooks or NO_HOOKS, rank=rank, waits=waits,
+                               incarnation=self.incarnation)
         settle_heap()
 
     def pid(self) -> int:
         return os.getpid()
 
     @ray.method(max_task_retries=-1)  # a query: sent while Ray restarts the actor, it waits for the new one
-    def recovery(self) -> dict:
-        return {**self.trainer.recovery, "incarnation": self.incarnation}
+    def recovery(self) -> RecoveryInfo:
+        return self.trainer.recovery
 
-    def run(self, until_step: int, die_at_step: int | None = None, durable_next: int | None = None) -> dict:
-        return self.trainer.run(until_step, die_at_step, durable_next)
+    def run(self, until_step: int, durable_next: int | None = None) -> TrainerProgress:
+        return self.trainer.run(until_step, durable_next)
 
     def group_address(self, loopback: bool = False) -> tuple[str, int]:
         """Rank 0: open the ranks' rendezvous on this node's address (127.0.0.1 with `loopback`: every rank
@@ -360,8 +367,8 @@ class TrainerActor:
     def deliver(self) -> int:
         return self.trainer.deliver()
 
-    def rejoin(self, step: int | None) -> dict:
-        return {**self.trainer.rejoin(step), "incarnation": self.incarnation}
+    def rejoin(self, step: int | None, rank: int | None = None) -> RecoveryInfo:
+        return self.trainer.rejoin(step, rank)
 
     def export_to_shadow(self) -> int:
         """Write the state into the shadow's intake (a resync); returns its step."""
@@ -376,8 +383,5 @@ class TrainerActor:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def step_time(self) -> dict:
-        return self.trainer.progress()
-
-    def publisher_stats(self) -> dict:
+    def publisher_stats(self) -> PublisherStats:
         return self.trainer.publisher.stats()

@@ -29,7 +29,7 @@ import torch
 
 from zocheck_ray.actors.image import ImageGoneError, ImageLayout, SharedBuffer, copy_state
 from zocheck_ray.actors.ledger import RecordLedger
-from zocheck_ray.actors.messages import ShadowMetrics
+from zocheck_ray.actors.messages import ShadowMetrics, TrainerTimes
 from zocheck_ray.actors.publisher import PushReply
 from zocheck_ray.actors.stages import (  # noqa: F401  (StageError: callers catch it from here)
     MAX_BACKOFF_SECONDS, STARTUP_STORAGE_SECONDS, Image, PersistStage, ReplayStage, StageError,
@@ -39,7 +39,7 @@ from zocheck_ray.core import StepRecord
 from zocheck_ray.core.errors import CorruptRecordError
 from zocheck_ray.core.fused import warm_up
 from zocheck_ray.core.record import decode_records
-from zocheck_ray.faults import NO_FAULTS, FaultInjection
+from zocheck_ray.actors.hooks import NO_HOOKS, ShadowHooks
 from zocheck_ray.storage import Lease, LeaseError, SnapshotStore, StorageError, recover
 from zocheck_ray.workload.models import TORCH_DTYPES, model_config_dict
 
@@ -50,7 +50,7 @@ class Shadow:
     """Ingest, replay and persistence of one run's records (see the module docstring)."""
 
     def __init__(self, job: JobConfig, threads: int | None = None, persist: bool = True,
-                 faults: FaultInjection = NO_FAULTS, writer: str | None = None):
+                 hooks: ShadowHooks = NO_HOOKS, writer: str | None = None):
         """`writer` names this shadow in the run's lease; a restarted shadow passes the same name and
         reclaims the lease of its dead predecessor. Any other live writer is refused (`LeaseHeldError`)."""
         self.job = job
@@ -66,7 +66,7 @@ class Shadow:
         warm.start()  # the replay kernel loads while storage is read; profiles then time the kernel, not its load
         self.ledger = RecordLedger(0, on_accept=lambda: self.replay.wake())
         self.persist: PersistStage | None = None
-        self.replay = ReplayStage(self.ledger, job, self._on_image, threads, faults, token_prefix=self.incarnation)
+        self.replay = ReplayStage(self.ledger, job, self._on_image, threads, hooks, token_prefix=self.incarnation)
         self.lease: Lease | None = None
         if persist:
             self.lease = _with_retries(lambda: Lease(job.run_url, job.storage_options,
@@ -218,9 +218,13 @@ class Shadow:
     def profile_snapshot(self) -> float:
         return self.replay.call(self.replay.profile_snapshot)
 
-    def end_profile(self, threads: int, snapshot_interval: int, regime: str = "unknown") -> None:
+    def end_profile(self, threads: int, snapshot_interval: int, regime: str = "unknown",
+                    durable_interval: int | None = None) -> None:
+        """The profile's choices: replay threads, N, and the steps between durable snapshots (a multiple of N)."""
         self.regime = regime
         self.replay.call(lambda: self.replay.end_profile(threads, snapshot_interval))
+        if self.persist is not None:
+            self.persist.durable_interval = durable_interval or snapshot_interval
 
     def replica_hash(self) -> tuple[int, str]:
         return self.replay.call(self.replay.replica_hash)
@@ -261,10 +265,10 @@ class Shadow:
             collective_seconds_per_step=self.collective_seconds_per_step, regime=self.regime, source=replay.source,
         )
 
-    def note_trainers(self, rank_seconds_per_step: list[float], collective_seconds_per_step: float | None) -> None:
+    def note_trainers(self, times: TrainerTimes) -> None:
         """The trainers' step times, as the controller measured them over its last segment."""
-        self.rank_seconds_per_step = [float(s) for s in rank_seconds_per_step]
-        self.collective_seconds_per_step = collective_seconds_per_step
+        self.rank_seconds_per_step = list(times.rank_seconds_per_step)
+        self.collective_seconds_per_step = times.collective_seconds_per_step
 
     def close(self) -> None:
         """Stop the stages; the persistence stage seals the log and writes what it can first."""

@@ -20,11 +20,11 @@ from typing import Callable
 import torch
 
 from zocheck_ray.actors.image import ImageLayout, SharedBuffer, anonymous_buffer, copy_state
-from zocheck_ray.actors.ledger import LOG, REPLAY, RecordLedger
+from zocheck_ray.actors.ledger import LOG, RecordLedger
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord, ZOConfig, replay, state_hash
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout
-from zocheck_ray.faults import FaultInjection
+from zocheck_ray.actors.hooks import ShadowHooks
 from zocheck_ray.storage import Lease, LeaseError, LeaseHeldError, SnapshotStore, StepLog, StorageError
 
 logger = logging.getLogger(__name__)
@@ -82,13 +82,13 @@ class ReplayStage:
     """Owns the replica and the image memory: applies the ledger's records, snapshots at multiples of N."""
 
     def __init__(self, ledger: RecordLedger, job: JobConfig, on_image: Callable[[Image], None],
-                 threads: int | None, faults: FaultInjection, token_prefix: str = ""):
+                 threads: int | None, hooks: ShadowHooks, token_prefix: str = ""):
         self.ledger = ledger
         self.zo = job.zo
         self.threads = threads
         self.snapshot_interval = job.snapshot_interval or 16
         self._on_image = on_image
-        self._delay = faults.replay_delay_seconds
+        self._hooks = hooks
         self._name = f"zocheck-image-{job.run_id}"
         self._tokens = (f"{token_prefix}-{i}" for i in itertools.count())
         self.replica: dict[str, torch.Tensor] | None = None
@@ -183,8 +183,7 @@ class ReplayStage:
             with self._progress:
                 self._progress.notify_all()
             return False
-        if self._delay:
-            time.sleep(self._delay * len(batch))
+        self._hooks.after_replay(len(batch))
         per_step = (time.perf_counter() - started) / len(batch)
         self.replay_ema = per_step if self.replay_ema == 0 else 0.8 * self.replay_ema + 0.2 * per_step
         self.last_record = batch[-1]
@@ -413,6 +412,9 @@ class PersistStage:
         self.failing_since: float | None = None
         self.stopped: str | None = None
         """Why persistence stopped for good (another writer took the run's lease), if it did."""
+        self.durable_interval = job.durable_interval or job.snapshot_interval or 1
+        """Images at multiples of this step are made durable (and the first of a generation, and a drain's)."""
+        self._wanted_step: int | None = None
         self._seal_requested = False
         self._durable = threading.Condition()
         self._wake = threading.Event()
@@ -428,6 +430,7 @@ class PersistStage:
 
     def wait_durable(self, step: int, timeout: float) -> bool:
         """Wait until the image of `step` and every record before it are durable."""
+        self._wanted_step = step
         self._seal_requested = True
         self._wake.set()
         with self._durable:
@@ -534,8 +537,11 @@ class PersistStage:
             self._durable.notify_all()
         self.ledger.release(LOG, (durable + 1) if durable is not None else self.ledger.generation_start)
 
+    def _due(self, step: int) -> bool:
+        return step % self.durable_interval == 0 or step == self._wanted_step or step == self.ledger.generation_start
+
     def _persist_image(self) -> None:
-        image = self.ledger.pin(skip_step=self.durable_step)  # read in place: pinned, it is not rewritten
+        image = self.ledger.pin(skip_step=self.durable_step, due=self._due)  # read in place: pinned, not rewritten
         if image is None:
             return
         self.persist_in_flight = True

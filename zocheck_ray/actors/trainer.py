@@ -1,11 +1,14 @@
 """The trainer: the unmodified ZO loop, publishing each step's record to the shadow.
 
-`Trainer` is Ray-free; `TrainerActor` (ray_actors.py) wraps it. On construction it
-recovers: it asks the shadow for its newest image and the records after it, builds
-its model as a skeleton (parameters allocated, neither initialised nor loaded: the
-image overwrites every one), copies the image into it, replays the records on its own
-device and resumes at the next step; with no image, it builds the model with its
-weights, starts fresh and hands the shadow its initial state.
+`Trainer` is Ray-free; `TrainerActor` (ray_actors.py) wraps it. A trainer process has a
+role. As a rank it recovers on construction: it asks the shadow for its newest image and
+the records after it, builds its model as a skeleton (parameters allocated, neither
+initialised nor loaded: the image overwrites every one), copies the image into it,
+replays the records on its own device and resumes at the next step; with no image, it
+builds the model with its weights, starts fresh and hands the shadow its initial state.
+Restarted by Ray, or started as the run's warm standby, it builds the skeleton and waits:
+the controller tells it which rank to be and at which step (`rejoin`), and it restores
+then. On the CPU a standby also touches its skeleton's pages, so a promotion is a copy.
 
 The batch of step t comes from the job's task (`task.batch(t)`, a pure function of
 (task.data_seed, t)). Held-out evaluation runs every `task.eval_interval` steps, at
@@ -25,20 +28,21 @@ by `rejoin` (from the shadow's image plus records, like a restarted rank).
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import threading
 import time
+
 import torch
 
 from zocheck_ray.actors.collective import LossGroup, RankLostError, reduce_in_rank_order
+from zocheck_ray.actors.hooks import NO_HOOKS, TrainerHooks
+from zocheck_ray.actors.messages import KernelInfo, RecoveryInfo, TrainerProgress
 from zocheck_ray.actors.publisher import FLUSH_SECONDS, Publisher, ShadowLink
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, replay, state_hash
 from zocheck_ray.core.errors import StateMismatchError
-from zocheck_ray.core.triton_kernels import replay_on_device
 from zocheck_ray.core.fused import warm_up
-from zocheck_ray.faults import NO_FAULTS, FaultInjection
+from zocheck_ray.core.triton_kernels import replay_on_device
 from zocheck_ray.workload.data import step_seed
 from zocheck_ray.workload.models import TORCH_DTYPES, build_model, trainable_parameters
 from zocheck_ray.workload.tasks import build_task
@@ -51,13 +55,15 @@ class RejoinRequiredError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, job: JobConfig, shadow: ShadowLink, device: str = "cpu", faults: FaultInjection = NO_FAULTS,
-                 rank: int = 0, defer_recovery: bool = False):
-        """`defer_recovery`: a restarted data-parallel rank waits for `rejoin` (the survivors must first
-        hand the shadow their records, so every rank recovers to the same step)."""
+    def __init__(self, job: JobConfig, shadow: ShadowLink, device: str = "cpu", hooks: TrainerHooks = NO_HOOKS,
+                 rank: int = 0, waits: bool = False, incarnation: str = ""):
+        """`waits`: restarted by Ray, or the run's standby: build the skeleton and wait for `rejoin` (a
+        data-parallel run's survivors must first hand the shadow their records, so every rank restores
+        to the same step)."""
         self.job = job
         self.shadow = shadow
-        self.faults = faults
+        self.hooks = hooks
+        self.incarnation = incarnation
         self.rank, self.ranks = rank, job.trainers
         self.group = LossGroup(rank, self.ranks) if self.ranks > 1 else None
         self.torn_at: int | None = None
@@ -71,20 +77,21 @@ class Trainer:
             warm.start()
         self.task = build_task(job.task, job.model)
         # Asked first: with an image to recover from, the model's weights would only be overwritten.
-        offer = None if defer_recovery else self.shadow.recovery_image()
-        restoring = defer_recovery or offer is not None
-        self.model = build_model(job.model, job.dtype, seed=job.run_seed, device=self.device,
-                                 weights="none" if restoring else "load")
-        self.opt = ZOOptimizer(trainable_parameters(self.model), job.zo)
-        self._skeleton = restoring
+        asked = time.perf_counter()
+        offer = None if waits else self.shadow.recovery_image()
+        self._fetch_seconds = time.perf_counter() - asked
+        self.model = self.opt = None
+        self._skeleton = waits or offer is not None
         """The parameters hold nothing until an image is copied into them."""
+        if not (waits and self.device.type == "cuda"):  # a waiting GPU process allocates when it is told to go
+            self._build(prefault=waits)
         self.build_seconds = time.perf_counter() - started
         if warm is not None:
             warm.join()
         self.publisher: Publisher | None = None
-        if defer_recovery:
-            self.recovery = {"step": None, "source": "deferred", "replayed_records": 0,
-                             "seconds": time.perf_counter() - started, "build_seconds": self.build_seconds}
+        if waits:
+            self.recovery = RecoveryInfo(incarnation=incarnation, step=None, source="deferred", role="standby",
+                                         seconds=time.perf_counter() - started, build_seconds=self.build_seconds)
         else:
             self._restore(started, offer, asked=True)
         self._publish_ns: list[int] = []
@@ -98,38 +105,58 @@ class Trainer:
         self._flusher = threading.Thread(target=self._flush_loop, name="zocheck-publish", daemon=True)
         self._flusher.start()
 
+    def _build(self, prefault: bool = False) -> None:
+        """The model: its weights, or a skeleton when an image will fill it (`prefault`: touch its pages
+        now, so that a later restore is a plain copy)."""
+        self.model = build_model(self.job.model, self.job.dtype, seed=self.job.run_seed, device=self.device,
+                                 weights="none" if self._skeleton else "load")
+        self.opt = ZOOptimizer(trainable_parameters(self.model), self.job.zo)
+        if prefault:
+            with torch.no_grad():
+                for tensor in self.opt.state_tensors().values():
+                    tensor.zero_()
+
     @property
     def step(self) -> int:
-        return self.opt.step_index
+        return self.opt.step_index if self.opt is not None else 0
 
     def _restore(self, started: float, offer=None, asked: bool = False) -> None:
         """Recover (from `offer`, or from what the shadow offers now unless it was `asked` already)."""
-        restore_started = time.perf_counter()
+        if self.model is None:
+            self._build()
         if not asked:
+            began = time.perf_counter()
             offer = self.shadow.recovery_image()
-        self.recovery, held = self._recover(offer)
-        self.recovery["restore_seconds"] = time.perf_counter() - restore_started  # image + records -> state
-        self.recovery["seconds"] = time.perf_counter() - started
-        self.recovery["build_seconds"] = self.build_seconds
+            self._fetch_seconds = time.perf_counter() - began
+        info, held = self._recover(offer)
+        parts = (self._fetch_seconds, info.install_seconds, info.replay_seconds, info.hash_seconds)
+        self.recovery = info.model_copy(update={
+            "fetch_seconds": self._fetch_seconds, "restore_seconds": sum(p or 0.0 for p in parts),
+            "seconds": time.perf_counter() - started, "build_seconds": self.build_seconds})
         # The records the shadow holds only in memory stay with the trainer until they are durable.
         self.publisher = Publisher(self.shadow, self.step, lambda: self.opt.step_index, held,
                                    publishing=self.rank == 0)
         self.torn_at = None
 
-    def rejoin(self, step: int | None) -> dict:
-        """Be a clean replica at `step` (None: whatever the shadow holds) after a lost rank; returns `recovery`.
+    def rejoin(self, step: int | None, rank: int | None = None) -> RecoveryInfo:
+        """Be a clean replica of rank `rank` (None: this one's) at `step` (None: whatever the shadow holds);
+        returns `recovery`.
 
-        A rank whose state is torn, deferred or at another step recovers from the shadow's image
-        plus records (which the survivors have completed); a clean rank at `step` stays as it is."""
+        A process that waited (restarted, or the standby promoted), a rank whose state is torn, or one
+        at another step recovers from the shadow's image plus records (which the survivors have
+        completed); a clean rank at `step` stays as it is."""
+        if rank is not None and rank != self.rank:
+            self.rank = rank
+            self.group = LossGroup(rank, self.ranks) if self.ranks > 1 else None
         if self.publisher is None or self.torn_at is not None or step is None or self.step != step:
             self._restore(time.perf_counter())
         else:
-            self.recovery = {"step": self.step, "source": "kept", "replayed_records": 0}
+            self.recovery = RecoveryInfo(incarnation=self.incarnation, step=self.step, source="kept")
         if step is not None and self.step != step:
             raise RuntimeError(f"rank {self.rank} recovered to step {self.step}, not {step}: the shadow lacks records")
         return self.recovery
 
-    def _recover(self, offer) -> tuple[dict, list]:
+    def _recover(self, offer) -> tuple[RecoveryInfo, list]:
         began = time.perf_counter()
         if offer is None:
             if self._skeleton or self.torn_at is not None or self.opt.step_index > 0:
@@ -137,7 +164,7 @@ class Trainer:
                                    "(a shadow that was never initialized, or lost its image)")
             if self.rank == 0:  # the other ranks build the same initial state from run_seed
                 self.shadow.initialize(self.opt.state_tensors(), 0)
-            return {"step": 0, "source": "fresh", "replayed_records": 0}, []
+            return RecoveryInfo(incarnation=self.incarnation, step=0, source="fresh"), []
         step, records, source = offer.step, offer.records, offer.source
         try:
             offer.copy_into(self.opt.state_tensors())
@@ -147,10 +174,7 @@ class Trainer:
             offer.release()
         self._skeleton = False
         self.opt.step_index = step
-        marker = self.faults.crash_in_recovery_marker
-        if marker and not os.path.exists(marker):
-            open(marker, "w").close()
-            os._exit(1)  # injected: die with the image loaded and its records not yet replayed
+        self.hooks.after_restore()
         loaded = time.perf_counter()
         if records:
             live = self.opt.state_tensors()
@@ -163,9 +187,10 @@ class Trainer:
         logger.info("trainer recovered at step %d from the %s image of step %d (+%d records)",
                     self.opt.step_index, source, step, len(records))
         digest = state_hash(self.opt.state_tensors()) if self.job.hash_every_step else None
-        return {"step": self.opt.step_index, "source": source, "image_step": step, "replayed_records": len(records),
-                "state_hash": digest, "install_seconds": loaded - began, "replay_seconds": replayed - loaded,
-                "hash_seconds": time.perf_counter() - replayed, "state_bytes": offer.layout.state_bytes}, records
+        return RecoveryInfo(incarnation=self.incarnation, step=self.opt.step_index, source=source, image_step=step,
+                            replayed_records=len(records), state_hash=digest, state_bytes=offer.layout.state_bytes,
+                            install_seconds=loaded - began, replay_seconds=replayed - loaded,
+                            hash_seconds=time.perf_counter() - replayed), records
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics of the current state (recorded under the current step)."""
@@ -182,8 +207,8 @@ class Trainer:
         step = self.step
         return step % self.job.task.eval_interval == 0 or step == self.job.steps
 
-    def run(self, until_step: int, die_at_step: int | None = None, durable_next: int | None = None) -> dict:
-        """Train up to `until_step` (exclusive); `die_at_step` kills the process there (failure injection).
+    def run(self, until_step: int, durable_next: int | None = None) -> TrainerProgress:
+        """Train up to `until_step` (exclusive).
 
         `durable_next`: every record before it is durable (a holding rank drops them). A data-parallel
         rank whose gather fails stops there and reports `interrupted` instead of raising."""
@@ -199,10 +224,11 @@ class Trainer:
         # Bound once: after a step has evicted the caches, every object the append reaches is a
         # cache miss (`self.publisher.append` cost about twice the deque append alone).
         publish, clock, publish_ns = self.publisher.append, time.perf_counter_ns, self._publish_ns
+        before_step = self.hooks.before_step if self.hooks.steps_hooked else None
         while self.step < until_step:
             t = self.step
-            if die_at_step is not None and t == die_at_step:
-                os._exit(1)  # an abrupt software failure: unsent records are lost
+            if before_step is not None:
+                before_step(self.rank, t)
             began = time.perf_counter()
             if self.group is None:
                 record = self.opt.step(self.task.closure(model, t), seed=step_seed(self.job.run_seed, t))
@@ -243,25 +269,26 @@ class Trainer:
         """Hand the shadow every record it lacks (after a lost rank); returns the step it then expects."""
         return self.publisher.deliver() if self.publisher is not None else 0
 
-    def progress(self) -> dict:
+    def progress(self) -> TrainerProgress:
+        """What happened since the last report (the segment's steps, hashes, evaluations, timings)."""
         recent = self._publish_ns[-1000:]
         hashes, self.step_hashes = self.step_hashes, {}
         seconds, self._step_seconds = self._step_seconds, []
         evaluations, self._evaluations = self._evaluations, {}
         eval_seconds, self._eval_seconds = self._eval_seconds, 0.0
         collective, self._collective_seconds = self._collective_seconds, []
-        return {"step": self.step, "loss": self.last_loss, "step_hashes": hashes, "step_seconds": seconds,
-                "rank": self.rank, "collective_seconds": collective, "interrupted": self.torn_at,
-                "evaluations": evaluations, "eval_seconds": eval_seconds,
-                "publish_us_median": statistics.median(recent) / 1e3 if recent else None,
-                "publisher": self.publisher.stats(), "kernel": self.kernel()}
+        return TrainerProgress(step=self.step, loss=self.last_loss, rank=self.rank, step_hashes=hashes,
+                               step_seconds=seconds, collective_seconds=collective, interrupted=self.torn_at,
+                               evaluations=evaluations, eval_seconds=eval_seconds,
+                               publish_us_median=statistics.median(recent) / 1e3 if recent else None,
+                               publisher=self.publisher.stats(), kernel=self.kernel())
 
-    def kernel(self) -> dict:
+    def kernel(self) -> KernelInfo:
         """Which implementation updates the weights (`fused`/`eager` on the CPU, `triton` or `eager` on CUDA)
         and, on CUDA, the start-up guard's verdict."""
         check = self.opt.kernel_check
-        return {"device": self.device.type, "backend": self.opt.kernel_backend,
-                "check": check.as_dict() if check is not None else None}
+        return KernelInfo(device=self.device.type, backend=self.opt.kernel_backend,
+                          check=check.as_dict() if check is not None else None)
 
     def _flush_loop(self) -> None:
         # Off the training loop's critical path: encode and send, take replies, re-send what a

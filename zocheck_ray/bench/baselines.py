@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from zocheck_ray.actors.messages import TrainerProgress
 from zocheck_ray.actors.publisher import PushReply, StateOffer, poll_answered
 from zocheck_ray.actors.trainer import Trainer
 from zocheck_ray.config import JobConfig
@@ -109,6 +110,22 @@ def stage(state: dict[str, torch.Tensor], out: dict[str, torch.Tensor] | None = 
     for name, t in state.items():
         out[name].copy_(t.detach())
     return out
+
+
+class DieAt:
+    """The baselines' trainer hook: the process exits as it starts step `step` (unsent records are lost)."""
+
+    steps_hooked = True
+
+    def __init__(self):
+        self.step: int | None = None
+
+    def before_step(self, rank: int, step: int) -> None:
+        if step == self.step:
+            os._exit(1)
+
+    def after_restore(self) -> None:
+        pass
 
 
 class DurableLink:
@@ -252,8 +269,9 @@ class StrategyTrainer:
             self.link = ShadowActorLink(job) if ray.is_initialized() else InProcessShadowLink(Shadow(job, threads=1))
         else:
             self.link = DurableLink(job, url, log_url, log_writable)
-        self.trainer = Trainer(job, self.link, device=device)
-        self.recovery = {**self.trainer.recovery, **getattr(self.link, "timing", {}),
+        self._die = DieAt()
+        self.trainer = Trainer(job, self.link, device=device, hooks=self._die)
+        self.recovery = {**self.trainer.recovery.model_dump(), **getattr(self.link, "timing", {}),
                          "constructor_seconds": time.perf_counter() - started}
         self.checkpoint_ns: list[int] = []
         self.stall_seconds = 0.0
@@ -317,10 +335,11 @@ class StrategyTrainer:
         except BaseException as exc:  # reported by close(); the previous checkpoint stays committed
             self._write_error = exc
 
-    def run(self, until_step: int, die_at_step: int | None = None) -> dict:
+    def run(self, until_step: int, die_at_step: int | None = None) -> TrainerProgress:
         """Train up to `until_step` (exclusive); `die_at_step` kills the process there."""
         started = time.perf_counter()
-        progress = self.trainer.run(until_step, die_at_step)
+        self._die.step = die_at_step
+        progress = self.trainer.run(until_step)
         self.train_seconds += time.perf_counter() - started
         return progress
 
@@ -375,7 +394,7 @@ class StrategyActor:
 
     def run(self, until_step: int, die_at_step: int | None = None) -> dict:
         progress = self.trainer.run(until_step, die_at_step)
-        return {"step": progress["step"], "seconds": sum(progress["step_seconds"])}
+        return {"step": progress.step, "seconds": sum(progress.step_seconds)}
 
     def critical_path(self) -> dict:
         return self.trainer.critical_path()
@@ -472,7 +491,7 @@ class CompositeActor:
 
     def run(self, until_step: int, die_at_step: int | None = None) -> dict:
         progress = self.trainer.run(until_step, die_at_step)
-        return {"step": progress["step"], "seconds": sum(progress["step_seconds"])}
+        return {"step": progress.step, "seconds": sum(progress.step_seconds)}
 
     def state_hash(self) -> tuple[int, str]:
         return self.trainer.state_hash()

@@ -86,20 +86,20 @@ def _run(trainers: int, batch_per_rank: int, steps: int, fail_at: int, model: st
          snapshot_interval: int | None) -> dict:
     from zocheck_ray.bench.common import BENCH_TASK
     from zocheck_ray.config import JobConfig
-    from zocheck_ray.controller import run
+    from zocheck_ray.testing import run_with_faults
 
     job = JobConfig(model=model, steps=steps, storage=storage, snapshot_interval=snapshot_interval, log_interval=10,
                     trainers=trainers, run_id=f"dp-bench-k{trainers}-{time.time_ns()}",
                     task={**BENCH_TASK, "batch_size": batch_per_rank * trainers})
     marks: list[tuple[int, float]] = []  # (step, wall clock) at the end of each segment before the failure
 
-    def on_segment(last: dict, metrics: dict) -> None:
+    def on_segment(last, metrics) -> None:
         # Strictly before the failure and rising: a segment after the recovery ends at or below a step already
         # marked (marks stand at every segment end before the failure), or at the failure's step or beyond.
-        if min(WARM_STEPS, fail_at // 3) <= last["step"] < fail_at and (not marks or last["step"] > marks[-1][0]):
-            marks.append((last["step"], time.perf_counter()))
+        if min(WARM_STEPS, fail_at // 3) <= last.step < fail_at and (not marks or last.step > marks[-1][0]):
+            marks.append((last.step, time.perf_counter()))
 
-    summary = run(job, fail_at=[fail_at], fail_rank=trainers - 1, progress=None, on_segment=on_segment)
+    summary = run_with_faults(job, fail_at=[fail_at], fail_rank=trainers - 1, progress=None, on_segment=on_segment)
     (recovery,) = summary.recoveries
     hashes = set(summary.rank_state_hashes or [summary.final_state_hash])
     (first, began), (last, ended) = marks[0], marks[-1]

@@ -106,7 +106,7 @@ def _strategy_child(spec: dict) -> dict:
     extra = {}
     if strategy == "zocheck":
         shadow = Shadow(job)
-        shadow.initialize({k: v.detach().to("cpu").clone() for k, v in state.items()}, 0)
+        shadow.initialize(0, {k: v.detach().to("cpu").clone() for k, v in state.items()})
     elif strategy in ("async-checkpoint", "sync-checkpoint"):
         store = SnapshotStore(os.path.join(storage, strategy))
     checkpoints = 0
@@ -178,7 +178,7 @@ def _shadow_child(spec: dict) -> list[dict]:
         job = JobConfig(model="tiny-opt", zo=zo, snapshot_interval=spec["snapshot_interval"], storage=spec["storage"],
                         run_id="memory-shadow")
         shadow = Shadow(job, threads=1, persist=False)
-        shadow.initialize(state, 0)
+        shadow.initialize(0, state)
         shadow.push(b"".join(r.to_bytes() for r in records))
         if not shadow.replay.wait_replayed(len(records), timeout=300):
             raise RuntimeError(f"the shadow replayed {shadow.replay.replayed_step} of {len(records)} records in "

@@ -239,7 +239,7 @@ def measure_size(params: int, dtype_name: str, sink, storage_dir: str, *, min_st
 
 def measure_trainer(steps: int, storage_dir: str) -> dict:
     """The real `TrainerActor` (tiny-opt) through `controller.run`: its own `publish_us_median`."""
-    from zocheck_ray.controller import run
+    from zocheck_ray.control import run
 
     job = bench_job(model="tiny-opt", steps=steps, storage=storage_dir, log_interval=max(10, steps // 10))
     summary = run(job, progress=None)

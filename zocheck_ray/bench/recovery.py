@@ -151,7 +151,7 @@ def run_zocheck(job: JobConfig, failures: list[int], fail_mode: str = "software"
     catch_up_measured, seconds_to_failure_step (seconds + catch-up), constructor_seconds (the
     restarted trainer's own account), process_seconds (constructor + catch-up), load_average.
     """
-    from zocheck_ray.controller import run
+    from zocheck_ray.testing import run_with_faults
 
     events: list[tuple[float, str]] = []
     loads: list[float] = []  # the machine's 1-minute load average at each line: other work slows restarts
@@ -162,14 +162,14 @@ def run_zocheck(job: JobConfig, failures: list[int], fail_mode: str = "software"
     def on_progress(line: str) -> None:
         if m := _RECOVERED.search(line):  # the restarted trainer's own account of its constructor
             trainer = ray.get_actor(trainer_name(job.run_id), namespace=NAMESPACE)
-            info = ray.get(trainer.recovery.remote())
+            info = ray.get(trainer.recovery.remote()).model_dump()
             constructor_seconds[int(m[1])] = info.get("seconds")
             restore_seconds[int(m[1])] = info.get("restore_seconds")
             breakdown[int(m[1])] = restore_breakdown(info)
         events.append((time.perf_counter(), line))  # after that call: it is not part of the catch-up
         loads.append(os.getloadavg()[0])
 
-    summary = run(job, fail_at=failures, fail_mode=fail_mode, progress=on_progress)
+    summary = run_with_faults(job, fail_at=failures, fail_mode=fail_mode, progress=on_progress)
     step_seconds = summary.trainer_seconds_per_step
     measured = catch_up_seconds(events)
     load_at = {int(m[1]): load for (_, line), load in zip(events, loads) if (m := _RECOVERED.search(line))}

@@ -17,6 +17,7 @@ from zocheck_ray.policies.cost_model import (
     availability_delay_steps,
     check_failure_model,
     expected_replay_distance,
+    durable_interval,
     keep_pace_interval,
     keep_pace_recovery_seconds,
     lag_growth_steps_per_second,
@@ -53,7 +54,7 @@ from zocheck_ray.policies.waste import (
 
 __all__ = [
     "Timings", "FailureModel", "FailureKind", "Regime", "PolicyInputError",
-    "pacing_bound", "persistence_bound", "regime", "keep_pace_interval", "lag_interval",
+    "pacing_bound", "persistence_bound", "regime", "durable_interval", "keep_pace_interval", "lag_interval",
     "lag_objective", "lag_window_seconds", "snapshot_interval", "shadow_step_seconds",
     "lag_growth_steps_per_second", "resync_interval_seconds", "optimal_lag_bound_steps",
     "should_resync", "young_daly_interval", "availability_delay_steps", "expected_replay_distance",

@@ -220,6 +220,27 @@ def persistence_bound(timings: Timings) -> float:
     return timings.persist_seconds / timings.replay_step_seconds
 
 
+DEFAULT_STORAGE_SHARE = 0.1
+"""The most of a run's time the shadow spends writing snapshots to durable storage, by default."""
+
+
+def durable_interval(timings: Timings, n: int, storage_share: float = DEFAULT_STORAGE_SHARE) -> int:
+    """Steps between durable snapshots: the smallest multiple of N at which writing one (T_per) takes at
+    most `storage_share` of the training time between them (N_d * T_t >= T_per / share).
+
+    In-memory snapshots are a memory copy; a durable one writes the whole state to storage. Where the
+    shadow keeps pace with a small N, persisting every image would write the state at the training's
+    own pace (a 2 GB image to S3 every few steps). Between durable snapshots the step log is durable
+    on its own: a lost node replays it from the last durable snapshot.
+    """
+    n = _check_interval(n)
+    _check_positive(storage_share, "storage_share")
+    if storage_share > 1:
+        raise PolicyInputError("storage_share", f"must be at most 1 (a fraction of the run's time), got {storage_share!r}")
+    multiple = max(1, math.ceil(timings.persist_seconds / (storage_share * timings.trainer_step * n)))
+    return multiple * n
+
+
 def keep_pace_interval(timings: Timings) -> int:
     """N*: the smallest integer N >= 1 meeting both bounds (keep-pace regime only).
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from zocheck_ray.policies.cost_model import (
+    DEFAULT_STORAGE_SHARE,
     FailureModel,
     Regime,
     Timings,
@@ -20,6 +21,7 @@ from zocheck_ray.policies.cost_model import (
     _check_positive,
     availability_delay_steps,
     check_failure_model,
+    durable_interval,
     expected_replay_distance,
     keep_pace_recovery_seconds,
     lag_growth_steps_per_second,
@@ -45,6 +47,10 @@ class Plan(BaseModel):
     """`keep-pace` (T_rep < T_gpu) or `lag`."""
     snapshot_interval: int
     """N: replayed steps between snapshots."""
+    durable_interval: int
+    """Steps between durable snapshots: a multiple of N whose writes take at most `storage_share` of the time."""
+    storage_share: float
+    """The most of the run's time the shadow spends writing snapshots to storage."""
     replay_threads: int | None = None
     """Shadow replay threads, when chosen by a startup profile."""
     lag_growth_steps_per_second: float
@@ -72,6 +78,7 @@ def plan(
     lag_bound_steps: float | None = None,
     checkpoint_interval_steps: int | None = None,
     replay_threads: int | None = None,
+    storage_share: float = DEFAULT_STORAGE_SHARE,
 ) -> Plan:
     """Bounds, regime, N, resync bound and expected waste for every strategy.
 
@@ -123,6 +130,8 @@ def plan(
         persistence_bound=persistence_bound(timings),
         regime=kind,
         snapshot_interval=n,
+        durable_interval=durable_interval(timings, n, storage_share),
+        storage_share=storage_share,
         replay_threads=replay_threads,
         lag_growth_steps_per_second=rate,
         lag_bound_steps=bound,

@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from zocheck_ray.policies.cost_model import FailureModel, PolicyInputError, Timings
+from zocheck_ray.policies.cost_model import DEFAULT_STORAGE_SHARE, FailureModel, PolicyInputError, Timings
 from zocheck_ray.policies.planner import Plan, plan
 
 MAX_PROFILE_STEPS = 30
@@ -184,6 +184,7 @@ def profile_startup(
     failures: FailureModel | None = None,
     extra_timings: Mapping[str, float | None] | None = None,
     lag_bound_steps: float | None = None,
+    storage_share: float = DEFAULT_STORAGE_SHARE,
 ) -> ProfileReport:
     """Measure T_gpu, T_rep per thread count, C_snap and T_per, pick the fastest thread
     count, and plan N (and the resync bound, given `failures`).
@@ -258,7 +259,8 @@ def profile_startup(
         gpu_step_seconds=gpu_step, replay_step_seconds=replay_seconds,
         snapshot_cost_seconds=snapshot_cost, persist_seconds=persist_time, **dict(extra_timings or {}),
     )
-    chosen = plan(timings, failures, lag_bound_steps=lag_bound_steps, replay_threads=threads)
+    chosen = plan(timings, failures, lag_bound_steps=lag_bound_steps, replay_threads=threads,
+                  storage_share=storage_share)
     return ProfileReport(
         training_steps=steps_needed, gpu_step_samples=gpu_samples, replay_seconds_by_threads=by_threads,
         snapshot_samples=snapshot_samples, persist_samples=persist_samples, measured=measured,

@@ -6,13 +6,17 @@ from __future__ import annotations
 from typing import Callable
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from zocheck_ray.actors.messages import TrainerProgress
 from zocheck_ray.actors.ray_actors import NAMESPACE, ShadowActor, TrainerActor, shadow_name, trainer_name
 from zocheck_ray.config import JobConfig, JobConfigError
-from zocheck_ray.faults import NO_FAULTS, FaultInjection
 from zocheck_ray.policies import ProfileReport, ProfileSettings, profile_startup
+
+STANDBY_GPU_SHARE = 0.01
+"""With `standby: true` on a GPU node the standby shares rank 0's GPU: it reserves this fraction and rank 0
+the rest of the bundle's GPU. It allocates no device memory until it is promoted."""
 
 
 def connect_ray(address: str | None = None, say: Callable[[str], None] | None = None, **kwargs) -> None:
@@ -81,39 +85,52 @@ def rank_placements(job: JobConfig, gpus: int, pg: PlacementGroup | None = None,
     return [home, others], [(home, 1), (home, 0)] + [(others, r - 1) for r in range(1, job.trainers)]
 
 
-def start_actors(job: JobConfig, gpus: int, pg: PlacementGroup | None = None, first_bundle: int = 0,
-                 faults: FaultInjection = NO_FAULTS):
-    """The shadow, then the trainer ranks, in their placement groups (see `rank_placements`).
+class Placement:
+    """Where a run's actors go (its placement groups and bundles), and how each is started there."""
 
-    Returns (the placement groups created here, the shadow, the trainer of each rank)."""
-    groups, places = rank_placements(job, gpus, pg, first_bundle)
-    for group in groups or [pg]:
-        ray.get(group.ready(), timeout=120)
-    payload, injected = job.model_dump(mode="json"), faults.model_dump()
-    (shadow_pg, shadow_bundle), rank_places = places[0], places[1:]
-    shadow = ShadowActor.options(
-        name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=job.shadow_cpus, max_restarts=job.max_restarts,
-        max_task_retries=-1,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(shadow_pg, placement_group_bundle_index=shadow_bundle),
-    ).remote(payload, injected)
-    ray.get(shadow.ready.remote())
-    trainers = [TrainerActor.options(
-        name=trainer_name(job.run_id, rank), namespace=NAMESPACE, num_cpus=1, num_gpus=gpus,
-        max_restarts=job.max_restarts,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
-    ).remote(payload, injected, rank) for rank, (group, bundle) in enumerate(rank_places)]
-    return groups, shadow, trainers
+    def __init__(self, job: JobConfig, gpus: int, pg: PlacementGroup | None = None, first_bundle: int = 0,
+                 hooks=None):
+        self.job, self.gpus, self.hooks = job, gpus, hooks
+        self.groups, places = rank_placements(job, gpus, pg, first_bundle)
+        """The placement groups created here (a given one, a Tune trial's, is not among them)."""
+        self._given = pg
+        self._shadow_place, self._rank_places = places[0], places[1:]
+        self._payload = job.model_dump(mode="json")
 
+    def _strategy(self, place: tuple[PlacementGroup, int]) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(place[0], placement_group_bundle_index=place[1])
 
-def _lose_processes(trainer, shadow) -> Callable[[], None]:
-    """Host-failure emulation on a cluster whose nodes cannot be removed: both processes
-    die with the shadow's in-memory images, so the pair must come back from durable storage."""
+    def start(self):
+        """The shadow, then the trainer ranks; returns (the shadow, the trainer of each rank)."""
+        for group in self.groups or [self._given]:
+            ray.get(group.ready(), timeout=120)
+        job = self.job
+        shadow = ShadowActor.options(
+            name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=job.shadow_cpus,
+            max_restarts=job.max_restarts, max_task_retries=-1, scheduling_strategy=self._strategy(self._shadow_place),
+        ).remote(self._payload, self.hooks)
+        ray.get(shadow.ready.remote())
+        share = STANDBY_GPU_SHARE if job.standby and self.gpus else 0
+        trainers = [TrainerActor.options(
+            name=trainer_name(job.run_id, rank), namespace=NAMESPACE, num_cpus=1,
+            num_gpus=self.gpus - (share if rank == 0 else 0), max_restarts=job.max_restarts,
+            scheduling_strategy=self._strategy(place),
+        ).remote(self._payload, self.hooks, rank) for rank, place in enumerate(self._rank_places)]
+        return shadow, trainers
 
-    def kill() -> None:
-        for actor in (shadow, trainer):
-            ray.kill(actor, no_restart=False)
+    def start_standby(self):
+        """The warm standby, beside rank 0 and the shadow: no CPU of its own (it waits), a sliver of rank 0's
+        GPU where there is one (`STANDBY_GPU_SHARE`)."""
+        job = self.job
+        return TrainerActor.options(
+            name=trainer_name(job.run_id, "standby"), namespace=NAMESPACE, num_cpus=0,
+            num_gpus=STANDBY_GPU_SHARE if self.gpus else 0, max_restarts=job.max_restarts,
+            scheduling_strategy=self._strategy(self._rank_places[0]),
+        ).remote(self._payload, self.hooks, 0, True)
 
-    return kill
+    def remove(self) -> None:
+        for group in self.groups:
+            remove_placement_group(group)
 
 
 def profile_settings(job: JobConfig, remaining_steps: int | None = None) -> ProfileSettings:
@@ -122,17 +139,16 @@ def profile_settings(job: JobConfig, remaining_steps: int | None = None) -> Prof
                                                                    else remaining_steps))
 
 
-def startup_profile(job: JobConfig, trainer, shadow, on_progress: Callable[[dict], None],
-                    first_step: int = 0, train_to: Callable[[int], dict] | None = None) -> ProfileReport:
+def startup_profile(job: JobConfig, shadow, train_to: Callable[[int], TrainerProgress],
+                    first_step: int = 0) -> ProfileReport:
     """Measure the trainer step, the replay per thread count, the snapshot copy and the
     persistence time in the first training steps (at most 30) and choose N and the threads.
-    `train_to(step)`: how to train every rank to `step` (data parallel); rank 0's progress is timed."""
+    `train_to(step)`: trains every rank to `step` and returns rank 0's progress (it is timed)."""
     settings = profile_settings(job, job.steps - first_step)
 
     def trainer_step(i: int) -> float:
-        progress = (train_to or (lambda step: ray.get(trainer.run.remote(step))))(first_step + i + 1)
-        on_progress(progress)
-        return progress["step_seconds"][-1] if progress["step_seconds"] else 0.0
+        progress = train_to(first_step + i + 1)
+        return progress.step_seconds[-1] if progress.step_seconds else 0.0
 
     def replay_step(i: int, threads: int) -> float:
         seconds = ray.get(shadow.profile_replay.remote(threads))
@@ -144,6 +160,7 @@ def startup_profile(job: JobConfig, trainer, shadow, on_progress: Callable[[dict
 
     report = profile_startup(trainer_step=trainer_step, replay_step=replay_step,
                              snapshot_copy=lambda: ray.get(shadow.profile_snapshot.remote()),
-                             persist=persist, settings=settings)
-    ray.get(shadow.end_profile.remote(report.replay_threads, report.snapshot_interval, report.plan.regime))
+                             persist=persist, settings=settings, storage_share=job.storage_share)
+    ray.get(shadow.end_profile.remote(report.replay_threads, report.snapshot_interval, report.plan.regime,
+                                      report.plan.durable_interval))
     return report

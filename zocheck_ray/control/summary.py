@@ -6,6 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from zocheck_ray.actors.messages import KernelInfo, ShadowMetrics
+from zocheck_ray.policies import ProfileReport
+
 
 class Recovery(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -27,12 +30,17 @@ class Recovery(BaseModel):
     """Records after the image, replayed by the trainer on its own device."""
     rank: int = 0
     """The data-parallel rank that was lost (0 for a single trainer)."""
+    replaced_by: Literal["standby", "restart", "torn"] = "restart"
+    """What took the lost rank's place: the warm `standby` (promoted at once), its own process restarted by
+    Ray (`restart`), or nothing (`torn`: no process was lost, a broken collective left states to restore)."""
+    state_hash: str | None = None
+    """With `hash_every_step`: the restored state's hash."""
     phases: dict[str, float] = {}
-    """Seconds of each part, in order: `restart` (Ray restarts the process until it answers); with
-    data-parallel ranks first `deliver` (the survivors hand the shadow its missing records), then
-    `restart`, `rejoin` (every rank at the survivors' step) and `group` (the process group formed
-    again). `constructor` (the restarted process's set-up) and `restore` (image plus records into the
-    state) are parts of those."""
+    """Seconds of each part, in order: with data-parallel ranks first `deliver` (the survivors hand the
+    shadow its missing records); then `standby` (promoting the standby: no wait) or `restart` (Ray restarts
+    the lost process until it answers); `rejoin` (every rank restores at the shadow's step) and, with
+    several ranks, `group` (the process group formed again). `constructor` (a restarted process's set-up)
+    and `restore` (image plus records into the state) are parts of those."""
 
 
 class RunSummary(BaseModel):
@@ -50,15 +58,15 @@ class RunSummary(BaseModel):
     """(step, training loss of the last step of each segment: the loss at +eps of the perturbed model)."""
     recoveries: list[Recovery]
     """One per trainer loss, in order."""
-    metrics: dict
-    """The shadow's `ShadowMetrics` after the final snapshot was persisted."""
+    metrics: ShadowMetrics
+    """The shadow's metrics after the final snapshot was persisted."""
     publish_us_median: float | None
     """Median time the training loop spends publishing one step record (microseconds)."""
     trainer_seconds_per_step: float
     """Wall time per step seen by the controller (evaluation excluded)."""
     snapshot_interval: int
     """N: steps between shadow snapshots (set, or chosen by the startup profile)."""
-    profile: dict | None
+    profile: ProfileReport | None
     """The startup profile's report (timings, plan), when it ran."""
     storage: str
     """The run's durable storage URL (`<storage>/<run_id>`)."""
@@ -90,7 +98,7 @@ class RunSummary(BaseModel):
     """What went wrong without ending the run (storage failing, durability behind), in order."""
     states: list[str] = []
     """The controller's states, in the order it went through them."""
-    kernel: dict = {}
+    kernel: KernelInfo | None = None
     """The trainer's device, its kernel backend (`triton` on CUDA once the start-up guard passed, else
     `eager`) and the guard's result; a guard that failed also leaves a warning."""
     trainers: int = 1

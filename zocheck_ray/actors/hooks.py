@@ -1,0 +1,46 @@
+"""The seams where tests and the demonstration reach into a trainer or a shadow process.
+
+Production runs pass nothing and get `NO_HOOKS`; `zocheck_ray.testing` implements these
+to inject faults (a process that dies at a step, a slow replay). An implementation is
+handed to the actors at construction, travels to their processes with them, and comes
+back with every restart (Ray restarts an actor with its constructor's arguments), so
+it keeps its own record of what it already did.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class TrainerHooks(Protocol):
+    steps_hooked: bool
+    """Whether `before_step` does anything (the training loop calls it only then)."""
+
+    def before_step(self, rank: int, step: int) -> None:
+        """Called before rank `rank` runs `step`."""
+
+    def after_restore(self) -> None:
+        """Called once a restored state is in place, before its records are replayed."""
+
+
+class ShadowHooks(Protocol):
+    def after_replay(self, steps: int) -> None:
+        """Called after the shadow replayed `steps` records."""
+
+
+class NoHooks:
+    """Production: nothing is injected."""
+
+    steps_hooked = False
+
+    def before_step(self, rank: int, step: int) -> None:
+        pass
+
+    def after_restore(self) -> None:
+        pass
+
+    def after_replay(self, steps: int) -> None:
+        pass
+
+
+NO_HOOKS = NoHooks()

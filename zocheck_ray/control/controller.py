@@ -1,0 +1,274 @@
+"""The driver side: a state machine over one run's trainer group and its shadow.
+
+    import zocheck_ray
+    summary = zocheck_ray.run(zocheck_ray.JobConfig(steps=100))
+
+STARTING (the shadow, the trainer group, rank 0's first state: fresh, or resumed from
+storage) -> PROFILING (the startup profile sets the snapshot interval) -> RUNNING (poll:
+the group trains a segment of `log_interval` steps; check: what the shadow's metrics say)
+-> FINISHING (the final state replayed and made durable) -> DONE. A failure met in any
+state becomes a `Failure`, carried on the controller while `decide` (control/policy.py)
+turns it into RECOVERING (the group replaces lost ranks and restores them at the shadow's
+step), RESYNCING (the shadow takes the trainer's state) or FAILED. Everything the run
+reports goes through callbacks (control/callbacks.py): the summary's record, the progress
+lines, Tune's reports, and the faults that `zocheck_ray.testing` injects.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Callable, Iterable
+
+import ray
+from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup
+
+from zocheck_ray.actors.messages import ShadowMetrics, TrainerProgress, TrainerTimes
+from zocheck_ray.actors.ray_actors import call_when_alive
+from zocheck_ray.config import JobConfig
+from zocheck_ray.control.callbacks import ProgressPrinter, RunCallback, RunRecord, Segment, SegmentFunction
+from zocheck_ray.control.group import TrainerGroup
+from zocheck_ray.control.monitor import Monitor
+from zocheck_ray.control.placement import Placement, startup_profile
+from zocheck_ray.control.policy import Action, Failure, FailureBudget, decide
+from zocheck_ray.control.startup import check_run
+from zocheck_ray.control.summary import Recovery, RunFailedError, RunSummary
+
+PROFILE_TOLERANCE = 3.0
+"""The startup profile's timings should agree with the run's steady state within this factor."""
+DEFAULT_MAX_LAG_STEPS = 64
+"""Resync bound when the job sets none and the startup profile gives none."""
+DRAIN_SECONDS = 300.0
+"""How long the end of a run waits for the shadow to replay and persist the final state."""
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    PROFILING = "profiling"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    RESYNCING = "resyncing"
+    FINISHING = "finishing"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Controller:
+    """Drives one run through its states; `run()` (the module's function) is the facade."""
+
+    def __init__(self, job: JobConfig, task, placement: Placement, callbacks: Iterable[RunCallback] = ()):
+        self.job, self.task, self.placement = job, task, placement
+        self.record = RunRecord()
+        self.callbacks: list[RunCallback] = [self.record, *callbacks]
+        self.state = State.STARTING
+        self.step = 0
+        self.group: TrainerGroup | None = None
+        self.shadow = None
+        self.failure: Failure | None = None
+        """The failure being handled (recovering, resyncing), as the policy saw it."""
+        self.resync_reason = ""
+        self.error: str | None = None
+        self.budget = FailureBudget(job.max_restarts)
+        self.monitor = Monitor(job)
+        self.max_lag_steps = job.max_lag_steps or DEFAULT_MAX_LAG_STEPS
+        self.summary: RunSummary | None = None
+
+    def run(self) -> RunSummary:
+        handlers = {State.STARTING: self._start, State.PROFILING: self._profile, State.RUNNING: self._running,
+                    State.RECOVERING: self._recover, State.RESYNCING: self._resync, State.FINISHING: self._finish}
+        try:
+            while self.state not in (State.DONE, State.FAILED):
+                self._emit("on_state", self.state.value)
+                try:
+                    self.state = handlers[self.state]()
+                except _ShadowGone as gone:
+                    self.state = self._fail(gone.failure)
+        finally:
+            self._stop_actors()
+        self._emit("on_state", self.state.value)
+        if self.state is State.FAILED:
+            raise RunFailedError(f"run {self.job.run_id} failed at step {self.step}: {self.error}")
+        return self.summary
+
+    def _emit(self, event: str, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, event)(self, *args)
+
+    def warn(self, message: str) -> None:
+        self._emit("on_warning", message)
+
+    # ------------------------------------------------------------------ states
+
+    def _start(self) -> State:
+        self.shadow, ranks = self.placement.start()
+        self.group = TrainerGroup(self.job, ranks, self.placement.start_standby if self.job.standby else None)
+        started = self.group.start()
+        self.step = started.step
+        self.monitor.shadow_incarnation = self._metrics().incarnation
+        self._emit("on_start", started)
+        return State.PROFILING if self.job.snapshot_interval is None and self.step < self.job.steps else State.RUNNING
+
+    def _profile(self) -> State:
+        report = startup_profile(self.job, self.shadow, self._train_all, first_step=self.step)
+        self.step += report.training_steps
+        if self.job.max_lag_steps is None and report.plan.lag_bound_steps:
+            self.max_lag_steps = max(1, int(report.plan.lag_bound_steps))
+        self._emit("on_profile", report)
+        return State.RUNNING
+
+    def _train_all(self, step: int) -> TrainerProgress:
+        results, failure = self.group.run(step, self.step)
+        for progress in results.values():
+            self.record.absorb(self, progress)
+        if failure is not None:
+            raise RunFailedError(f"a trainer was lost during the startup profile ({failure.detail}); run again, or "
+                                 "set snapshot_interval to skip the profile")
+        return results[0]
+
+    def _running(self) -> State:
+        job = self.job
+        if self.step >= job.steps:
+            return State.FINISHING
+        self.group.start_standby()  # the run is steady: a no-op once started
+        target = min(job.steps, (self.step // job.log_interval + 1) * job.log_interval)
+        for callback in self.callbacks:
+            target = callback.stop_at(self, self.step, target)
+        began, start = time.perf_counter(), self.step
+        results, failure = self.group.run(target, self.step)  # poll
+        for progress in results.values():
+            self.record.absorb(self, progress)
+        if failure is not None:
+            return self._fail(failure)
+        progress = results[0]
+        self.step = progress.step
+        metrics = self._metrics(self.group.times.recent)
+        failure = self.monitor.check(self, metrics, progress)  # check
+        if failure is not None:
+            return self._fail(failure)
+        if metrics.durable_log_step is not None:
+            self.group.durable_next = metrics.durable_log_step + 1
+        seconds = time.perf_counter() - began - progress.eval_seconds
+        self._emit("on_segment", Segment(start, progress, results, metrics, seconds))
+        return State.RUNNING
+
+    def _fail(self, failure: Failure) -> State:
+        for callback in self.callbacks:
+            failure = callback.on_failure(self, failure)
+        decision = decide(failure, self.job, self.budget)
+        self.failure = failure
+        self._emit("on_decision", failure, decision)
+        if decision.action is Action.RESTART:
+            return State.RECOVERING
+        if decision.action is Action.RESYNC:
+            self.resync_reason = decision.reason
+            return State.RESYNCING
+        self.error = decision.reason
+        return State.FAILED
+
+    def _recover(self) -> State:
+        failure = self.failure
+        restored = self.group.recover(failure)
+        if isinstance(restored, Failure):  # a replacement was lost too: the policy decides again
+            return self._fail(restored)
+        info = restored.info
+        self.step = info.step
+        self._emit("on_recovery", Recovery(
+            failed_at_step=failure.step, mode=failure.mode, recovered_step=info.step,
+            seconds=time.perf_counter() - failure.seen_at, image_source=info.source, image_step=info.image_step,
+            replayed_records=info.replayed_records, rank=restored.rank, replaced_by=restored.replaced_by,
+            state_hash=info.state_hash, phases=restored.phases))
+        self.monitor.shadow_incarnation = self._metrics().incarnation  # a host failure restarts the shadow too
+        return State.RUNNING
+
+    def _resync(self) -> State:
+        lost = self.failure is not None and self.failure.kind == "record_gap"  # don't wait for records nobody has
+        try:  # rank 0 writes its state into the shadow's intake, on their node
+            step = self.group.export_to_shadow()
+        except RayActorError as exc:
+            call_when_alive(lambda: self.shadow.abort_intake.remote())  # the shadow snapshots its replica again
+            return self._fail(Failure("trainer_lost", self.step, str(exc).splitlines()[0], ranks=(0,)))
+        call_when_alive(lambda: self.shadow.resync.remote(step, 0.0 if lost else 60.0))
+        self.group.resynced(step)
+        self._emit("on_resync", step, self.resync_reason, self._metrics().lag_steps)
+        return State.RUNNING
+
+    def _finish(self) -> State:
+        hashes = self.group.state_hashes()
+        final_step, final_hash = hashes[0]
+        try:
+            metrics = call_when_alive(lambda: self.shadow.drain.remote(final_step, DRAIN_SECONDS))
+        except RayTaskError as exc:
+            return self._fail(Failure("drain_failed", final_step, f"the final state could not be made durable: "
+                                      f"{str(exc.cause) if exc.cause else exc}"))
+        _, shadow_hash = call_when_alive(lambda: self.shadow.replica_hash.remote())
+        self._check_profile(metrics)
+        kernel = self.record.last.kernel if self.record.last is not None else None
+        if kernel is not None and kernel.check and kernel.check.get("passed") is False:
+            self.warn(f"the GPU kernels differed from the CPU oracle at start-up: the trainer ran the eager path "
+                      f"({kernel.check})")
+        self.summary = self.record.summarize(self, final_step, final_hash, shadow_hash, metrics,
+                                             [h for _, h in hashes], self.group.resent_records())
+        return State.DONE
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_profile(self, metrics: ShadowMetrics) -> None:
+        """Warn where the startup profile's timings are far off the run's steady state (recorded as well)."""
+        for name, (profiled, steady) in self.record.profile_pairs(metrics).items():
+            ratio = steady / profiled
+            if not 1 / PROFILE_TOLERANCE <= ratio <= PROFILE_TOLERANCE:
+                self.warn(f"the startup profile's {name.replace('_', ' ')} ({profiled * 1e3:.2f} ms) is "
+                          f"{ratio:.2f}x off the run's steady state ({steady * 1e3:.2f} ms)")
+
+    def _metrics(self, times: TrainerTimes | None = None) -> ShadowMetrics:
+        try:
+            return call_when_alive(lambda: self.shadow.metrics.remote(times))
+        except ActorDiedError as exc:
+            raise _ShadowGone(Failure("shadow_gone", self.step, str(exc).splitlines()[0])) from exc
+
+    def _stop_actors(self) -> None:
+        for actor in [*(self.group.all_actors() if self.group is not None else []), self.shadow]:
+            if actor is None:
+                continue
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        self.placement.remove()  # a given group (a Tune trial's) is not among them
+
+
+class _ShadowGone(Exception):
+    """The shadow is gone for good: carries the failure to the state loop."""
+
+    def __init__(self, failure: Failure):
+        super().__init__(failure.detail)
+        self.failure = failure
+
+
+def run(job: JobConfig, progress: Callable[[str], None] | None = print, callbacks: Iterable[RunCallback] = (),
+        on_segment: Callable[[TrainerProgress, ShadowMetrics], None] | None = None,
+        placement_group: PlacementGroup | None = None, first_bundle: int = 0) -> RunSummary:
+    """Run `job` to completion on the connected Ray cluster (a local one is started if none).
+
+    A run whose storage already holds a snapshot of `job.run_id` resumes from it (the newest
+    durable image plus the log, exactly). `placement_group`: an existing, reserved group (a Ray
+    Tune trial's) whose bundles `first_bundle` (trainer) and `first_bundle + 1` (shadow) the
+    actors use (and the next `trainers - 1` bundles, the other ranks); it is left in place.
+    `progress(line)` gets the progress lines; `on_segment(progress, metrics)` is called after each
+    segment with rank 0's `TrainerProgress` and the shadow's `ShadowMetrics`; `callbacks` see
+    every event (`RunCallback`). Raises `JobConfigError` before any actor starts for a job that
+    cannot run, and `RunFailedError` for a run that cannot go on.
+    """
+    return launch(job, progress, callbacks, on_segment, placement_group, first_bundle)
+
+
+def launch(job: JobConfig, progress: Callable[[str], None] | None, callbacks: Iterable[RunCallback] = (),
+           on_segment: Callable | None = None, placement_group: PlacementGroup | None = None,
+           first_bundle: int = 0, hooks=None) -> RunSummary:
+    """`run`, with `hooks` handed to the actors' processes (`zocheck_ray.testing` injects faults so)."""
+    say = progress or (lambda line: None)
+    task, gpus = check_run(job, progress, placement_group, first_bundle)
+    chain = [ProgressPrinter(say), *callbacks, *([SegmentFunction(on_segment)] if on_segment else [])]
+    placement = Placement(job, gpus, placement_group, first_bundle, hooks)
+    return Controller(job, task, placement, chain).run()

@@ -1,0 +1,230 @@
+"""`TrainerGroup`: a run's trainer processes, driven and recovered together.
+
+A single trainer is a group of one; data parallel is a group of k ranks whose gloo process
+group the group forms. The group owns its actors and knows three things:
+
+- `run(target)`: every rank trains to `target`; a rank that dies, or a gather that breaks,
+  comes back as a `Failure` (the step boundary every rank had reached);
+- `recover(failure)`: the survivors hand the shadow the records it lacks; each lost rank is
+  replaced, by the warm standby when there is one (promoted at once: the failed call already
+  said the process is gone, nothing waits on Ray's death timer) or else by Ray's restart of
+  its process; every rank then rejoins at the shadow's step (image plus records) and the
+  process group is formed again. A lost process that Ray restarts becomes the next standby;
+- `form()`: the ranks' process group (k > 1).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from zocheck_ray.actors.messages import RecoveryInfo, TrainerProgress, TrainerTimes
+from zocheck_ray.actors.ray_actors import actor_state, call_when_alive, wait_until_alive
+from zocheck_ray.actors.trainer import RejoinRequiredError
+from zocheck_ray.config import JobConfig
+from zocheck_ray.control.policy import Failure
+
+
+@dataclass
+class Restored:
+    """A recovery the group carried out: the lost rank's restore, and where the time went."""
+
+    rank: int
+    info: RecoveryInfo
+    replaced_by: str
+    """`standby` (promoted), `restart` (Ray restarted the process) or `torn` (no process was lost)."""
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class StepTimes:
+    """The ranks' step and collective times: over the whole run, and over the last segment."""
+
+    rank_seconds: list[float]
+    rank_steps: list[int]
+    collective_seconds: float = 0.0
+    collective_steps: int = 0
+    recent: TrainerTimes | None = None
+
+    def add(self, results: dict[int, TrainerProgress], k: int) -> None:
+        for r, progress in results.items():
+            self.rank_seconds[r] += sum(progress.step_seconds)
+            self.rank_steps[r] += len(progress.step_seconds)
+            self.collective_seconds += sum(progress.collective_seconds)
+            self.collective_steps += len(progress.collective_seconds)
+        if len(results) == k and all(p.step_seconds for p in results.values()):
+            gathers = [s for p in results.values() for s in p.collective_seconds]
+            self.recent = TrainerTimes(
+                rank_seconds_per_step=[statistics.fmean(results[r].step_seconds) for r in range(k)],
+                collective_seconds_per_step=statistics.fmean(gathers) if gathers else None)
+
+
+class TrainerGroup:
+    """The trainer ranks of a run and its optional warm standby (see the module docstring)."""
+
+    def __init__(self, job: JobConfig, ranks: list, start_standby: Callable[[], object] | None = None):
+        self.job = job
+        self.k = job.trainers
+        self.ranks = list(ranks)
+        """The actor serving each rank (a promoted standby takes a lost rank's place)."""
+        self.incarnations: list[str | None] = [None] * self.k
+        self._start_standby = start_standby
+        self.standby = None
+        """The waiting process a lost rank is replaced by (None: no standby, or not started yet)."""
+        self.durable_next: int | None = None
+        """Every record before this step is durable (the holding ranks drop them)."""
+        self.times = StepTimes([0.0] * self.k, [0] * self.k)
+
+    @property
+    def leader(self):
+        """Rank 0: it publishes the records, evaluates, and writes a resync's state."""
+        return self.ranks[0]
+
+    def all_actors(self) -> list:
+        return [*self.ranks, *([self.standby] if self.standby is not None else [])]
+
+    # ------------------------------------------------------------------ starting
+
+    def start(self) -> RecoveryInfo:
+        """Every rank's first state (fresh, or the shadow's image of a resumed run); returns rank 0's."""
+        infos = [call_when_alive(lambda rank=rank: rank.recovery.remote()) for rank in self.ranks]
+        if any(info.step != infos[0].step for info in infos[1:]):  # a rank asked before rank 0 initialized
+            infos[1:] = ray.get([rank.rejoin.remote(infos[0].step) for rank in self.ranks[1:]])
+        self.incarnations = [info.incarnation for info in infos]
+        if self.k > 1:
+            self.form()
+        return infos[0]
+
+    def start_standby(self) -> None:
+        """Start the warm standby (once the run is steady); it builds its skeleton while training goes on."""
+        if self._start_standby is not None and self.standby is None:
+            self.standby = self._start_standby()
+
+    def form(self) -> None:
+        """(Re-)form the ranks' gloo process group: rank 0 offers a fresh port, every rank joins (over
+        loopback when `pack` placed them all on one node)."""
+        address, port = ray.get(self.leader.group_address.remote(self.job.placement == "pack"))
+        ray.get([rank.join_group.remote(address, port) for rank in self.ranks])
+
+    # ------------------------------------------------------------------ training
+
+    def run(self, target: int, step: int) -> tuple[dict[int, TrainerProgress], Failure | None]:
+        """Every rank trains from `step` to `target`; (progress by rank, the failure if a rank was lost)."""
+        refs = [rank.run.remote(target, self.durable_next) for rank in self.ranks]
+        results, lost = {}, []
+        for r, ref in enumerate(refs):
+            try:
+                results[r] = ray.get(ref)
+            except RayActorError:
+                lost.append(r)
+            except RayTaskError as exc:  # the call reached the rank's restarted process (its node was lost)
+                if not isinstance(exc.cause, RejoinRequiredError):
+                    raise
+                lost.append(r)
+        self.times.add(results, self.k)
+        interrupted = [r for r, p in results.items() if p.interrupted is not None]
+        if lost or interrupted:
+            at = min([p.step for p in results.values()] or [step])
+            return results, Failure("trainer_lost", at, f"ranks lost {lost}, interrupted {interrupted}",
+                                    ranks=tuple(lost))
+        return results, None
+
+    # ------------------------------------------------------------------ recovering
+
+    def recover(self, failure: Failure) -> Restored | Failure:
+        """Replace the lost ranks and bring every rank to the shadow's step (see the module docstring);
+        a failure met on the way (a replacement lost too) comes back as a new `Failure`."""
+        marks: list[tuple[str, float]] = []
+        lost = sorted(failure.ranks)
+        survivors = [r for r in range(self.k) if r not in lost]
+        try:
+            # Whichever rank died, the survivors hold every record the shadow lacks.
+            step = max([call_when_alive(lambda r=r: self.ranks[r].deliver.remote()) for r in survivors],
+                       default=None)
+            if survivors:
+                marks.append(("deliver", time.perf_counter()))
+            # The survivors restore (a torn one) meanwhile: off the recovery's critical path.
+            rejoined = {r: self.ranks[r].rejoin.remote(step) for r in survivors}
+            replaced = {r: self._replace(r, failure.step) for r in lost}
+            if lost:
+                marks.append((next(iter(replaced.values()))[1], time.perf_counter()))
+            rejoined.update({r: actor.rejoin.remote(step, r) for r, (actor, _, _) in replaced.items()})
+            infos = {r: ray.get(ref) for r, ref in rejoined.items()}
+            marks.append(("rejoin", time.perf_counter()))
+        except RayActorError as exc:
+            return Failure("trainer_lost", failure.step, f"lost during the recovery: {str(exc).splitlines()[0]}",
+                           ranks=tuple(sorted(set(lost) | {r for r in range(self.k) if not self._answers(r)})))
+        except _Gone as gone:
+            return gone.failure
+        if len({info.step for info in infos.values()}) != 1:
+            return Failure("trainer_lost", failure.step,
+                           f"the ranks rejoined at different steps {[infos[r].step for r in sorted(infos)]}")
+        if self.k > 1:
+            self.form()
+            marks.append(("group", time.perf_counter()))
+        self.incarnations = [infos[r].incarnation for r in range(self.k)]
+        rank = lost[0] if lost else 0
+        how, constructed = (replaced[rank][1], replaced[rank][2]) if lost else ("torn", None)
+        return Restored(rank, infos[rank], how, _phases(failure.seen_at, marks, constructed, infos[rank]))
+
+    def _replace(self, r: int, step: int) -> tuple[object, str, RecoveryInfo | None]:
+        """The process that takes lost rank `r`'s place: (actor, `standby` or `restart`, its set-up info)."""
+        lost = self.ranks[r]
+        if self.standby is not None and actor_state(self.standby) == "ALIVE":
+            promoted, self.standby = self.standby, lost  # Ray restarts the lost process: the next standby
+            self.ranks[r] = promoted
+            return promoted, "standby", None
+        while True:  # Ray restarts the lost process (a new incarnation): it waits to be told where to restore
+            wait_until_alive(lost)
+            try:
+                info = call_when_alive(lambda: lost.recovery.remote())
+            except RayActorError as exc:
+                raise _Gone(Failure("trainer_gone", step, f"rank {r}: {str(exc).splitlines()[0]}"))
+            if info.incarnation != self.incarnations[r]:
+                return lost, "restart", info
+            time.sleep(0.02)
+
+    def _answers(self, r: int) -> bool:
+        return actor_state(self.ranks[r]) == "ALIVE"
+
+    # ------------------------------------------------------------------ the rest
+
+    def export_to_shadow(self) -> int:
+        """Rank 0 writes its state into the shadow's intake (a resync); returns its step."""
+        return ray.get(self.leader.export_to_shadow.remote())
+
+    def resynced(self, step: int) -> None:
+        ray.get(self.leader.resynced.remote(step))
+
+    def state_hashes(self) -> list[tuple[int, str]]:
+        return ray.get([rank.state_hash.remote() for rank in self.ranks])
+
+    def resent_records(self) -> int:
+        return ray.get(self.leader.publisher_stats.remote()).resent_records
+
+
+class _Gone(Exception):
+    """A lost rank cannot come back: carries the failure out of `recover`."""
+
+    def __init__(self, failure: Failure):
+        super().__init__(failure.detail)
+        self.failure = failure
+
+
+def _phases(started: float, marks: list[tuple[str, float]], constructed: RecoveryInfo | None,
+            restored: RecoveryInfo) -> dict[str, float]:
+    """`Recovery.phases`: the seconds of each step of a recovery, in order, and the replacement process's
+    constructor (a restarted one's) and restore (parts of `restart` and `rejoin`)."""
+    phases, last = {}, started
+    for name, at in marks:
+        phases[name], last = at - last, at
+    if constructed is not None and constructed.seconds is not None:
+        phases["constructor"] = constructed.seconds
+    if restored.restore_seconds is not None:
+        phases["restore"] = restored.restore_seconds
+    return phases

@@ -1,0 +1,89 @@
+"""What happens after a failure: the failures a run meets, and one table that decides.
+
+`decide` is the one place where a failure becomes what happens next; a new failure mode is
+a new row here, not a branch elsewhere. The decision is pure: it reads the failure, the
+job and how much of the run's failure budget is spent, and the controller records both in
+`RunSummary.states` and the progress output.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from zocheck_ray.config import JobConfig
+
+FailureKind = Literal["trainer_lost", "trainer_gone", "shadow_gone", "shadow_lag", "replay_error", "record_gap",
+                      "durability_stalled", "writer_lost", "drain_failed"]
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: FailureKind
+    step: int
+    """The step the run was at: the last step boundary every trainer had reached."""
+    detail: str
+    mode: Literal["software", "host", "unplanned"] = "unplanned"
+    """For a lost trainer: `software` or `host` when injected (tests, the demonstration), else `unplanned`."""
+    ranks: tuple[int, ...] = ()
+    """For `trainer_lost`: the ranks whose processes were lost (rank 0 for a single trainer); empty when
+    only the ranks' collective broke (every process lives, some states are torn)."""
+    seen_at: float = field(default_factory=time.perf_counter, compare=False)
+    """When the controller saw it: a recovery's seconds count from here."""
+
+
+class Action(enum.Enum):
+    RESTART = "restart"    # replace the lost trainers (the standby, or Ray's restart) and restore them
+    RESYNC = "resync"      # copy the trainer's state into the shadow
+    FAIL = "fail"          # end the run with a clear error
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+
+
+@dataclass
+class FailureBudget:
+    """How many lost trainers a run survives: `max_restarts`, as many as Ray restarts a trainer process."""
+
+    limit: int
+    spent: int = 0
+
+    def spend(self) -> bool:
+        """Count one more; False once the budget is exceeded."""
+        self.spent += 1
+        return self.spent <= self.limit
+
+
+def decide(failure: Failure, job: JobConfig, budget: FailureBudget) -> Decision:
+    """The one place where a failure becomes what happens next."""
+    kind = failure.kind
+    if kind == "trainer_lost":
+        if not budget.spend():
+            return Decision(Action.FAIL, f"trainers were lost {budget.spent} times, more than max_restarts="
+                                         f"{job.max_restarts}: raise it, or look at the trainers' logs")
+        lost = f"rank {', '.join(map(str, failure.ranks))}" if failure.ranks else "no process (a torn collective)"
+        return Decision(Action.RESTART, f"lost {lost}: the lost ranks are replaced (by the standby, or by Ray's "
+                                        "restart of their process) and every rank restores at the shadow's step")
+    if kind in ("shadow_lag", "replay_error", "record_gap"):
+        return Decision(Action.RESYNC, {"shadow_lag": f"the shadow lags more than {job.max_lag_steps} steps",
+                                        "replay_error": "the shadow's replay stopped",
+                                        "record_gap": "the shadow lacks records no process holds"}[kind])
+    if kind == "durability_stalled":
+        return Decision(Action.FAIL, f"{failure.detail}; the run stops rather than go on without durability "
+                                     f"(max_undurable_steps={job.max_undurable_steps}): fix the storage at "
+                                     f"{job.run_url} and run the same job again to resume")
+    if kind == "writer_lost":
+        return Decision(Action.FAIL, f"{failure.detail}; one writer per run: stop the other writer or give this "
+                                     "job another run_id or storage")
+    if kind == "trainer_gone":
+        return Decision(Action.FAIL, f"the trainer cannot be restarted ({failure.detail}); raise max_restarts "
+                                     f"(now {job.max_restarts}) or look at the trainer's log")
+    if kind == "shadow_gone":
+        return Decision(Action.FAIL, f"the shadow cannot be restarted ({failure.detail}); the durable state "
+                                     f"under {job.run_url} resumes the run")
+    return Decision(Action.FAIL, failure.detail)

@@ -1,0 +1,44 @@
+"""Everything a job is checked for before any actor starts: its task and data, its storage, another
+writer of its run, the cluster's resources or the placement group it is given."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import ray
+from ray.util.placement_group import PlacementGroup
+
+from zocheck_ray.actors.ray_actors import shadow_writer
+from zocheck_ray.config import JobConfig, JobConfigError, check_task
+from zocheck_ray.control.placement import _check_resources, connect_ray
+from zocheck_ray.storage import LeaseHeldError, StorageError, check_no_live_writer
+from zocheck_ray.storage.fs import open_storage
+
+
+def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group: PlacementGroup | None = None,
+              first_bundle: int = 0):
+    """(the job's task, the GPUs each trainer gets); raises `JobConfigError` naming what cannot work.
+
+    Connects to Ray (a local instance when none is running) once the job itself is sound."""
+    task = check_task(job)  # bad data, labels or a task/model mismatch fail here, before any actor starts
+    try:  # an unusable storage URL fails here, before any actor starts
+        open_storage(job.run_url, job.storage_options, create=True)
+    except StorageError as exc:
+        raise JobConfigError(f"storage={job.storage!r} cannot be used: {exc}") from exc
+    if not ray.is_initialized():
+        connect_ray(say=say)
+    try:  # another live writer of this run's storage is refused, named; this cluster's dead shadow is not
+        check_no_live_writer(job.run_url, job.storage_options)
+    except LeaseHeldError as exc:
+        if exc.holder is None or exc.holder.owner != shadow_writer(job.run_id):
+            raise JobConfigError(f"storage={job.storage!r}: {exc}") from exc
+    if placement_group is None:
+        return task, _check_resources(job)
+    gpus = int(placement_group.bundle_specs[first_bundle].get("GPU", 0))
+    if job.use_gpu == "yes" and gpus < 1:
+        raise JobConfigError(f"use_gpu=yes but bundle {first_bundle} of the given placement group has no GPU")
+    if len(placement_group.bundle_specs) < first_bundle + 1 + job.trainers:
+        raise JobConfigError(f"trainers={job.trainers} need {job.trainers + 1} bundles from bundle {first_bundle} "
+                             f"of the given placement group (rank 0, the shadow, ranks 1..), which has "
+                             f"{len(placement_group.bundle_specs)}")
+    return task, gpus

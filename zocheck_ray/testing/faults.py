@@ -1,0 +1,158 @@
+"""Faults injected on purpose, by tests, benchmarks and the demonstration (`--fail-at`).
+
+They reach a run through its seams, never through a user's `JobConfig` or `zocheck_ray.run`:
+
+- `FaultInjection` is handed to the trainer and shadow processes (`actors/hooks.py`): a rank
+  that dies at given steps, a trainer that dies mid-recovery, a slow replay. It travels with
+  every restart, so it remembers in marker files what it already did;
+- `FailAt` is a `RunCallback`: it ends a segment where a host or shadow failure is due, kills
+  the processes there, and names the failures it caused (their step and mode) when the
+  controller sees them.
+
+    summary = run_with_faults(job, fail_at=[40], fail_mode="software")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+from typing import Callable, Literal
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+
+from zocheck_ray.config import JobConfig, JobConfigError
+from zocheck_ray.control.callbacks import RunCallback
+from zocheck_ray.control.controller import launch
+from zocheck_ray.control.placement import profile_settings
+from zocheck_ray.control.policy import Failure
+from zocheck_ray.control.summary import RunSummary
+
+FailMode = Literal["software", "host", "shadow"]
+
+INJECTED = {
+    "software": "the trainer process exits (Ray prints it as '(raylet) A worker died or was killed ...')",
+    "host": "the trainer and the shadow lose their processes and in-memory images, as with a lost node",
+    "shadow": "the shadow process is killed; Ray restarts it from durable storage",
+}
+
+
+class FaultInjection(BaseModel):
+    """Faults injected into the trainer and shadow processes (implements `actors.hooks`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    replay_delay_seconds: float = Field(0.0, ge=0)
+    """Extra seconds the shadow spends per replayed step (makes it lag)."""
+    crash_in_recovery_marker: str | None = None
+    """A file path: the first recovering trainer that finds it missing creates it and dies mid-recovery."""
+    die_at: dict[int, list[int]] = {}
+    """Rank -> steps: the process serving that rank exits before running each step (once per step)."""
+    marker_dir: str | None = None
+    """Where each exit leaves a marker, so the restarted process does not exit at the same step again."""
+
+    @property
+    def steps_hooked(self) -> bool:
+        return bool(self.die_at)
+
+    def before_step(self, rank: int, step: int) -> None:
+        if step in self.die_at.get(rank, ()):
+            marker = os.path.join(self.marker_dir, f"rank{rank}-step{step}")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(1)  # an abrupt software failure: unsent records are lost
+
+    def after_restore(self) -> None:
+        marker = self.crash_in_recovery_marker
+        if marker and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)  # die with the image loaded and its records not yet replayed
+
+    def after_replay(self, steps: int) -> None:
+        if self.replay_delay_seconds:
+            time.sleep(self.replay_delay_seconds * steps)
+
+
+NO_FAULTS = FaultInjection()
+
+
+class FailAt(RunCallback):
+    """Fails the run at `steps` (`mode`): software failures die by themselves (`FaultInjection.die_at`);
+    host and shadow failures are dealt at the end of a segment cut at the step."""
+
+    def __init__(self, steps: list[int], mode: FailMode, rank: int = 0, kill_node: Callable[[], None] | None = None,
+                 say: Callable[[str], None] = lambda line: None):
+        self.pending, self.mode, self.rank, self.kill_node, self.say = sorted(steps), mode, rank, kill_node, say
+        self.dealt: int | None = None
+        """The step of a failure dealt and not yet seen by the controller."""
+
+    def stop_at(self, run, step, target):
+        if not self.pending or not step <= self.pending[0] < target:
+            return target
+        if self.mode != "software":
+            return self.pending[0]  # dealt at the segment's end (`on_segment`)
+        self.dealt = self.pending.pop(0)
+        who = f"rank {self.rank}'s process exits" if run.job.trainers > 1 else INJECTED["software"]
+        self.say(f"  injected failure at step {self.dealt}: {who}")
+        return self.dealt + 1  # the process exits before running that step, in this segment
+
+    def on_segment(self, run, segment):
+        if self.mode == "software" or not self.pending or segment.progress.step != self.pending[0]:
+            return
+        step = self.pending.pop(0)
+        self.say(f"  injected failure at step {step}: {INJECTED[self.mode]}")
+        if self.mode == "shadow":  # Ray restarts it from durable storage; the run goes on
+            ray.kill(run.shadow, no_restart=False)
+            return
+        self.dealt = step
+        if self.kill_node is not None:
+            self.kill_node()
+        else:  # a cluster whose nodes cannot be removed: both processes die, with the shadow's images
+            for actor in (run.shadow, run.group.leader):
+                ray.kill(actor, no_restart=False)
+
+    def on_failure(self, run, failure: Failure) -> Failure:
+        if failure.kind != "trainer_lost" or self.dealt is None:
+            return failure
+        step, self.dealt = self.dealt, None
+        return dataclasses.replace(failure, step=step, mode=self.mode)
+
+
+def run_with_faults(job: JobConfig, fail_at: list[int] | None = None, fail_mode: FailMode = "software",
+                    progress: Callable[[str], None] | None = print, kill_node: Callable[[], None] | None = None,
+                    faults: FaultInjection | None = None, fail_rank: int = 0, callbacks=(), on_segment=None,
+                    placement_group=None, first_bundle: int = 0) -> RunSummary:
+    """`zocheck_ray.run` with failures: at the steps `fail_at`, `software` kills the trainer process (of
+    rank `fail_rank` with `trainers > 1`), `host` both the trainer and the shadow (`kill_node`: remove their
+    node instead), `shadow` the shadow. `faults`: more to inject (a slow replay, a death mid-recovery)."""
+    failures = _checked(job, fail_at, fail_mode, fail_rank)
+    faults = faults or NO_FAULTS
+    if failures and fail_mode == "software":
+        faults = faults.model_copy(update={"die_at": {fail_rank: failures},
+                                           "marker_dir": tempfile.mkdtemp(prefix="zocheck-faults-")})
+    say = progress or (lambda line: None)
+    injector = [FailAt(failures, fail_mode, fail_rank, kill_node, say)] if failures else []
+    return launch(job, progress, [*injector, *callbacks], on_segment, placement_group, first_bundle,
+                  hooks=faults if faults != NO_FAULTS else None)
+
+
+def _checked(job: JobConfig, fail_at: list[int] | None, fail_mode: str, fail_rank: int) -> list[int]:
+    if fail_mode not in INJECTED:
+        raise JobConfigError(f"fail_mode must be software, host or shadow, got {fail_mode!r}")
+    if not 0 <= fail_rank < job.trainers:
+        raise JobConfigError(f"fail_rank={fail_rank} is not a rank of trainers={job.trainers} (0..{job.trainers - 1})")
+    if job.trainers > 1 and fail_at and fail_mode != "software":
+        raise JobConfigError(f"fail_mode={fail_mode} with trainers={job.trainers}: only software failures (one "
+                             "rank's process, --fail-rank) are injected into data-parallel runs")
+    failures = sorted(set(fail_at or []))
+    if any(not 0 < f < job.steps for f in failures):
+        raise JobConfigError(f"fail_at steps must lie in (0, {job.steps}), got {failures}")
+    if job.snapshot_interval is None and failures:
+        settings = profile_settings(job)
+        profile_steps = max(settings.warmup_steps + settings.timed_steps, settings.replays_needed)
+        if failures[0] <= profile_steps:
+            raise JobConfigError(f"fail_at step {failures[0]} falls in the startup profile (its first "
+                                 f"{profile_steps} steps); fail later or set snapshot_interval")
+    return failures

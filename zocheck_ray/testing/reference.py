@@ -1,0 +1,47 @@
+"""The runs a recovered run must equal: plain, uninterrupted ZO loops, without Ray and without failures.
+
+Every recovered run is compared with one of these at every step (`state_hash`, bit for bit).
+"""
+
+from __future__ import annotations
+
+from zocheck_ray.config import JobConfig
+from zocheck_ray.core import ZOOptimizer, state_hash
+from zocheck_ray.workload.data import step_seed
+from zocheck_ray.workload.models import build_model, trainable_parameters
+from zocheck_ray.workload.tasks import build_task
+
+
+def uninterrupted_hashes(job: JobConfig) -> dict[int, str]:
+    """The run that would have happened: a plain loop, no Ray, no failures."""
+    model = build_model(job.model, job.dtype, seed=job.run_seed)
+    opt = ZOOptimizer(trainable_parameters(model), job.zo)
+    task = build_task(job.task, job.model)
+    hashes = {0: state_hash(opt.state_tensors())}
+    for t in range(job.steps):
+        opt.step(task.closure(model, t), seed=step_seed(job.run_seed, t))
+        hashes[t + 1] = state_hash(opt.state_tensors())
+    return hashes
+
+
+def uninterrupted_data_parallel_hashes(job: JobConfig) -> dict[int, str]:
+    """The k-rank run that would have happened, as one plain loop: each step evaluates the k slices of its
+    batch in rank order and forms the losses from their (sum, count) pairs added in rank order in float64."""
+    k = job.trainers
+    model = build_model(job.model, job.dtype, seed=job.run_seed)
+    opt = ZOOptimizer(trainable_parameters(model), job.zo)
+    task = build_task(job.task, job.model)
+
+    def losses(plus, minus):
+        totals = [0.0, 0.0, 0.0, 0.0]
+        for pair_plus, pair_minus in zip(plus, minus):
+            for i, value in enumerate((*pair_plus, *pair_minus)):
+                totals[i] += value
+        return totals[0] / totals[1], totals[2] / totals[3]
+
+    hashes = {0: state_hash(opt.state_tensors())}
+    for t in range(job.steps):
+        slices = [task.batch_slice(t, r, k) for r in range(k)]
+        opt.step(lambda: [task.loss_sum(model, b) for b in slices], seed=step_seed(job.run_seed, t), combine=losses)
+        hashes[t + 1] = state_hash(opt.state_tensors())
+    return hashes
