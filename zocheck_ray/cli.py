@@ -21,7 +21,7 @@ COMMAND_MODULES = [
     "zocheck_ray.bench.replay", "zocheck_ray.bench.trainer",
     "zocheck_ray.bench.overhead", "zocheck_ray.bench.recovery",
     "zocheck_ray.bench.waste", "zocheck_ray.bench.scaling", "zocheck_ray.bench.memory", "zocheck_ray.bench.report",
-    "zocheck_ray.bench.data_parallel",
+    "zocheck_ray.bench.data_parallel", "zocheck_ray.bench.scale",
     "zocheck_ray.policies.cli",
     "zocheck_ray.storage.cli",
     "zocheck_ray.train_cli",

@@ -109,7 +109,7 @@ class TrainerProgress(BaseModel):
     kernel: KernelInfo
 
 
-Role = Literal["rank", "standby", "deferred"]
+Role = Literal["rank", "waiting"]
 
 
 class RecoveryInfo(BaseModel):
@@ -125,6 +125,7 @@ class RecoveryInfo(BaseModel):
     """`fresh`, `memory` (the shadow's image), `durable` (the shadow rebuilt from storage), `kept` (a
     data-parallel survivor at the common step), `deferred` (waiting to be told what to restore)."""
     role: Role = "rank"
+    """`rank`: it serves a rank; `waiting`: a standby, or a process Ray restarted, until it is told to rejoin."""
     image_step: int | None = None
     replayed_records: int = 0
     state_hash: str | None = None

@@ -90,7 +90,7 @@ class Trainer:
             warm.join()
         self.publisher: Publisher | None = None
         if waits:
-            self.recovery = RecoveryInfo(incarnation=incarnation, step=None, source="deferred", role="standby",
+            self.recovery = RecoveryInfo(incarnation=incarnation, step=None, source="deferred", role="waiting",
                                          seconds=time.perf_counter() - started, build_seconds=self.build_seconds)
         else:
             self._restore(started, offer, asked=True)

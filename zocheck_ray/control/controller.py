@@ -178,8 +178,7 @@ class Controller:
             seconds=time.perf_counter() - failure.seen_at, image_source=info.source, image_step=info.image_step,
             replayed_records=info.replayed_records, rank=restored.rank, replaced_by=restored.replaced_by,
             state_hash=info.state_hash, phases=restored.phases))
-        self.monitor.shadow_incarnation = self._metrics().incarnation  # a host failure restarts the shadow too
-        return State.RUNNING
+        return State.RUNNING  # a host failure restarted the shadow too: the next check counts it
 
     def _resync(self) -> State:
         lost = self.failure is not None and self.failure.kind == "record_gap"  # don't wait for records nobody has

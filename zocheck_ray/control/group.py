@@ -227,4 +227,6 @@ def _phases(started: float, marks: list[tuple[str, float]], constructed: Recover
         phases["constructor"] = constructed.seconds
     if restored.restore_seconds is not None:
         phases["restore"] = restored.restore_seconds
+    if restored.install_seconds is not None:
+        phases["install"] = restored.install_seconds
     return phases

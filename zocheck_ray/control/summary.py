@@ -39,8 +39,9 @@ class Recovery(BaseModel):
     """Seconds of each part, in order: with data-parallel ranks first `deliver` (the survivors hand the
     shadow its missing records); then `standby` (promoting the standby: no wait) or `restart` (Ray restarts
     the lost process until it answers); `rejoin` (every rank restores at the shadow's step) and, with
-    several ranks, `group` (the process group formed again). `constructor` (a restarted process's set-up)
-    and `restore` (image plus records into the state) are parts of those."""
+    several ranks, `group` (the process group formed again). `constructor` (a restarted process's set-up),
+    `restore` (image plus records into the state) and `install` (the image's copy, part of `restore`) are
+    parts of those."""
 
 
 class RunSummary(BaseModel):
