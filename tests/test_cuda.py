@@ -92,7 +92,7 @@ def test_the_guard_falls_back_on_a_wrong_gpu_kernel(caplog):
                 t.view(-1)[:1].view(torch.uint8)[0] ^= 1
 
     model = build_model("tiny-opt", "bf16", device="cuda")
-    with triton_kernels.inject_fault_for_tests(flip), caplog.at_level(logging.ERROR):
+    with kernel_guard.inject_fault_for_tests(flip), caplog.at_level(logging.ERROR):
         opt = ZOOptimizer(trainable_parameters(model), ZOConfig(lr=1e-3, eps=1e-2))
     assert opt.kernel_backend == "eager" and opt.kernel_check.passed is False
     assert "falls back to the eager path" in caplog.text

@@ -23,7 +23,7 @@ from kernel_cases import (  # noqa: E402
 from zocheck_ray import ZOConfig, ZOOptimizer, state_hash  # noqa: E402
 from zocheck_ray.core import kernel_guard, triton_kernels, update  # noqa: E402
 from zocheck_ray.core.errors import StateMismatchError  # noqa: E402
-from zocheck_ray.core.generator import perturbation  # noqa: E402
+from zocheck_ray.core.backend import perturbation  # noqa: E402
 from zocheck_ray.workload.models import build_model, trainable_parameters  # noqa: E402
 
 
@@ -108,7 +108,7 @@ def _flip_low_bit(phase, tensors):
 def test_the_guard_catches_a_wrong_kernel_and_the_trainer_falls_back(caplog):
     config = ZOConfig(lr=1e-2, eps=1e-2, weight_decay=0.1)
     model = build_model("tiny-opt", "fp32")
-    with triton_kernels.inject_fault_for_tests(_flip_low_bit), caplog.at_level(logging.ERROR):
+    with kernel_guard.inject_fault_for_tests(_flip_low_bit), caplog.at_level(logging.ERROR):
         opt = ZOOptimizer(trainable_parameters(model), config, backend="triton")
         check = opt.kernel_check
         assert opt.kernel_backend == "eager"

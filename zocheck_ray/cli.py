@@ -17,7 +17,6 @@ import importlib
 import sys
 
 COMMAND_MODULES = [
-    "zocheck_ray.demo",
     "zocheck_ray.bench.replay", "zocheck_ray.bench.trainer",
     "zocheck_ray.bench.overhead", "zocheck_ray.bench.recovery",
     "zocheck_ray.bench.waste", "zocheck_ray.bench.scaling", "zocheck_ray.bench.memory", "zocheck_ray.bench.report",

@@ -20,6 +20,8 @@ import argparse
 import json
 import sys
 
+from zocheck_ray import demo
+from zocheck_ray.demo import EMBEDDED_DEFAULT, default_failures, describe
 from zocheck_ray.config import JobConfigError, check_job_environment, load_job_config
 
 
@@ -91,7 +93,6 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
 
 def train(args: argparse.Namespace) -> int:
     from zocheck_ray.controller import RunFailedError, connect_ray, profile_settings, run
-    from zocheck_ray.demo import EMBEDDED_DEFAULT, default_failures, describe
     from zocheck_ray.verify import verify_run
 
     embedded = args.config is None
@@ -207,6 +208,10 @@ def register(commands, bench) -> None:
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(p)
     p.set_defaults(func=train)
+    d = commands.add_parser("demo", help="the embedded default job (same as `train` with no --config)",
+                            description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_arguments(d, with_config=False)
+    d.set_defaults(func=train, config=None)
     r = commands.add_parser("config-reference", help="the configuration and metrics reference, from the schema")
     where = r.add_mutually_exclusive_group()
     where.add_argument("--check", metavar="README", help="exit 1 when README's generated section is out of date")

@@ -42,7 +42,7 @@ from numba import njit, prange
 
 from zocheck_ray.bench.common import machine, print_table, write_json
 from zocheck_ray.core import StepRecord, ZOConfig, replay
-from zocheck_ray.core.fused import _perturbation_block
+from zocheck_ray.core.fused import perturbation_block
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout, applies_weight_decay
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -135,7 +135,7 @@ def _generate_in_cache(key0, key1, numel, gaussian, chunk):
         wa = np.empty(2 * count, np.uint32)
         wb = np.empty(2 * count, np.uint32)
         radius = np.empty(2 * count, np.float32)
-        _perturbation_block(key0, key1, (c * chunk) >> 2, count, gaussian, z, wa, wb, radius)
+        perturbation_block(key0, key1, (c * chunk) >> 2, count, gaussian, z, wa, wb, radius)
         firsts[c] = z[0]
     return firsts
 
