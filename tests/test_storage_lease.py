@@ -25,6 +25,7 @@ from zocheck_ray.storage import (
     check_no_live_writer,
     read_lease,
 )
+from zocheck_ray.storage.fs import TMP_MARK, open_storage
 from zocheck_ray.storage.lease import LeaseInfo, generation_name
 from zocheck_ray.storage.snapshot import MANIFEST_FILE, SNAPSHOTS_DIR, snapshot_dir
 
@@ -45,6 +46,24 @@ def age_heartbeat(lease: Lease, seconds: float) -> None:
     info = read_lease(lease.storage)
     old = LeaseInfo(**{**info.__dict__, "heartbeat_unix": time.time() - seconds})
     lease.storage.write_atomic(generation_name(info.generation), old.encode())
+
+
+def test_of_writers_racing_to_create_an_object_exactly_one_succeeds(root):
+    url, options = root
+    storage = open_storage(url, options)
+    storage.make_dirs("lease")
+    results: dict[int, bool] = {}
+    writers = [threading.Thread(target=lambda i=i: results.__setitem__(
+        i, storage.create_exclusive("lease/object.json", f"writer {i}".encode()))) for i in range(8)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    assert sorted(results.values()) == [False] * 7 + [True]
+    winner = next(i for i, created in results.items() if created)
+    assert storage.read_bytes("lease/object.json") == f"writer {winner}".encode()
+    assert not storage.create_exclusive("lease/object.json", b"late")
+    assert [n for n in storage.list_dir("lease") if TMP_MARK in n] == []
 
 
 def test_a_second_writer_is_refused_with_the_holder_named(root):

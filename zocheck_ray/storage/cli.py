@@ -113,7 +113,7 @@ def write_model_dir(url: str, result, digest: str, source: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from zocheck_ray.storage.fs import open_storage
-    from zocheck_ray.storage.snapshot import HF_CONFIG_FILE, MODEL_INDEX_FILE, file_layout, model_index
+    from zocheck_ray.storage.hf_layout import HF_CONFIG_FILE, MODEL_INDEX_FILE, file_layout, model_index
     from zocheck_ray.storage.tensorfile import write_tensors
 
     storage = open_storage(url, create=True)

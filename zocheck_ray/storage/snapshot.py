@@ -9,8 +9,8 @@ A snapshot is a directory `snapshots/step-000000001234/` holding
 (tensors named `optimizer.*`, when there are any), `config.json` (a Hugging Face model
 config, when given; then `from_pretrained` loads the directory) and `manifest.json`.
 A part larger than `core.hashing.SHARD_BYTES` is sharded the Hugging Face way
-(`model-00001-of-00003.safetensors`..., with `model.safetensors.index.json`), so its
-files are written and hashed side by side.
+(`model-00001-of-00003.safetensors`..., with `model.safetensors.index.json`; see
+`hf_layout.py`), so its files are written and hashed side by side.
 The manifest lists every tensor in canonical order and the SHA-256 of every file, and
 is written last: it is the commit marker. A directory without one was never committed
 and is never loaded; a manifest carries its own checksum, so a damaged one is never
@@ -37,9 +37,10 @@ from typing import Any, Mapping
 import torch
 
 from zocheck_ray.core import state_hash as compute_state_hash
-from zocheck_ray.core.hashing import OPTIMIZER_PREFIX, combine_file_digests, dtype_name, shards, split_state
+from zocheck_ray.core.hashing import OPTIMIZER_PREFIX, combine_file_digests, dtype_name
 from zocheck_ray.storage.errors import CorruptSnapshotError, SnapshotNotFoundError, StorageError
 from zocheck_ray.storage.fs import PROBE_PREFIX, TMP_MARK, Storage, file_size, open_storage
+from zocheck_ray.storage.hf_layout import HF_CONFIG_FILE, MODEL_INDEX_FILE, file_layout, model_index
 from zocheck_ray.storage.lease import Lease, check_lease_for, require_lease
 from zocheck_ray.storage.manifest import FileEntry, Manifest, SnapshotMeta, TensorEntry
 from zocheck_ray.storage.tensorfile import DTYPE_BY_NAME, read_tensors, write_tensors
@@ -47,11 +48,6 @@ from zocheck_ray.storage.tensorfile import DTYPE_BY_NAME, read_tensors, write_te
 logger = logging.getLogger(__name__)
 
 SNAPSHOTS_DIR = "snapshots"
-MODEL_FILE = "model.safetensors"
-"""The model's file when it fits one shard; else `model-00001-of-0000N.safetensors`... and `MODEL_INDEX_FILE`."""
-OPTIMIZER_FILE = "optimizer.safetensors"
-MODEL_INDEX_FILE = "model.safetensors.index.json"
-HF_CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 DELETED_DIR = ".deleted-snapshots"
 """Local disk: uncommitted snapshot directories waiting for their files to be deleted."""
@@ -431,32 +427,6 @@ class SnapshotStore:
             self.storage.sync_dir(SNAPSHOTS_DIR)
             logger.info("removed uncommitted leftovers under %s: %s", self.url, removed)
         return removed
-
-
-def shard_file_names(kind: str, count: int) -> list[str]:
-    """Hugging Face names of a part's shard files: `model.safetensors`, or `model-00001-of-00003.safetensors`..."""
-    if count == 1:
-        return [f"{kind}.safetensors"]
-    return [f"{kind}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-
-
-def file_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """File name -> the tensors it holds, model shards first: the canonical encoding of `core.hashing`."""
-    layout: dict[str, dict[str, torch.Tensor]] = {}
-    for kind, part in zip(("model", "optimizer"), split_state(tensors)):
-        parts = shards(part)
-        layout.update(zip(shard_file_names(kind, len(parts)), parts))
-    return layout
-
-
-def model_index(layout: Mapping[str, Mapping[str, torch.Tensor]]) -> bytes | None:
-    """`model.safetensors.index.json`, with which `from_pretrained` loads sharded weights (None: not sharded)."""
-    model = {name: shard for name, shard in layout.items() if name.startswith("model")}
-    if len(model) < 2:
-        return None
-    weight_map = {t: name for name, shard in model.items() for t in shard}
-    total = sum(t.numel() * t.element_size() for shard in model.values() for t in shard.values())
-    return json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode()
 
 
 def _state_hash_of_files(tensors: list[TensorEntry], files: Mapping[str, FileEntry]) -> str:
