@@ -210,19 +210,9 @@ class FsspecStorage:
             if not self.local:
                 self.fs.pipe_file(path, bytes(data))  # one PUT
                 return
-            directory, name = os.path.split(path)
-            tmp = os.path.join(directory, f".{name}{TMP_MARK}{uuid.uuid4().hex}")
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+            with _durable_temp_beside(path, data) as tmp:
                 os.replace(tmp, path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                raise
-            _fsync_dir(directory)
+            _fsync_dir(os.path.dirname(path))
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """Create `rel` holding `data`, durably, unless it exists; False when it does.
@@ -237,20 +227,12 @@ class FsspecStorage:
         path = self._path(rel)
         with self.guard("write", rel):
             if self.local:
-                directory, name = os.path.split(path)
-                tmp = os.path.join(directory, f".{name}{TMP_MARK}{uuid.uuid4().hex}")
                 try:
-                    with open(tmp, "wb") as f:
-                        f.write(data)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.link(tmp, path)  # atomic: fails when another writer created it first
+                    with _durable_temp_beside(path, data) as tmp:
+                        os.link(tmp, path)  # atomic: fails when another writer created it first
                 except FileExistsError:
                     return False
-                finally:
-                    if os.path.exists(tmp):
-                        os.remove(tmp)
-                _fsync_dir(directory)
+                _fsync_dir(os.path.dirname(path))
                 return True
             try:
                 self.fs.pipe_file(path, data, mode="create")
@@ -390,6 +372,23 @@ def file_size(f) -> int:
     """Size of a file opened by `open_read`."""
     size = getattr(f, "size", None)
     return int(size) if size is not None else os.fstat(f.fileno()).st_size
+
+
+@contextmanager
+def _durable_temp_beside(path: str, data: bytes) -> Iterator[str]:
+    """A temporary file beside `path` (its name carries `TMP_MARK`) holding `data`, fsync'd; removed on
+    leaving the block unless the block moved it into place."""
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}{TMP_MARK}{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        yield tmp
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _fsync_dir(path: str) -> None:
