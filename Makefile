@@ -36,8 +36,9 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(PYTEST) -m "not slow" tests
 
+# The benchmarks are a program beside the package (benchmarks/): `python -m benchmarks --help` lists them.
 bench: $(STAMP)
-	$(VENV)/bin/zocheck-ray bench replay --json benchmarks/results/replay.json
+	$(PY) -m benchmarks replay --json benchmarks/results/replay.json
 
 # Regenerate the README's configuration and metrics reference from the schemas.
 reference: $(STAMP)

@@ -1,13 +1,17 @@
-"""Shared pieces of the benchmarks: machine description, timing, tables, JSON."""
+"""Shared pieces of the benchmarks: machine description, timing, tables (terminal and Markdown),
+JSON, the figures' style, and running a benchmark's own command line."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import time
 from pathlib import Path
 from typing import Callable, Sequence
+
+from zocheck_ray.plotting import missing_reason, pyplot  # noqa: F401  (the figures' matplotlib, optional)
 
 
 def machine() -> dict:
@@ -57,6 +61,18 @@ def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -
             print("  ".join("-" * w for w in widths))
 
 
+def md_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """columns: (key, header, format spec); a missing value prints as '-'."""
+    out = ["| " + " | ".join(h for _, h, _ in columns) + " |", "|" + "|".join("---:" for _ in columns) + "|"]
+    for r in rows:
+        cells = []
+        for key, _, spec in columns:
+            value = r.get(key)
+            cells.append("-" if value is None else format(value, spec))
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def write_json(path: str | os.PathLike | None, doc: dict) -> None:
     if path is None:
         return
@@ -71,6 +87,18 @@ BENCH_TASK = {"batch_size": 4, "max_length": 24, "eval_interval": 10**9, "eval_s
 first step (evaluation reads the state, it is not part of what the benchmarks measure)."""
 
 
+def save_opt(directory: str, hidden: int, layers: int, vocab: int = 2048) -> tuple[str, int]:
+    """An OPT of `hidden` x `layers` saved with `save_pretrained` (`JobConfig(model=directory)` loads it);
+    returns the directory and its parameter count."""
+    from zocheck_ray.workload.models import build_model, trainable_parameters
+
+    overrides = dict(hidden_size=hidden, num_hidden_layers=layers, ffn_dim=4 * hidden, word_embed_proj_dim=hidden,
+                     vocab_size=vocab, num_attention_heads=max(1, hidden // 64))
+    model = build_model("tiny-opt", "fp32", seed=0, overrides=overrides)
+    model.save_pretrained(directory)
+    return directory, sum(p.numel() for _, p in trainable_parameters(model))
+
+
 def bench_job(**fields):
     """A `JobConfig` for the benchmarks (`BENCH_TASK` unless `task` is given)."""
     from zocheck_ray.config import JobConfig
@@ -81,3 +109,22 @@ def bench_job(**fields):
         fields.setdefault("batch_size", BENCH_TASK["batch_size"])
         fields.setdefault("seq_len", BENCH_TASK["max_length"])
     return JobConfig(**fields)
+
+
+def run_command_for_json(register: Callable, name: str, argv: list[str], path: Path) -> dict:
+    """Run benchmark `name` through its own command line (`register` adds it), so its defaults and
+    checks apply, with `--json path`; returns the document it wrote."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks")
+    register(parser.add_subparsers(dest="bench", required=True))
+    args = parser.parse_args([name, *argv, "--json", str(path)])
+    code = args.func(args)
+    if not path.is_file():
+        raise RuntimeError(f"bench {name} exited {code} without writing {path}")
+    return json.loads(path.read_text())
+
+
+# --------------------------------------------------------------------------- figures
+
+STYLE = {"zocheck": ("tab:green", "o"), "log-only": ("tab:gray", "s"), "sync-checkpoint": ("tab:blue", "^"),
+         "async-checkpoint": ("tab:orange", "v")}
+"""Colour and marker of each strategy, the same in every figure."""

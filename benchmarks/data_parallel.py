@@ -1,7 +1,7 @@
-"""`zocheck-ray bench data-parallel`: what data-parallel ZO costs and what it gains.
+"""`python -m benchmarks data-parallel`: what data-parallel ZO costs and what it gains.
 
-    zocheck-ray bench data-parallel --json benchmarks/results/data-parallel.json
-    zocheck-ray bench data-parallel --steps 60 --fail-at 40 --gathers 300 --rounds 1   # a quick look
+    python -m benchmarks data-parallel --json benchmarks/results/data-parallel.json
+    python -m benchmarks data-parallel --steps 60 --fail-at 40 --gathers 300 --rounds 1   # a quick look
 
 Three measurements on a local Ray cluster, each against its baseline from the same run:
 
@@ -29,10 +29,11 @@ import argparse
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import ray
 
-from zocheck_ray.bench.common import machine, print_table, write_json
+from benchmarks.common import machine, print_table, write_json
 
 COLLECTIVE_TARGET_SECONDS = 1e-3
 WEAK_SCALING_TOLERANCE = 0.20
@@ -84,7 +85,7 @@ MIN_FAIL_AT = 30
 
 def _run(trainers: int, batch_per_rank: int, steps: int, fail_at: int, model: str, storage: str,
          snapshot_interval: int | None) -> dict:
-    from zocheck_ray.bench.common import BENCH_TASK
+    from benchmarks.common import BENCH_TASK
     from zocheck_ray.config import JobConfig
     from zocheck_ray.controller import run
 
@@ -215,7 +216,28 @@ def run(args: argparse.Namespace) -> int:
     return 0 if doc["targets"]["exact"] else 1
 
 
-def register(commands, bench) -> None:
+# ------------------------------------------------------------ in `bench all`: options, tables, figures, verdicts
+
+SUITE_OPTIONS = {"quick": {"steps": 60, "fail_at": 40, "gathers": 300, "rounds": 1}, "full": {}}
+"""`data_parallel_benchmark` options of `bench all`'s run (`--quick` or not)."""
+
+
+def run_in_suite(out: Path, quick: bool) -> dict:
+    """`bench all`'s run; the JSON in `out`."""
+    return data_parallel_benchmark(json_path=str(out / "data-parallel.json"),
+                                   **SUITE_OPTIONS["quick" if quick else "full"])
+
+
+def verdicts(doc: dict) -> list[str]:
+    """The summary's lines for this benchmark's targets."""
+    t, rec = doc["targets"], doc["recovery_seconds"]
+    return [f"all-gather <= 1 ms: {t['collective_under_1ms']} ({doc['collective']['median_seconds'] * 1e3:.3f} ms); "
+            f"k=2 steps/s within 20% of k=1: {t['weak_scaling_within_20pct']} ({doc['weak_scaling_ratio']:.2f}x); "
+            f"rank recovery no slower than k=1: {t['rank_recovery_no_slower']} ({rec['k2']:.2f} s vs "
+            f"{rec['k1']:.2f} s); exact: {t['exact']}"]
+
+
+def register(bench) -> None:
     parser = bench.add_parser("data-parallel", help="collective cost, weak scaling and rank recovery of k=2 vs k=1",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=400, help="steps of each run (default 400)")

@@ -1,24 +1,29 @@
-"""Failures injected into a baseline strategy's trainer on Ray, and its recovery timed.
+"""Failures injected into a trainer on Ray, and its recovery timed: a baseline strategy's, or zocheck's.
 
     result = run_with_failures(job, Strategy.parse("async:7"), fail_at=[100, 200])
     result["recoveries"][0]["restore_seconds"]
+    summary, recoveries = run_zocheck(job, failures=[100, 200])
 
 The trainer runs in a `baselines.StrategyActor`; a software failure makes its process exit
 as it starts the failing step (records not yet sent are lost), a host failure kills it
 with Ray; Ray restarts it and its constructor recovers from the strategy's checkpoints and
 the durable log. The restart's account of itself (`RESTORE_PARTS`) and the driver's clock
-give the breakdown the recovery benchmarks report.
+give the breakdown the recovery benchmarks report. `run_zocheck` runs `controller.run` with
+the same failures and adds the same breakdown to each of its recoveries.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import ray
 
-from zocheck_ray.bench.baselines import Strategy, StrategyActor
+from benchmarks.baselines import Strategy, StrategyActor
+from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
 from zocheck_ray.config import JobConfig
+from zocheck_ray.controller import run
 
 
 def wait_new_incarnation(actor, old_pid: int | None, timeout: float = 300.0) -> dict:
@@ -132,3 +137,67 @@ def run_with_failures(job: JobConfig, strategy: Strategy, fail_at: list[int], ur
             "trainer_seconds_per_step": path["train_seconds"] / steps, "critical_path": path,
             "stage_ms_median": path["checkpoint_ms_median"], "stall_seconds": path["stall_seconds"],
             "last_segment_seconds": last["seconds"]}
+
+
+_RECOVERED = re.compile(r"trainer lost at step (\d+).*recovered at step (\d+)")
+_SEGMENT = re.compile(r"^\s*step\s+(\d+)\s")
+
+
+def catch_up_seconds(events: list[tuple[float, str]]) -> dict[int, float]:
+    """Failed step -> seconds from the controller's recovery line to its progress line of the
+    segment that ended exactly at the failed step (the recomputation of the unsent records)."""
+    out, pending = {}, None
+    for t, line in events:
+        if m := _RECOVERED.search(line):
+            failed, recovered = int(m[1]), int(m[2])
+            pending = None if recovered >= failed else (failed, t)
+            if recovered >= failed:
+                out[failed] = 0.0
+        elif pending is not None and (m := _SEGMENT.match(line)):
+            if int(m[1]) == pending[0]:
+                out[pending[0]] = t - pending[1]
+            pending = None
+    return out
+
+
+def run_zocheck(job: JobConfig, failures: list[int], fail_mode: str = "software"):
+    """`controller.run` failing at `failures`; returns (RunSummary, one dict per recovery).
+
+    Each dict is the controller's `Recovery` plus: lost_steps (unsent records the restarted
+    trainer recomputes), catch_up_seconds (that recomputation, timed from the progress lines),
+    catch_up_measured, seconds_to_failure_step (seconds + catch-up), constructor_seconds (the
+    restarted trainer's own account), process_seconds (constructor + catch-up), load_average.
+    """
+    events: list[tuple[float, str]] = []
+    loads: list[float] = []  # the machine's 1-minute load average at each line: other work slows restarts
+    constructor_seconds: dict[int, float] = {}
+    restore_seconds: dict[int, float] = {}
+    breakdown: dict[int, dict] = {}
+
+    def on_progress(line: str) -> None:
+        if m := _RECOVERED.search(line):  # the restarted trainer's own account of its constructor
+            trainer = ray.get_actor(trainer_name(job.run_id), namespace=NAMESPACE)
+            info = ray.get(trainer.recovery.remote())
+            constructor_seconds[int(m[1])] = info.get("seconds")
+            restore_seconds[int(m[1])] = info.get("restore_seconds")
+            breakdown[int(m[1])] = restore_breakdown(info)
+        events.append((time.perf_counter(), line))  # after that call: it is not part of the catch-up
+        loads.append(os.getloadavg()[0])
+
+    summary = run(job, fail_at=failures, fail_mode=fail_mode, progress=on_progress)
+    step_seconds = summary.trainer_seconds_per_step
+    measured = catch_up_seconds(events)
+    load_at = {int(m[1]): load for (_, line), load in zip(events, loads) if (m := _RECOVERED.search(line))}
+    zocheck = []
+    for r in summary.recoveries:
+        lost = r.failed_at_step - r.recovered_step
+        catch_up = 0.0 if lost <= 0 else measured.get(r.failed_at_step, lost * step_seconds)
+        constructor = constructor_seconds.get(r.failed_at_step)
+        zocheck.append({**r.model_dump(), "lost_steps": lost, "catch_up_seconds": catch_up,
+                        "catch_up_measured": lost <= 0 or r.failed_at_step in measured,
+                        "seconds_to_failure_step": r.seconds + catch_up, "constructor_seconds": constructor,
+                        "process_seconds": None if constructor is None else constructor + catch_up,
+                        "restore_seconds": restore_seconds.get(r.failed_at_step),
+                        "breakdown": breakdown.get(r.failed_at_step),
+                        "load_average": load_at.get(r.failed_at_step)})
+    return summary, zocheck

@@ -1,7 +1,7 @@
-"""`zocheck-ray bench memory`: peak host (and GPU) memory per strategy, and the shadow's against model size.
+"""`python -m benchmarks memory`: peak host (and GPU) memory per strategy, and the shadow's against model size.
 
-    zocheck-ray bench memory --json benchmarks/results/memory.json
-    zocheck-ray bench memory --sizes 10M 50M --hidden 256 --layers 2 --json memory-small.json
+    python -m benchmarks memory --json benchmarks/results/memory.json
+    python -m benchmarks memory --sizes 10M 50M --hidden 256 --layers 2 --json memory-small.json
 
 Every configuration runs in a fresh Python process, which reports its own peak resident
 set (`VmHWM` in /proc/self/status; `ru_maxrss` where that is missing) and, where CUDA is
@@ -12,7 +12,7 @@ measured in the same run, so the interpreter, torch and the model cancel out:
   same data and seeds), with only the checkpointing changed: `trainer` alone (log-only:
   each record is a few tens of bytes), `zocheck` (a `Shadow` in the same process, fed
   every record: host replica, snapshot images, persistence to a local directory),
-  `async-checkpoint` (the baseline's staging copy, `bench.baselines.stage`, and a
+  `async-checkpoint` (the baseline's staging copy, `benchmarks.baselines.stage`, and a
   background `SnapshotStore.save`, one in flight) and `sync-checkpoint`
   (`SnapshotStore.save` every K steps). The extra memory over `trainer` is the strategy's;
 - the shadow alone against model size: a process holds a state of P parameters and its
@@ -35,8 +35,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-from zocheck_ray.bench.common import machine, print_table, write_json
+from benchmarks.common import STYLE, machine, md_table, print_table, pyplot, save_opt, write_json
 
 DEFAULT_SIZES = ["25M", "50M", "100M", "200M"]
 STRATEGIES = ("trainer", "zocheck", "async-checkpoint", "sync-checkpoint")
@@ -68,7 +69,7 @@ def _warm_kernel() -> None:
     """Load the replay kernel in every child: its code is the same for all, not a strategy's state."""
     import torch
 
-    from zocheck_ray.bench.replay import make_records, make_state
+    from benchmarks.replay import make_records, make_state
     from zocheck_ray.core import ZOConfig, replay
 
     zo = ZOConfig(lr=1e-6, eps=1e-3)
@@ -84,7 +85,7 @@ def _strategy_child(spec: dict) -> dict:
     import torch
 
     from zocheck_ray.actors.shadow import Shadow
-    from zocheck_ray.bench.baselines import stage
+    from benchmarks.baselines import stage
     from zocheck_ray.config import JobConfig
     from zocheck_ray.core import ZOOptimizer
     from zocheck_ray.storage import SnapshotStore
@@ -161,7 +162,7 @@ def _shadow_child(spec: dict) -> list[dict]:
     import torch
 
     from zocheck_ray.actors.shadow import Shadow
-    from zocheck_ray.bench.replay import make_records, make_state
+    from benchmarks.replay import make_records, make_state
     from zocheck_ray.config import JobConfig
     from zocheck_ray.core import ZOConfig
 
@@ -195,7 +196,7 @@ def _shadow_child(spec: dict) -> list[dict]:
 def _run_child(kind: str, spec: dict) -> dict:
     """Run one configuration in a fresh interpreter; its last stdout line is its JSON result."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    done = subprocess.run([sys.executable, "-m", "zocheck_ray.bench.memory", "--child", kind, json.dumps(spec)],
+    done = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--child", kind, json.dumps(spec)],
                           capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"memory child {kind} {spec} failed:\n{done.stderr[-3000:]}")
@@ -203,16 +204,6 @@ def _run_child(kind: str, spec: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- the benchmark
-
-
-def _save_model(directory: str, hidden: int, layers: int, vocab: int = 2048) -> tuple[str, int]:
-    from zocheck_ray.workload.models import build_model, trainable_parameters
-
-    overrides = dict(hidden_size=hidden, num_hidden_layers=layers, ffn_dim=4 * hidden, word_embed_proj_dim=hidden,
-                     vocab_size=vocab, num_attention_heads=max(1, hidden // 64))
-    model = build_model("tiny-opt", "fp32", seed=0, overrides=overrides)
-    model.save_pretrained(directory)
-    return directory, sum(p.numel() for _, p in trainable_parameters(model))
 
 
 def memory_benchmark(sizes: list[int], hidden: int = 1024, layers: int = 2, steps: int = 14, snapshot_interval: int = 4,
@@ -233,7 +224,7 @@ def memory_benchmark(sizes: list[int], hidden: int = 1024, layers: int = 2, step
         f"{', '.join(f'{s:,}' for s in sizes)} parameters; {info['cpu']}")
     work = tempfile.mkdtemp(prefix="zocheck-bench-memory-")
     try:
-        model, params = _save_model(os.path.join(work, "model"), hidden, layers)
+        model, params = save_opt(os.path.join(work, "model"), hidden, layers)
         names, strategies = strategies, []
         for strategy in names:
             say(f"  {strategy} ({params:,} parameters, {steps} steps) ...")
@@ -300,8 +291,81 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(doc["invariants"].values()) else 1
 
 
-def register(commands, bench) -> None:
-    from zocheck_ray.bench.overhead import parse_count
+# ------------------------------------------------------------ in `bench all`: options, tables, figures, verdicts
+
+SUITE_OPTIONS = {
+    "quick": {"sizes": [10_000_000, 40_000_000, 80_000_000], "hidden": 512, "layers": 2, "steps": 14},
+    "full": {"sizes": [25_000_000, 50_000_000, 100_000_000, 200_000_000]},
+}
+"""`memory_benchmark` options of `bench all`'s run (`--quick` or not)."""
+
+
+def run_in_suite(out: Path, quick: bool) -> dict:
+    """`bench all`'s run; the JSON in `out`."""
+    return memory_benchmark(json_path=str(out / "memory.json"), **SUITE_OPTIONS["quick" if quick else "full"])
+
+
+def markdown(doc: dict) -> str:
+    mb = 2**20
+    strategies = [{**r, "peak": r["peak_host_bytes"] / mb, "extra": r["extra_host_bytes"] / mb,
+                   "state": r["state_bytes"] / mb,
+                   "gpu": None if r["peak_gpu_bytes"] is None else r["peak_gpu_bytes"] / mb} for r in doc["strategies"]]
+    columns = [("strategy", "strategy", ""), ("state", "state MB", ".1f"), ("peak", "peak host MB", ".0f"),
+               ("extra", "over trainer MB", ".0f"), ("extra_over_state", "x state", ".2f")]
+    if doc["gpu"]:
+        columns.append(("gpu", "peak GPU MB", ".0f"))
+    shadow = [{**r, "state": r["state_bytes"] / mb, "extra": r["extra_host_bytes"] / mb} for r in doc["shadow"]]
+    return "\n".join([
+        "# Memory\n", f"Per strategy, an OPT of {doc['model_params']:,} parameters trained {doc['steps']} steps "
+        "(peak resident set of a fresh process each; 'over trainer' is the extra over the trainer alone):\n",
+        md_table(strategies, columns),
+        "" if doc["gpu"] else "\n(no CUDA device: no GPU column)",
+        "".join(f"\n{r['strategy']}: its peak is within noise of the trainer's. The peak is taken over the "
+                "whole process, building the model included, and checkpointing during training did not raise "
+                "it (per-phase peaks are not measured).\n"
+                for r in doc["strategies"] if r["strategy"].endswith("checkpoint")
+                and r["extra_host_bytes"] < r["state_bytes"]),
+        "\nThe shadow's host memory against model size (fp32 state):\n",
+        md_table(shadow, [("params", "params", ","), ("state", "state MB", ".0f"), ("extra", "shadow MB", ".0f"),
+                          ("extra_over_state", "x state", ".2f")]),
+        "\nInvariants: " + ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in doc["invariants"].items()) + "\n"])
+
+
+def plot_memory(doc: dict, path: Path) -> None:
+    plt = pyplot()
+    mb = 2**20
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4.2))
+    names = [r["strategy"] for r in doc["strategies"]]
+    left.bar(names, [r["extra_host_bytes"] / mb for r in doc["strategies"]],
+             color=[STYLE.get(n, ("tab:gray", ""))[0] for n in names])
+    left.axhline(doc["strategies"][0]["state_bytes"] / mb, color="k", ls="--", lw=1, label="one state copy")
+    left.set(ylabel="peak host memory over the trainer alone (MB)")
+    left.tick_params(axis="x", labelsize=7)
+    left.legend(fontsize=7)
+    shadow = doc["shadow"]
+    right.plot([r["state_bytes"] / mb for r in shadow], [r["extra_host_bytes"] / mb for r in shadow], "o-",
+               color="tab:green", label="shadow (measured peak)")
+    right.plot([r["state_bytes"] / mb for r in shadow], [r["state_bytes"] / mb for r in shadow], "k--", lw=1,
+               label="one state copy")
+    right.set(xlabel="model state (MB)", ylabel="shadow's host memory (MB)")
+    right.legend(fontsize=7)
+    right.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+FIGURES = [("memory.png", plot_memory)]
+"""(file name, plot(doc, path)) of each figure `bench all` draws from this benchmark's document."""
+
+
+def verdicts(doc: dict) -> list[str]:
+    """The summary's lines for this benchmark's targets."""
+    return [f"{k.replace('_', ' ')}: {v}" for k, v in doc["invariants"].items()]
+
+
+def register(bench) -> None:
+    from benchmarks.overhead import parse_count
 
     parser = bench.add_parser("memory", help="peak host/GPU memory per strategy; the shadow's against model size",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -323,4 +387,5 @@ if __name__ == "__main__":
         child = {"strategy": _strategy_child, "shadow": _shadow_child}[sys.argv[2]]
         print(json.dumps(child(json.loads(sys.argv[3]))))
     else:
-        sys.exit("usage: python -m zocheck_ray.bench.memory --child {strategy|shadow} SPEC (use `zocheck-ray bench memory`)")
+        sys.exit("usage: python -m benchmarks.memory --child {strategy|shadow} SPEC "
+                 "(use `python -m benchmarks memory`)")

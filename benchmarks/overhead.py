@@ -1,7 +1,7 @@
-"""`zocheck-ray bench overhead`: the trainer's critical-path cost of publishing a step record.
+"""`python -m benchmarks overhead`: the trainer's critical-path cost of publishing a step record.
 
-    zocheck-ray bench overhead --json benchmarks/results/overhead.json
-    zocheck-ray bench overhead --params 1M 10M --json overhead-small.json
+    python -m benchmarks overhead --json benchmarks/results/overhead.json
+    python -m benchmarks overhead --params 1M 10M --json overhead-small.json
 
 For each parameter count (default 1M, 10M, 100M, 1B; bf16 from 1B on, fp32 below)
 a state of transformer-like tensors is trained by real `ZOOptimizer.step` calls
@@ -25,7 +25,7 @@ every size (the ZOCheck paper reports 24 us per step), flat: no size's median mo
 than 1 us above the smallest size's. A 1B-parameter bf16 step takes about a minute
 on two cores, so the default run takes about ten minutes there.
 
-Then (`bench.overhead_strategies`) every strategy of the published comparison trains
+Then (`benchmarks.overhead_strategies`) every strategy of the published comparison trains
 the same job failure-free on the real `Trainer` (`--strategy-steps`, default 2100) and
 its cumulative critical-path checkpointing cost is compared at K = 7, 300, 1000:
 zocheck's must be the lowest at every K. From the sizes of 100M parameters on, the
@@ -52,17 +52,18 @@ import tempfile
 import threading
 import time
 from collections import deque
+from pathlib import Path
 
 import ray
 import torch
 
-from zocheck_ray.actors.trainer import FLUSH_SECONDS
-from zocheck_ray.bench.baselines import PAPER_INTERVALS, stage
-from zocheck_ray.bench.common import bench_job, machine, print_table, write_json
-from zocheck_ray.bench.overhead_strategies import (
+from benchmarks.baselines import PAPER_INTERVALS, stage
+from benchmarks.common import bench_job, machine, md_table, print_table, run_command_for_json, write_json
+from benchmarks.overhead_strategies import (
     measure_strategies, print_ratio, print_strategies, size_ratio,
 )
-from zocheck_ray.bench.replay import make_state
+from benchmarks.replay import make_state
+from zocheck_ray.actors.trainer import FLUSH_SECONDS
 from zocheck_ray.core import StepRecord, ZOConfig, ZOOptimizer
 from zocheck_ray.storage import SnapshotStore
 from zocheck_ray.workload.data import step_seed
@@ -376,7 +377,40 @@ def run(args: argparse.Namespace) -> int:
     return 0 if doc["targets"]["met"] else 1
 
 
-def register(commands, bench) -> None:
+# ------------------------------------------------------------ in `bench all`: options, tables, figures, verdicts
+
+SUITE_ARGS = {
+    "quick": ["--params", "1M", "10M", "--min-steps", "2", "--max-steps", "3", "--step-seconds", "1",
+              "--loop-records", "2000", "--ray-calls", "100", "--trainer-steps", "100"],
+    "full": [],
+}
+"""Command-line arguments of `bench all`'s run (`--quick` or not)."""
+
+
+def run_in_suite(out: Path, quick: bool) -> dict:
+    """`bench all`'s run: through the command line, so its defaults and checks apply; the JSON in `out`."""
+    return run_command_for_json(register, "overhead", SUITE_ARGS["quick" if quick else "full"], out / "overhead.json")
+
+
+def markdown(doc: dict) -> str:
+    rows = doc.get("results", [])
+    targets = doc.get("targets", {})
+    return "\n".join([
+        "# Critical-path overhead\n",
+        md_table(rows, [("params", "params", ","), ("dtype", "dtype", ""), ("zo_step_ms", "ZO step ms", ".1f"),
+                        ("publish_us_median", "publish us p50", ".2f"), ("publish_us_p99", "p99", ".2f"),
+                        ("ray_call_us_median", "Ray call us", ".0f"), ("staging_copy_ms", "staging copy ms", ".1f"),
+                        ("sync_save_ms", "sync save ms", ".0f")]),
+        f"\nTargets met: {targets.get('met')}. " + " ".join(targets.get("notes", [])) + "\n"])
+
+
+def verdicts(doc: dict) -> list[str]:
+    """The summary's lines for this benchmark's targets."""
+    targets = doc.get("targets", {})
+    return [f"targets met: {targets.get('met')}"] + [f"note: {n}" for n in targets.get("notes", [])]
+
+
+def register(bench) -> None:
     parser = bench.add_parser("overhead", help="critical-path cost of publishing a step record, 1M to 1B parameters",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", nargs="+", type=parse_count, default=[parse_count(p) for p in DEFAULT_PARAMS],

@@ -1,7 +1,7 @@
 """The critical-path comparison of `bench overhead`: every strategy, and ZOCheck against the
 asynchronous baseline as the model grows.
 
-`measure_strategies` trains the same job under each strategy of `bench.baselines`
+`measure_strategies` trains the same job under each strategy of `benchmarks.baselines`
 (log-only, sync and async at K = 7, 300, 1000, zocheck with an in-process `Shadow`),
 failure-free, on the real `Trainer`, and sums what the training thread spends on
 checkpointing: the append that publishes each record (every strategy logs its records)
@@ -35,9 +35,9 @@ import os
 import shutil
 import tempfile
 
-from zocheck_ray.bench.baselines import PAPER_INTERVALS, StrategyTrainer, paper_strategies
-from zocheck_ray.bench.common import bench_job
-from zocheck_ray.bench.recovery_comparison import fit_line
+from benchmarks.baselines import PAPER_INTERVALS, StrategyTrainer, paper_strategies
+from benchmarks.common import bench_job
+from benchmarks.recovery_comparison import fit_line
 
 RATIO_EVERY = 1000
 RATIO_TARGET = 200.0
@@ -121,7 +121,7 @@ def size_ratio(size_rows: list[dict], every: int = RATIO_EVERY, min_params: int 
 
 
 def print_strategies(doc: dict, say=print) -> None:
-    from zocheck_ray.bench.common import print_table
+    from benchmarks.common import print_table
 
     say(f"\ncritical path over a failure-free run: {doc['model']} ({doc['params']:,} parameters), "
         f"{doc['steps']:,} steps, the real Trainer")
@@ -136,7 +136,7 @@ def print_strategies(doc: dict, say=print) -> None:
 
 
 def print_ratio(doc: dict, say=print) -> None:
-    from zocheck_ray.bench.common import print_table
+    from benchmarks.common import print_table
 
     if not doc["sizes"]:
         say(f"\nzocheck vs async K={doc['every']}: no size of at least {RATIO_MIN_PARAMS:,} parameters was measured")

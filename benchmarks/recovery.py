@@ -1,13 +1,13 @@
-"""`zocheck-ray bench recovery`: recovery time, ZOCheck against every checkpointing strategy,
+"""`python -m benchmarks recovery`: recovery time, ZOCheck against every checkpointing strategy,
 on a real local Ray instance.
 
-    zocheck-ray bench recovery --json benchmarks/results/recovery.json
-    zocheck-ray bench recovery --no-depth --steps 1000 --large-failure-step 20 --json recovery-quick.json
+    python -m benchmarks recovery --json benchmarks/results/recovery.json
+    python -m benchmarks recovery --no-depth --steps 1000 --large-failure-step 20 --json recovery-quick.json
 
 Three parts, each measured side by side in one run:
 
-- `comparison` (the published comparison; `bench.recovery_comparison`): every strategy of
-  `bench.baselines` (log-only; log + sync and async full checkpoints at K = 7, 300, 1000;
+- `comparison` (the published comparison; `benchmarks.recovery_comparison`): every strategy of
+  `benchmarks.baselines` (log-only; log + sync and async full checkpoints at K = 7, 300, 1000;
   zocheck), a software and a host failure at 80% of a `--steps` run (default 5000) of
   `--comparison-model`, the replayed steps, and each recovered state's hash against the
   uninterrupted run's.
@@ -33,7 +33,7 @@ trainer loads its replay kernel while its model is built, so no restore pays for
 
 JSON (keys stable): {"benchmark": "recovery", "machine" (`common.machine()` + load averages),
 "checkpoint_every", "log_interval", "scenarios": [depth scenarios, see `run_scenario`],
-"comparisons": {"comparison": ..., "large": ...} (see `bench.recovery_comparison`),
+"comparisons": {"comparison": ..., "large": ...} (see `benchmarks.recovery_comparison`),
 "targets": {"independent_of_depth", "faster_than_async_checkpoint", "comparison"
 (`check_comparison_targets`: over_async_k7, over_log_only, states_equal, met, notes), "met",
 "notes"}}.
@@ -44,21 +44,21 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import shutil
 import statistics
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 
-from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
-from zocheck_ray.bench.baselines import CHECKPOINT_EVERY, PAPER_INTERVALS, Strategy, paper_strategies
-from zocheck_ray.bench.failures import restore_breakdown, run_with_failures
-from zocheck_ray.bench.common import bench_job, machine, print_table, write_json
-from zocheck_ray.bench.recovery_comparison import ComparisonSpec, check_comparison_targets, print_comparison
+from benchmarks.baselines import CHECKPOINT_EVERY, PAPER_INTERVALS, Strategy, paper_strategies
+from benchmarks.common import (bench_job, machine, md_table, print_table, run_command_for_json, save_opt,
+                               write_json)
+from benchmarks.failures import run_with_failures, run_zocheck
+from benchmarks.recovery_comparison import ComparisonSpec, check_comparison_targets, print_comparison
 from zocheck_ray.config import JobConfig
 from zocheck_ray.workload.models import build_model, trainable_parameters
 
@@ -105,87 +105,12 @@ def failure_steps(step: int, count: int, spacing: int = 10, period: int | None =
     return [step + spacing * i for i in range(count)]
 
 
-_RECOVERED = re.compile(r"trainer lost at step (\d+).*recovered at step (\d+)")
-_SEGMENT = re.compile(r"^\s*step\s+(\d+)\s")
-
-
-def catch_up_seconds(events: list[tuple[float, str]]) -> dict[int, float]:
-    """Failed step -> seconds from the controller's recovery line to its progress line of the
-    segment that ended exactly at the failed step (the recomputation of the unsent records)."""
-    out, pending = {}, None
-    for t, line in events:
-        if m := _RECOVERED.search(line):
-            failed, recovered = int(m[1]), int(m[2])
-            pending = None if recovered >= failed else (failed, t)
-            if recovered >= failed:
-                out[failed] = 0.0
-        elif pending is not None and (m := _SEGMENT.match(line)):
-            if int(m[1]) == pending[0]:
-                out[pending[0]] = t - pending[1]
-            pending = None
-    return out
-
-
 def count_params(model: str) -> int:
     return sum(p.numel() for _, p in trainable_parameters(build_model(model)))
 
 
-def save_big_model(directory: str, hidden: int, layers: int, vocab: int = 2048) -> tuple[str, int]:
-    """An OPT of `hidden` x `layers` saved with `save_pretrained`; JobConfig(model=directory) loads it."""
-    overrides = dict(hidden_size=hidden, num_hidden_layers=layers, ffn_dim=4 * hidden, word_embed_proj_dim=hidden,
-                     vocab_size=vocab, num_attention_heads=max(1, hidden // 64))
-    model = build_model("tiny-opt", "fp32", seed=0, overrides=overrides)
-    model.save_pretrained(directory)
-    return directory, sum(p.numel() for _, p in trainable_parameters(model))
-
-
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
-
-
-def run_zocheck(job: JobConfig, failures: list[int], fail_mode: str = "software"):
-    """`controller.run` failing at `failures`; returns (RunSummary, one dict per recovery).
-
-    Each dict is the controller's `Recovery` plus: lost_steps (unsent records the restarted
-    trainer recomputes), catch_up_seconds (that recomputation, timed from the progress lines),
-    catch_up_measured, seconds_to_failure_step (seconds + catch-up), constructor_seconds (the
-    restarted trainer's own account), process_seconds (constructor + catch-up), load_average.
-    """
-    from zocheck_ray.controller import run
-
-    events: list[tuple[float, str]] = []
-    loads: list[float] = []  # the machine's 1-minute load average at each line: other work slows restarts
-    constructor_seconds: dict[int, float] = {}
-    restore_seconds: dict[int, float] = {}
-    breakdown: dict[int, dict] = {}
-
-    def on_progress(line: str) -> None:
-        if m := _RECOVERED.search(line):  # the restarted trainer's own account of its constructor
-            trainer = ray.get_actor(trainer_name(job.run_id), namespace=NAMESPACE)
-            info = ray.get(trainer.recovery.remote())
-            constructor_seconds[int(m[1])] = info.get("seconds")
-            restore_seconds[int(m[1])] = info.get("restore_seconds")
-            breakdown[int(m[1])] = restore_breakdown(info)
-        events.append((time.perf_counter(), line))  # after that call: it is not part of the catch-up
-        loads.append(os.getloadavg()[0])
-
-    summary = run(job, fail_at=failures, fail_mode=fail_mode, progress=on_progress)
-    step_seconds = summary.trainer_seconds_per_step
-    measured = catch_up_seconds(events)
-    load_at = {int(m[1]): load for (_, line), load in zip(events, loads) if (m := _RECOVERED.search(line))}
-    zocheck = []
-    for r in summary.recoveries:
-        lost = r.failed_at_step - r.recovered_step
-        catch_up = 0.0 if lost <= 0 else measured.get(r.failed_at_step, lost * step_seconds)
-        constructor = constructor_seconds.get(r.failed_at_step)
-        zocheck.append({**r.model_dump(), "lost_steps": lost, "catch_up_seconds": catch_up,
-                        "catch_up_measured": lost <= 0 or r.failed_at_step in measured,
-                        "seconds_to_failure_step": r.seconds + catch_up, "constructor_seconds": constructor,
-                        "process_seconds": None if constructor is None else constructor + catch_up,
-                        "restore_seconds": restore_seconds.get(r.failed_at_step),
-                        "breakdown": breakdown.get(r.failed_at_step),
-                        "load_average": load_at.get(r.failed_at_step)})
-    return summary, zocheck
 
 
 def run_scenario(scenario: Scenario, storage: str, every: int = CHECKPOINT_EVERY, snapshot_interval: int | None = None,
@@ -408,7 +333,7 @@ def default_scenarios(args: argparse.Namespace, model_dir: str) -> list[Scenario
         scenarios.append(Scenario("depth", args.model, count_params(args.model), {"early": early, "late": late},
                                   ("early",) if args.no_baseline_late else None))
     if args.big_hidden:
-        path, params = save_big_model(os.path.join(model_dir, "big-opt"), args.big_hidden, args.big_layers)
+        path, params = save_opt(os.path.join(model_dir, "big-opt"), args.big_hidden, args.big_layers)
         points = {"early": early}
         if args.big_late_step:
             points["late"] = failure_steps(args.big_late_step, k, spacing, period, align_to=early[0])
@@ -426,7 +351,7 @@ def default_comparisons(args: argparse.Namespace, model_dir: str) -> list[Compar
         out.append(ComparisonSpec("comparison", args.comparison_model, count_params(args.comparison_model), failure,
                                   tuple(paper_strategies(tuple(args.intervals))), tuple(args.modes), args.steps))
     if args.large_hidden:
-        path, params = save_big_model(os.path.join(model_dir, "large-opt"), args.large_hidden, args.large_layers)
+        path, params = save_opt(os.path.join(model_dir, "large-opt"), args.large_hidden, args.large_layers)
         failure = -(-args.large_failure_step // spacing) * spacing
         samples = tuple(sorted({max(1, failure // 4), max(1, failure // 2), failure}))
         out.append(ComparisonSpec("large", path, params, failure,
@@ -450,7 +375,69 @@ def run_cli(args: argparse.Namespace) -> int:
     return 0 if doc["targets"]["met"] else 1
 
 
-def register(commands, bench) -> None:
+# ------------------------------------------------------------ in `bench all`: options, tables, figures, verdicts
+
+SUITE_ARGS = {
+    "quick": ["--early-step", "100", "--late-step", "300", "--failures-per-point", "1", "--no-baseline-late",
+              "--big-hidden", "0", "--steps", "100", "--large-failure-step", "20"],
+    "full": [],
+}
+"""Command-line arguments of `bench all`'s run (`--quick` or not)."""
+
+
+def run_in_suite(out: Path, quick: bool) -> dict:
+    """`bench all`'s run: through the command line, so its defaults and checks apply; the JSON in `out`."""
+    return run_command_for_json(register, "recovery", SUITE_ARGS["quick" if quick else "full"], out / "recovery.json")
+
+
+def markdown(doc: dict) -> str:
+    rows = []
+    for s in doc.get("scenarios", []):
+        for p in s.get("points", []):
+            rows.append({"scenario": s.get("name"), "params": s.get("params"), "point": p.get("point"), **p})
+    targets = doc.get("targets", {})
+    return "\n".join([
+        "# Recovery after a software failure\n",
+        md_table(rows, [("scenario", "scenario", ""), ("params", "params", ","), ("point", "point", ""),
+                        ("zocheck_seconds", "zocheck s", ".2f"), ("zocheck_replayed_records", "replayed", ".0f"),
+                        ("baseline_seconds", "async ckpt s", ".2f"),
+                        ("baseline_recomputed_steps", "recomputed", ".0f"),
+                        ("zocheck_over_baseline", "zocheck / ckpt", ".2f")]),
+        f"\nTargets met: {targets.get('met')}. " + " ".join(targets.get("notes", [])) + "\n"])
+
+
+def verdicts(doc: dict) -> list[str]:
+    """The summary's lines for this benchmark's targets."""
+    targets = doc.get("targets", {})
+
+    def verdict(met) -> str:
+        return {True: "met", False: "missed", None: "not run"}[met]
+
+    lines = []
+    c = targets.get("comparison")
+    if c:
+        for key, what in (("over_async_k7", "async K=7"), ("over_log_only", "log-only at 80% of a 5,000-step run")):
+            t = c[key]
+            ratios = "; ".join(f"{name}: restore {v['restore']:.2f}x, + catch-up {v['work']:.2f}x, in total "
+                               f"{v['total']:.2f}x" + ("" if v["applicable"] else " (not checked)")
+                               for name, v in t["ratios"].items() if v["restore"] is not None)
+            lines.append(f"software-failure recovery >= {t['target']:g}x faster than {what} on the restore "
+                         f"(>= {t['min_params']:,} parameters): {verdict(t['met'])} ({ratios})")
+        lines.append(f"every recovered state equals the uninterrupted run's: {c['states_equal']}")
+    depth = targets.get("independent_of_depth", {})
+    if depth.get("met") is not None:
+        lines.append(f"recovery independent of how far training has gone: {verdict(depth['met'])} (late/early "
+                     + ", ".join(f"{k} {v:.2f}" for k, v in depth.get("late_over_early", {}).items()) + ")")
+    faster = targets.get("faster_than_async_checkpoint", {})
+    if faster.get("met") is not None:
+        lines.append("total recovery (process start included) faster than async K=7 at every depth point: "
+                     f"{verdict(faster['met'])} (zocheck/checkpoint "
+                     + ", ".join(f"{k} {v:.2f}" for k, v in faster.get("zocheck_over_baseline", {}).items()) + ")")
+    notes = [*targets.get("notes", []), *(c.get("notes", []) if c else [])]
+    return lines + [f"note: {n}" for n in notes]
+
+
+def register(bench) -> None:
     parser = bench.add_parser("recovery", help="software-failure recovery: early vs late, vs async full checkpoints",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-opt", help="model of the depth scenario (default tiny-opt)")

@@ -2,7 +2,7 @@
 
     doc = compare_recovery("tiny-opt", 23_360, failure_step=4000, strategies=paper_strategies(), storage=dir)
 
-One job (model, data, seeds), one failure step F, every strategy of `bench.baselines`:
+One job (model, data, seeds), one failure step F, every strategy of `benchmarks.baselines`:
 
 - the checkpointing baselines share one training run (`CompositeTrainer`: one durable log,
   each baseline's checkpoints apart) to F, where its process exits: every staging buffer and
@@ -51,10 +51,10 @@ from dataclasses import dataclass
 
 import ray
 
-from zocheck_ray.bench.baselines import CompositeActor, Strategy, StrategyActor, read_reference
-from zocheck_ray.bench.failures import (fail_and_recover, restore_breakdown, run_into_injected_failure,
-                                        wait_new_incarnation)
-from zocheck_ray.bench.common import bench_job
+from benchmarks.baselines import CompositeActor, Strategy, StrategyActor, read_reference
+from benchmarks.common import bench_job
+from benchmarks.failures import (fail_and_recover, restore_breakdown, run_into_injected_failure, run_zocheck,
+                                 wait_new_incarnation)
 from zocheck_ray.config import JobConfig
 from zocheck_ray.storage import SnapshotStore, read_log
 
@@ -142,8 +142,6 @@ def compare_recovery(model: str, params: int, failure_step: int, strategies: lis
                      nominal_steps: int | None = None, log_only_samples: list[int] | None = None,
                      extrapolate_to: int | None = None, say=print) -> dict:
     """Every strategy's recovery from a failure at `failure_step` (see the module docstring)."""
-    from zocheck_ray.bench.recovery import run_zocheck
-
     if failure_step % log_interval:
         raise ValueError(f"failure_step {failure_step} must be a multiple of log_interval {log_interval} "
                          "(the catch-up is timed from the progress line at the failed step)")
@@ -292,7 +290,7 @@ def _fmt(value: float | None, unit: str = "x") -> str:
 
 
 def print_comparison(name: str, doc: dict, say=print) -> None:
-    from zocheck_ray.bench.common import print_table
+    from benchmarks.common import print_table
 
     say(f"\n{name}: {doc['model']} ({doc['params']:,} parameters), failure at step {doc['failure_step']}"
         + (f" (80% of {doc['nominal_steps']:,})" if doc.get("nominal_steps") else ""))

@@ -1,6 +1,6 @@
-"""`zocheck-ray bench replay`: the fused replay against eager torch and the memory bandwidth.
+"""`python -m benchmarks replay`: the fused replay against eager torch and the memory bandwidth.
 
-    zocheck-ray bench replay --params 20000000 --dtype fp32 bf16 --json replay.json
+    python -m benchmarks replay --params 20000000 --dtype fp32 bf16 --json replay.json
 
 For each dtype and optimizer, on one state, in interleaved rounds (so a loaded
 machine slows every contender alike; each figure is the best of its rounds):
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from zocheck_ray.bench.common import machine, print_table, write_json
+from benchmarks.common import machine, print_table, write_json
 from zocheck_ray.core import StepRecord, ZOConfig, replay
 from zocheck_ray.core.fused import perturbation_block
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout, applies_weight_decay
@@ -348,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(commands, bench) -> None:
+def register(bench) -> None:
     parser = bench.add_parser("replay", help="fused replay vs eager torch vs memory bandwidth",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=int, default=20_000_000, help="parameters (default 20M)")

@@ -1,13 +1,13 @@
-"""`zocheck-ray bench scaling`: replay time against parameter count, threads and dtype, and
+"""`python -m benchmarks scaling`: replay time against parameter count, threads and dtype, and
 its independence from batch size and sequence length.
 
-    zocheck-ray bench scaling --json benchmarks/results/scaling.json
-    zocheck-ray bench scaling --params 1M 4M --threads 1 2 --dtype fp32 bf16 --json scaling-small.json
+    python -m benchmarks scaling --json benchmarks/results/scaling.json
+    python -m benchmarks scaling --params 1M 4M --threads 1 2 --dtype fp32 bf16 --json scaling-small.json
 
 Part 1, the grid: for every parameter count, thread count and dtype, the fused replay
 (`zocheck_ray.core.replay`) of one record on a transformer-like state, the fastest of
 `--repeats` (the least disturbed on a shared machine); the baseline, measured in the same run at each size, is one read plus one
-write of the state's bytes (`bench.replay.bandwidth_limit_seconds`), which no replay of
+write of the state's bytes (`benchmarks.replay.bandwidth_limit_seconds`), which no replay of
 a state held in memory can beat. A line fitted per (dtype, threads) gives seconds per
 parameter; the table shows how far each point is from it.
 
@@ -24,13 +24,14 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 import numba
 import numpy as np
 import torch
 
-from zocheck_ray.bench.common import best_seconds, machine, print_table, write_json
-from zocheck_ray.bench.replay import DTYPES, bandwidth_limit_seconds, make_records, make_state
+from benchmarks.common import best_seconds, machine, md_table, print_table, pyplot, write_json
+from benchmarks.replay import DTYPES, bandwidth_limit_seconds, make_records, make_state
 from zocheck_ray.core import ZOConfig, ZOOptimizer, replay
 
 DEFAULT_PARAMS = ["1M", "4M", "16M", "64M"]
@@ -197,8 +198,87 @@ def run(args: argparse.Namespace) -> int:
     return 0 if doc["batch"]["independent"] and doc["batch"]["replica_equals_trainer"] else 1
 
 
-def register(commands, bench) -> None:
-    from zocheck_ray.bench.overhead import parse_count
+# ------------------------------------------------------------ in `bench all`: options, tables, figures, verdicts
+
+SUITE_OPTIONS = {
+    "quick": {"params": [1_000_000, 4_000_000, 16_000_000], "dtypes": ["fp32", "bf16"], "batches": [1, 8],
+              "seq_lens": [16, 128], "repeats": 2},
+    "full": {"params": [1_000_000, 4_000_000, 16_000_000, 64_000_000], "dtypes": ["fp32", "bf16", "fp16"],
+             "batches": [1, 4, 16], "seq_lens": [16, 64, 256], "repeats": 3},
+}
+"""`scaling_benchmark` options of `bench all`'s run (`--quick` or not), on 1 thread and all of them."""
+
+
+def run_in_suite(out: Path, quick: bool) -> dict:
+    """`bench all`'s run; the JSON in `out`."""
+    options = SUITE_OPTIONS["quick" if quick else "full"]
+    threads = sorted({1, numba.config.NUMBA_NUM_THREADS})
+    return scaling_benchmark(options["params"], threads, options["dtypes"], options["batches"],
+                             options["seq_lens"], options["repeats"], json_path=str(out / "scaling.json"))
+
+
+def markdown(doc: dict) -> str:
+    grid = [{**r, "ms": r["replay_seconds"] * 1e3, "limit_ms": r["bandwidth_limit_seconds"] * 1e3,
+             "mps": r["params_per_second"] / 1e6} for r in doc["replay"]]
+    b = doc["batch"]
+    batch = [{**r, "step_ms": r["trainer_step_seconds"] * 1e3, "replay_ms": r["replay_seconds"] * 1e3} for r in b["rows"]]
+    return "\n".join([
+        "# Replay scaling\n", "Fused replay of one record against the 1 read + 1 write bandwidth limit:\n",
+        md_table(grid, [("params", "params", ","), ("dtype", "dtype", ""), ("threads", "threads", "d"),
+                        ("ms", "replay ms", ".2f"), ("limit_ms", "1R+1W ms", ".2f"),
+                        ("over_bandwidth_limit", "x limit", ".1f"), ("mps", "M params/s", ".0f"),
+                        ("fit_residual", "off the fitted line", "+.0%")]),
+        "\nTrainer step (two forward passes) against replay of its record, per batch and sequence length:\n",
+        md_table(batch, [("batch_size", "batch", "d"), ("seq_len", "seq len", "d"), ("tokens", "tokens", "d"),
+                         ("step_ms", "trainer step ms", ".1f"), ("replay_ms", "replay ms", ".2f")]),
+        f"\nTrainer step max/min {b['trainer_spread']:.1f}x, replay max/min {b['replay_spread']:.2f}x"
+        + (f" (log-log slope against tokens: trainer {b['trainer_tokens_slope']:.2f}, replay "
+           f"{b['replay_tokens_slope']:.2f})" if b.get("trainer_tokens_slope") is not None else "")
+        + ": replay "
+        f"{'is' if b['independent'] else 'is not shown to be'} independent of batch size and sequence length; "
+        f"the replica followed the trainer bit for bit: {b['replica_equals_trainer']}.\n"])
+
+
+def plot_scaling(doc: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4.2))
+    for dtype in doc["grid"]["dtypes"]:
+        for p in doc["grid"]["threads"]:
+            line = [r for r in doc["replay"] if r["dtype"] == dtype and r["threads"] == p]
+            left.plot([r["params"] for r in line], [r["replay_seconds"] * 1e3 for r in line], marker="o",
+                      label=f"{dtype}, {p} thread{'s' if p > 1 else ''}")
+    limit = [r for r in doc["replay"] if r["dtype"] == doc["grid"]["dtypes"][0]
+             and r["threads"] == max(doc["grid"]["threads"])]
+    left.plot([r["params"] for r in limit], [r["bandwidth_limit_seconds"] * 1e3 for r in limit], "k--",
+              label=f"1R+1W limit ({doc['grid']['dtypes'][0]})")
+    left.set(xscale="log", yscale="log", xlabel="parameters", ylabel="replay of one record (ms)")
+    left.legend(fontsize=7)
+    left.grid(True, which="both", alpha=0.3)
+    rows = sorted(doc["batch"]["rows"], key=lambda r: r["tokens"])
+    right.plot([r["tokens"] for r in rows], [r["trainer_step_seconds"] * 1e3 for r in rows], "o-",
+               label="trainer ZO step (2 forward passes)")
+    right.plot([r["tokens"] for r in rows], [r["replay_seconds"] * 1e3 for r in rows], "s-", label="replay of its record")
+    right.set(xscale="log", yscale="log", xlabel="tokens per batch (batch x sequence length)", ylabel="ms")
+    right.legend(fontsize=7)
+    right.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+FIGURES = [("scaling.png", plot_scaling)]
+"""(file name, plot(doc, path)) of each figure `bench all` draws from this benchmark's document."""
+
+
+def verdicts(doc: dict) -> list[str]:
+    """The summary's lines for this benchmark's targets."""
+    b = doc["batch"]
+    return [f"replay independent of batch size and sequence length: {b['independent']} (trainer step "
+            f"{b['trainer_spread']:.1f}x over the grid, replay {b['replay_spread']:.2f}x)"]
+
+
+def register(bench) -> None:
+    from benchmarks.overhead import parse_count
 
     parser = bench.add_parser("scaling", help="replay time vs parameters, threads, dtype; independent of batch/length",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,6 +1,6 @@
-"""The storage benchmark behind `zocheck-ray bench storage`.
+"""`python -m benchmarks storage`: snapshot saves and log appends against plain writes, locally and on S3.
 
-    zocheck-ray bench storage --json benchmarks/results/storage.json
+    python -m benchmarks storage --json benchmarks/results/storage.json
 
 Measures, in one run and on the same bytes:
 
@@ -27,6 +27,7 @@ baseline mostly waits on the disk.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import shutil
@@ -40,8 +41,8 @@ from typing import Callable
 
 import torch
 
-from zocheck_ray.bench.common import machine, print_table, write_json
-from zocheck_ray.core import StepRecord
+from benchmarks.common import machine, print_table, write_json
+from zocheck_ray.core import StepRecord, ZOCheckError
 from zocheck_ray.storage.fs import open_storage
 from zocheck_ray.storage.snapshot import SnapshotStore
 from zocheck_ray.storage.steplog import StepLog
@@ -279,3 +280,30 @@ def report(out: dict) -> None:
     print_table(out["log"], [("target", "target", "s"), ("us_per_record", "us/record", ".2f"), ("policy", "policy", "s")])
     if "s3_skipped" in out:
         print(f"S3 skipped: {out['s3_skipped']}")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    for flag in ("size_mb", "s3_size_mb", "repeats", "records"):
+        if getattr(args, flag) < 1:
+            print(f"error: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    try:
+        run(size_mb=args.size_mb, s3_size_mb=args.s3_size_mb, repeats=args.repeats, records=args.records,
+            s3=not args.no_s3, json_path=args.json, directory=args.dir)
+    except ZOCheckError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(bench) -> None:
+    b = bench.add_parser("storage", help="snapshot save vs plain fsspec write, log append cost (local and S3)")
+    b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    b.add_argument("--size-mb", type=int, default=256, metavar="N", help="state size for local saves (default 256)")
+    b.add_argument("--s3-size-mb", type=int, default=64, metavar="N",
+                   help="state size for S3 saves against a local moto server (default 64)")
+    b.add_argument("--repeats", type=int, default=5, metavar="R", help="measurements per case; medians reported")
+    b.add_argument("--records", type=int, default=200_000, metavar="N", help="log records appended per case")
+    b.add_argument("--no-s3", action="store_true", help="skip the S3 cases")
+    b.add_argument("--dir", metavar="DIR", help="local directory to write in (default: a temporary one)")
+    b.set_defaults(func=run_cli)

@@ -1,7 +1,7 @@
-"""`zocheck-ray bench trainer`: the ZOCheck trainer step against a plain MeZO step.
+"""`python -m benchmarks trainer`: the ZOCheck trainer step against a plain MeZO step.
 
-    zocheck-ray bench trainer --model opt-14m --dtype fp32 --device cpu --json trainer.json
-    zocheck-ray bench trainer --model opt-125m --dtype bf16 fp32 --device cuda
+    python -m benchmarks trainer --model opt-14m --dtype fp32 --device cpu --json trainer.json
+    python -m benchmarks trainer --model opt-125m --dtype bf16 fp32 --device cuda
 
 On one model, batch and device, in interleaved rounds (a loaded machine slows both
 alike), per dtype:
@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from zocheck_ray.bench.common import machine, print_table, write_json
+from benchmarks.common import machine, print_table, write_json
 from zocheck_ray.core import ZOConfig, ZOOptimizer
 from zocheck_ray.workload.models import build_model, trainable_parameters
 
@@ -242,11 +242,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def register(commands, bench) -> None:
+def register(bench) -> None:
     add_arguments(bench.add_parser("trainer", help="the ZOCheck trainer step vs a plain MeZO step",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 if __name__ == "__main__":  # without the CLI's other commands (and Ray): scripts/cuda_check.sh
-    arguments = add_arguments(argparse.ArgumentParser(prog="python -m zocheck_ray.bench.trainer")).parse_args()
+    arguments = add_arguments(argparse.ArgumentParser(prog="python -m benchmarks.trainer")).parse_args()
     raise SystemExit(run(arguments))

@@ -1,7 +1,7 @@
-"""`zocheck-ray bench waste`: end-to-end wasted time against MTBF, ZOCheck against the baselines.
+"""`python -m benchmarks waste`: end-to-end wasted time against MTBF, ZOCheck against the baselines.
 
-    zocheck-ray bench waste --json benchmarks/results/waste.json
-    zocheck-ray bench waste --from benchmarks/results --json waste.json   # reuse overhead/recovery JSON
+    python -m benchmarks waste --json benchmarks/results/waste.json
+    python -m benchmarks waste --from benchmarks/results --json waste.json   # reuse overhead/recovery JSON
 
 The cost model (`policies.waste.expected_waste`, exact expectations) and the Monte-Carlo
 simulator (`policies.simulator.simulate_waste`) turn per-step costs into the expected
@@ -40,11 +40,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 
-from zocheck_ray.bench.common import machine, print_table, write_json
-from zocheck_ray.bench.waste_inputs import PAPER_STEP_TIMES, from_results, measure_timings, paper_timings
+from benchmarks.common import STYLE, machine, md_table, print_table, pyplot, write_json
+from benchmarks.waste_inputs import PAPER_STEP_TIMES, from_results, measure_timings, paper_timings
 from zocheck_ray.policies import (FailureModel, StrategyConfig, Timings, configure, expected_waste, persistence_bound,
                                   simulate_waste)
 
@@ -309,7 +310,131 @@ def run(args: argparse.Namespace) -> int:
     return 0 if doc["targets"]["met"] else 1
 
 
-def register(commands, bench) -> None:
+# ------------------------------------------------------------ in `bench all`: options, tables, figures, verdicts
+
+SUITE_OPTIONS = {"quick": {"hidden": 256, "layers": 2, "steps": 3, "trials": 2000}, "full": {}}
+"""`waste_benchmark` options of `bench all`'s run (`--quick` or not)."""
+
+
+def run_in_suite(out: Path, quick: bool) -> dict:
+    """`bench all`'s run, taking the restart and publish costs from the overhead and recovery runs in `out`."""
+    have = any((out / f).is_file() for f in ("overhead.json", "recovery.json"))
+    return waste_benchmark(from_dir=str(out) if have else None, from_required=False, json_path=str(out / "waste.json"),
+                           **SUITE_OPTIONS["quick" if quick else "full"])
+
+
+def markdown(doc: dict) -> str:
+    parts = [f"# Wasted time against MTBF\n\nTarget: the best asynchronous baseline wastes >= "
+             f"{doc['target_ratio']:g}x more than ZOCheck at every MTBF (the paper: "
+             f"{doc['paper_ratio_range'][0]:g}-{doc['paper_ratio_range'][1]:g}x). Ratios leave out the process "
+             "restart, which every strategy pays alike; the column 'with restart' keeps it. "
+             f"Overall: **{'met' if doc['targets']['met'] else 'missed'}** (required sets: "
+             f"{', '.join(doc['targets']['required_sets'])})."]
+    for s in doc["sets"]:
+        v = s["target"]
+        parts.append(f"## {s['name']} ({s['regime']})\n")
+        inputs = doc["inputs"][s["name"]]
+        parts.append(md_table([{"field": k, "value": e["value"], "source": e["source"]} for k, e in inputs.items()
+                               if isinstance(e, dict) and "value" in e],
+                              [("field", "input", ""), ("value", "value", ".4g"), ("source", "source", "")]))
+        rows = []
+        for p in s["points"]:
+            by = {r["label"]: r for r in s["rows"] if r["mtbf_hours"] == p["mtbf_hours"]}
+            rows.append({**p, "log": by["log-only"]["waste_seconds"],
+                         **{f"a{k}": by[f"async-checkpoint K={k}"]["waste_seconds"] for k in (7, 300, 1000)},
+                         **{f"s{k}": by[f"sync-checkpoint K={k}"]["waste_seconds"] for k in (7, 300, 1000)}})
+        parts.append("\nExpected wasted time per failure window, seconds:\n")
+        parts.append(md_table(rows, [
+            ("mtbf_hours", "MTBF h", "g"), ("zocheck_seconds", "zocheck", ".4g"), ("zocheck_snapshot_interval", "N", "d"),
+            ("log", "log-only", ".4g"), ("s7", "sync K=7", ".4g"), ("s300", "sync K=300", ".4g"),
+            ("s1000", "sync K=1000", ".4g"), ("best_sync_seconds", "sync best", ".4g"), ("best_sync_k", "K*", "d"),
+            ("a7", "async K=7", ".4g"), ("a300", "async K=300", ".4g"), ("a1000", "async K=1000", ".4g"),
+            ("best_async_seconds", "async best", ".4g"), ("best_async_k", "K*", "d"),
+            ("best_async_over_zocheck", "best async / zocheck", ".1f"),
+            ("best_async_over_zocheck_with_restart", "with restart", ".1f"),
+            ("simulated_best_async_over_zocheck", "simulated", ".1f")]))
+        parts.append(f"\nTarget {'met' if v['met'] else '**missed**'}: {v['min_ratio']:.1f}-{v['max_ratio']:.1f}x "
+                     f"(with the restart {v['min_ratio_with_restart']:.1f}-{v['max_ratio_with_restart']:.1f}x). "
+                     f"Why: {v['why']}.\n")
+    for name, rows in doc.get("sensitivity", {}).items():
+        ends = rows[0]["mtbf_hours"]
+        parts.append(f"## Sensitivity of {name} to its stated assumptions\n\nBest async / zocheck, restart "
+                     f"excluded, at {ends[0]:g} h and {ends[-1]:g} h, each assumption moved by 2x (or replay after a "
+                     "failure done on the GPU):\n")
+        parts.append(md_table([{**r, "lo": r["ratios"][0], "hi": r["ratios"][-1]} for r in rows], [
+            ("variant", "variant", ""), ("zocheck_snapshot_interval", "N", "d"), ("lo", f"{ends[0]:g} h", ".1f"),
+            ("hi", f"{ends[-1]:g} h", ".1f")]) + "\n")
+    return "\n".join(parts) + "\n"
+
+
+def plot_waste(doc: dict, path: Path) -> None:
+    plt = pyplot()
+    sets = doc["sets"]
+    fig, axes = plt.subplots(1, len(sets), figsize=(5.2 * len(sets), 4.2), squeeze=False)
+    for ax, s in zip(axes[0], sets):
+        mtbf = [p["mtbf_hours"] for p in s["points"]]
+        series = {"zocheck": [p["zocheck_seconds"] for p in s["points"]],
+                  "async best K": [p["best_async_seconds"] for p in s["points"]],
+                  "sync best K": [p["best_sync_seconds"] for p in s["points"]]}
+        for label in ("log-only", "async-checkpoint K=7", "async-checkpoint K=1000"):
+            series[label.replace("-checkpoint", "")] = [r["waste_seconds"] for r in s["rows"] if r["label"] == label]
+        colors = {"zocheck": "tab:green", "async best K": "tab:orange", "sync best K": "tab:blue",
+                  "log-only": "tab:gray", "async K=7": "tab:red", "async K=1000": "tab:brown"}
+        for label, values in series.items():
+            ax.plot(mtbf, values, marker="o", ms=3, label=label, color=colors[label],
+                    lw=2.2 if label == "zocheck" else 1.2)
+        ax.set_yscale("log")
+        ax.set_xlabel("MTBF (hours)")
+        ax.set_title(f"{s['name']}\nbest async / zocheck {s['target']['min_ratio']:.1f}-{s['target']['max_ratio']:.1f}x",
+                     fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("expected wasted time per failure window (s)")
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_tradeoff(doc: dict, path: Path, mtbf_hours: float | None = None) -> None:
+    """Per strategy and K: critical-path overhead per failure window against recovery per failure."""
+    plt = pyplot()
+    sets = doc["sets"]
+    fig, axes = plt.subplots(1, len(sets), figsize=(5.2 * len(sets), 4.2), squeeze=False)
+    for ax, s in zip(axes[0], sets):
+        hours = sorted({r["mtbf_hours"] for r in s["rows"]})
+        m = mtbf_hours if mtbf_hours in hours else hours[len(hours) // 2]
+        for r in (r for r in s["rows"] if r["mtbf_hours"] == m):
+            color, marker = STYLE[r["strategy"]]
+            x = max(r["overhead_seconds"], 1e-6)
+            y = max(r["recovery_seconds"] - s["timings"]["restart_seconds"], 1e-6)
+            ax.scatter([x], [y], color=color, marker=marker, s=60 if r["strategy"] == "zocheck" else 30)
+            ax.annotate(r["label"].replace("-checkpoint", "").replace("best ", "*"), (x, y), fontsize=6,
+                        xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"critical-path overhead per failure window (s), MTBF {m:g} h")
+        ax.set_title(s["name"], fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("recovery per failure, restart excluded (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+FIGURES = [("waste.png", plot_waste), ("tradeoff.png", plot_tradeoff)]
+"""(file name, plot(doc, path)) of each figure `bench all` draws from this benchmark's document."""
+
+
+def verdicts(doc: dict) -> list[str]:
+    """The summary's lines for this benchmark's targets."""
+    return [f"wasted time, best async / zocheck >= {doc['target_ratio']:g}x at every MTBF: "
+            f"{'met' if doc['targets']['met'] else 'missed'}; "
+            + "; ".join(f"{s['name']} {s['target']['min_ratio']:.1f}-{s['target']['max_ratio']:.1f}x"
+                        for s in doc["sets"])
+            + f" (the paper: {doc['paper_ratio_range'][0]:g}-{doc['paper_ratio_range'][1]:g}x)"]
+
+
+def register(bench) -> None:
     parser = bench.add_parser("waste", help="wasted time against MTBF: ZOCheck vs log-only vs sync/async checkpoints",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mtbf", nargs="+", type=_hours, default=DEFAULT_MTBF_HOURS, metavar="H",

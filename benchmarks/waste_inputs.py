@@ -125,7 +125,7 @@ def measure_timings(hidden: int = 512, layers: int = 4, batch_size: int = 4, seq
     import torch
 
     from zocheck_ray.actors.image import ImageLayout, new_buffer, pack_into
-    from zocheck_ray.bench.baselines import stage
+    from benchmarks.baselines import stage
     from zocheck_ray.core import ZOConfig, ZOOptimizer, replay
     from zocheck_ray.storage import SnapshotStore
     from zocheck_ray.workload.data import batch_indices, corpus_tensor, step_seed
@@ -195,7 +195,7 @@ def measure_timings(hidden: int = 512, layers: int = 4, batch_size: int = 4, seq
         "persist_seconds": (persist, "median SnapshotStore.save to a local directory"),
         "checkpoint_save_seconds": (persist, "as persist_seconds: the sync baseline writes the same store"),
         "storage_read_seconds": (read, "median SnapshotStore.load (hashes verified)"),
-        "state_copy_seconds": (state_copy, "median async-baseline staging copy (bench.baselines.stage)"),
+        "state_copy_seconds": (state_copy, "median async-baseline staging copy (benchmarks.baselines.stage)"),
         "load_seconds": (load, "median copy of an image into the optimizer's live tensors"),
         "recovery_replay_step_seconds": (replay_step, "the CPU trainer replays with the same fused kernel"),
         "log_step_seconds": (log_step, "median deque.append of a record, the trainer's whole publishing cost"),

@@ -7,7 +7,7 @@ from statistics import median
 import pytest
 import ray
 
-from zocheck_ray.bench.data_parallel import data_parallel_benchmark, markdown, round_order
+from benchmarks.data_parallel import data_parallel_benchmark, markdown, round_order
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,7 +13,7 @@ import numba
 import pytest
 import torch
 
-from zocheck_ray.bench import memory, report, scaling, waste, waste_inputs
+from benchmarks import memory, recovery, scaling, suite, waste, waste_inputs
 
 MTBF = [3.0, 9.0, 15.0]
 PARAMS = [100_000, 400_000]
@@ -108,11 +108,9 @@ def test_best_interval_matches_an_exhaustive_search():
 
 def test_waste_rejects_a_bad_mtbf_by_name():
     parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers()
-    bench = sub.add_parser("bench").add_subparsers()
-    waste.register(sub, bench)
+    waste.register(parser.add_subparsers())
     with pytest.raises(SystemExit):
-        parser.parse_args(["bench", "waste", "--mtbf", "0"])
+        parser.parse_args(["waste", "--mtbf", "0"])
     with pytest.raises(ValueError, match="--from /nonexistent/results"):
         waste_inputs.from_results("/nonexistent/results", None, {})
 
@@ -163,10 +161,10 @@ def test_memory_rejects_a_strategy_list_without_its_baseline():
 # --------------------------------------------------------------------------- all
 
 
-def test_report_writes_markdown_figures_machine_and_summary(out, waste_doc, scaling_doc, memory_doc):
-    info = report.describe_machine()
+def test_the_suite_writes_markdown_figures_machine_and_summary(out, waste_doc, scaling_doc, memory_doc):
+    info = suite.describe_machine()
     docs = {"waste": waste_doc, "scaling": scaling_doc, "memory": memory_doc}
-    written = report.write_outputs(docs, out, info, errors={"recovery": "RuntimeError: example"}, quick=True)
+    written = suite.write_outputs(docs, out, info, errors={"recovery": "RuntimeError: example"}, quick=True)
     names = {p.name for p in written}
     assert {"waste.md", "scaling.md", "memory.md", "waste.png", "tradeoff.png", "scaling.png", "memory.png",
             "machine.json", "summary.md"} <= names
@@ -185,11 +183,11 @@ def test_report_writes_markdown_figures_machine_and_summary(out, waste_doc, scal
         assert f"## {s['name']}" in table
 
 
-def test_report_without_matplotlib_writes_tables_and_summary_and_names_the_missing_figures(
+def test_the_suite_without_matplotlib_writes_tables_and_summary_and_names_the_missing_figures(
         tmp_path, waste_doc, scaling_doc, memory_doc, no_matplotlib):
-    info = report.describe_machine()  # versions from package metadata: nothing is imported
+    info = suite.describe_machine()  # versions from package metadata: nothing is imported
     docs = {"waste": waste_doc, "scaling": scaling_doc, "memory": memory_doc}
-    written = report.write_outputs(docs, tmp_path, info, quick=True)
+    written = suite.write_outputs(docs, tmp_path, info, quick=True)
     names = {p.name for p in written}
     assert {"waste.md", "scaling.md", "memory.md", "machine.json", "summary.md"} <= names
     assert not any(name.endswith(".png") for name in names) and not list(tmp_path.glob("*.png"))
@@ -202,10 +200,8 @@ def test_report_without_matplotlib_writes_tables_and_summary_and_names_the_missi
 
 def test_bench_all_rejects_an_unknown_benchmark(tmp_path):
     parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers()
-    bench = sub.add_parser("bench").add_subparsers()
-    report.register(sub, bench)
-    args = parser.parse_args(["bench", "all", "--out", str(tmp_path), "--only", "waste", "nonsense"])
+    suite.register(parser.add_subparsers())
+    args = parser.parse_args(["all", "--out", str(tmp_path), "--only", "waste", "nonsense"])
     with pytest.raises(SystemExit, match="nonsense"):
         args.func(args)
 
@@ -253,7 +249,7 @@ def test_summary_lists_each_recovery_target_with_its_ratios():
         "faster_than_async_checkpoint": {"met": False, "zocheck_over_baseline": {"depth/early": 1.0}},
         "notes": ["depth early: a tie"],
     }
-    lines = report._verdicts("recovery", {"targets": targets})
+    lines = recovery.verdicts({"targets": targets})
     assert lines[0].startswith("software-failure recovery >= 1.55x faster than async K=7 on the restore "
                                "(>= 10,000,000 parameters): met")
     assert "comparison: restore 0.85x" in lines[0] and "(not checked)" in lines[0] and "large: restore 2.78x" in lines[0]

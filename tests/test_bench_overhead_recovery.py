@@ -11,13 +11,14 @@ import json
 import pytest
 import ray
 
-from zocheck_ray.bench import overhead as overhead_module
-from zocheck_ray.bench import recovery as recovery_module
-from zocheck_ray.bench.baselines import AsyncCheckpointTrainer, Strategy
-from zocheck_ray.bench.common import bench_job
-from zocheck_ray.bench.overhead import overhead_benchmark, parse_count, percentile
-from zocheck_ray.bench.recovery import Scenario, catch_up_seconds, check_targets, failure_steps, recovery_benchmark
-from zocheck_ray.bench.recovery_comparison import ComparisonSpec
+from benchmarks import overhead as overhead_module
+from benchmarks import recovery as recovery_module
+from benchmarks.baselines import AsyncCheckpointTrainer, Strategy
+from benchmarks.common import bench_job
+from benchmarks.overhead import overhead_benchmark, parse_count, percentile
+from benchmarks.failures import catch_up_seconds
+from benchmarks.recovery import Scenario, check_targets, failure_steps, recovery_benchmark
+from benchmarks.recovery_comparison import ComparisonSpec
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -183,7 +184,7 @@ def bench_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     bench = parser.add_subparsers(dest="bench")
     for module in (overhead_module, recovery_module):
-        module.register(None, bench)
+        module.register(bench)
     return parser
 
 

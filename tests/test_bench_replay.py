@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zocheck_ray.bench.replay import BANDWIDTH_TARGET, CEILING_TARGET, ceiling_target, check_targets
+from benchmarks.replay import BANDWIDTH_TARGET, CEILING_TARGET, ceiling_target, check_targets
 
 
 def row(fused: float, limit: float, generator: float, dtype: str = "fp32", eager: float = 1.0) -> dict:

@@ -3,10 +3,10 @@ recovers from, and that every one of them trains and recovers the same bits."""
 
 import pytest
 
-from zocheck_ray.bench.baselines import Strategy, StrategyTrainer, paper_strategies
-from zocheck_ray.bench.common import bench_job
-from zocheck_ray.bench.overhead_strategies import lowest_at_every_k, size_ratio
-from zocheck_ray.bench.recovery_comparison import fit_line
+from benchmarks.baselines import Strategy, StrategyTrainer, paper_strategies
+from benchmarks.common import bench_job
+from benchmarks.overhead_strategies import lowest_at_every_k, size_ratio
+from benchmarks.recovery_comparison import fit_line
 from zocheck_ray.storage import SnapshotStore, read_log
 
 

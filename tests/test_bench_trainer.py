@@ -2,7 +2,7 @@
 
 import json
 
-from zocheck_ray.bench import trainer
+from benchmarks import trainer
 from zocheck_ray.cli import main
 
 

@@ -75,6 +75,25 @@ def test_python_m_zocheck_ray_runs_the_command_line(monkeypatch, capsys):
     assert "usage: zocheck-ray status" in capsys.readouterr().out
 
 
+def test_zocheck_ray_bench_is_the_benchmarks_command_line_in_a_checkout(capsys):
+    from zocheck_ray.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: zocheck-ray bench" in out and "data-parallel" in out and "storage" in out
+
+
+def test_zocheck_ray_bench_outside_a_checkout_says_where_the_benchmarks_are(monkeypatch, tmp_path, capsys):
+    from zocheck_ray import cli
+
+    monkeypatch.setattr(cli, "CHECKOUT", tmp_path)  # an installed package: no benchmarks/ beside it
+    assert cli.main(["bench", "replay", "--params", "1M"]) == 2
+    error = capsys.readouterr().err
+    assert "not installed with the package" in error and "python -m benchmarks" in error
+
+
 def test_python_m_zocheck_ray_under_a_python_without_the_dependencies_says_which_python_to_use(tmp_path):
     # outside Ray there is no node's Python to hand over to: the error says what to run instead
     import venv

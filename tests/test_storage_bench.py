@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from zocheck_ray.storage.bench import TARGET_SAVE_RATIO, run
+from benchmarks.storage import TARGET_SAVE_RATIO, run
 
 
 def test_storage_benchmark_compares_saves_with_plain_writes_locally_and_on_s3(tmp_path, capsys):

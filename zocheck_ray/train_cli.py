@@ -202,7 +202,7 @@ def config_reference(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(commands, bench) -> None:
+def register(commands) -> None:
     p = commands.add_parser("train", help="run a ZO fine-tuning job with a shadow on Ray (no --config: the "
                                           "embedded default job)",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
