@@ -1,30 +1,14 @@
 """The shadow's pipeline without Ray: what is accepted is what is logged, a restarted shadow is
 filled in by the trainer's publisher, and a storage outage delays durability without losing it."""
 
-import time
-
 import pytest
 
+from support import encode, trained, wait_until
 from zocheck_ray.actors.publisher import Publisher, PushReply, poll_answered
 from zocheck_ray.actors.shadow import Shadow, StageError
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import state_hash
 from zocheck_ray.storage import SnapshotStore, read_log
-from test_shadow import trained
-
-
-def wait_until(predicate, timeout=120.0):
-    """A safety net for a state that must come; never the thing under test."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def encode(records):
-    return b"".join(r.to_bytes() for r in records)
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 Regenerate it (only when changing the generator on purpose):
 
-    PYTHONPATH=. python tests/test_workload_shipped_data.py
+    PYTHONPATH=. python tests/unit/test_workload_shipped_data.py
 """
 
 from __future__ import annotations

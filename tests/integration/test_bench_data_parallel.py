@@ -5,16 +5,13 @@ import json
 from statistics import median
 
 import pytest
-import ray
 
 from benchmarks.data_parallel import data_parallel_benchmark, markdown, round_order
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=4, namespace="zocheck", include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+RAY_CPUS = 4
+"""Logical CPUs of the module's Ray instance (`conftest.local_ray`)."""
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 def test_rounds_alternate_which_run_goes_first():

@@ -9,7 +9,6 @@ import argparse
 import json
 
 import pytest
-import ray
 
 from benchmarks import overhead as overhead_module
 from benchmarks import recovery as recovery_module
@@ -21,11 +20,7 @@ from benchmarks.recovery import Scenario, check_targets, failure_steps, recovery
 from benchmarks.recovery_comparison import ComparisonSpec
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # conftest: a Ray instance of the module's own
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from support import REPO
 from zocheck_ray.cli import main
 from zocheck_ray.config import JobConfig
 from zocheck_ray.reference_docs import BEGIN, END, check_readme, field_docs, render_reference, undocumented_fields
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = REPO / "README.md"
 
 
 def test_readme_reference_is_up_to_date():

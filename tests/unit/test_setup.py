@@ -13,14 +13,14 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 import torch
 
+from support import REPO
+
 pytest_plugins = ["pytester"]
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def machine_has_cuda_device() -> bool:
@@ -59,7 +59,7 @@ def names(requirements: list[str]) -> set[str]:
 
 
 def test_plots_are_an_extra_not_a_dependency():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert "matplotlib" not in names(project["dependencies"])
     assert "matplotlib" in names(project["optional-dependencies"]["bench"])
     assert "matplotlib" in names(project["optional-dependencies"]["test"])
@@ -102,7 +102,7 @@ def test_python_m_zocheck_ray_under_a_python_without_the_dependencies_says_which
     base = str(tmp_path / "bare" / "bin" / "python")
     lacks = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"
     assert subprocess.run([base, "-c", lacks], capture_output=True, timeout=60).returncode == 0
-    out = subprocess.run([base, "-m", "zocheck_ray", "status", "x"], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([base, "-m", "zocheck_ray", "status", "x"], cwd=REPO, capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin"}, timeout=60)
     assert out.returncode != 0
     assert "ModuleNotFoundError" in out.stderr
@@ -113,19 +113,22 @@ def test_python_m_zocheck_ray_under_a_python_without_the_dependencies_says_which
 def test_every_test_marked_slow_by_name_exists():
     from conftest import SLOW_TESTS
 
+    fixtures = (REPO / "tests" / "conftest.py").read_text()
     for module, names in SLOW_TESTS.items():
-        source = (ROOT / "tests" / module).read_text()
+        (path,) = (REPO / "tests").rglob(module)
+        source = path.read_text() + fixtures  # a test or fixture of the module, or a shared fixture
         for name in [] if names == "*" else sorted(names):
             assert re.search(rf"^def {name}\(", source, re.M), f"conftest.SLOW_TESTS: {module} has no {name}"
 
 
 def test_the_slow_marker_selects(pytester):
     # in this process: pytest's own collection with the suite's conftest, modules already imported
-    files = [str(ROOT / "tests" / name) for name in ("test_tune.py", "test_job_submit.py", "test_setup.py")]
+    files = [str(REPO / "tests" / name)
+             for name in ("integration/test_tune.py", "integration/test_job_submit.py", "unit/test_setup.py")]
 
     def collected(expression: str) -> set[str]:
         items, recorder = pytester.inline_genitems("-m", expression, "-p", "no:cacheprovider", "--rootdir",
-                                                   str(ROOT), *files)
+                                                   str(REPO), *files)
         deselected = {id(item) for call in recorder.getcalls("pytest_deselected") for item in call.items}
         return {f"{item.path.name}::{item.name}" for item in items if id(item) not in deselected}
 

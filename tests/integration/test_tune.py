@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 
 import pytest
-import ray
 from ray import tune
 
 from reference_runs import SMALL_TASK, uninterrupted_hashes
+from support import REPO
 
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.storage import SnapshotStore
@@ -30,18 +30,19 @@ FAIL_AT = 8
 LRS = [2e-3, 5e-3]
 
 
+RAY_CPUS = 6
+"""Logical CPUs of the module's Ray instance (`conftest.local_ray`): trials run side by side."""
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, local_ray):
     root = tmp_path_factory.mktemp("tune")
-    # address="local": a new instance of its own, even where another `ray start` cluster runs on this machine
-    ray.init(address="local", num_cpus=6, namespace="zocheck", include_dashboard=False, log_to_driver=False)
     job = JobConfig(run_id="sweep", steps=STEPS, snapshot_interval=4, log_interval=4, storage=str(root / "runs"),
                     task={**SMALL_TASK, "eval_interval": 8}, zo={"lr": LRS[0], "eps": 1e-3})
     fail_second = tune.sample_from(lambda spec: FAIL_AT if spec.config["zo.lr"] == LRS[1] else None)
     grid = sweep(job, {"zo.lr": LRS}, param_space={FAIL_ONCE_KEY: fail_second}, tune_storage=str(root / "tune"),
                  name="lr-sweep")
-    yield job, list(grid)
-    ray.shutdown()
+    return job, list(grid)
 
 
 @functools.cache
@@ -166,7 +167,7 @@ def test_grid_option_parses_values_as_yaml():
 def test_tune_command_rejects_a_bad_grid_before_starting_ray(capsys):
     from zocheck_ray.cli import main
 
-    config = Path(__file__).resolve().parent.parent / "deploy" / "examples" / "sst2-opt.yaml"
+    config = REPO / "deploy" / "examples" / "sst2-opt.yaml"
     assert main(["tune", "--config", str(config), "--grid", "task.batch_size=8,0"]) == 2
     err = capsys.readouterr().err
     assert "zocheck-ray tune:" in err and "batch_size" in err

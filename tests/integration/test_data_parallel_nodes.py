@@ -11,6 +11,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from reference_runs import job_for, uninterrupted_data_parallel_hashes
+from support import multi_node_cluster
 from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
 from zocheck_ray.controller import run
 
@@ -19,14 +20,9 @@ STEPS = 24
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    home = c.add_node(num_cpus=2)                        # rank 0 and the shadow (STRICT_PACK)
-    others = [c.add_node(num_cpus=1) for _ in range(2)]  # rank 1, and the node it moves to
-    c.wait_for_nodes()
-    ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
-    yield c, home, others
-    ray.shutdown()
-    c.shutdown()
+    # rank 0 and the shadow (STRICT_PACK) on the first node; rank 1, and the node it moves to
+    with multi_node_cluster(2, 1, 1) as (c, (home, *others)):
+        yield c, home, others
 
 
 def spread_job(tmp_path):

@@ -74,14 +74,6 @@ def test_controller_refuses_a_bad_task_before_ray(tmp_path):
     assert not ray.is_initialized() and not (tmp_path / "runs").exists()
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    # address="local": a new instance of its own, even where another `ray start` cluster runs on this machine
-    ray.init(address="local", num_cpus=3, namespace="zocheck", include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 STEPS = 40
 
 

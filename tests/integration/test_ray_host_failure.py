@@ -13,19 +13,15 @@ from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
 from zocheck_ray.config import JobConfig
 from zocheck_ray.controller import run
 from reference_runs import SMALL_TASK, STEPS, assert_exact, uninterrupted_hashes
+from support import multi_node_cluster
 
 NODE_CPUS = 2
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    workers = [c.add_node(num_cpus=NODE_CPUS) for _ in range(2)]
-    c.wait_for_nodes()
-    ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
-    yield c, workers
-    ray.shutdown()
-    c.shutdown()
+    with multi_node_cluster(NODE_CPUS, NODE_CPUS) as (c, workers):
+        yield c, workers
 
 
 def lose_trainer_node(c: Cluster, job: JobConfig, lost: list):

@@ -30,13 +30,6 @@ from zocheck_ray.storage.lease import LeaseInfo, generation_name
 from zocheck_ray.storage.snapshot import MANIFEST_FILE, SNAPSHOTS_DIR, snapshot_dir
 
 
-@pytest.fixture(params=["local", "s3"])
-def root(request, tmp_path):
-    if request.param == "local":
-        return str(tmp_path / "run"), None
-    return request.getfixturevalue("s3_bucket")
-
-
 def make_state(step: int) -> dict[str, torch.Tensor]:
     return {"w": torch.full((64, 8), float(step)), "b": torch.arange(8, dtype=torch.float32) + step}
 

@@ -27,13 +27,6 @@ def records(first: int, count: int, extras: int = 0) -> list[StepRecord]:
     return [record(s, extras) for s in range(first, first + count)]
 
 
-@pytest.fixture(params=["local", "s3"])
-def root(request, tmp_path):
-    if request.param == "local":
-        return str(tmp_path / "run"), None
-    return request.getfixturevalue("s3_bucket")
-
-
 def log_path(tmp_path, name: str = "") -> str:
     return os.path.join(tmp_path, "run", "log", name)
 

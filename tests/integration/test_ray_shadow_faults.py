@@ -7,35 +7,23 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import ray
 
 from conftest import free_port
 from reference_runs import STEPS, assert_exact, job_for, uninterrupted_hashes
+from support import wait_until
 from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name
 from zocheck_ray.controller import RunFailedError, run
 from zocheck_ray.storage import SnapshotStore, read_log
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=3, namespace="zocheck", include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # conftest: a Ray instance of the module's own
 
 
 def shadow_metrics(job) -> dict:
     return ray.get(ray.get_actor(shadow_name(job.run_id), namespace=NAMESPACE).metrics.remote())
-
-
-def wait_until(predicate, timeout=180.0):
-    """A safety net for a state that must come; never the thing under test."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "the expected state never came"
-        time.sleep(0.05)
 
 
 def assert_durable_and_whole(job, summary):
@@ -67,7 +55,7 @@ def test_an_s3_endpoint_stopped_and_restarted_mid_run_ends_durable_and_exact(tmp
             private_s3.stop()
             events.append("stopped")
         elif events == ["stopped"]:  # the next segment's check will see the failing store
-            wait_until(lambda: shadow_metrics(job)["persist_failures"] > 0)
+            assert wait_until(lambda: shadow_metrics(job)["persist_failures"] > 0, timeout=180)
             events.append("failing")
         elif events == ["stopped", "failing"]:
             private_s3.start()
@@ -102,7 +90,7 @@ class PausableS3:
         import s3fs
 
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.options())
-        wait_until(lambda: _answers(fs), timeout=60)
+        assert wait_until(lambda: _answers(fs), timeout=60)
         fs.mkdir("zocheck-paused")
         return "zocheck-paused"
 
@@ -135,7 +123,8 @@ def test_a_paused_s3_endpoint_never_holds_up_ingest_and_durability_catches_up(tm
                 # The shadow keeps receiving while storage hangs: the segment's last push (sent as the
                 # segment ended, beside this metrics call) arrives with storage still paused.
                 shadow = ray.get_actor(shadow_name(job.run_id), namespace=NAMESPACE)
-                wait_until(lambda: ray.get(shadow.metrics.remote())["received_step"] >= progress["step"])
+                assert wait_until(lambda: ray.get(shadow.metrics.remote())["received_step"] >= progress["step"],
+                                  timeout=180)
                 latest = ray.get(shadow.metrics.remote())
                 seen["received"] = latest["received_step"]
                 seen["undurable"] = latest["undurable_steps"]
@@ -163,7 +152,7 @@ def test_storage_gone_for_good_fails_the_run_with_a_clear_error(tmp_path, privat
             private_s3.stop()
             stopped.append(progress["step"])
         elif stopped:  # the records since then made a segment to upload: its upload has failed
-            wait_until(lambda: shadow_metrics(job)["persist_failures"] > 0)
+            assert wait_until(lambda: shadow_metrics(job)["persist_failures"] > 0, timeout=180)
 
     # the store's own error, not the open segment (4 records on S3 by design) counted as behind
     with pytest.raises(RunFailedError, match=r"not durable in s3://.*last storage error: (?!none).*max_undurable_steps=8"):

@@ -1,39 +1,20 @@
 """The shadow without Ray: ordering of records, snapshots at clean boundaries, recovery images,
 the pipeline's stages, a restarted shadow filled in by the trainer's publisher, storage outages."""
 
-import time
-
 import pytest
 import torch
 
+from support import trained, wait_until
 from zocheck_ray.actors.image import pack, unpack
 from zocheck_ray.actors.shadow import Shadow
 from zocheck_ray.config import JobConfig
-from zocheck_ray.core import ZOOptimizer, state_hash
-from zocheck_ray.workload.models import build_model, trainable_parameters
+from zocheck_ray.core import state_hash
+from zocheck_ray.workload.models import trainable_parameters
 
 
 @pytest.fixture
 def job(tmp_path):
     return JobConfig(storage=str(tmp_path), snapshot_interval=4, zo=dict(lr=1e-3, eps=1e-3))
-
-
-def trained(job, steps):
-    model = build_model(job.model, job.dtype)
-    opt = ZOOptimizer(trainable_parameters(model), job.zo)
-    initial = {k: v.detach().clone() for k, v in opt.state_tensors().items()}
-    ids = torch.arange(24).reshape(2, 12) % 100
-    records = [opt.step(lambda: model(input_ids=ids, labels=ids).loss, seed=t) for t in range(steps)]
-    return initial, opt, records
-
-
-def wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_records_from_the_past_or_the_future_are_rejected_and_never_applied(job):
@@ -69,7 +50,7 @@ def test_snapshots_fall_on_multiples_of_n_and_recovery_images_are_exact(job):
         from zocheck_ray.core import replay
         replay(state, tail, job.zo, start_step=8)
         assert state_hash(state) == state_hash(opt.state_tensors())
-        assert wait_for(lambda: shadow.metrics().durable_step == 8)  # persisted in the background
+        assert wait_until(lambda: shadow.metrics().durable_step == 8)  # persisted in the background
         assert shadow.metrics().snapshots_taken == 3             # steps 0, 4, 8
         # the durable snapshot directory is a Hugging Face model directory
         from transformers import AutoModelForCausalLM
@@ -87,7 +68,7 @@ def test_a_new_shadow_over_the_same_storage_rebuilds_from_the_durable_image_and_
     first = Shadow(job)
     first.initialize(initial, 0)
     first.push(b"".join(r.to_bytes() for r in records))
-    assert wait_for(lambda: first.metrics().durable_step == 4 and first.metrics().durable_log_step == 6)
+    assert wait_until(lambda: first.metrics().durable_step == 4 and first.metrics().durable_log_step == 6)
     first.close()
     second = Shadow(job)  # as after a node loss
     try:

@@ -67,13 +67,6 @@ class Run:
         return self
 
 
-@pytest.fixture(params=["local", "s3"])
-def root(request, tmp_path):
-    if request.param == "local":
-        return str(tmp_path / "run"), None
-    return request.getfixturevalue("s3_bucket")
-
-
 def test_after_a_collected_log_the_audit_starts_at_the_oldest_retained_snapshot(root):
     url, options = root
     run = Run(url, options).step(23).close()

@@ -58,14 +58,6 @@ def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
     assert state_hash(got) == state_hash(want)
 
 
-@pytest.fixture(params=["local", "s3"])
-def root(request, tmp_path):
-    """(URL, storage_options) of an empty storage root."""
-    if request.param == "local":
-        return str(tmp_path / "run"), None
-    return request.getfixturevalue("s3_bucket")
-
-
 def local_file(tmp_path, step: int, name: str) -> str:
     return os.path.join(tmp_path, "run", snapshot_dir(step), name)
 

@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port
+from support import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
 ENV_BIN = Path(sys.executable).parent
 ENTRYPOINT = ["python3", "-m", "zocheck_ray"]  # as the README writes it
 STEPS = 30
@@ -113,14 +113,14 @@ def head():
 
 
 def ray_cli(head, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([str(ENV_BIN / "ray"), *args], env=head["env"], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([str(ENV_BIN / "ray"), *args], env=head["env"], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
 
 
 def zocheck_ray_cli(head, *args: str) -> subprocess.CompletedProcess:
     """`python -m zocheck_ray ...` from another process on the head node, with this checkout importable."""
-    env = {**head["env"], "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "zocheck_ray", *args], env=env, cwd=ROOT, capture_output=True,
+    env = {**head["env"], "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "zocheck_ray", *args], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=60)
 
 

@@ -19,11 +19,9 @@ from zocheck_ray.controller import Action, Failure, decide, run
 from zocheck_ray.verify import verify_run
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=5, namespace="zocheck", include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+RAY_CPUS = 5
+"""Logical CPUs of the module's Ray instance (`conftest.local_ray`)."""
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 STEPS = 24

@@ -18,12 +18,7 @@ from zocheck_ray.controller import run
 from zocheck_ray.faults import FaultInjection
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    # address="local": a new instance of its own, even where another `ray start` cluster runs on this machine
-    ray.init(address="local", num_cpus=3, namespace="zocheck", include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # conftest: a Ray instance of the module's own
 
 
 # Every optimizer, and each dtype, through Ray's restarts: the recovery path is the same for all of

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from support import REPO
 from zocheck_ray.config import RAY_JOB_ENV, JobConfig, check_job_environment, load_job_config
 
-ROOT = Path(__file__).resolve().parent.parent
-DEPLOY = ROOT / "deploy"
+DEPLOY = REPO / "deploy"
 EXAMPLES = sorted((DEPLOY / "examples").glob("*.yaml"))
 CREDENTIAL_NAME = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|KEY_ID|CREDENTIAL", re.I)
 AWS_KEY_ID = re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b")
@@ -29,7 +29,7 @@ def load_yaml(path: Path):
 
 
 def pinned_ray_version() -> str:
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     (ray_dep,) = [d for d in deps if d.startswith("ray[")]
     return ray_dep.split("==")[1]
 
@@ -84,7 +84,7 @@ def entrypoint_job(argv: list[str], model_root: str | None = None) -> tuple[JobC
     if config.startswith("/"):
         assert config.startswith(image_workdir() + "/"), f"{config} lies outside the image's repository copy"
         config = config[len(image_workdir()) + 1:]
-    path = ROOT / config
+    path = REPO / config
     assert path.is_file(), f"the entrypoint's config {config} is not in the repository"
     model = sets.pop("model", None)
     if model is not None and model_root is not None:
@@ -134,17 +134,17 @@ def test_every_example_config_validates(path):
 
 
 def test_every_config_the_docs_mention_exists_and_validates():
-    texts = {p: p.read_text() for p in [ROOT / "README.md", *DEPLOY.rglob("*") ] if p.is_file()}
+    texts = {p: p.read_text() for p in [REPO / "README.md", *DEPLOY.rglob("*") ] if p.is_file()}
     mentioned = {m for text in texts.values() for m in re.findall(r"deploy/examples/[\w.-]+\.yaml", text)}
     assert "deploy/examples/sst2-opt.yaml" in mentioned
     for rel in mentioned:
-        assert (ROOT / rel).is_file(), f"{rel} is mentioned but does not exist"
-        load_job_config(ROOT / rel)
+        assert (REPO / rel).is_file(), f"{rel} is mentioned but does not exist"
+        load_job_config(REPO / rel)
 
 
 def test_every_documented_submit_command_runs_a_valid_job():
     found = 0
-    for path in [ROOT / "README.md", *DEPLOY.rglob("*.yaml")]:
+    for path in [REPO / "README.md", *DEPLOY.rglob("*.yaml")]:
         for argv in submit_commands(path.read_text()):
             if command_args(argv)[:1] == ["train"]:
                 job, _ = entrypoint_job(argv, model_root="/models")
@@ -192,7 +192,7 @@ def test_the_repository_upload_is_small_and_complete(tmp_path):
     from ray._private.runtime_env.packaging import create_package
 
     target = tmp_path / "pkg.zip"
-    create_package(str(ROOT), target, include_gitignore=True, excludes=runtime_env()["excludes"])
+    create_package(str(REPO), target, include_gitignore=True, excludes=runtime_env()["excludes"])
     names = set(zipfile.ZipFile(target).namelist())
     assert {"zocheck_ray/cli.py", "zocheck_ray/workload/data/sst2_small.jsonl", "deploy/examples/sst2-opt.yaml",
             "deploy/runtime_env.yaml"} <= names
@@ -334,7 +334,7 @@ def test_image_builds_on_the_pinned_ray_and_torch():
     text = (DEPLOY / "Dockerfile").read_text()
     base = re.search(r"^FROM rayproject/ray:([0-9.]+)-py3\d+-gpu$", text, re.M)
     assert base and base.group(1) == pinned_ray_version()
-    torch_pin = re.search(r"^version=([0-9.]+)$", (ROOT / "scripts" / "install_torch.sh").read_text(), re.M).group(1)
+    torch_pin = re.search(r"^version=([0-9.]+)$", (REPO / "scripts" / "install_torch.sh").read_text(), re.M).group(1)
     assert f'"torch=={torch_pin}"' in text
     for path in ("zocheck_ray", "deploy", "pyproject.toml"):
         assert re.search(rf"^COPY .*\b{re.escape(path)}\b", text, re.M), f"the image lacks {path}"
