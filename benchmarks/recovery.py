@@ -47,7 +47,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +58,6 @@ from benchmarks.common import (bench_job, machine, md_table, print_table, run_co
                                write_json)
 from benchmarks.failures import run_with_failures, run_zocheck
 from benchmarks.recovery_comparison import ComparisonSpec, check_comparison_targets, print_comparison
-from zocheck_ray.config import JobConfig
 from zocheck_ray.workload.models import build_model, trainable_parameters
 
 DEPTH_TOLERANCE = 0.20
