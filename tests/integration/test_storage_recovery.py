@@ -152,9 +152,7 @@ def test_every_snapshot_corrupt_is_an_error(tmp_path):
 
 def run_cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="zocheck-ray")
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench").add_subparsers(dest="bench", required=True)
-    storage_cli.register(sub, bench)
+    storage_cli.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)
 

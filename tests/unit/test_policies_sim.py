@@ -184,9 +184,7 @@ def test_profile_bad_input_names_what_to_fix():
 
 def run_cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="zocheck-ray")
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench = argparse.ArgumentParser().add_subparsers()
-    policies_cli.register(sub, bench)
+    policies_cli.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)
 
