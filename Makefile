@@ -40,9 +40,9 @@ test-quick: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks replay --json benchmarks/results/replay.json
 
-# Regenerate the README's configuration and metrics reference from the schemas.
+# Regenerate the configuration and metrics reference (docs/configuration.md) from the schemas.
 reference: $(STAMP)
-	$(VENV)/bin/zocheck-ray config-reference --write README.md
+	$(VENV)/bin/zocheck-ray config-reference --write docs/configuration.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,17 +1,19 @@
-"""The README's configuration and metrics reference is generated from the schemas and kept current."""
+"""The configuration and metrics reference (docs/configuration.md) is generated from the schemas and kept current."""
 
 from __future__ import annotations
 
 from support import REPO
 from zocheck_ray.cli import main
 from zocheck_ray.config import JobConfig
-from zocheck_ray.reference_docs import BEGIN, END, check_readme, field_docs, render_reference, undocumented_fields
+from zocheck_ray.reference_docs import (BEGIN, END, REFERENCE_FILE, check_reference, field_docs, render_reference,
+                                        undocumented_fields)
 
-README = REPO / "README.md"
+REFERENCE = REPO / REFERENCE_FILE
 
 
-def test_readme_reference_is_up_to_date():
-    assert check_readme(README) is None, "run: zocheck-ray config-reference --write README.md"
+def test_the_reference_is_up_to_date_and_linked_from_the_readme():
+    assert check_reference(REFERENCE) is None, f"run: zocheck-ray config-reference --write {REFERENCE_FILE}"
+    assert f"]({REFERENCE_FILE})" in (REPO / "README.md").read_text()
 
 
 def test_every_documented_field_has_a_docstring():
@@ -29,7 +31,7 @@ def test_reference_lists_every_job_field_with_its_docstring():
 
 
 def test_check_and_write_on_a_stale_copy(tmp_path, capsys):
-    stale = tmp_path / "README.md"
+    stale = tmp_path / "configuration.md"
     stale.write_text(f"# title\n\n{BEGIN}\nold table\n{END}\n\nrest\n")
     assert main(["config-reference", "--check", str(stale)]) == 1
     assert "out of date" in capsys.readouterr().err

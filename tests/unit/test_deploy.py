@@ -17,6 +17,8 @@ from support import REPO
 from zocheck_ray.config import RAY_JOB_ENV, JobConfig, check_job_environment, load_job_config
 
 DEPLOY = REPO / "deploy"
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+"""The user's documentation: the README and its reference chapters."""
 EXAMPLES = sorted((DEPLOY / "examples").glob("*.yaml"))
 CREDENTIAL_NAME = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|KEY_ID|CREDENTIAL", re.I)
 AWS_KEY_ID = re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b")
@@ -134,7 +136,7 @@ def test_every_example_config_validates(path):
 
 
 def test_every_config_the_docs_mention_exists_and_validates():
-    texts = {p: p.read_text() for p in [REPO / "README.md", *DEPLOY.rglob("*") ] if p.is_file()}
+    texts = {p: p.read_text() for p in [*DOCS, *DEPLOY.rglob("*")] if p.is_file()}
     mentioned = {m for text in texts.values() for m in re.findall(r"deploy/examples/[\w.-]+\.yaml", text)}
     assert "deploy/examples/sst2-opt.yaml" in mentioned
     for rel in mentioned:
@@ -144,7 +146,7 @@ def test_every_config_the_docs_mention_exists_and_validates():
 
 def test_every_documented_submit_command_runs_a_valid_job():
     found = 0
-    for path in [REPO / "README.md", *DEPLOY.rglob("*.yaml")]:
+    for path in [*DOCS, *DEPLOY.rglob("*.yaml")]:
         for argv in submit_commands(path.read_text()):
             if command_args(argv)[:1] == ["train"]:
                 job, _ = entrypoint_job(argv, model_root="/models")
