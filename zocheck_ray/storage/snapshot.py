@@ -234,11 +234,36 @@ class SnapshotStore:
         self.storage.make_dirs(directory)
         self.storage.sync_dir(SNAPSHOTS_DIR)
 
+        files, file_of = self._write_files(directory, tensors, meta)
+        tensor_entries = [TensorEntry(name=n, file=file_of[n], dtype=d, shape=sh, nbytes=b) for n, d, sh, b in entries]
+        digest_of_state = _state_hash_of_files(tensor_entries, files)
+        if state_hash is not None and state_hash != digest_of_state:
+            self.storage.remove_tree(directory)
+            raise ValueError(f"state_hash {state_hash[:12]}... was given for step {step}, but the tensors hash to "
+                             f"{digest_of_state[:12]}...; not committing {self.storage.url_of(directory)}")
+        self.storage.sync_dir(directory)
+        if not self.storage.local:
+            self._check_objects(directory, files)
+
+        check_lease_for(self.lease, self.storage)  # a writer that lost the lease commits nothing
+        manifest = Manifest(step=step, run_id=meta.run_id, created_unix=time.time(), state_hash=digest_of_state,
+                            tensors=tensor_entries,
+                            files=files, zo_config=meta.zo_config, user=meta.user)
+        self.storage.write_atomic(f"{directory}/{MANIFEST_FILE}", manifest.encode())  # the commit
+        info = SnapshotInfo(step, self.storage.url_of(directory), manifest)
+        self.prune()
+        return info
+
+    def _write_files(self, directory: str, tensors: Mapping[str, torch.Tensor], meta: SnapshotMeta
+                     ) -> tuple[dict[str, FileEntry], dict[str, str]]:
+        """Write the snapshot's files into `directory`, durably; returns each file's entry (SHA-256, size)
+        and each tensor's file.
+
+        Each shard is hashed from tensor memory beside the writes (hashlib releases the GIL),
+        several at once; the state hash follows from their digests, so the state is hashed once."""
         layout = file_layout(tensors)
         files: dict[str, FileEntry] = {}
         pool = self._hash_pool()
-        # Each shard is hashed from tensor memory beside the writes (hashlib releases the GIL),
-        # several at once; the state hash follows from their digests, so the state is hashed once.
         pending: dict[str, Future] = {}
         try:
             for name, shard in layout.items():  # fsync'd together below, not one after another
@@ -259,25 +284,7 @@ class SnapshotStore:
         finally:  # nothing reads the caller's tensors once save has returned or raised
             wait(list(pending.values()))
         self.storage.make_durable([f"{directory}/{name}" for name in files])
-        file_of = {t: name for name, shard in layout.items() for t in shard}
-        tensor_entries = [TensorEntry(name=n, file=file_of[n], dtype=d, shape=sh, nbytes=b) for n, d, sh, b in entries]
-        digest_of_state = _state_hash_of_files(tensor_entries, files)
-        if state_hash is not None and state_hash != digest_of_state:
-            self.storage.remove_tree(directory)
-            raise ValueError(f"state_hash {state_hash[:12]}... was given for step {step}, but the tensors hash to "
-                             f"{digest_of_state[:12]}...; not committing {self.storage.url_of(directory)}")
-        self.storage.sync_dir(directory)
-        if not self.storage.local:
-            self._check_objects(directory, files)
-
-        check_lease_for(self.lease, self.storage)  # a writer that lost the lease commits nothing
-        manifest = Manifest(step=step, run_id=meta.run_id, created_unix=time.time(), state_hash=digest_of_state,
-                            tensors=tensor_entries,
-                            files=files, zo_config=meta.zo_config, user=meta.user)
-        self.storage.write_atomic(f"{directory}/{MANIFEST_FILE}", manifest.encode())  # the commit
-        info = SnapshotInfo(step, self.storage.url_of(directory), manifest)
-        self.prune()
-        return info
+        return files, {t: name for name, shard in layout.items() for t in shard}
 
     def _check_objects(self, directory: str, files: dict[str, FileEntry]) -> None:
         # Every object must be complete and whole before the manifest may name it.
