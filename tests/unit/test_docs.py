@@ -34,4 +34,4 @@ def test_every_relative_link_resolves():
     for doc in [README, *CHAPTERS]:
         for target in LINK.findall(doc.read_text()):
             if not re.match(r"^[a-z]+:", target):
-                assert (doc.parent / target).exists(), f"{doc.relative_to(REPO)} links to {target}, which does not exist"
+                assert (doc.parent / target).exists(), f"{doc.relative_to(REPO)} links to {target}: it does not exist"
