@@ -36,12 +36,13 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(PYTEST) -m "not slow" tests
 
+# The benchmarks are a program beside the package (benchmarks/): `python -m benchmarks --help` lists them.
 bench: $(STAMP)
-	$(VENV)/bin/zocheck-ray bench replay --json benchmarks/results/replay.json
+	$(PY) -m benchmarks replay --json benchmarks/results/replay.json
 
-# Regenerate the README's configuration and metrics reference from the schemas.
+# Regenerate the configuration and metrics reference (docs/configuration.md) from the schemas.
 reference: $(STAMP)
-	$(VENV)/bin/zocheck-ray config-reference --write README.md
+	$(VENV)/bin/zocheck-ray config-reference --write docs/configuration.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of the fused Triton kernels (issue 13), in one go, without Ray:
-#   1. tests/test_cuda.py: compiled kernels vs the CPU oracle (3 optimizers x 3 dtypes x 2 kinds,
+#   1. tests/unit/test_cuda.py: compiled kernels vs the CPU oracle (3 optimizers x 3 dtypes x 2 kinds,
 #      offsets past 2**32), the start-up guard and its fallback, a CUDA trainer's records
 #      replayed on the CPU (fused numba kernel, eager oracle) and on the GPU, equal state hashes;
 #   2. `bench trainer` on CUDA: the ZOCheck step vs a plain MeZO step on an OPT-125m-shaped model
@@ -30,12 +30,12 @@ except Exception as e:
 PY
 "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" || { echo "no CUDA device: nothing to check"; exit 3; }
 
-echo "== tests/test_cuda.py"
-"$py" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log"
+echo "== tests/unit/test_cuda.py"
+"$py" -m pytest -q -p no:cacheprovider -rs tests/unit/test_cuda.py 2>&1 | tee "$out/test_cuda.log"
 tests=${PIPESTATUS[0]}
 
 echo "== bench trainer (cuda, opt-125m, bf16 and fp32)"
-"$py" -m zocheck_ray.bench.trainer --model opt-125m --dtype bf16 fp32 --device cuda --batch-size 8 --seq-len 256 \
+"$py" -m benchmarks.trainer --model opt-125m --dtype bf16 fp32 --device cuda --batch-size 8 --seq-len 256 \
   --steps 5 --rounds 5 --json "$out/bench_trainer_cuda.json" 2>&1 | tee "$out/bench_trainer_cuda.log"
 bench=${PIPESTATUS[0]}
 

@@ -1,5 +1,16 @@
-"""Shared fixtures: a real S3 endpoint on 127.0.0.1 (moto's server, as s3fs's own suite uses);
-the `slow` marker on the tests that take more than a few seconds (`pytest -m "not slow"`)."""
+"""The tests' one conftest: shared fixtures and the `slow` marker.
+
+    tests/unit/          no Ray and no S3 endpoint: the core, the shadow's stages in-process, policies,
+                         workloads, the benchmarks' pure parts, the repository's files
+    tests/integration/   real Ray (local instances, multi-node `Cluster`s, `ray job submit`) and a
+                         real S3 endpoint on 127.0.0.1 (moto's server, as s3fs's own suite uses)
+
+Fixtures: `local_ray` (a Ray instance of the test module's own), `s3_endpoint`, `private_s3`,
+`s3_bucket`, `root` (an empty run root on local disk and on S3), `no_matplotlib`. Helpers
+(`support.py`, `reference_runs.py`, `kernel_cases.py`, `normality.py`) lie beside this file,
+which puts `tests/` on every test's path. The `slow` marker goes on the tests that take more
+than a few seconds (`pytest -m "not slow"`).
+"""
 
 from __future__ import annotations
 
@@ -39,12 +50,40 @@ def is_slow(module: str, test_name: str, fixture_names) -> bool:
     return names == "*" or bool(names and (test_name in names or names & set(fixture_names)))
 
 
+INTEGRATION_FIXTURES = {"local_ray", "s3_endpoint", "private_s3", "s3_bucket", "root"}
+"""Fixtures that start real Ray or a real S3 endpoint: only tests/integration/ uses them."""
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        needs = INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if item.path.parent.name == "unit" and needs:
+            raise pytest.UsageError(f"{item.nodeid} uses {', '.join(sorted(needs))} (real Ray or S3): "
+                                    "it belongs in tests/integration/")
         if is_slow(item.path.name, getattr(item, "originalname", item.name), getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
+
+# ------------------------------------------------------------------------------------------ Ray
+
+
+@pytest.fixture(scope="module")
+def local_ray(request):
+    """A Ray instance of the test module's own, with the module's `RAY_CPUS` logical CPUs (3 unless it
+    sets another), for all of its tests; a module whose every test needs it says
+    `pytestmark = pytest.mark.usefixtures("local_ray")`. `address="local"` starts a new instance even
+    where another `ray start` cluster runs on this machine. Multi-node clusters:
+    `support.multi_node_cluster`."""
+    import ray
+
+    ray.init(address="local", num_cpus=getattr(request.module, "RAY_CPUS", 3), namespace="zocheck",
+             include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+# ------------------------------------------------------------------------------------------- S3
 
 # Nothing may reach real AWS: dummy credentials and no instance-metadata lookups.
 _AWS_ENV = {
@@ -136,6 +175,14 @@ def private_s3(aws_env):
 def s3_bucket(s3_endpoint):
     """`(s3://bucket/run URL, storage_options)` in a fresh bucket."""
     return f"s3://{s3_endpoint.new_bucket()}/run", s3_endpoint.options()
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path):
+    """(URL, storage_options) of an empty storage root: once on local disk, once in a fresh S3 bucket."""
+    if request.param == "local":
+        return str(tmp_path / "run"), None
+    return request.getfixturevalue("s3_bucket")
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import torch
 from zocheck_ray import ZOConfig
 from zocheck_ray.core import update
 from zocheck_ray.core.generator import perturbation
-from zocheck_ray.core.optimizer import sparse_thresholds
+from zocheck_ray.core.update import sparse_thresholds
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.scalars import StepScalars
 
@@ -54,7 +54,7 @@ def run_oracle(config: ZOConfig, dtype: torch.dtype):
         records.append(record)
         s = StepScalars.of(record, config)
         for i, (offset, n, decay) in enumerate(SEGMENTS):
-            zd = update.cast_perturbation(perturbation(seed, offset, n, config.perturbation, backend="eager"), dtype)
+            zd = update.cast_perturbation(perturbation(seed, offset, n, config.perturbation), dtype)
             x = params[i].float()
             mask = update.sparse_mask(x, record.extras[i]) if record.extras else None
             for c in (s.plus, s.minus, s.plus):

@@ -4,10 +4,12 @@
                                           failure, exact recovery, verified against the durable log
     zocheck-ray train --config job.yaml   a job from YAML (`--set key=value` overrides)
     zocheck-ray status RUN_ID             a running job's shadow metrics
-    zocheck-ray bench all --out DIR       every benchmark as JSON, Markdown and figures
+    zocheck-ray bench all --out DIR       every benchmark as JSON, Markdown and figures (from a checkout)
 
-Each feature module registers its own subcommands (`register(subparsers, bench)`),
-so this file only lists them.
+Each feature module registers its own subcommands (`register(subparsers)`), so this file
+only lists them. The benchmarks are a program of the repository (`benchmarks/`, beside the
+package, not installed): `zocheck-ray bench ...` hands its arguments to `python -m
+benchmarks ...` when it runs from a checkout.
 """
 
 from __future__ import annotations
@@ -15,18 +17,29 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 COMMAND_MODULES = [
-    "zocheck_ray.demo",
-    "zocheck_ray.bench.replay", "zocheck_ray.bench.trainer",
-    "zocheck_ray.bench.overhead", "zocheck_ray.bench.recovery",
-    "zocheck_ray.bench.waste", "zocheck_ray.bench.scaling", "zocheck_ray.bench.memory", "zocheck_ray.bench.report",
-    "zocheck_ray.bench.data_parallel", "zocheck_ray.bench.scale",
     "zocheck_ray.policies.cli",
     "zocheck_ray.storage.cli",
     "zocheck_ray.train_cli",
     "zocheck_ray.tune",
 ]
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+"""The repository this package runs from, when it runs from a checkout (an editable install)."""
+
+
+def run_benchmarks(argv: list[str]) -> int:
+    """`zocheck-ray bench ARGV`: `python -m benchmarks ARGV` of the checkout the package runs from."""
+    if not (CHECKOUT / "benchmarks" / "cli.py").is_file():
+        print("zocheck-ray bench: the benchmarks are not installed with the package; they are a program of the "
+              "repository's benchmarks/ directory. In a checkout: pip install -e '.[bench]', then "
+              "python -m benchmarks --help (or zocheck-ray bench --help)", file=sys.stderr)
+        return 2
+    if str(CHECKOUT) not in sys.path:
+        sys.path.insert(0, str(CHECKOUT))
+    return importlib.import_module("benchmarks.cli").main(argv, prog="zocheck-ray bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,14 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Nearly free, bit-exact checkpointing for zeroth-order fine-tuning on Ray.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    bench_parser = sub.add_parser("bench", help="benchmarks: print a table, optionally write JSON")
-    bench = bench_parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    bench = sub.add_parser("bench", add_help=False,
+                           help="benchmarks (from a checkout): print a table, optionally write JSON; "
+                                "`zocheck-ray bench --help` lists them")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=lambda args: run_benchmarks(args.bench_args))
     for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub, bench)
+        importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # every later argument is the benchmarks' own, --help included
+        return run_benchmarks(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

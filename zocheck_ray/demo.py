@@ -21,8 +21,6 @@ model directory to see accuracy rise.
 
 from __future__ import annotations
 
-import argparse
-
 EMBEDDED_DEFAULT: dict = {
     "model": "tiny-opt",
     "steps": 300,
@@ -49,11 +47,3 @@ def describe(job) -> str:
             f"(lr {job.zo.lr:g}, eps {job.zo.eps:g}) on {job.task.kind} over the shipped sentiment sentences, "
             f"{job.steps} steps, storage {job.run_url}")
 
-
-def register(commands, bench) -> None:
-    from zocheck_ray.train_cli import add_train_arguments, train
-
-    parser = commands.add_parser("demo", help="the embedded default job (same as `train` with no --config)",
-                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_train_arguments(parser, with_config=False)
-    parser.set_defaults(func=train, config=None)

@@ -1,8 +1,8 @@
 """The configuration and metrics reference, generated from the pydantic schemas' field docstrings.
 
-    zocheck-ray config-reference                   # print it (Markdown)
-    zocheck-ray config-reference --write README.md # replace the section between the markers
-    zocheck-ray config-reference --check README.md # exit 1 when README.md is out of date
+    zocheck-ray config-reference                                # print it (Markdown)
+    zocheck-ray config-reference --write docs/configuration.md  # replace the section between the markers
+    zocheck-ray config-reference --check docs/configuration.md  # exit 1 when the file is out of date
 
 The field docstrings are the documentation (one schema, one place): this module
 reads them from the source with `ast` and renders one table per model, dotted
@@ -20,7 +20,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-BEGIN = "<!-- BEGIN GENERATED: zocheck-ray config-reference --write README.md -->"
+REFERENCE_FILE = "docs/configuration.md"
+"""Where the repository keeps the generated reference (`make reference` rewrites it)."""
+BEGIN = f"<!-- BEGIN GENERATED: zocheck-ray config-reference --write {REFERENCE_FILE} -->"
 END = "<!-- END GENERATED -->"
 
 
@@ -112,8 +114,8 @@ def _sections():
 
 def render_reference() -> str:
     """The whole generated section (without the markers)."""
-    parts = ["_Generated from the schemas' field docstrings by `zocheck-ray config-reference --write README.md`; "
-             "a test fails when this section is out of date._"]
+    parts = [f"_Generated from the schemas' field docstrings by `zocheck-ray config-reference --write "
+             f"{REFERENCE_FILE}`; a test fails when this section is out of date._"]
     for title, model, prefix, with_defaults in _sections():
         parts.append(f"#### {title}\n\n{model_table(model, prefix, with_defaults)}")
     return "\n\n".join(parts) + "\n"
@@ -127,7 +129,7 @@ def _split(text: str, path: str) -> tuple[str, str, str]:
     return head, body, tail
 
 
-def check_readme(path: str | Path) -> str | None:
+def check_reference(path: str | Path) -> str | None:
     """None when `path`'s generated section equals `render_reference()`; else what to do."""
     head, body, tail = _split(Path(path).read_text(), str(path))
     if body.strip() != render_reference().strip():
@@ -135,7 +137,7 @@ def check_readme(path: str | Path) -> str | None:
     return None
 
 
-def write_readme(path: str | Path) -> bool:
+def write_reference(path: str | Path) -> bool:
     """Replace `path`'s generated section; returns whether it changed."""
     text = Path(path).read_text()
     head, body, tail = _split(text, str(path))

@@ -5,7 +5,7 @@
                       [--fail-at 20,35,50|none] [--fail-mode software|host] [--fail-rank R] [--verify]
                       [--json FILE]
     zocheck-ray status RUN_ID [--json]
-    zocheck-ray config-reference [--check README.md | --write README.md]
+    zocheck-ray config-reference [--check docs/configuration.md | --write docs/configuration.md]
 
 With no --config, `train` runs the embedded default: one injected trainer failure at
 60% of the steps and `--verify` (the durable log replayed and compared with every
@@ -20,6 +20,8 @@ import argparse
 import json
 import sys
 
+from zocheck_ray import demo
+from zocheck_ray.demo import EMBEDDED_DEFAULT, default_failures, describe
 from zocheck_ray.config import JobConfigError, check_job_environment, load_job_config
 
 
@@ -93,7 +95,6 @@ def train(args: argparse.Namespace) -> int:
     from zocheck_ray.control import RunFailedError
     from zocheck_ray.control.placement import connect_ray, profile_settings
     from zocheck_ray.testing import run_with_faults
-    from zocheck_ray.demo import EMBEDDED_DEFAULT, default_failures, describe
     from zocheck_ray.verify import verify_run
 
     embedded = args.config is None
@@ -186,33 +187,38 @@ def add_train_arguments(p: argparse.ArgumentParser, with_config: bool = True) ->
 
 
 def config_reference(args: argparse.Namespace) -> int:
-    from zocheck_ray.reference_docs import check_readme, render_reference, write_readme
+    from zocheck_ray.reference_docs import check_reference, render_reference, write_reference
 
     if args.check:
-        stale = check_readme(args.check)
+        stale = check_reference(args.check)
         if stale:
             print(f"zocheck-ray config-reference: {stale}", file=sys.stderr)
             return 1
         print(f"{args.check}: the configuration and metrics reference is up to date")
         return 0
     if args.write:
-        changed = write_readme(args.write)
+        changed = write_reference(args.write)
         print(f"{args.write}: {'updated' if changed else 'already up to date'}")
         return 0
     print(render_reference())
     return 0
 
 
-def register(commands, bench) -> None:
+def register(commands) -> None:
     p = commands.add_parser("train", help="run a ZO fine-tuning job with a shadow on Ray (no --config: the "
                                           "embedded default job)",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(p)
     p.set_defaults(func=train)
+    d = commands.add_parser("demo", help="the embedded default job (same as `train` with no --config)",
+                            description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_arguments(d, with_config=False)
+    d.set_defaults(func=train, config=None)
     r = commands.add_parser("config-reference", help="the configuration and metrics reference, from the schema")
     where = r.add_mutually_exclusive_group()
-    where.add_argument("--check", metavar="README", help="exit 1 when README's generated section is out of date")
-    where.add_argument("--write", metavar="README", help="rewrite README's generated section")
+    where.add_argument("--check", metavar="FILE", help="exit 1 when FILE's generated section is out of date "
+                                                      "(the repository's: docs/configuration.md)")
+    where.add_argument("--write", metavar="FILE", help="rewrite FILE's generated section")
     r.set_defaults(func=config_reference)
     s = commands.add_parser("status", help="metrics of a running job's shadow")
     s.add_argument("run_id")

@@ -398,7 +398,7 @@ def summarize(results, keys: list[str], metric: str) -> list[dict]:
     return rows
 
 
-def register(commands, bench) -> None:
+def register(commands) -> None:
     p = commands.add_parser("tune", help="a Ray Tune sweep: one ZOCheck job per trial, restored exactly",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="base job YAML (see JobConfig)")

@@ -117,6 +117,11 @@ class Trainer:
                     tensor.zero_()
 
     @property
+    def publish_ns(self) -> list[int]:
+        """Nanoseconds each step's record took to publish on the training thread, in step order."""
+        return self._publish_ns
+
+    @property
     def step(self) -> int:
         return self.opt.step_index if self.opt is not None else 0
 

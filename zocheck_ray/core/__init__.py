@@ -1,4 +1,10 @@
-"""The replayable ZO core. Ray-free: runs on the trainer's device and in the shadow."""
+"""The replayable ZO core. Ray-free: runs on the trainer's device and in the shadow.
+
+Its modules import only downwards, in layers (see `backend.py`): the specification (config,
+errors, layout, record, scalars, seeds, hashing), the reference implementation in plain torch
+(generator, update, reference, validation), the kernels (fused CPU, Triton), the start-up guard,
+and on top backend selection and the optimizer.
+"""
 
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import (
@@ -8,7 +14,7 @@ from zocheck_ray.core.errors import (
     StateMismatchError,
     ZOCheckError,
 )
-from zocheck_ray.core.generator import perturbation
+from zocheck_ray.core.backend import perturbation
 from zocheck_ray.core.hashing import state_hash
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout, TensorSpec
 from zocheck_ray.core.optimizer import ZOOptimizer

@@ -44,9 +44,10 @@ from numba.extending import intrinsic
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import StateMismatchError
 from zocheck_ray.core import generator as G
-from zocheck_ray.core.generator import MASK32, check_seed, PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0, PHILOX_W1, STREAM
-from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX
+from zocheck_ray.core.generator import PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0, PHILOX_W1, STREAM
+from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout
 from zocheck_ray.core.record import StepRecord
+from zocheck_ray.core.seeds import MASK32, check_seed
 from zocheck_ray.core.validation import check_replay
 
 CHUNK_ELEMENTS = 8192
@@ -327,8 +328,11 @@ def _box_muller(wa, wb):
 
 
 @njit(inline="always")
-def _perturbation_block(key0, key1, first, count, gaussian, out, wa, wb, radius):
+def perturbation_block(key0, key1, first, count, gaussian, out, wa, wb, radius):
     """z for counters first .. first+count-1 into out[0 : 4*count]; see generator.py.
+
+    Every kernel here generates z through this block (and `bench replay` times it alone, as
+    the floor a replay cannot beat).
 
     Gaussian values are made in passes over cache-resident scratch (wa, wb, radius:
     2*count each): Philox words, then the logarithm, the square root, and the angle.
@@ -431,7 +435,7 @@ def _chunk_in_place(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0,
     count = ((offset + n - 1) >> 2) - first + 1
     lane = offset & 3
     for k in range(keys0.shape[0]):
-        _perturbation_block(keys0[k], keys1[k], first, count, gaussian, z, wa, wb, radius)
+        perturbation_block(keys0[k], keys1[k], first, count, gaussian, z, wa, wb, radius)
         _apply_step(param, param, m, v, n, z, lane, opt, use_wd, c_plus[k], c_minus[k], grads[k], lrs[k],
                     bc1s[k], bc2s[k], thresholds[k, tensor], consts, load, store, rnd, rnd_full, fin)
 
@@ -542,7 +546,7 @@ def _perturbation_kernel(key0, key1, offset, gaussian, out):
         wa = np.empty(2 * counters, np.uint32)
         wb = np.empty(2 * counters, np.uint32)
         radius = np.empty(2 * counters, np.float32)
-        _perturbation_block(key0, key1, first, counters, gaussian, z, wa, wb, radius)
+        perturbation_block(key0, key1, first, counters, gaussian, z, wa, wb, radius)
         for i in range(count):
             out[start + i] = z[lane + i]
 
@@ -556,6 +560,24 @@ def perturbation_cpu(seed: int, offset: int, numel: int, kind: str = "gaussian")
     if numel:
         _perturbation_kernel(np.uint64(seed & MASK32), np.uint64(seed >> 32), offset, kind == "gaussian", out)
     return torch.from_numpy(out)
+
+
+SERIAL_BELOW = 4 * CHUNK_ELEMENTS
+"""Fewer elements than this get z on the calling thread: waking numba's pool costs more (ms on a busy machine)."""
+
+
+def perturbation_into(out: np.ndarray, seed: int, offset: int, kind: str) -> None:
+    """`perturbation_cpu` into a float32 buffer of the caller's (z for offset .. offset + len(out) - 1)."""
+    args = (np.uint64(seed & MASK32), np.uint64(seed >> 32), offset, kind == "gaussian", out)
+    if out.size >= SERIAL_BELOW:
+        _perturbation_kernel(*args)
+        return
+    previous = numba.get_num_threads()  # thread-local
+    numba.set_num_threads(1)
+    try:
+        _perturbation_kernel(*args)
+    finally:
+        numba.set_num_threads(previous)
 
 
 @functools.lru_cache(maxsize=64)
@@ -574,13 +596,18 @@ def _chunk_plan(tensors: tuple[tuple[int, int], ...], chunk: int) -> tuple[np.nd
 
 
 def warm_up(dtype: torch.dtype, config: ZOConfig) -> None:
-    """Load (or compile) the kernel `replay` uses for `dtype` and `config`, by replaying one step on
-    four elements: the first replay in a process otherwise pays for it (about 0.15 s from numba's cache)."""
-    from zocheck_ray.core.optimizer import ZOOptimizer
-
-    opt = ZOOptimizer([("warm_up.weight", torch.zeros(4, dtype=dtype))], config)
-    state = {k: v.clone() for k, v in opt.state_tensors().items()}
-    record = opt.step(lambda: torch.zeros(()), seed=0)
+    """Load (or compile) the kernels a trainer and a replay use for `dtype` and `config`: the
+    generator, and `replay` of one step on four elements. The first step or replay in a process
+    otherwise pays for it (about 0.15 s from numba's cache)."""
+    perturbation_into(np.empty(4, dtype=np.float32), 0, 0, config.perturbation)
+    name = "warm_up.weight"
+    state = {name: torch.zeros(4, dtype=dtype)}
+    if config.optimizer == "zo-adam":
+        state[EXP_AVG_PREFIX + name] = torch.zeros(4)
+        state[EXP_AVG_SQ_PREFIX + name] = torch.zeros(4)
+    extras = (0.0,) if config.optimizer == "sparse-mezo" else ()
+    fingerprint = Layout.from_state(state, config).fingerprint(config)
+    record = StepRecord(0, 0, 0.0, config.lr, config.eps, fingerprint, config.optimizer, extras)
     replay(state, [record], config, threads=1)
 
 

@@ -14,9 +14,10 @@ lane i & 3 of what they become:
   Uniforms are odd multiples of 2**-24 (never 0 or 1); |z| < 5.78.
 - Rademacher: the top bit of the lane's word gives -1 or +1.
 
-This module is the torch implementation (any device); it is the oracle that the
-fused CPU kernel (`fused.py`) is tested against, and each helper below spells the
-exact operation sequence the kernel repeats.
+This module is the torch implementation (any device, no backend choice); it is the oracle
+that the fused CPU kernel (`fused.py`) and the Triton kernels are tested against, and each
+helper below spells the exact operation sequence the kernels repeat. `backend.perturbation`
+picks among them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import math
 import numpy as np
 import torch
 
+from zocheck_ray.core.seeds import MASK32, check_seed
+
 PHILOX_M0 = 0xD2511F53
 PHILOX_M1 = 0xCD9E8D57
 PHILOX_W0 = 0x9E3779B9
@@ -33,8 +36,6 @@ PHILOX_W1 = 0xBB67AE85
 PHILOX_ROUNDS = 10
 STREAM = 0x5A4F
 """Third counter word: separates the perturbation stream from any future stream."""
-MASK32 = 0xFFFFFFFF
-SEED_MAX = 2**64 - 1
 
 # int64 tensors hold the 32-bit words; 32x32-bit products are split into 16-bit
 # halves so no intermediate leaves int64 (signed overflow is not portable).
@@ -58,12 +59,6 @@ def philox4x32(counter: tuple, key: tuple[int, int], rounds: int = PHILOX_ROUNDS
         k0 = (k0 + PHILOX_W0) & MASK32
         k1 = (k1 + PHILOX_W1) & MASK32
     return c0, c1, c2, c3
-
-
-def check_seed(seed: int) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
-        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    return seed
 
 
 def _f32(x: float) -> float:
@@ -153,13 +148,8 @@ def box_muller(wa: torch.Tensor, wb: torch.Tensor) -> tuple[torch.Tensor, torch.
     return radius * x, radius * y
 
 
-def perturbation(seed: int, offset: int, numel: int, kind: str = "gaussian", device="cpu",
-                 backend: str = "auto") -> torch.Tensor:
-    """z (float32, 1-D) for `numel` elements starting at global offset `offset`.
-
-    `backend`: "eager" is this module's torch code (the oracle, any device); "triton" the
-    z-only GPU kernel (`triton_kernels.perturbation_triton`, same bits); "auto" takes the
-    kernel on CUDA when it has passed its start-up check there (`kernel_guard`), else eager.
+def perturbation(seed: int, offset: int, numel: int, kind: str = "gaussian", device="cpu") -> torch.Tensor:
+    """z (float32, 1-D) for `numel` elements starting at global offset `offset`, in eager torch.
 
     >>> z = perturbation(seed=7, offset=0, numel=10)
     >>> torch.equal(z[4:], perturbation(seed=7, offset=4, numel=6))
@@ -167,18 +157,7 @@ def perturbation(seed: int, offset: int, numel: int, kind: str = "gaussian", dev
     """
     if kind not in ("gaussian", "rademacher"):
         raise ValueError(f"unknown perturbation kind {kind!r}; expected 'gaussian' or 'rademacher'")
-    if backend not in ("auto", "eager", "triton"):
-        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'eager' or 'triton'")
     device = torch.device(device)
-    if backend == "auto" and device.type == "cuda":
-        from zocheck_ray.core.config import ZOConfig
-        from zocheck_ray.core.kernel_guard import kernels_usable
-
-        backend = "triton" if kernels_usable(device, (torch.float32,), ZOConfig(perturbation=kind)) else "eager"
-    if backend == "triton":
-        from zocheck_ray.core.triton_kernels import perturbation_triton
-
-        return perturbation_triton(seed, offset, numel, kind, device)
     if numel == 0:
         return torch.empty(0, dtype=torch.float32, device=device)
     first = offset >> 2

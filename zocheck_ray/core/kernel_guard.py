@@ -11,24 +11,29 @@ a replay runs them (one pass per step), and z alone; each result is compared wit
 Any difference, or an error, and the check fails: the trainer logs it, runs eagerly and
 reports `kernel_backend = "eager"`. Exactness is never traded for speed silently.
 Results are cached per (device, dtypes, optimizer settings) for the process.
+
+The guard sits above the code it checks: it imports the oracle and the kernels, and neither
+of them imports it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from zocheck_ray.core import update
+from zocheck_ray.core import triton_kernels, update
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.generator import perturbation
 from zocheck_ray.core.layout import DTYPES
-from zocheck_ray.core.optimizer import sparse_thresholds
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.scalars import StepScalars
+from zocheck_ray.core.triton_kernels import KernelStepper, Segment, perturbation_triton
+from zocheck_ray.core.update import sparse_thresholds
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +73,24 @@ def clear_cache() -> None:
     _cache.clear()
 
 
+@contextlib.contextmanager
+def inject_fault_for_tests(hook: Callable[[int, list[torch.Tensor]], None]):
+    """Within the block, `hook(phase, written_tensors)` runs after each kernel launch, and the guard
+    checks the kernels afresh (tests only: a hook that changes a kernel's output must fail the check)."""
+    previous = triton_kernels.set_launch_hook(hook)
+    clear_cache()
+    try:
+        yield
+    finally:
+        triton_kernels.set_launch_hook(previous)
+        clear_cache()
+
+
 def _oracle_step(p: torch.Tensor, m, v, offset: int, decay: bool, seed: int, s: StepScalars, config: ZOConfig,
                  threshold: float):
     """One step of `config.optimizer` on a CPU tensor at `offset`, in eager torch: (p, m, v)."""
     dtype = p.dtype
-    z = perturbation(seed, offset, p.numel(), config.perturbation, "cpu", backend="eager")
+    z = perturbation(seed, offset, p.numel(), config.perturbation, "cpu")
     zd = update.cast_perturbation(z, dtype)
     x = p.float()
     mask = update.sparse_mask(x, threshold) if config.optimizer == "sparse-mezo" else None
@@ -103,8 +121,6 @@ def _compare(label: str, got: torch.Tensor, want: torch.Tensor, mismatches: list
 
 
 def _run_checks(device: torch.device, dtypes: Sequence[torch.dtype], config: ZOConfig) -> tuple[list[str], int]:
-    from zocheck_ray.core.triton_kernels import KernelStepper, Segment, perturbation_triton
-
     mismatches, checks = [], 0
     config = config.model_copy(update={"weight_decay": config.weight_decay or 0.05})
     adam = config.optimizer == "zo-adam"
@@ -112,8 +128,7 @@ def _run_checks(device: torch.device, dtypes: Sequence[torch.dtype], config: ZOC
     for o, n, _ in SAMPLE:
         for seed in SEEDS:
             z = perturbation_triton(seed, o, n, config.perturbation, device)
-            _compare(f"z (seed {seed:#x}, offset {o})", z, perturbation(seed, o, n, config.perturbation,
-                                                                         backend="eager"), mismatches)
+            _compare(f"z (seed {seed:#x}, offset {o})", z, perturbation(seed, o, n, config.perturbation), mismatches)
             checks += 1
     for dtype in dtypes:
         name = DTYPES[dtype]
@@ -153,8 +168,6 @@ def _run_checks(device: torch.device, dtypes: Sequence[torch.dtype], config: ZOC
 
 def check_kernels(device: torch.device | str, dtypes: Sequence[torch.dtype], config: ZOConfig) -> KernelCheck:
     """Run the kernels on the sample against the CPU oracle; never raises (a failure is a failed check)."""
-    from zocheck_ray.core import triton_kernels
-
     device = torch.device(device)
     dtypes = tuple(sorted(set(dtypes), key=lambda d: DTYPES[d]))
     names = tuple(DTYPES[d] for d in dtypes)

@@ -11,73 +11,29 @@ Two backends, one answer: "eager" works through each tensor in chunks (z from th
 fused numba generator on the CPU, from the eager oracle elsewhere, then one torch
 operation at a time); "triton" runs each phase as one fused kernel launch per dtype
 (`triton_kernels.py`). `backend="auto"` takes the kernels on CUDA once they pass the
-start-up guard (`kernel_guard.py`) and the eager path otherwise; `kernel_backend` and
-`kernel_check` say which was taken and why. `backend="triton"` on CPU tensors runs the
-kernels in Triton's interpreter (the tests drive the CUDA code path that way).
+start-up guard (`kernel_guard.py`) and the eager path otherwise (`backend.py` decides);
+`kernel_backend` and `kernel_check` say which was taken and why. `backend="triton"` on CPU
+tensors runs the kernels in Triton's interpreter (the tests drive the CUDA code path that way).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Callable, Iterable
 
-import numba
-import numpy as np
 import torch
 
+from zocheck_ray.core import update
+from zocheck_ray.core.backend import BACKENDS, kernel_stepper
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import NonFiniteError, StateMismatchError
-from zocheck_ray.core.fused import CHUNK_ELEMENTS as FUSED_BLOCK, _perturbation_kernel
-from zocheck_ray.core.generator import MASK32, check_seed, perturbation
+from zocheck_ray.core.fused import perturbation_into
+from zocheck_ray.core.generator import perturbation
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout, TensorSpec
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.scalars import StepScalars
-from zocheck_ray.core import update
-
-logger = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "eager", "triton")
-
-CHUNK_ELEMENTS = 1 << 22
-"""Elements processed at once; bounds the generator's temporaries to ~100 MB."""
-
-
-def chunks(numel: int, size: int = CHUNK_ELEMENTS):
-    for start in range(0, numel, size):
-        yield start, min(start + size, numel)
-
-
-SERIAL_BELOW = 4 * FUSED_BLOCK
-"""Fewer elements than this get z on the calling thread: waking numba's pool costs more (ms on a busy machine)."""
-
-
-def fused_perturbation_into(out: np.ndarray, seed: int, offset: int, kind: str) -> None:
-    """`fused.perturbation_cpu` into a float32 buffer of the caller's (z for offset .. offset + len(out) - 1)."""
-    args = (np.uint64(seed & MASK32), np.uint64(seed >> 32), offset, kind == "gaussian", out)
-    if out.size >= SERIAL_BELOW:
-        _perturbation_kernel(*args)
-        return
-    previous = numba.get_num_threads()  # thread-local
-    numba.set_num_threads(1)
-    try:
-        _perturbation_kernel(*args)
-    finally:
-        numba.set_num_threads(previous)
-
-
-def sparse_thresholds(params: list[torch.Tensor], sparsity: float) -> tuple[float, ...]:
-    """Per tensor, the magnitude at or below which Sparse-MeZO perturbs an element."""
-    out = []
-    for p in params:
-        flat = p.detach().reshape(-1).float().abs()
-        if flat.numel() == 0:
-            out.append(0.0)
-            continue
-        k = max(1, math.ceil((1.0 - sparsity) * flat.numel()))
-        out.append(float(torch.kthvalue(flat, k).values))
-    return tuple(out)
-
+from zocheck_ray.core.seeds import check_seed
+from zocheck_ray.core.update import CHUNK_ELEMENTS, chunks, sparse_thresholds
 
 class ZOOptimizer:
     """Zeroth-order optimizer over named parameters, producing replayable step records."""
@@ -112,33 +68,16 @@ class ZOOptimizer:
             self.exp_avg_sq = [torch.zeros(p.shape, dtype=torch.float32, device=self.device) for p in self.params]
         self.step_index = step
         self.last_losses: tuple[float, float] | None = None
-        self.kernel_check = None
-        """The start-up guard's `KernelCheck` where the kernels were considered, else None."""
-        self._stepper = None
         self._buffers: dict[str, torch.Tensor] = {}
-        if backend == "triton" or (backend == "auto" and self.device.type == "cuda"):
-            self._stepper = self._kernels(required=backend == "triton")
+        stepper, check = kernel_stepper(self.layout, self.params, self.exp_avg, self.exp_avg_sq, config, backend)
+        self.kernel_check = check
+        """The start-up guard's `KernelCheck` where the kernels were considered, else None."""
+        self._stepper = stepper
 
     @property
     def kernel_backend(self) -> str:
         """"triton" when the steps run the fused GPU kernels, "eager" otherwise."""
         return "eager" if self._stepper is None else "triton"
-
-    def _kernels(self, required: bool):
-        from zocheck_ray.core import kernel_guard, triton_kernels
-
-        if required and not triton_kernels.available():
-            raise RuntimeError("backend='triton' needs Triton: pip install triton (it comes with CUDA builds of torch)")
-        triton_kernels.check_device(self.device)
-        self.kernel_check = kernel_guard.check_kernels(self.device, {p.dtype for p in self.params}, self.config)
-        if not self.kernel_check.passed:
-            if self.kernel_check.passed is None:
-                logger.warning("zocheck-ray: %s; the trainer on %s runs the eager path", self.kernel_check.reason,
-                               self.device)
-            return None
-        segments = [triton_kernels.Segment(s.offset, s.numel, s.decay) for s in self.layout.params]
-        return triton_kernels.KernelStepper(segments, self.params, self.exp_avg, self.exp_avg_sq,
-                                            self.config)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The canonical state (live tensors, not copies): parameters, then moments."""
@@ -175,12 +114,12 @@ class ZOOptimizer:
     def _z(self, spec: TensorSpec, seed: int, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
         """zd = r(z) (float32) for elements a..b of `spec`."""
         if self.device.type != "cpu":
-            z = perturbation(seed, spec.offset + a, b - a, self.config.perturbation, self.device, backend="eager")
+            z = perturbation(seed, spec.offset + a, b - a, self.config.perturbation, self.device)
             return update.cast_perturbation(z, dtype)
         # the fused generator (same bits, far fewer passes) into a reused buffer, rounded there
         z = self._scratch("z", b - a)
         if b > a:
-            fused_perturbation_into(z.numpy(), seed, spec.offset + a, self.config.perturbation)
+            perturbation_into(z.numpy(), seed, spec.offset + a, self.config.perturbation)
         if dtype != torch.float32:
             z.copy_(self._scratch("z", b - a, dtype).copy_(z))
         return z

@@ -15,7 +15,7 @@ import zlib
 from dataclasses import dataclass
 
 from zocheck_ray.core.errors import CorruptRecordError, NonFiniteError
-from zocheck_ray.core.generator import check_seed
+from zocheck_ray.core.seeds import check_seed
 
 MAGIC = 0x5A52
 VERSION = 1

@@ -9,7 +9,6 @@ import torch
 from zocheck_ray.core import update
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.generator import perturbation
-from zocheck_ray.core.optimizer import chunks
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.validation import check_replay
 
@@ -27,9 +26,8 @@ def replay_reference(state: dict[str, torch.Tensor], records: Sequence[StepRecor
         for i, spec in enumerate(layout.params):
             flat = state[spec.name].view(-1)
             dtype = flat.dtype
-            for a, b in chunks(spec.numel):
-                z = perturbation(record.seed, spec.offset + a, b - a, config.perturbation, flat.device,
-                                 backend="eager")
+            for a, b in update.chunks(spec.numel):
+                z = perturbation(record.seed, spec.offset + a, b - a, config.perturbation, flat.device)
                 zd = update.cast_perturbation(z, dtype)
                 p = flat[a:b].float()
                 mask = update.sparse_mask(p, record.extras[i]) if config.optimizer == "sparse-mezo" else None

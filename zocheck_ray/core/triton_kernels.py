@@ -22,7 +22,6 @@ only when a kernel is asked for.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import sys
@@ -35,9 +34,10 @@ import torch
 
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import StateMismatchError
-from zocheck_ray.core.generator import MASK32, check_seed
+from zocheck_ray.core.seeds import MASK32, check_seed
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX
 from zocheck_ray.core.record import StepRecord
+from zocheck_ray.core.reference import replay_reference
 from zocheck_ray.core.scalars import StepScalars
 from zocheck_ray.core.validation import check_replay
 
@@ -90,24 +90,18 @@ def check_device(device: torch.device) -> None:
         raise StateMismatchError(f"the Triton kernels run on CUDA (or the CPU, interpreted), not on {device}")
 
 
-# A named test hook: called after every launch with the phase and the tensors the launch
-# wrote, so a test can corrupt a kernel's output and see the start-up guard catch it.
+# A test hook: called after every launch with the phase and the tensors the launch wrote, so a
+# test can corrupt a kernel's output and see the start-up guard catch it
+# (`kernel_guard.inject_fault_for_tests` sets it).
 _fault_hook: Callable[[int, list[torch.Tensor]], None] | None = None
 
 
-@contextlib.contextmanager
-def inject_fault_for_tests(hook: Callable[[int, list[torch.Tensor]], None]):
-    """Within the block, `hook(phase, written_tensors)` runs after each kernel launch (tests only)."""
+def set_launch_hook(hook: Callable[[int, list[torch.Tensor]], None] | None):
+    """Make `hook(phase, written_tensors)` run after each kernel launch (None: none); returns the previous hook.
+    For tests: see `kernel_guard.inject_fault_for_tests`."""
     global _fault_hook
-    from zocheck_ray.core import kernel_guard
-
     previous, _fault_hook = _fault_hook, hook
-    kernel_guard.clear_cache()
-    try:
-        yield
-    finally:
-        _fault_hook = previous
-        kernel_guard.clear_cache()
+    return previous
 
 
 @dataclass(frozen=True)
@@ -299,6 +293,4 @@ def replay_on_device(state: dict[str, torch.Tensor], records: Sequence[StepRecor
     kernels passed the guard uses), else the eager `replay_reference`. Same bits either way."""
     if backend == "triton":
         return replay_triton(state, records, config, start_step)
-    from zocheck_ray.core.reference import replay_reference
-
     return replay_reference(state, records, config, start_step)

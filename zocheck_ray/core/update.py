@@ -19,11 +19,24 @@ bracketed decay terms apply only to decayed tensors when wd > 0.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX
 from zocheck_ray.core.scalars import StepScalars
+
+
+CHUNK_ELEMENTS = 1 << 22
+"""Elements the eager paths (the reference replay, the trainer's eager steps) process at once;
+bounds the generator's temporaries to ~100 MB."""
+
+
+def chunks(numel: int, size: int = CHUNK_ELEMENTS):
+    """(start, end) of each `size`-element piece of a tensor of `numel` elements, in order."""
+    for start in range(0, numel, size):
+        yield start, min(start + size, numel)
 
 
 def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -63,6 +76,20 @@ def adam_update(p, m, v, zd, s: StepScalars, decay: bool, dtype):
     if decay and s.weight_decay > 0:
         u = u + p * s.weight_decay
     return _round(p - _round(u * s.lr, dtype), dtype), m, v
+
+
+def sparse_thresholds(params: list[torch.Tensor], sparsity: float) -> tuple[float, ...]:
+    """Per tensor, the magnitude at or below which Sparse-MeZO perturbs an element
+    (the trainer computes them at a step's start; its record carries them)."""
+    out = []
+    for p in params:
+        flat = p.detach().reshape(-1).float().abs()
+        if flat.numel() == 0:
+            out.append(0.0)
+            continue
+        k = max(1, math.ceil((1.0 - sparsity) * flat.numel()))
+        out.append(float(torch.kthvalue(flat, k).values))
+    return tuple(out)
 
 
 def sparse_mask(p_start: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -220,7 +220,7 @@ def plot_waste(rows: list[dict], path: Path, failure_kind: str) -> None:
     figure.savefig(path, dpi=120)
 
 
-def register(subparsers, bench_subparsers) -> None:
+def register(subparsers) -> None:
     """Add `plan` and `simulate` to the `zocheck-ray` command line."""
     plan_parser = subparsers.add_parser(
         "plan", help="cost model: pacing and persistence bounds, regime, snapshot interval, expected waste")

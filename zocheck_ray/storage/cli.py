@@ -1,8 +1,7 @@
-"""`zocheck-ray recover`, `zocheck-ray verify` and `zocheck-ray bench storage`.
+"""`zocheck-ray recover` and `zocheck-ray verify`.
 
     zocheck-ray recover --storage s3://bucket/run --to recovered/
     zocheck-ray verify s3://bucket/run --endpoint-url http://127.0.0.1:9000
-    zocheck-ray bench storage --json benchmarks/results/storage.json --size-mb 256
 
 `recover` rebuilds the exact state from the newest valid durable snapshot and the step
 log, prints the step and `state_hash`, and with `--to` writes a directory that
@@ -23,7 +22,7 @@ from zocheck_ray.core import ZOCheckError, state_hash
 RECOVERY_FILE = "recovery.json"
 
 
-def register(sub, bench) -> None:
+def register(sub) -> None:
     p = sub.add_parser("recover", help="rebuild the exact state from durable storage (snapshot + step log)",
                        description="Rebuild the newest exact state from a run's durable storage.")
     p.add_argument("--storage", required=True, metavar="URL",
@@ -44,17 +43,6 @@ def register(sub, bench) -> None:
     v.add_argument("--threads", type=int, metavar="N", help="replay threads (default: all cores)")
     v.add_argument("--json", action="store_true", help="print the audit as JSON")
     v.set_defaults(func=run_verify)
-
-    b = bench.add_parser("storage", help="snapshot save vs plain fsspec write, log append cost (local and S3)")
-    b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    b.add_argument("--size-mb", type=int, default=256, metavar="N", help="state size for local saves (default 256)")
-    b.add_argument("--s3-size-mb", type=int, default=64, metavar="N",
-                   help="state size for S3 saves against a local moto server (default 64)")
-    b.add_argument("--repeats", type=int, default=5, metavar="R", help="measurements per case; medians reported")
-    b.add_argument("--records", type=int, default=200_000, metavar="N", help="log records appended per case")
-    b.add_argument("--no-s3", action="store_true", help="skip the S3 cases")
-    b.add_argument("--dir", metavar="DIR", help="local directory to write in (default: a temporary one)")
-    b.set_defaults(func=run_bench)
 
 
 def _options(args) -> dict | None:
@@ -113,7 +101,7 @@ def write_model_dir(url: str, result, digest: str, source: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from zocheck_ray.storage.fs import open_storage
-    from zocheck_ray.storage.snapshot import HF_CONFIG_FILE, MODEL_INDEX_FILE, file_layout, model_index
+    from zocheck_ray.storage.hf_layout import HF_CONFIG_FILE, MODEL_INDEX_FILE, file_layout, model_index
     from zocheck_ray.storage.tensorfile import write_tensors
 
     storage = open_storage(url, create=True)
@@ -136,19 +124,3 @@ def write_model_dir(url: str, result, digest: str, source: str) -> None:
         "tensors": list(result.state), "problems": result.problems,
     }
     storage.write_atomic(RECOVERY_FILE, json.dumps(summary, indent=2).encode())
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    from zocheck_ray.storage.bench import run
-
-    for flag in ("size_mb", "s3_size_mb", "repeats", "records"):
-        if getattr(args, flag) < 1:
-            print(f"error: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
-    try:
-        run(size_mb=args.size_mb, s3_size_mb=args.s3_size_mb, repeats=args.repeats, records=args.records,
-            s3=not args.no_s3, json_path=args.json, directory=args.dir)
-    except ZOCheckError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0

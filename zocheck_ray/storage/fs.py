@@ -12,7 +12,9 @@ wrong credentials fail before training starts. Credentials come from
 Local and object stores differ in one way that matters for crash consistency:
 locally a file is written in place, fsync'd and renamed, and directories are fsync'd
 so a rename survives power loss; on an object store an object appears whole, by a
-single PUT or a completed multipart upload, or not at all.
+single PUT or a completed multipart upload, or not at all. Both can create an object
+only if it does not exist yet (`create_exclusive`): locally a hard link, which fails on
+an existing name; on S3 a PUT with `If-None-Match: *`.
 
 Local files are written by `localfile.open_local_write` (direct I/O where the file system
 allows it); `open_write` fsyncs them, or leaves that to `make_durable` for many at once.
@@ -76,6 +78,7 @@ class Storage(Protocol):
     def make_durable(self, rels: list[str]) -> None: ...
     def rename(self, rel: str, new_rel: str) -> None: ...
     def write_atomic(self, rel: str, data: bytes) -> None: ...
+    def create_exclusive(self, rel: str, data: bytes) -> bool: ...
     def open_read(self, rel: str) -> ContextManager[BinaryIO]: ...
     def read_bytes(self, rel: str) -> bytes: ...
     def list_dir(self, rel: str) -> list[str]: ...
@@ -207,19 +210,42 @@ class FsspecStorage:
             if not self.local:
                 self.fs.pipe_file(path, bytes(data))  # one PUT
                 return
-            directory, name = os.path.split(path)
-            tmp = os.path.join(directory, f".{name}{TMP_MARK}{uuid.uuid4().hex}")
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+            with _durable_temp_beside(path, data) as tmp:
                 os.replace(tmp, path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                raise
-            _fsync_dir(directory)
+            _fsync_dir(os.path.dirname(path))
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Create `rel` holding `data`, durably, unless it exists; False when it does.
+
+        Of two writers racing to create the same name exactly one gets True, where the store
+        has an atomic create: locally a hard link (`os.link` fails on an existing name), on S3
+        a PUT with `If-None-Match: *` (AWS S3, MinIO and moto honour it). A store that refuses
+        conditional PUTs gets a check and a plain PUT (reported once, in the log): two racing
+        writers may then both get True, and the later PUT wins, so a caller that must know
+        reads the object back.
+        """
+        path = self._path(rel)
+        with self.guard("write", rel):
+            if self.local:
+                try:
+                    with _durable_temp_beside(path, data) as tmp:
+                        os.link(tmp, path)  # atomic: fails when another writer created it first
+                except FileExistsError:
+                    return False
+                _fsync_dir(os.path.dirname(path))
+                return True
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                return False
+            except OSError as exc:
+                if not _conditional_put_refused(exc):
+                    raise
+                _warn_no_conditional_put(self.url, exc)
+                if self.exists(rel):
+                    return False
+                self.fs.pipe_file(path, data)
+        return True
 
     # ------------------------------------------------------------------ reading
 
@@ -326,10 +352,43 @@ class FsspecStorage:
         return len(uploads)
 
 
+_warned_stores: set[str] = set()
+
+
+def _conditional_put_refused(exc: OSError) -> bool:
+    text = str(exc)
+    return any(s in text for s in ("NotImplemented", "not implemented", "If-None-Match", "InvalidArgument"))
+
+
+def _warn_no_conditional_put(url: str, exc: BaseException) -> None:
+    if url not in _warned_stores:
+        _warned_stores.add(url)
+        logger.warning("%s refuses conditional PUTs (If-None-Match): an exclusive create there is a check and a "
+                       "PUT, so two writers racing for its lease are told apart by reading it back, and a tie is "
+                       "found at the next renewal (%s)", url, exc)
+
+
 def file_size(f) -> int:
     """Size of a file opened by `open_read`."""
     size = getattr(f, "size", None)
     return int(size) if size is not None else os.fstat(f.fileno()).st_size
+
+
+@contextmanager
+def _durable_temp_beside(path: str, data: bytes) -> Iterator[str]:
+    """A temporary file beside `path` (its name carries `TMP_MARK`) holding `data`, fsync'd; removed on
+    leaving the block unless the block moved it into place."""
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}{TMP_MARK}{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        yield tmp
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _fsync_dir(path: str) -> None:

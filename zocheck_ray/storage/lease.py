@@ -10,16 +10,16 @@
 
 The lease lives in the run's storage as one small JSON object per generation,
 `lease/gen-000000000007.json` (owner, host, pid, heartbeat time, generation); the highest
-generation is the lease. Taking the lease means creating the next generation's object
-*if it does not exist yet*, so of two writers racing for it exactly one wins where the
-store has an atomic create: locally a hard link (`os.link` fails on an existing name),
-on S3 a PUT with `If-None-Match: *` (AWS S3, MinIO and moto honour it). The holder
-renews by rewriting its own generation's object; a lease whose heartbeat is older than
-`lease_seconds` (by the reader's clock) is stale, and the next writer takes it over with
-generation + 1 and a log line. The holder notices on its next renewal that a newer
-generation exists and raises `LeaseLostError`; it also counts itself lost, without any
-I/O, once `lease_seconds` pass without a successful renewal (`check()`), since by then
-another writer may rightly have taken over.
+generation is the lease. Taking the lease means creating the next generation's object *if
+it does not exist yet* (`Storage.create_exclusive`), so of two writers racing for it
+exactly one wins where the store has an atomic create: locally a hard link (`os.link`
+fails on an existing name), on S3 a PUT with `If-None-Match: *` (AWS S3, MinIO and moto
+honour it). The holder renews by rewriting its own generation's object; a lease whose
+heartbeat is older than `lease_seconds` (by the reader's clock) is stale, and the next
+writer takes it over with generation + 1 and a log line. The holder notices on its next
+renewal that a newer generation exists and raises `LeaseLostError`; it also counts itself
+lost, without any I/O, once `lease_seconds` pass without a successful renewal (`check()`),
+since by then another writer may rightly have taken over.
 
 What it does not promise:
 
@@ -50,7 +50,7 @@ from typing import Callable
 
 from zocheck_ray.core import ZOCheckError
 from zocheck_ray.storage.errors import StorageError
-from zocheck_ray.storage.fs import TMP_MARK, FsspecStorage, Storage, _fsync_dir, open_storage
+from zocheck_ray.storage.fs import Storage, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +280,8 @@ class Lease:
         # the holder longer than a reader, who measures from that heartbeat, would.
         written_mono = time.monotonic()
         info = self._new_info(generation)
-        if not self._create(generation_name(generation), info.encode()):
+        self.storage.make_dirs(LEASE_DIR)
+        if not self.storage.create_exclusive(generation_name(generation), info.encode()):
             raise self._held_error(read_lease(self.storage), lost_race=True)
         # Read back: a store without an atomic create, or a slow writer of an older generation.
         now_current = read_lease(self.storage)
@@ -396,44 +397,6 @@ class Lease:
         return LeaseInfo(owner=self.owner, token=self.token, host=socket.gethostname(), pid=os.getpid(),
                          generation=generation, heartbeat_unix=time.time(), lease_seconds=self.lease_seconds)
 
-    def _create(self, rel: str, data: bytes) -> bool:
-        """Create `rel` holding `data` unless it exists; False when it does."""
-        storage = self.storage
-        storage.make_dirs(LEASE_DIR)
-        if storage.local:
-            path = storage.local_path(rel)
-            directory, name = os.path.split(path)
-            tmp = os.path.join(directory, f".{name}{TMP_MARK}{uuid.uuid4().hex}")
-            with storage.guard("write", rel):
-                try:
-                    with open(tmp, "wb") as f:
-                        f.write(data)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.link(tmp, path)  # atomic: fails when another writer created it first
-                except FileExistsError:
-                    return False
-                finally:
-                    if os.path.exists(tmp):
-                        os.remove(tmp)
-                _fsync_dir(directory)
-            return True
-        if not isinstance(storage, FsspecStorage):  # pragma: no cover - every Storage is one today
-            raise StorageError(f"{storage.url}: cannot create a lease object on this store")
-        with storage.guard("write", rel):
-            try:
-                storage.fs.pipe_file(storage._path(rel), data, mode="create")
-            except FileExistsError:
-                return False
-            except OSError as exc:
-                if not _conditional_put_refused(exc):
-                    raise
-                _warn_no_conditional_put(storage.url, exc)
-                if storage.exists(rel):
-                    return False
-                storage.fs.pipe_file(storage._path(rel), data)  # read back by the caller
-        return True
-
     def _remove_older(self, generation: int) -> None:
         for old in _generations(self.storage):
             if old < generation:
@@ -441,21 +404,6 @@ class Lease:
                     self.storage.remove(generation_name(old))
                 except StorageError as exc:  # housekeeping: the next holder removes it
                     logger.warning("could not remove an old lease generation of %s: %s", self.url, exc)
-
-
-_warned_stores: set[str] = set()
-
-
-def _conditional_put_refused(exc: OSError) -> bool:
-    text = str(exc)
-    return any(s in text for s in ("NotImplemented", "not implemented", "If-None-Match", "InvalidArgument"))
-
-
-def _warn_no_conditional_put(url: str, exc: BaseException) -> None:
-    if url not in _warned_stores:
-        _warned_stores.add(url)
-        logger.warning("%s refuses conditional PUTs (If-None-Match): two writers racing for its lease are told "
-                       "apart by reading it back, and a tie is found at the next renewal (%s)", url, exc)
 
 
 def check_lease_for(lease: Lease | None, storage: Storage) -> None:

@@ -9,8 +9,8 @@ A snapshot is a directory `snapshots/step-000000001234/` holding
 (tensors named `optimizer.*`, when there are any), `config.json` (a Hugging Face model
 config, when given; then `from_pretrained` loads the directory) and `manifest.json`.
 A part larger than `core.hashing.SHARD_BYTES` is sharded the Hugging Face way
-(`model-00001-of-00003.safetensors`..., with `model.safetensors.index.json`), so its
-files are written and hashed side by side.
+(`model-00001-of-00003.safetensors`..., with `model.safetensors.index.json`; see
+`hf_layout.py`), so its files are written and hashed side by side.
 The manifest lists every tensor in canonical order and the SHA-256 of every file, and
 is written last: it is the commit marker. A directory without one was never committed
 and is never loaded; a manifest carries its own checksum, so a damaged one is never
@@ -37,9 +37,10 @@ from typing import Any, Mapping
 import torch
 
 from zocheck_ray.core import state_hash as compute_state_hash
-from zocheck_ray.core.hashing import OPTIMIZER_PREFIX, combine_file_digests, dtype_name, shards, split_state
+from zocheck_ray.core.hashing import OPTIMIZER_PREFIX, combine_file_digests, dtype_name
 from zocheck_ray.storage.errors import CorruptSnapshotError, SnapshotNotFoundError, StorageError
 from zocheck_ray.storage.fs import PROBE_PREFIX, TMP_MARK, Storage, file_size, open_storage
+from zocheck_ray.storage.hf_layout import HF_CONFIG_FILE, MODEL_INDEX_FILE, file_layout, model_index
 from zocheck_ray.storage.lease import Lease, check_lease_for, require_lease
 from zocheck_ray.storage.manifest import FileEntry, Manifest, SnapshotMeta, TensorEntry
 from zocheck_ray.storage.tensorfile import CHUNK_BYTES, DTYPE_BY_NAME, read_tensors, write_tensors
@@ -47,11 +48,6 @@ from zocheck_ray.storage.tensorfile import CHUNK_BYTES, DTYPE_BY_NAME, read_tens
 logger = logging.getLogger(__name__)
 
 SNAPSHOTS_DIR = "snapshots"
-MODEL_FILE = "model.safetensors"
-"""The model's file when it fits one shard; else `model-00001-of-0000N.safetensors`... and `MODEL_INDEX_FILE`."""
-OPTIMIZER_FILE = "optimizer.safetensors"
-MODEL_INDEX_FILE = "model.safetensors.index.json"
-HF_CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 DELETED_DIR = ".deleted-snapshots"
 """Local disk: uncommitted snapshot directories waiting for their files to be deleted."""
@@ -238,11 +234,36 @@ class SnapshotStore:
         self.storage.make_dirs(directory)
         self.storage.sync_dir(SNAPSHOTS_DIR)
 
+        files, file_of = self._write_files(directory, tensors, meta)
+        tensor_entries = [TensorEntry(name=n, file=file_of[n], dtype=d, shape=sh, nbytes=b) for n, d, sh, b in entries]
+        digest_of_state = _state_hash_of_files(tensor_entries, files)
+        if state_hash is not None and state_hash != digest_of_state:
+            self.storage.remove_tree(directory)
+            raise ValueError(f"state_hash {state_hash[:12]}... was given for step {step}, but the tensors hash to "
+                             f"{digest_of_state[:12]}...; not committing {self.storage.url_of(directory)}")
+        self.storage.sync_dir(directory)
+        if not self.storage.local:
+            self._check_objects(directory, files)
+
+        check_lease_for(self.lease, self.storage)  # a writer that lost the lease commits nothing
+        manifest = Manifest(step=step, run_id=meta.run_id, created_unix=time.time(), state_hash=digest_of_state,
+                            tensors=tensor_entries,
+                            files=files, zo_config=meta.zo_config, user=meta.user)
+        self.storage.write_atomic(f"{directory}/{MANIFEST_FILE}", manifest.encode())  # the commit
+        info = SnapshotInfo(step, self.storage.url_of(directory), manifest)
+        self.prune()
+        return info
+
+    def _write_files(self, directory: str, tensors: Mapping[str, torch.Tensor], meta: SnapshotMeta
+                     ) -> tuple[dict[str, FileEntry], dict[str, str]]:
+        """Write the snapshot's files into `directory`, durably; returns each file's entry (SHA-256, size)
+        and each tensor's file.
+
+        Each shard is hashed from tensor memory beside the writes (hashlib releases the GIL),
+        several at once; the state hash follows from their digests, so the state is hashed once."""
         layout = file_layout(tensors)
         files: dict[str, FileEntry] = {}
         pool = self._hash_pool()
-        # Each shard is hashed from tensor memory beside the writes (hashlib releases the GIL),
-        # several at once; the state hash follows from their digests, so the state is hashed once.
         pending: dict[str, Future] = {}
         try:
             for name, shard in layout.items():  # fsync'd together below, not one after another
@@ -263,25 +284,7 @@ class SnapshotStore:
         finally:  # nothing reads the caller's tensors once save has returned or raised
             wait(list(pending.values()))
         self.storage.make_durable([f"{directory}/{name}" for name in files])
-        file_of = {t: name for name, shard in layout.items() for t in shard}
-        tensor_entries = [TensorEntry(name=n, file=file_of[n], dtype=d, shape=sh, nbytes=b) for n, d, sh, b in entries]
-        digest_of_state = _state_hash_of_files(tensor_entries, files)
-        if state_hash is not None and state_hash != digest_of_state:
-            self.storage.remove_tree(directory)
-            raise ValueError(f"state_hash {state_hash[:12]}... was given for step {step}, but the tensors hash to "
-                             f"{digest_of_state[:12]}...; not committing {self.storage.url_of(directory)}")
-        self.storage.sync_dir(directory)
-        if not self.storage.local:
-            self._check_objects(directory, files)
-
-        check_lease_for(self.lease, self.storage)  # a writer that lost the lease commits nothing
-        manifest = Manifest(step=step, run_id=meta.run_id, created_unix=time.time(), state_hash=digest_of_state,
-                            tensors=tensor_entries,
-                            files=files, zo_config=meta.zo_config, user=meta.user)
-        self.storage.write_atomic(f"{directory}/{MANIFEST_FILE}", manifest.encode())  # the commit
-        info = SnapshotInfo(step, self.storage.url_of(directory), manifest)
-        self.prune()
-        return info
+        return files, {t: name for name, shard in layout.items() for t in shard}
 
     def _check_objects(self, directory: str, files: dict[str, FileEntry]) -> None:
         # Every object must be complete and whole before the manifest may name it.
@@ -454,32 +457,6 @@ class SnapshotStore:
             self.storage.sync_dir(SNAPSHOTS_DIR)
             logger.info("removed uncommitted leftovers under %s: %s", self.url, removed)
         return removed
-
-
-def shard_file_names(kind: str, count: int) -> list[str]:
-    """Hugging Face names of a part's shard files: `model.safetensors`, or `model-00001-of-00003.safetensors`..."""
-    if count == 1:
-        return [f"{kind}.safetensors"]
-    return [f"{kind}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-
-
-def file_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """File name -> the tensors it holds, model shards first: the canonical encoding of `core.hashing`."""
-    layout: dict[str, dict[str, torch.Tensor]] = {}
-    for kind, part in zip(("model", "optimizer"), split_state(tensors)):
-        parts = shards(part)
-        layout.update(zip(shard_file_names(kind, len(parts)), parts))
-    return layout
-
-
-def model_index(layout: Mapping[str, Mapping[str, torch.Tensor]]) -> bytes | None:
-    """`model.safetensors.index.json`, with which `from_pretrained` loads sharded weights (None: not sharded)."""
-    model = {name: shard for name, shard in layout.items() if name.startswith("model")}
-    if len(model) < 2:
-        return None
-    weight_map = {t: name for name, shard in model.items() for t in shard}
-    total = sum(t.numel() * t.element_size() for shard in model.values() for t in shard.values())
-    return json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode()
 
 
 def _state_hash_of_files(tensors: list[TensorEntry], files: Mapping[str, FileEntry]) -> str:

@@ -5,12 +5,11 @@
     log.flush()                 # durable: fsync locally; on S3, seals and uploads the segment
     records = read_log("s3://bucket/run", after_step=snapshot.step - 1)
 
-The log is a sequence of segments under `<url>/log/`, each the 8-byte magic
-`ZOLOG\\0\\0\\1` followed by `StepRecord` encodings (each with its CRC). A segment is
-named by its first step, `seg-000000000123.zlog` once sealed; locally the segment being
-appended is `seg-000000000123.open`, fsync'd on `flush` and renamed when sealed (by
-record count or age). Object stores have no append, so there the open segment stays in
-memory and a sealed one is uploaded as one immutable object.
+The log is a sequence of segments under `<url>/log/` (`segments.py`: their format, and
+the two ways one is written), each named by its first step, `seg-000000000123.zlog` once
+sealed (by record count or age). Locally the segment being appended is
+`seg-000000000123.open`, fsync'd on `flush`; object stores have no append, so there the
+open segment stays in memory and a sealed one is uploaded as one immutable object.
 
 Reading tolerates a torn tail only where one can happen, at the end of a local open
 segment; anything else that does not parse is corruption and is reported with the
@@ -20,101 +19,19 @@ segment's URL (`CorruptLogError`, carrying the records read before it).
 from __future__ import annotations
 
 import logging
-import os
-import re
 import time
-from dataclasses import dataclass
 
-from zocheck_ray.core import IncompleteRecordError, RecordSequenceError, StepRecord
-from zocheck_ray.core.errors import CorruptRecordError
-from zocheck_ray.core.record import MAGIC as RECORD_MAGIC
+from zocheck_ray.core import RecordSequenceError, StepRecord
 from zocheck_ray.storage.errors import CorruptLogError, ObjectNotFoundError, StorageError
 from zocheck_ray.storage.fs import Storage, open_storage
 from zocheck_ray.storage.lease import Lease, check_lease_for, require_lease
+from zocheck_ray.storage.segments import (  # noqa: F401  (first_logged_step: for the audit, beside read_records)
+    LOG_DIR, SEGMENT_MAGIC, first_logged_step, list_segments, parse_segment, segment_writer,
+)
 
 logger = logging.getLogger(__name__)
 
-LOG_DIR = "log"
-SEGMENT_MAGIC = b"ZOLOG\x00\x00\x01"
-SEALED_SUFFIX = ".zlog"
-OPEN_SUFFIX = ".open"
-_RECORD_MAGIC = RECORD_MAGIC.to_bytes(2, "little")
 AUTO_SEAL_RETRY_SECONDS = 5.0
-_SEGMENT = re.compile(r"^seg-(\d{12,})(\.zlog|\.open)$")
-
-
-def segment_name(first_step: int, sealed: bool = True) -> str:
-    return f"{LOG_DIR}/seg-{first_step:012d}{SEALED_SUFFIX if sealed else OPEN_SUFFIX}"
-
-
-@dataclass(frozen=True)
-class Segment:
-    first_step: int
-    rel: str
-    sealed: bool
-
-
-def list_segments(storage: Storage) -> list[Segment]:
-    """The log's segments in step order."""
-    out = []
-    for name in storage.list_dir(LOG_DIR):
-        match = _SEGMENT.match(name)
-        if match:
-            out.append(Segment(int(match.group(1)), f"{LOG_DIR}/{name}", match.group(2) == SEALED_SUFFIX))
-    return sorted(out, key=lambda s: (s.first_step, not s.sealed))
-
-
-def first_logged_step(storage: Storage) -> int | None:
-    """The first step of the oldest segment (retention collects the log below the oldest snapshot), or None."""
-    segments = list_segments(storage)
-    return segments[0].first_step if segments else None
-
-
-def parse_segment(data: bytes, segment: Segment, url: str, torn_tail_ok: bool) -> tuple[list[StepRecord], int]:
-    """The records of one segment and the byte length of its valid part.
-
-    With `torn_tail_ok`, a last record cut short (or a zero-filled tail) ends the
-    segment silently; otherwise it, like any damage, raises `CorruptLogError`.
-    """
-    records: list[StepRecord] = []
-    if data[: len(SEGMENT_MAGIC)] != SEGMENT_MAGIC[: len(data)] or (len(data) < len(SEGMENT_MAGIC) and not torn_tail_ok):
-        raise CorruptLogError(f"{url} is not a step-log segment (bad magic)", url)
-    if len(data) < len(SEGMENT_MAGIC):
-        return records, 0
-    offset = len(SEGMENT_MAGIC)
-    while offset < len(data):
-        try:
-            record, end = StepRecord.read_from(data, offset)
-        except IncompleteRecordError as exc:
-            if torn_tail_ok:
-                break
-            raise CorruptLogError(f"{url} ends inside a record at byte {offset} but is sealed: {exc}", url, records) from exc
-        except CorruptRecordError as exc:
-            if torn_tail_ok and not _intact_record_after(data, offset + 1):
-                # Damage with nothing intact after it, at the end of the segment being written:
-                # a write cut short (a power loss can leave garbage or zeros), not a lost record.
-                logger.warning("ignoring the damaged tail of %s from byte %d: %s", url, offset, exc)
-                break
-            raise CorruptLogError(f"{url}: corrupt record at byte {offset}: {exc}", url, records) from exc
-        expected = segment.first_step + len(records)
-        if record.step != expected:
-            raise CorruptLogError(f"{url}: record at byte {offset} is step {record.step}, step {expected} belongs "
-                                  "there", url, records)
-        records.append(record)
-        offset = end
-    return records, offset
-
-
-def _intact_record_after(data: bytes, start: int) -> bool:
-    """Whether a record with a valid CRC starts anywhere at or after `start`."""
-    position = data.find(_RECORD_MAGIC, start)
-    while position != -1:
-        try:
-            StepRecord.read_from(data, position)
-            return True
-        except CorruptRecordError:
-            position = data.find(_RECORD_MAGIC, position + 1)
-    return False
 
 
 def read_log(url: str, after_step: int, storage_options: dict | None = None) -> list[StepRecord]:
@@ -221,12 +138,11 @@ class StepLog:
         self.lease = lease
         self.storage.make_dirs(LOG_DIR)
         self.storage.sync_dir("")
-        self._buffer = bytearray()         # appended, not yet written (local) or uploaded (object store)
+        self._writer = segment_writer(self.storage, self.fsync)
+        self._buffer = bytearray()         # appended, not yet handed to the writer
         self._segment_first: int | None = None
         self._segment_records = 0
         self._segment_started = 0.0
-        self._file = None                  # local: the open segment, once flushed to
-        self._file_good_bytes = 0          # local: bytes of the open segment known to hold whole records
         self._next_auto_seal = 0.0         # after a failed automatic seal, when to try again
         self._repair()
         last = self._truncate_from(resume_step) if resume_step is not None else self._last_durable_step()
@@ -284,73 +200,28 @@ class StepLog:
         says what is durable. `seal()` forces the upload.
         """
         check_lease_for(self.lease, self.storage)
-        if not self.storage.local:
-            if self._segment_first is not None and (
-                    self._segment_records >= self.seal_records
-                    or time.monotonic() - self._segment_started >= self.seal_seconds):
-                self.seal()
+        if self._writer.appends and self._buffer:
+            self._append()
+        if self._segment_first is None:
             return
-        if self._buffer:
-            self._write_local()
-        if self._segment_first is not None and time.monotonic() - self._segment_started >= self.seal_seconds:
+        aged = time.monotonic() - self._segment_started >= self.seal_seconds
+        # Where records are durable only once sealed, a full segment is sealed as well.
+        if aged or (not self._writer.appends and self._segment_records >= self.seal_records):
             self.seal()
 
-    def _write_local(self) -> None:
-        rel = segment_name(self._segment_first, sealed=False)
-        with self.storage.guard("append to", rel):
-            if self._file is None and self._file_good_bytes:
-                # Reopened after a failed write: continue after the last whole record.
-                self._file = open(self.storage.local_path(rel), "r+b")
-                self._file.truncate(self._file_good_bytes)
-                self._file.seek(self._file_good_bytes)
-            elif self._file is None:
-                self._file = open(self.storage.local_path(rel), "wb")
-                self._file.write(SEGMENT_MAGIC)
-                self._file_good_bytes = len(SEGMENT_MAGIC)
-                self.storage.sync_dir(LOG_DIR)
-            try:
-                self._file.write(self._buffer)
-                self._file.flush()
-                if self.fsync:
-                    os.fsync(self._file.fileno())
-            except BaseException:
-                self._rewind()  # so the retry does not leave a torn record in the middle
-                raise
-        self._file_good_bytes += len(self._buffer)
+    def _append(self) -> None:
+        self._writer.append(self._segment_first, self._buffer)
         self._buffer.clear()
         self.durable_step = self._next_step - 1
-
-    def _rewind(self) -> None:
-        try:
-            self._file.seek(self._file_good_bytes)
-            self._file.truncate(self._file_good_bytes)
-        except (OSError, ValueError):
-            try:
-                self._file.close()
-            except (OSError, ValueError):
-                pass
-            self._file = None  # the next write reopens the segment and cuts it to its whole records
 
     def seal(self) -> None:
         """Close the current segment for good: rename it locally, upload it as one object elsewhere."""
         if self._segment_first is None:
             return
         check_lease_for(self.lease, self.storage)
-        first = self._segment_first
-        if self.storage.local:
-            if self._buffer or self._file is None:
-                self._write_local()
-            self._file.close()
-            self._file = None
-            self._file_good_bytes = 0
-            with self.storage.guard("seal", segment_name(first)):
-                os.replace(self.storage.local_path(segment_name(first, sealed=False)),
-                           self.storage.local_path(segment_name(first)))
-            self.storage.sync_dir(LOG_DIR)
-        else:
-            self.storage.write_atomic(segment_name(first), SEGMENT_MAGIC + bytes(self._buffer))
-            self._buffer.clear()
-            self.durable_step = self._next_step - 1
+        self._writer.seal(self._segment_first, self._buffer)
+        self._buffer.clear()
+        self.durable_step = self._next_step - 1
         self._segment_first = None
         self._segment_records = 0
 
@@ -388,16 +259,9 @@ class StepLog:
             require_lease(self.lease, self.storage,
                           f"repair {url} (an open segment: a crashed writer's, or a live writer's)")
             records, valid = parse_segment(self.storage.read_bytes(seg.rel), seg, url, torn_tail_ok=True)
-            path = self.storage.local_path(seg.rel)
-            if not records:
-                os.remove(path)
-            else:
-                with open(path, "r+b") as f:
-                    f.truncate(valid)
-                    os.fsync(f.fileno())
-                os.replace(path, self.storage.local_path(segment_name(seg.first_step)))
+            self._writer.repair(seg, valid, len(records))
+            if records:
                 logger.info("sealed %s left open by an earlier writer (%d records)", url, len(records))
-            self.storage.sync_dir(LOG_DIR)
 
     def _last_durable_step(self) -> int | None:
         for seg in reversed(list_segments(self.storage)):

@@ -1,0 +1,435 @@
+"""`python -m benchmarks scale`: memory, copy bandwidth and recovery against model size.
+
+    python -m benchmarks scale --json benchmarks/results/scale.json --plot benchmarks/results/scale.png
+    python -m benchmarks scale --sizes 14M 125M --dtypes fp32 --json /tmp/scale-small.json
+
+Per model size (an OPT built from its config and saved with `save_pretrained` into a
+temporary directory: nothing is downloaded) and dtype, side by side in one run:
+
+- `state_bytes`, and the machine's plain copy bandwidth for that many bytes: into memory
+  already touched (`copy_gbps`, what a snapshot into a reused image and a restore into a
+  standby's skeleton do) and into fresh memory (`fresh_copy_gbps`, what a restore into a
+  newly built skeleton does);
+- a run with the warm standby and one software failure: the shadow's peak by its own
+  accounting (`peak_held_bytes`) and from /proc (VmHWM), its steady resident memory (the
+  median of /proc samples over the run's second half), the trainer's peak (every trainer
+  process, the standby's included), each as a multiple of the state over the process's fixed
+  baseline (an idle process that imported the same modules); the snapshot's and the
+  restore's GB/s; the recovery (failure seen -> every rank restored, ready for its next
+  step) and its phases;
+- the same run without the standby (Ray restarts the trainer's process);
+- the async-checkpoint baseline on the same job: a trainer that checkpoints every
+  `--every` steps to local disk, killed at the same step; Ray restarts it, it loads its
+  checkpoint and recomputes the steps since;
+- every run's final state: equal across the three (the same job), and the shadow's equal
+  to the trainer's.
+
+Then projections for the paper's jobs (Qwen3-8B in bf16, OPT-13B in fp16): the shadow's
+host memory (two copies of the state plus its baseline), the trainer's on a GPU node (its
+pinned staging buffers), and the recovery time at the measured restore bandwidth plus the
+fixed part measured here. A table, JSON, and a plot where matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+
+from pathlib import Path
+
+from benchmarks.common import machine, print_table, write_json
+
+SIZES = {  # OPT shapes: (hidden, layers); vocabulary 50272, as OPT's tokenizer
+    "14M": (256, 2), "125M": (768, 12), "270M": (1024, 17), "540M": (1280, 24), "1B": (2048, 18),
+}
+DEFAULT_SIZES = ["14M", "125M", "270M", "540M", "1B"]
+VOCAB = 50272
+STEPS, FAIL_AT, SNAPSHOT_INTERVAL, LOG_INTERVAL = 12, 9, 2, 3
+TASK = {"batch_size": 1, "max_length": 16, "eval_interval": 10**9, "eval_size": 1, "eval_batch_size": 1}
+PAPER_JOBS = {"Qwen3-8B (bf16)": (8_190_735_360, 2), "OPT-13B (fp16)": (12_853_473_280, 2)}
+"""The paper's jobs: (parameters, bytes per parameter)."""
+STAGING_BYTES = 2 * (64 << 20)
+"""A CUDA trainer's host memory for a restore: two pinned windows (`actors.image._CudaStaging`)."""
+
+
+# ---------------------------------------------------------------------------------------- pieces
+
+
+def build_directory(size: str, root: str) -> tuple[str, int]:
+    """An OPT of `size` saved with `save_pretrained` under `root`; (its directory, its parameters)."""
+    import torch
+    import transformers
+
+    hidden, layers = SIZES[size]
+    config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                                    ffn_dim=4 * hidden, num_attention_heads=max(1, hidden // 64),
+                                    max_position_embeddings=128, word_embed_proj_dim=hidden)
+    config.architectures = ["OPTForCausalLM"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.OPTForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    directory = os.path.join(root, f"opt-{size}")
+    model.save_pretrained(directory)
+    del model
+    gc.collect()
+    return directory, params
+
+
+def copy_bandwidth(nbytes: int, repeats: int = 3) -> tuple[float, float]:
+    """(GB/s into touched memory, GB/s into fresh memory) for a plain `copy_` of `nbytes` in this process."""
+    import torch
+
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    touched = torch.empty(nbytes, dtype=torch.uint8)
+    touched.copy_(source)
+    best = min(_seconds(lambda: touched.copy_(source)) for _ in range(repeats))
+    touched = None  # freed before the fresh copies allocate theirs
+    fresh = min(_seconds(lambda: torch.empty(nbytes, dtype=torch.uint8).copy_(source)) for _ in range(repeats))
+    return nbytes / best / 1e9, nbytes / fresh / 1e9
+
+
+def _seconds(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def read_status(pid: int) -> dict[str, int]:
+    """A process's memory from /proc (bytes): VmHWM (peak resident), VmRSS, RssAnon, RssShmem."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "VmRSS", "RssAnon", "RssShmem"):
+                    out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+class MemorySampler:
+    """Samples the /proc memory of registered processes (by role) every `period` seconds until stopped."""
+
+    def __init__(self, period: float = 0.05):
+        self.period, self.pids = period, {}
+        self.samples: list[tuple[float, str, int, dict]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="memory-sampler", daemon=True)
+
+    def watch(self, role: str, pid: int) -> None:
+        self.pids[pid] = role
+
+    def start(self) -> "MemorySampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            now = time.perf_counter()
+            for pid, role in list(self.pids.items()):
+                status = read_status(pid)
+                if status:
+                    self.samples.append((now, role, pid, status))
+
+    def peak(self, role: str) -> int:
+        return max((s["VmHWM"] for _, r, _, s in self.samples if r == role and "VmHWM" in s), default=0)
+
+    def steady(self, role: str) -> int:
+        """Median resident memory over the second half of the role's samples."""
+        values = [s.get("VmRSS", 0) for _, r, _, s in self.samples if r == role]
+        return int(statistics.median(values[len(values) // 2:])) if values else 0
+
+
+def _footprints() -> dict[str, int]:
+    """The fixed baseline of each role's process: what an idle process that imported the same modules holds."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def shadow_like() -> int:
+        import torch
+
+        from zocheck_ray.actors.shadow import Shadow  # noqa: F401  (the shadow's modules)
+        from zocheck_ray.core.fused import warm_up
+        from zocheck_ray.core import ZOConfig
+
+        warm_up(torch.float32, ZOConfig())
+        return read_status(os.getpid()).get("VmHWM", 0)
+
+    @ray.remote(num_cpus=0)
+    def trainer_like() -> int:
+        import torch
+
+        from zocheck_ray.actors.trainer import Trainer  # noqa: F401  (the trainer's modules)
+        from zocheck_ray.core import ZOConfig
+        from zocheck_ray.core.fused import warm_up
+        from zocheck_ray.workload.models import build_model
+
+        warm_up(torch.float32, ZOConfig())
+        build_model("tiny-opt")  # transformers' model classes loaded
+        return read_status(os.getpid()).get("VmHWM", 0)
+
+    shadow, trainer = ray.get([shadow_like.remote(), trainer_like.remote()])
+    return {"shadow": shadow, "trainer": trainer}
+
+
+# ---------------------------------------------------------------------------------------- runs
+
+
+def _zocheck_run(model: str, dtype: str, storage: str, standby: bool) -> dict:
+    import ray
+
+    from zocheck_ray.actors.ray_actors import actor_state
+    from zocheck_ray.config import JobConfig
+    from zocheck_ray.control import RunCallback
+    from zocheck_ray.testing import run_with_faults
+
+    job = JobConfig(model=model, dtype=dtype, steps=STEPS, storage=storage, snapshot_interval=SNAPSHOT_INTERVAL,
+                    durable_interval=3 * SNAPSHOT_INTERVAL, log_interval=LOG_INTERVAL, standby=standby,
+                    run_id=f"scale-{uuid.uuid4().hex[:8]}", task=TASK)
+    sampler = MemorySampler().start()
+    metrics: list = []
+
+    class Watch(RunCallback):
+        def _pids(self, run) -> None:
+            sampler.watch("shadow", ray.get(run.shadow.pid.remote()))
+            for actor in run.group.all_actors():
+                if actor_state(actor) == "ALIVE":
+                    sampler.watch("trainer", ray.get(actor.pid.remote()))
+
+        def on_start(self, run, started):
+            self._pids(run)
+
+        def on_segment(self, run, segment):
+            metrics.append(segment.metrics)
+            if standby:  # the failure is to meet a standby that is up (its start is not what is measured)
+                while run.group.standby is None or actor_state(run.group.standby) != "ALIVE":
+                    time.sleep(0.05)
+            self._pids(run)
+
+        def on_recovery(self, run, recovery):
+            self._pids(run)
+
+    try:
+        summary = run_with_faults(job, fail_at=[FAIL_AT], progress=None, callbacks=[Watch()])
+    finally:
+        sampler.stop()
+    (recovery,) = summary.recoveries
+    state = summary.metrics.state_bytes
+    return {"summary": summary, "recovery": recovery, "sampler": sampler,
+            "accounted_peak": max([m.peak_held_bytes for m in metrics] + [summary.metrics.peak_held_bytes]),
+            "snapshot_gbps": state / summary.metrics.snapshot_seconds / 1e9 if summary.metrics.snapshot_seconds
+            else None,
+            "restore_gbps": state / recovery.phases["install"] / 1e9 if recovery.phases.get("install") else None}
+
+
+def _baseline_run(model: str, dtype: str, storage: str, every: int) -> dict:
+    """The async-checkpoint baseline: checkpoints every `every` steps to local disk, no log; after the failure Ray
+    restarts the process, which loads its newest checkpoint and recomputes the steps since."""
+    import ray
+
+    from benchmarks.baselines import StrategyActor
+    from benchmarks.failures import fail_and_recover
+    from zocheck_ray.config import JobConfig
+
+    job = JobConfig(model=model, dtype=dtype, steps=STEPS, storage=storage, run_id=f"scale-async-{uuid.uuid4().hex[:8]}",
+                    task=TASK)
+    url = os.path.join(storage, job.run_id)
+    no_log = os.path.join(storage, job.run_id + "-no-log")  # nothing is logged: the lost steps are recomputed
+    os.makedirs(no_log)
+    actor = StrategyActor.options(num_cpus=1, max_restarts=2).remote(job.model_dump(mode="json"), url,
+                                                                     f"async:{every}", no_log, False)
+    try:
+        ray.get(actor.recovery.remote())
+        recovered = fail_and_recover(actor, FAIL_AT, "software")
+        ray.get(actor.run.remote(STEPS))
+        ray.get(actor.close.remote())
+        _, final_hash = ray.get(actor.state_hash.remote())
+    finally:
+        ray.kill(actor, no_restart=True)
+    return {"seconds": recovered["seconds"], "constructor_seconds": recovered["constructor_seconds"],
+            "restore_seconds": recovered["restore_seconds"], "recompute_seconds": recovered["catch_up_seconds"],
+            "checkpoint_step": recovered["checkpoint_step"], "final_state_hash": final_hash}
+
+
+def measure(size: str, dtype: str, root: str, every: int, footprints: dict[str, int], say=print) -> dict:
+    directory, params = build_directory(size, root)
+    storage = os.path.join(root, f"runs-{size}-{dtype}")
+    try:
+        say(f"  {size} {dtype}: {params:,} parameters: plain copies ...")
+        itemsize = 4 if dtype == "fp32" else 2
+        copy_gbps, fresh_gbps = copy_bandwidth(params * itemsize)
+        say(f"  {size} {dtype}: zocheck with the standby ...")
+        hot = _zocheck_run(directory, dtype, storage, standby=True)
+        say(f"  {size} {dtype}: zocheck without the standby ...")
+        cold = _zocheck_run(directory, dtype, storage, standby=False)
+        say(f"  {size} {dtype}: the async-checkpoint baseline ...")
+        base = _baseline_run(directory, dtype, storage, every)
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+        shutil.rmtree(directory, ignore_errors=True)
+    return _row(size, dtype, params, copy_gbps, fresh_gbps, hot, cold, base, footprints)
+
+
+def _row(size, dtype, params, copy_gbps, fresh_gbps, hot, cold, base, footprints) -> dict:
+    summary, sampler = hot["summary"], hot["sampler"]
+    state = summary.metrics.state_bytes
+    hashes = {summary.final_state_hash, summary.shadow_state_hash, cold["summary"].final_state_hash,
+              cold["summary"].shadow_state_hash, base["final_state_hash"]}
+    over = lambda role, value: (value - footprints[role]) / state  # noqa: E731  (a multiple of the state)
+    return {
+        "size": size, "dtype": dtype, "params": params, "state_bytes": state, "state_gb": state / 1e9,
+        "copy_gbps": copy_gbps, "fresh_copy_gbps": fresh_gbps,
+        "shadow_accounted_peak_x": hot["accounted_peak"] / state,
+        "shadow_peak_x": over("shadow", sampler.peak("shadow")),
+        "shadow_steady_x": over("shadow", sampler.steady("shadow")),
+        "trainer_peak_x": over("trainer", sampler.peak("trainer")),
+        "shadow_peak_bytes": sampler.peak("shadow"), "trainer_peak_bytes": sampler.peak("trainer"),
+        "snapshot_gbps": hot["snapshot_gbps"], "restore_gbps": hot["restore_gbps"],
+        "snapshot_fraction": hot["snapshot_gbps"] / copy_gbps if hot["snapshot_gbps"] else None,
+        "restore_fraction": hot["restore_gbps"] / copy_gbps if hot["restore_gbps"] else None,
+        "restore_cold_gbps": cold["restore_gbps"],
+        "restore_cold_fraction": cold["restore_gbps"] / fresh_gbps if cold["restore_gbps"] else None,
+        "recovery_standby_seconds": hot["recovery"].seconds, "recovery_standby_phases": hot["recovery"].phases,
+        "recovery_standby_replaced_by": hot["recovery"].replaced_by,
+        "recovery_restart_seconds": cold["recovery"].seconds, "recovery_restart_phases": cold["recovery"].phases,
+        "baseline_seconds": base["seconds"], "baseline": base,
+        "speedup_standby": base["seconds"] / hot["recovery"].seconds,
+        "speedup_restart": base["seconds"] / cold["recovery"].seconds,
+        "exact": len(hashes) == 1,
+    }
+
+
+def projections(rows: list[dict], footprints: dict[str, int]) -> list[dict]:
+    """The paper's jobs at this machine's measured restore bandwidth and fixed recovery costs."""
+    largest = max(rows, key=lambda r: r["state_bytes"])
+    fixed = largest["recovery_standby_seconds"] - largest["state_bytes"] / (largest["restore_gbps"] * 1e9)
+    out = []
+    for name, (params, itemsize) in PAPER_JOBS.items():
+        state = params * itemsize
+        out.append({"job": name, "params": params, "state_bytes": state,
+                    "shadow_host_bytes": 2 * state + footprints["shadow"],
+                    "trainer_host_bytes_on_gpu": STAGING_BYTES + footprints["trainer"],
+                    "recovery_seconds": max(fixed, 0.0) + state / (largest["restore_gbps"] * 1e9),
+                    "basis": f"{largest['size']} {largest['dtype']}: restore {largest['restore_gbps']:.2f} GB/s, "
+                             f"fixed {max(fixed, 0.0):.2f} s"})
+    return out
+
+
+# ---------------------------------------------------------------------------------------- the benchmark
+
+
+def scale_benchmark(sizes: list[str] | None = None, dtypes: tuple[str, ...] = ("fp32", "bf16"), every: int = 4,
+                    json_path: str | None = None, plot_path: str | None = None, say=print) -> dict:
+    import ray
+
+    from zocheck_ray.control.placement import connect_ray
+
+    sizes = sizes or DEFAULT_SIZES
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        raise ValueError(f"unknown sizes {unknown}; known: {list(SIZES)}")
+    if not ray.is_initialized():
+        connect_ray("local")
+    root = tempfile.mkdtemp(prefix="zocheck-bench-scale-")
+    try:
+        footprints = _footprints()
+        say(f"process baselines: shadow {footprints['shadow'] / 1e9:.2f} GB, trainer {footprints['trainer'] / 1e9:.2f} GB")
+        rows = [measure(size, dtype, root, every, footprints, say) for size in sizes for dtype in dtypes]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    doc = {"benchmark": "scale", "machine": machine(), "footprints": footprints, "rows": rows,
+           "projections": projections(rows, footprints), "targets": targets(rows)}
+    report(doc)
+    write_json(json_path, doc)
+    if plot_path:
+        plot(doc, plot_path, say)
+    return doc
+
+
+def targets(rows: list[dict]) -> dict:
+    """The issue's targets, checked on the rows (sizes from 100M parameters up for the memory ones)."""
+    large = [r for r in rows if r["params"] >= 100_000_000] or rows
+    biggest = max(rows, key=lambda r: r["state_bytes"])
+    return {
+        "shadow_peak_at_most_2.1x": all(r["shadow_peak_x"] <= 2.1 for r in large),
+        "trainer_peak_at_most_1.2x": all(r["trainer_peak_x"] <= 1.2 for r in large),
+        "snapshot_and_restore_at_least_half_a_copy": all(
+            (r["snapshot_fraction"] or 0) >= 0.5 and (r["restore_fraction"] or 0) >= 0.5 for r in rows),
+        "standby_recovery_within_1s_plus_copy": all(
+            r["recovery_standby_seconds"] <= 1.0 + r["state_bytes"] / (r["copy_gbps"] * 1e9) for r in rows),
+        "5x_faster_than_async_checkpoint_at_largest": biggest["speedup_standby"] >= 5.0,
+        "every_run_exact": all(r["exact"] for r in rows),
+    }
+
+
+def report(doc: dict) -> None:
+    print_table(doc["rows"], [
+        ("size", "size", ""), ("dtype", "dtype", ""), ("state_gb", "state GB", ".2f"),
+        ("shadow_accounted_peak_x", "shadow own x", ".2f"), ("shadow_peak_x", "shadow peak x", ".2f"),
+        ("shadow_steady_x", "steady x", ".2f"), ("trainer_peak_x", "trainer x", ".2f"),
+        ("copy_gbps", "copy GB/s", ".2f"), ("snapshot_fraction", "snap/copy", ".2f"),
+        ("restore_fraction", "restore/copy", ".2f"), ("recovery_standby_seconds", "standby s", ".2f"),
+        ("recovery_restart_seconds", "restart s", ".2f"), ("baseline_seconds", "async ckpt s", ".2f"),
+        ("speedup_standby", "speedup", ".1f"), ("exact", "exact", "")])
+    for p in doc["projections"]:
+        print(f"  projected {p['job']}: shadow host {p['shadow_host_bytes'] / 1e9:.1f} GB, trainer host on a GPU "
+              f"{p['trainer_host_bytes_on_gpu'] / 1e9:.2f} GB, recovery {p['recovery_seconds']:.1f} s ({p['basis']})")
+    for name, met in doc["targets"].items():
+        print(f"  target {name}: {'met' if met else 'NOT MET'}")
+
+
+def plot(doc: dict, path: str, say=print) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    fig, (memory, recovery) = plt.subplots(1, 2, figsize=(11, 4))
+    for dtype in sorted({r["dtype"] for r in doc["rows"]}):
+        rows = [r for r in doc["rows"] if r["dtype"] == dtype]
+        gb = [r["state_bytes"] / 1e9 for r in rows]
+        memory.plot(gb, [r["shadow_peak_x"] for r in rows], "o-", label=f"shadow peak ({dtype})")
+        memory.plot(gb, [r["trainer_peak_x"] for r in rows], "s--", label=f"trainer peak ({dtype})")
+        recovery.plot(gb, [r["recovery_standby_seconds"] for r in rows], "o-", label=f"standby ({dtype})")
+        recovery.plot(gb, [r["recovery_restart_seconds"] for r in rows], "s-", label=f"restart ({dtype})")
+        recovery.plot(gb, [r["baseline_seconds"] for r in rows], "^--", label=f"async checkpoint ({dtype})")
+    memory.axhline(2.0, color="grey", lw=0.8)
+    memory.set(xlabel="state (GB)", ylabel="peak over baseline (x state)", title="host memory")
+    recovery.set(xlabel="state (GB)", ylabel="seconds", title="software failure: recovery", yscale="log")
+    memory.legend(fontsize=7)
+    recovery.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    say(f"wrote {path}")
+
+
+def register(bench) -> None:
+    p = bench.add_parser("scale", help="memory, snapshot/restore bandwidth and recovery against model size",
+                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, choices=list(SIZES))
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--every", type=int, default=4, help="the async-checkpoint baseline's checkpoint interval")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--plot", help="write the figure here (PNG; needs matplotlib)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    doc = scale_benchmark(args.sizes, tuple(args.dtypes), args.every, args.json, args.plot)
+    return 0 if doc["targets"]["every_run_exact"] else 1

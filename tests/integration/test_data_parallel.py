@@ -1,0 +1,162 @@
+"""Data-parallel ZO on real Ray: k trainer ranks, one gloo process group, one shadow.
+
+Every rank evaluates its slice of the step's batch; the ranks all-gather their loss sums
+and stay bit-identical replicas. A run of k ranks (with or without a lost rank) must equal
+a plain loop that evaluates the same k slices and adds their sums in rank order, at every
+step; every rank and the shadow must end with the same state; the durable log must
+replay to every step with no gap.
+"""
+
+import json
+
+import pytest
+import ray
+import yaml
+
+from reference_runs import job_for, uninterrupted_data_parallel_hashes, uninterrupted_hashes
+from zocheck_ray.config import JobConfigError, load_job_config
+from zocheck_ray.control import Action, Failure, FailureBudget, decide
+from zocheck_ray.testing import run_with_faults as run
+from zocheck_ray.verify import verify_run
+
+
+RAY_CPUS = 5
+"""Logical CPUs of the module's Ray instance (`conftest.local_ray`)."""
+pytestmark = pytest.mark.usefixtures("local_ray")
+
+
+STEPS = 24
+
+
+def dp_job(tmp_path, trainers=2, **kw):
+    fields = dict(trainers=trainers, steps=STEPS, task=dict(batch_size=6, max_length=32, eval_size=16,
+                                                            eval_interval=10))
+    fields.update(kw)
+    return job_for(tmp_path, **fields)
+
+
+def assert_replicas_exact(summary, job, verify=True):
+    expected = uninterrupted_data_parallel_hashes(job)
+    assert summary.steps == STEPS
+    assert summary.final_state_hash == summary.shadow_state_hash == expected[STEPS]
+    assert summary.step_hashes
+    for step, digest in summary.step_hashes.items():
+        assert digest == expected[step], f"state after step {step} differs"
+    assert summary.trainers == job.trainers
+    assert summary.rank_state_hashes == [expected[STEPS]] * job.trainers
+    assert not [w for w in summary.warnings if "differs" in w]
+    if verify:
+        verification = verify_run(job, summary)  # the durable log, replayed, meets every hashed step: no gap
+        assert verification.verified, verification.mismatches
+
+
+def test_bad_input_fails_before_any_actor(tmp_path):
+    with pytest.raises(JobConfigError, match="trainers"):
+        load_job_config(overrides=["trainers=0"])
+    with pytest.raises(JobConfigError, match="task.batch_size=4 does not divide among trainers=3"):
+        load_job_config(overrides=["trainers=3", "task.batch_size=4"])
+    with pytest.raises(JobConfigError, match="placement"):
+        load_job_config(overrides=["trainers=2", "placement=everywhere"])
+    with pytest.raises(JobConfigError, match="trainers=6 with placement=pack"):
+        run(dp_job(tmp_path, trainers=6), progress=None)
+    with pytest.raises(JobConfigError, match="trainers=6 plus shadow_cpus=1 need 7 CPUs"):
+        run(dp_job(tmp_path, trainers=6, placement="spread"), progress=None)
+    with pytest.raises(JobConfigError, match="fail_rank=2"):
+        run(dp_job(tmp_path), fail_at=[10], fail_rank=2, progress=None)
+    assert not ray.util.list_named_actors(all_namespaces=True)
+
+
+def test_a_lost_rank_is_restarted_within_the_failure_budget():
+    job = dp_job("/tmp")
+    budget = FailureBudget(job.max_restarts)
+    failure = Failure("trainer_lost", 12, "injected", mode="software", ranks=(1,))
+    assert all(decide(failure, job, budget).action is Action.RESTART for _ in range(job.max_restarts))
+    decision = decide(failure, job, budget)
+    assert decision.action is Action.FAIL and "max_restarts" in decision.reason
+
+
+def test_two_ranks_lose_rank_0_and_equal_the_plain_loop(tmp_path):
+    job = dp_job(tmp_path)
+    seen = []  # what `zocheck-ray status` shows mid-run: every rank's step time and the all-gather's
+    summary = run(job, fail_at=[13], fail_rank=0, progress=None, on_segment=lambda last, metrics: seen.append(metrics))
+    assert seen and all(len(m.rank_seconds_per_step) == 2 and min(m.rank_seconds_per_step) > 0
+                        and m.collective_seconds_per_step > 0 for m in seen)
+    (recovery,) = summary.recoveries
+    assert recovery.rank == 0 and recovery.failed_at_step == 13
+    assert recovery.recovered_step == 13  # the survivor handed the shadow every record before the failure
+    assert recovery.image_source == "memory"
+    assert_replicas_exact(summary, job)
+    assert len(summary.rank_seconds_per_step) == 2 and all(s > 0 for s in summary.rank_seconds_per_step)
+    assert summary.collective_seconds_per_step is not None and summary.collective_seconds_per_step > 0
+
+
+def test_the_cli_kills_rank_1_and_the_run_stays_exact(tmp_path, capsys):
+    from zocheck_ray.cli import main
+    from zocheck_ray.control import RunSummary
+
+    job = dp_job(tmp_path / "runs")
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(job.model_dump(mode="json")))
+    out = tmp_path / "summary.json"
+    assert main(["train", "--config", str(config), "--fail-at", "13", "--fail-rank", "1", "--verify",
+                 "--json", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "every rank == shadow" in shown and "rank 1: " in shown
+    doc = json.loads(out.read_text())
+    assert doc["verification"]["verified"]
+    doc.pop("verification")
+    summary = RunSummary.model_validate(doc)
+    assert [r.rank for r in summary.recoveries] == [1]
+    assert_replicas_exact(summary, job, verify=False)  # `--verify` did
+
+
+def test_two_slices_are_not_the_single_trainer_run(tmp_path):
+    # The reference of k ranks is k's own: slices of 3 rows summed in float64 are not one mean over 6 rows.
+    job = dp_job(tmp_path, steps=2)
+    assert uninterrupted_data_parallel_hashes(job)[2] != uninterrupted_hashes(job)[2]
+
+
+def test_three_ranks_lose_the_last_one_and_stay_exact(tmp_path):
+    job = dp_job(tmp_path, trainers=3)
+    summary = run(job, fail_at=[9], fail_rank=2, progress=None)
+    assert [r.rank for r in summary.recoveries] == [2]
+    assert_replicas_exact(summary, job)
+
+
+def test_a_tune_trial_reserves_every_rank_and_the_shadow():
+    from zocheck_ray.config import JobConfig
+    from zocheck_ray.tune import trial_resources
+
+    pgf = trial_resources(JobConfig(trainers=3, shadow_cpus=2, task=dict(batch_size=6)), gpus=1)
+    assert pgf.strategy == "STRICT_PACK"
+    assert pgf.bundles == [{"CPU": 1}, {"CPU": 1, "GPU": 1}, {"CPU": 2}, {"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}]
+    assert trial_resources(JobConfig(trainers=2, placement="spread")).strategy == "PACK"
+
+
+def test_a_holding_rank_keeps_records_until_durable_and_delivers_what_the_shadow_lacks():
+    from zocheck_ray.actors.publisher import Publisher, PushReply, poll_answered
+    from zocheck_ray.core import StepRecord
+
+    class Shadow:  # an in-process shadow that expects step 5 and has made steps before 3 durable
+        pushes = []
+
+        def push(self, data, trainer_step):
+            from zocheck_ray.core.record import decode_records
+
+            records = decode_records(data)
+            self.pushes.append([r.step for r in records])
+            return PushReply("one", 5 + len([r for r in records if r.step >= 5]), 3, len(records))
+
+        poll = staticmethod(poll_answered)
+
+    shadow = Shadow()
+    publisher = Publisher(shadow, 3, lambda: 8, publishing=False)
+    for step in range(3, 8):
+        publisher.append(StepRecord(step, step, 0.5, 1e-3, 1e-3, 12345, "zo-sgd"))
+    publisher.tick()
+    assert shadow.pushes == [] and publisher.held_records == 5  # a holding rank never sends on its own
+    publisher.acknowledge(4)
+    assert publisher.held_records == 4
+    assert publisher.deliver() == 8  # asked what the shadow expects (5), then handed it 5, 6, 7
+    assert shadow.pushes == [[], [5, 6, 7]]
+

@@ -1,0 +1,86 @@
+"""Data parallel across nodes: with `placement: spread` on a 3-node `ray.cluster_utils.Cluster`,
+rank 0 and the shadow share one node and rank 1 runs on another. Removing rank 1's node
+makes Ray reschedule it on another node, where it rejoins at the survivors' step; removing
+the node of rank 0 and the shadow makes the shadow rebuild from durable storage, rank 1
+hand it the records it lacks, and rank 0 rejoin from it. Either way the run ends with the
+state of the uninterrupted two-rank run, bit for bit.
+"""
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from reference_runs import job_for, uninterrupted_data_parallel_hashes
+from support import multi_node_cluster
+from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
+from zocheck_ray.testing import run_with_faults as run
+
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # rank 0 and the shadow (STRICT_PACK) on the first node; rank 1, and the node it moves to
+    with multi_node_cluster(2, 1, 1) as (c, (home, *others)):
+        yield c, home, others
+
+
+def spread_job(tmp_path):
+    return job_for(tmp_path, trainers=2, placement="spread", steps=STEPS,
+                   task=dict(batch_size=6, max_length=32, eval_size=16, eval_interval=10))
+
+
+def lose_node_of(c: Cluster, job, rank: int, placed: dict):
+    """An `on_segment` that removes `rank`'s node at step 12 (and adds a node of the same size in its place)."""
+
+    def where(r: int) -> str:
+        actor = ray.get_actor(trainer_name(job.run_id, r), namespace=NAMESPACE)
+        return ray.get(actor.node_id.remote())
+
+    def on_segment(progress, metrics) -> None:
+        if "before" in placed:
+            placed.setdefault("after", where(rank))
+        elif progress.step >= 12:
+            placed.update(before=where(rank), ranks=[where(0), where(1)])
+            node = next(n for n in c.worker_nodes if n.node_id == placed["before"])
+            cpus = int(node_cpus(node.node_id))
+            c.remove_node(node)
+            c.add_node(num_cpus=cpus)
+
+    return on_segment
+
+
+def node_cpus(node_id: str) -> float:
+    return next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == node_id)
+
+
+def test_losing_the_node_of_rank_1_recovers_it_on_another_node_exactly(cluster, tmp_path):
+    c, home, _ = cluster
+    job = spread_job(tmp_path)
+    placed: dict = {}
+    summary = run(job, progress=None, on_segment=lose_node_of(c, job, 1, placed))
+    assert placed["ranks"][0] == home.node_id and placed["before"] != home.node_id
+    assert placed["after"] not in (home.node_id, placed["before"])
+    (recovery,) = summary.recoveries
+    assert recovery.rank == 1 and recovery.failed_at_step == 12 and recovery.recovered_step == 12
+    assert_exact(summary, job)
+
+
+def test_losing_the_node_of_rank_0_and_the_shadow_recovers_from_durable_storage_exactly(cluster, tmp_path):
+    c, _, _ = cluster
+    job = spread_job(tmp_path)
+    placed: dict = {}
+    summary = run(job, progress=None, on_segment=lose_node_of(c, job, 0, placed))
+    assert placed["after"] != placed["before"] != placed["ranks"][1]
+    (recovery,) = summary.recoveries
+    assert recovery.rank == 0 and recovery.image_source == "durable" and recovery.recovered_step == 12
+    assert summary.shadow_restarts == 1
+    assert_exact(summary, job)
+
+
+def assert_exact(summary, job):
+    expected = uninterrupted_data_parallel_hashes(job)
+    assert summary.final_state_hash == summary.shadow_state_hash == expected[STEPS]
+    assert summary.rank_state_hashes == [expected[STEPS]] * 2
+    for step, digest in summary.step_hashes.items():
+        assert digest == expected[step], f"state after step {step} differs"

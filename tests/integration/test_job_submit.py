@@ -1,0 +1,209 @@
+"""`ray job submit` against a cluster started with `ray start --head`, as the README shows it.
+
+The head node is this test module's own: its own temp dir and ports, and in teardown only
+the processes whose command line names that temp dir are stopped (never a blanket
+`ray stop`, which would stop every Ray instance of this user on the machine). It is started
+the way the README's new user starts it: `ENV/bin/ray start --head` with the environment
+not on PATH, whose `python3` is one without zocheck-ray's dependencies. The documented
+entrypoint, `python3 -m zocheck_ray ...`, must work there; `--working-dir .` ships the code.
+
+Two jobs run side by side: one long enough that it cannot end before the test stops it
+(so `zocheck-ray status` is read while it runs, whatever the machine's speed), and one
+short job that must succeed and print its summary. The test waits on states only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+from support import REPO
+
+ENV_BIN = Path(sys.executable).parent
+ENTRYPOINT = ["python3", "-m", "zocheck_ray"]  # as the README writes it
+STEPS = 30
+ENDLESS_STEPS = 10**7  # a job that only ends when stopped: the test reads its status while it runs
+JOB_ARGS = ["--set", "task.batch_size=4", "--set", "task.max_length=32", "--set", "task.eval_interval=10",
+            "--set", "snapshot_interval=5", "--set", "log_interval=5"]
+ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+def our_processes(marker: str) -> list[int]:
+    """Processes whose command line names `marker` (this cluster's temp dir)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def stop_cluster(temp_dir: str) -> None:
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+        for pid in our_processes(temp_dir):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while our_processes(temp_dir) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def python_without_dependencies(bin_dir: Path) -> Path:
+    """`bin_dir/python3`: this environment's base interpreter, which a virtual environment's packages
+    are not installed for (what a user's PATH finds when the environment is not activated)."""
+    bin_dir.mkdir(exist_ok=True)
+    python3 = bin_dir / "python3"
+    python3.symlink_to(getattr(sys, "_base_executable", None) or sys.executable)
+    return python3
+
+
+def lacks_torch(python: Path) -> bool:
+    check = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"
+    return subprocess.run([str(python), "-c", check], env={"PATH": "/usr/bin:/bin"}, timeout=60).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def head():
+    temp_dir = tempfile.mkdtemp(prefix="zjs", dir="/tmp")  # short: Ray's socket paths are length-limited
+    python3 = python_without_dependencies(Path(temp_dir) / "bin")
+    # the environment's bin is not on PATH, as after `.venv/bin/ray start` from a shell that did not activate it;
+    # token authentication with a token of this cluster's own (Ray 2.60 enables it by default)
+    env = {**os.environ, "PATH": os.pathsep.join([str(python3.parent), "/usr/local/bin", "/usr/bin", "/bin"]),
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONPATH": ""}
+    for name in ("RAY_ADDRESS", "VIRTUAL_ENV"):
+        env.pop(name, None)
+    gcs, dashboard = free_port(), free_port()
+    ports = {"--port": gcs, "--dashboard-port": dashboard, "--ray-client-server-port": free_port(),
+             "--node-manager-port": free_port(), "--object-manager-port": free_port(),
+             "--dashboard-agent-listen-port": free_port(), "--dashboard-agent-grpc-port": free_port(),
+             "--metrics-export-port": free_port(), "--runtime-env-agent-port": free_port()}
+    start = [str(ENV_BIN / "ray"), "start", "--head", f"--temp-dir={temp_dir}", "--num-cpus=4", "--num-gpus=0",
+             "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--disable-usage-stats",
+             *[f"{k}={v}" for k, v in ports.items()]]
+    try:
+        subprocess.run(start, env=env, check=True, capture_output=True, text=True, timeout=120)
+        yield {"env": env, "gcs": f"127.0.0.1:{gcs}", "dashboard": f"http://127.0.0.1:{dashboard}",
+               "temp_dir": temp_dir, "python3_lacks_torch": lacks_torch(python3)}
+    except subprocess.CalledProcessError as exc:
+        pytest.fail(f"ray start --head failed:\n{exc.stdout}\n{exc.stderr}")
+    finally:
+        stop_cluster(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def ray_cli(head, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([str(ENV_BIN / "ray"), *args], env=head["env"], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def zocheck_ray_cli(head, *args: str) -> subprocess.CompletedProcess:
+    """`python -m zocheck_ray ...` from another process on the head node, with this checkout importable."""
+    env = {**head["env"], "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "zocheck_ray", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+def job_status(head, submission_id: str) -> str:
+    out = ray_cli(head, "job", "status", "--address", head["dashboard"], submission_id)
+    text = out.stdout + out.stderr
+    running = re.search(rf"Status for job '{re.escape(submission_id)}': (\w+)", text)
+    ended = re.search(rf"Job '{re.escape(submission_id)}' (?:was )?(succeeded|failed|stopped)", text)
+    assert running or ended, f"no job status in:\n{text}"
+    return running.group(1) if running else ended.group(1).upper()
+
+
+def job_logs(head, submission_id: str) -> str:
+    return ray_cli(head, "job", "logs", "--address", head["dashboard"], submission_id).stdout
+
+
+def submit(head, run_id: str, steps: int, storage: Path) -> str:
+    """The README's `ray job submit` command (fewer steps, a smaller batch), without waiting."""
+    submission_id = f"zocheck-{run_id}"
+    submitted = ray_cli(
+        head, "job", "submit", "--address", head["dashboard"], "--submission-id", submission_id, "--no-wait",
+        "--working-dir", ".", "--runtime-env", "deploy/runtime_env.yaml",
+        "--", *ENTRYPOINT, "train", "--config", "deploy/examples/sst2-opt.yaml",
+        "--steps", str(steps), "--storage", str(storage), "--set", f"run_id={run_id}", *JOB_ARGS,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    assert "submitted successfully" in submitted.stdout + submitted.stderr
+    return submission_id
+
+
+def wait_until_ended(head, submission_id: str, ceiling: float = 300) -> str:
+    """The job's final state; `ceiling` only bounds a hung job on a loaded machine, it is not a timing."""
+    deadline = time.monotonic() + ceiling
+    while (state := job_status(head, submission_id)) not in ENDED and time.monotonic() < deadline:
+        time.sleep(1)
+    return state
+
+
+def test_submitted_jobs_run_report_status_and_print_their_summary(head, tmp_path):
+    tag = uuid.uuid4().hex[:6]
+    endless_run, short_run = f"endless-{tag}", f"submit-{tag}"
+    endless = submit(head, endless_run, ENDLESS_STEPS, tmp_path / "runs")
+    short = submit(head, short_run, STEPS, tmp_path / "runs")
+
+    # While the endless job runs: `zocheck-ray status RUN_ID` from another process reads its shadow's metrics.
+    status, out = None, None
+    deadline = time.monotonic() + 300  # a ceiling for a loaded machine, not a timing
+    while time.monotonic() < deadline:
+        state = job_status(head, endless)
+        assert state in ("PENDING", "RUNNING"), f"the job ended ({state}) though only a stop ends it:\n" + \
+            job_logs(head, endless)
+        out = zocheck_ray_cli(head, "status", endless_run, "--address", head["gcs"], "--json")
+        if out.returncode == 0:
+            status = json.loads(out.stdout)
+            if status["trainer_step"] > 0 and (status["durable_step"] or 0) > 0 and status["rank_seconds_per_step"]:
+                break
+        time.sleep(0.5)
+    assert status is not None, (f"zocheck-ray status never found the running job:\n{out.stderr[-3000:]}\njob logs:\n"
+                                + job_logs(head, endless))
+    assert status["run_id"] == endless_run
+    assert status["trainer_step"] > 0 and status["durable_step"] > 0, status
+    assert status["replayed_step"] <= status["received_step"] <= status["trainer_step"]
+    assert len(status["rank_seconds_per_step"]) == 1 and status["rank_seconds_per_step"][0] > 0, status
+    assert (tmp_path / "runs" / endless_run / "snapshots").is_dir()
+    stopped = ray_cli(head, "job", "stop", "--address", head["dashboard"], endless)
+    assert stopped.returncode == 0, stopped.stderr
+    logs = job_logs(head, endless)
+    assert re.search(r"step\s+\d+\s+loss", logs), logs  # its progress lines reached the job's logs
+
+    state = wait_until_ended(head, short)
+    logs = job_logs(head, short)
+    assert state == "SUCCEEDED", logs
+    if head["python3_lacks_torch"]:  # the entrypoint's python3 handed over to the Python Ray runs with
+        assert "running under this Ray node's Python" in logs, logs
+    # the summary table, its exactness line, and durable state where --storage said
+    assert f"run {short_run}:" in logs
+    assert "final state_hash" in logs
+    assert "yes, bit for bit" in logs
+    assert (tmp_path / "runs" / short_run / "snapshots").is_dir()
+    assert wait_until_ended(head, endless) == "STOPPED"
+
+
+def test_status_of_an_unknown_run_is_a_clear_error(head):
+    out = zocheck_ray_cli(head, "status", "no-such-run", "--address", head["gcs"])
+    assert out.returncode == 2
+    assert "no running shadow for run 'no-such-run'" in out.stderr

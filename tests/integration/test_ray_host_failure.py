@@ -1,0 +1,56 @@
+"""Host failure: the node holding the trainer and the shadow is removed from a real
+multi-node `ray.cluster_utils.Cluster`; Ray reschedules the placement group onto the
+surviving node, the shadow rebuilds from durable storage (a local directory, and a
+real S3 endpoint on loopback), the trainer recovers from it, and the final state is
+the one an uninterrupted run reaches.
+"""
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
+from zocheck_ray.config import JobConfig
+from zocheck_ray.testing import run_with_faults as run
+from reference_runs import SMALL_TASK, STEPS, assert_exact, uninterrupted_hashes
+from support import multi_node_cluster
+
+NODE_CPUS = 2
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with multi_node_cluster(NODE_CPUS, NODE_CPUS) as (c, workers):
+        yield c, workers
+
+
+def lose_trainer_node(c: Cluster, job: JobConfig, lost: list):
+    def kill() -> None:
+        trainer = ray.get_actor(trainer_name(job.run_id), namespace=NAMESPACE)
+        node_id = ray.get(trainer.node_id.remote())
+        node = next(n for n in c.worker_nodes if n.node_id == node_id)
+        c.remove_node(node)
+        lost.append(node_id)
+        c.add_node(num_cpus=NODE_CPUS)  # keep a spare for the next test
+
+    return kill
+
+
+@pytest.mark.parametrize("storage", ["local", "s3"])
+def test_node_loss_rebuilds_the_pair_from_durable_storage(cluster, tmp_path, storage, request):
+    c, _ = cluster
+    if storage == "local":
+        root, options = str(tmp_path), {}
+    else:
+        root, options = request.getfixturevalue("s3_bucket")
+    job = JobConfig.model_validate(dict(steps=STEPS, storage=root, storage_options=options, snapshot_interval=8,
+                                        log_interval=6, hash_every_step=True, zo=dict(lr=2e-3, eps=1e-3),
+                                        task=SMALL_TASK))
+    lost: list = []
+    summary = run(job, fail_at=[21], fail_mode="host", progress=None, kill_node=lose_trainer_node(c, job, lost))
+    assert len(lost) == 1
+    (recovery,) = summary.recoveries
+    assert recovery.mode == "host"
+    assert recovery.image_source == "durable"
+    assert recovery.recovered_step <= 21
+    assert_exact(summary, uninterrupted_hashes(job))

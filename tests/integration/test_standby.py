@@ -1,0 +1,103 @@
+"""The warm standby, and recovery into a model skeleton, on a real local Ray cluster.
+
+A lost trainer is replaced by the standby at once (no wait for Ray's restart of the
+process); the process Ray restarts becomes the next standby. A restarted or promoted
+trainer builds its model as a skeleton (nothing initialised or loaded) and takes every
+tensor from the shadow's image. Every run must equal the uninterrupted loop at every
+step, whatever dies and when.
+"""
+
+import pytest
+import ray
+import torch
+import transformers
+
+from reference_runs import assert_exact, job_for, uninterrupted_hashes
+from support import wait_until
+from zocheck_ray.actors.ray_actors import actor_state
+from zocheck_ray.control import RunCallback
+from zocheck_ray.testing import FaultInjection
+from zocheck_ray.testing import run_with_faults as run
+from zocheck_ray.workload.models import build_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]  # conftest: a Ray instance of its own
+
+
+class StandbyReady(RunCallback):
+    """Holds the run after each segment until its standby process is up: the failures that follow then
+    meet a standby (the promotion is what is under test, not how fast a process starts)."""
+
+    def __init__(self, kill_at: int | None = None):
+        self.kill_at, self.killed = kill_at, None
+
+    def on_segment(self, run, segment):
+        if self.kill_at is not None and self.killed is None and segment.progress.step >= self.kill_at:
+            assert wait_until(lambda: run.group.standby is not None and actor_state(run.group.standby) == "ALIVE",
+                              timeout=300)
+            self.killed = ray.get(run.group.standby.pid.remote())
+            ray.kill(run.group.standby, no_restart=False)  # Ray restarts it: a standby again, once it is up
+        assert wait_until(lambda: run.group.standby is not None and actor_state(run.group.standby) == "ALIVE",
+                          timeout=300)
+
+
+def test_a_lost_trainer_is_replaced_by_the_standby_and_the_restarted_process_stands_by_next(tmp_path):
+    job = job_for(tmp_path, standby=True)
+    summary = run(job, fail_at=[13, 25], progress=None, callbacks=[StandbyReady()])
+    first, second = summary.recoveries
+    for r in (first, second):
+        assert r.replaced_by == "standby" and r.image_source == "memory"
+        assert "restart" not in r.phases and {"standby", "rejoin", "restore"} <= set(r.phases)
+        assert r.recovered_step == (r.image_step or 0) + r.replayed_records
+    assert_exact(summary, uninterrupted_hashes(job))
+
+
+def test_a_standby_that_dies_before_it_is_promoted_ends_exact(tmp_path):
+    job = job_for(tmp_path, standby=True)
+    ready = StandbyReady(kill_at=6)
+    summary = run(job, fail_at=[19], progress=None, callbacks=[ready])
+    assert ready.killed is not None
+    (recovery,) = summary.recoveries
+    assert recovery.replaced_by == "standby"  # the restarted standby, up again before the failure
+    assert_exact(summary, uninterrupted_hashes(job))
+
+
+def test_a_standby_lost_during_its_promotion_ends_exact(tmp_path):
+    job = job_for(tmp_path, standby=True, optimizer="zo-adam")
+    marker = tmp_path / "crashed"
+    summary = run(job, fail_at=[13], progress=None, callbacks=[StandbyReady()],
+                  faults=FaultInjection(crash_in_recovery_marker=str(marker)))
+    assert marker.exists()  # the promoted standby died with the image copied, its records not replayed
+    assert summary.recoveries and summary.recoveries[-1].recovered_step <= 13
+    assert_exact(summary, uninterrupted_hashes(job))
+
+
+@pytest.fixture(scope="module")
+def llama_directory(tmp_path_factory):
+    """A Llama saved by `save_pretrained` (rotary buffers: a skeleton must rebuild them as loading does)."""
+    directory = tmp_path_factory.mktemp("tiny-llama-saved")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_restarted_trainer_of_a_saved_model_rebuilds_a_skeleton_and_ends_exact(tmp_path, llama_directory, dtype):
+    job = job_for(tmp_path, model=llama_directory, dtype=dtype)
+    summary = run(job, fail_at=[13], progress=None)
+    (recovery,) = summary.recoveries
+    assert recovery.replaced_by == "restart" and recovery.image_source == "memory"
+    assert_exact(summary, uninterrupted_hashes(job))
+
+
+def test_a_skeleton_is_the_loaded_model_without_its_weights(llama_directory):
+    loaded = build_model(llama_directory, "bf16")
+    bones = build_model(llama_directory, "bf16", weights="none")
+    assert [(n, p.shape, p.dtype) for n, p in loaded.named_parameters()] == \
+        [(n, p.shape, p.dtype) for n, p in bones.named_parameters()]
+    for (name, buffer), (_, rebuilt) in zip(loaded.named_buffers(), bones.named_buffers()):
+        assert buffer.dtype == rebuilt.dtype and torch.equal(buffer, rebuilt), name
+    tied = loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert (bones.lm_head.weight is bones.model.embed_tokens.weight) == tied  # ties kept, memory once

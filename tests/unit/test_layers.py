@@ -1,0 +1,172 @@
+"""The package's import structure is its architecture: the core's layers import only downwards,
+no modules import each other in a cycle, the core runs without Ray, and the package never
+imports the benchmarks (they live beside it, in `benchmarks/`).
+
+Imports are read from the source (module level and inside functions alike), so a function-level
+import cannot hide an upward edge.
+"""
+
+import ast
+from pathlib import Path
+
+import zocheck_ray
+
+PACKAGE = Path(zocheck_ray.__file__).parent
+
+CORE_LAYERS = (
+    ("the specification", {"config", "errors", "layout", "record", "scalars", "seeds", "hashing"}),
+    ("the reference implementation", {"generator", "update", "reference", "validation"}),
+    ("the kernels", {"fused", "triton_kernels", "_triton_src"}),
+    ("the guard", {"kernel_guard"}),
+    ("backend selection and the optimizer", {"backend", "optimizer", "__init__"}),
+)
+"""Bottom first; a module may import from its own layer and the ones before it."""
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported(path: Path) -> set[str]:
+    """Every module `path` imports, by its full name: for `from a import b`, `a.b` when that is a module."""
+    current = module_name(path)
+    package = current if path.name == "__init__.py" else current.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                out.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+    return out
+
+
+def package_edges() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports; a package's `__init__` (its face) is left out, as
+    importing it only re-exports what lies below."""
+    packages = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    edges = {}
+    for name, path in MODULES.items():
+        if name in packages:
+            continue
+        targets = set()
+        for target in imported(path):
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != name and target not in packages:
+                targets.add(target)
+        edges[name] = targets
+    return edges
+
+
+def core_layer(name: str) -> int:
+    short = name.removeprefix("zocheck_ray.core").lstrip(".") or "__init__"
+    for index, (_, members) in enumerate(CORE_LAYERS):
+        if short in members:
+            return index
+    raise AssertionError(f"{name} belongs to no layer of the core: add it to CORE_LAYERS")
+
+
+def test_every_module_of_the_core_has_a_layer():
+    for name in MODULES:
+        if name == "zocheck_ray.core" or name.startswith("zocheck_ray.core."):
+            core_layer(name)
+
+
+def test_the_core_imports_only_downwards():
+    upward = []
+    for name, path in MODULES.items():
+        if not (name == "zocheck_ray.core" or name.startswith("zocheck_ray.core.")):
+            continue
+        for target in imported(path):
+            if target.startswith("zocheck_ray.core.") and target in MODULES and core_layer(target) > core_layer(name):
+                upward.append(f"{name} ({CORE_LAYERS[core_layer(name)][0]}) imports {target} "
+                              f"({CORE_LAYERS[core_layer(target)][0]})")
+    assert not upward, "\n".join(upward)
+
+
+def test_the_core_imports_nothing_of_ray_or_the_rest_of_the_package():
+    for name, path in MODULES.items():
+        if name == "zocheck_ray.core" or name.startswith("zocheck_ray.core."):
+            outside = {t for t in imported(path) if t.split(".")[0] == "ray"
+                       or (t.startswith("zocheck_ray") and not t.startswith("zocheck_ray.core"))}
+            assert not outside, f"{name} imports {sorted(outside)}"
+
+
+def test_no_modules_import_each_other_in_a_cycle():
+    edges = package_edges()
+    state: dict[str, int] = {}  # 1: on the path being explored, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(edges):
+        if start not in state:
+            cycle = visit(start)
+            assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_package_never_imports_the_benchmarks():
+    for name, path in MODULES.items():
+        assert not {t for t in imported(path) if t.split(".")[0] == "benchmarks"}, f"{name} imports the benchmarks"
+    assert not (PACKAGE / "bench").exists(), "benchmarks live in benchmarks/, beside the package"
+
+
+# ---------------------------------------------------------------------------------------- the map
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def documented_layers() -> list[tuple[str, list[str]]]:
+    """The layer table of docs/architecture.md, top to bottom: (layer, the module paths and directories it names)."""
+    lines = ARCHITECTURE.read_text().splitlines()
+    start = lines.index("## Layers")
+    layers = []
+    for line in lines[start:]:
+        if line.startswith("## ") and layers:
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 3 and "`" in cells[1]:
+            layers.append((cells[0], [part.strip("` ") for part in cells[1].split(",")]))
+    return layers
+
+
+def documented_layer(name: str, layers: list[tuple[str, list[str]]]) -> int:
+    path = MODULES[name].relative_to(PACKAGE).as_posix()
+    found = [i for i, (_, members) in enumerate(layers)
+             if any(path == m or (m.endswith("/") and path.startswith(m)) for m in members)]
+    assert len(found) == 1, f"{path} is in {len(found)} layers of {ARCHITECTURE.name}'s table (one, exactly)"
+    return found[0]
+
+
+def test_the_architecture_map_places_every_module_and_every_import_goes_down_it():
+    layers = documented_layers()
+    assert [name for name, _ in layers][:5] == ["spec", "reference", "kernels", "guard", "optimizer"]
+    upward = []
+    for name, path in MODULES.items():
+        mine = documented_layer(name, layers)
+        for target in imported(path):
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and documented_layer(target, layers) > mine:
+                upward.append(f"{name} ({layers[mine][0]}) imports {target} "
+                              f"({layers[documented_layer(target, layers)][0]})")
+    assert not upward, "imports that go up the map in docs/architecture.md:\n" + "\n".join(upward)
