@@ -96,3 +96,33 @@ def test_the_guard_falls_back_on_a_wrong_gpu_kernel(caplog):
         opt = ZOOptimizer(trainable_parameters(model), ZOConfig(lr=1e-3, eps=1e-2))
     assert opt.kernel_backend == "eager" and opt.kernel_check.passed is False
     assert "falls back to the eager path" in caplog.text
+
+
+@pytest.mark.parametrize("window", [4096, 64 << 20])
+def test_a_restore_into_cuda_tensors_through_pinned_staging_is_the_image(window):
+    import os
+
+    from zocheck_ray.actors.image import ImageHandle, ImageLayout, SharedBuffer, copy_state, open_image, transfer
+
+    g = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(3000, 100, generator=g), "b": torch.randn(4097, generator=g).bfloat16(),
+             "c": torch.randn(77, 33, generator=g).half()}
+    layout = ImageLayout.of(state)
+    buffer = SharedBuffer(layout.nbytes)
+    copy_state(layout.views(buffer.bytes), state)
+    fd = open_image(ImageHandle.of(buffer, layout, token="t", step=0))
+    try:
+        out = {k: torch.zeros_like(v, device="cuda") for k, v in state.items()}
+        transfer(fd, layout, out, "from_image", window=window)
+        back = {k: torch.zeros_like(v) for k, v in state.items()}
+        written = SharedBuffer(layout.nbytes)
+        wfd = open_image(ImageHandle.of(written, layout, token="w", step=None), write=True)
+        transfer(wfd, layout, out, "to_image", window=window)  # a CUDA trainer's state into an intake
+        os.close(wfd)
+        copy_state(back, layout.views(written.bytes))
+        written.close()
+    finally:
+        os.close(fd)
+        buffer.close()
+    for name in state:
+        assert torch.equal(out[name].cpu(), state[name]) and torch.equal(back[name], state[name]), name

@@ -75,6 +75,31 @@ def test_an_image_read_through_proc_in_windows_equals_its_state(window, threads)
     assert_equal(out, state)
 
 
+def test_a_restore_through_the_two_staging_windows_equals_its_state():
+    # The CUDA path's staging (pinned there), on the CPU: windows alternate between two buffers, a
+    # window's pieces are staged before they are copied, tensors cut by windows land whole.
+    state = mixed_state(scale=4)
+    buffer, layout = filled_buffer(state)
+    fd = open_image(ImageHandle.of(buffer, layout, token="t", step=0))
+    try:
+        out = zeros_like(state)
+        plan = WindowPlan(layout, out, window=PAGE, staged=True)
+        assert len(plan.starts) > 2
+        for start in plan.starts:
+            region = mmap.mmap(fd, plan.length(start), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
+            plan.copy(torch.frombuffer(region, dtype=torch.uint8), start, "from_image")
+            region.close()  # the window is gone: what was staged from it stays valid
+        plan.finish()
+        assert plan.staging.switches == len(plan.starts) - 1  # a window per buffer, alternating
+        staged = zeros_like(state)
+        transfer(fd, layout, staged, "from_image", window=PAGE, staged=True)
+    finally:
+        os.close(fd)
+        buffer.close()
+    assert_equal(out, state)
+    assert_equal(staged, state)
+
+
 @pytest.mark.parametrize("window", [PAGE, 1 << 26])
 def test_a_state_written_into_an_intake_in_windows_is_the_state(window):
     state = mixed_state(scale=4)

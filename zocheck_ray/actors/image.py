@@ -247,15 +247,16 @@ Direction = Literal["from_image", "to_image"]
 
 
 def transfer(fd: int, layout: ImageLayout, tensors: Mapping[str, torch.Tensor], direction: Direction,
-             threads: int = 1, window: int = WINDOW_BYTES) -> None:
+             threads: int = 1, window: int = WINDOW_BYTES, staged: bool | None = None) -> None:
     """Copy between the image in `fd` and `tensors` (any device, `layout`'s order), a window at a time.
 
     `from_image` fills the tensors (a restore); `to_image` writes them into the buffer (an
     intake). Windows are mapped one by one and unmapped when copied, so the caller's resident
-    memory grows by at most `threads` windows. CUDA tensors go through pinned staging buffers
-    with the host-to-device copies overlapped (`_CudaStaging`).
+    memory grows by at most `threads` windows. Restores into CUDA tensors go through two pinned
+    staging windows, host-to-device copies overlapped with the next window's staging
+    (`staged`: force the staging on or off; on the CPU it is the same code, without pinning).
     """
-    plan = WindowPlan(layout, tensors, window)
+    plan = WindowPlan(layout, tensors, window, staged)
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if direction == "to_image" else 0)
 
     def one(start: int) -> None:
@@ -272,12 +273,14 @@ def transfer(fd: int, layout: ImageLayout, tensors: Mapping[str, torch.Tensor], 
     else:
         with ThreadPoolExecutor(min(threads, len(plan.starts)), thread_name_prefix="zocheck-transfer") as pool:
             list(pool.map(one, plan.starts))
+    plan.finish()
 
 
 class WindowPlan:
     """Which bytes of which tensor each window of an image holds, and the copies between them."""
 
-    def __init__(self, layout: ImageLayout, tensors: Mapping[str, torch.Tensor], window: int = WINDOW_BYTES):
+    def __init__(self, layout: ImageLayout, tensors: Mapping[str, torch.Tensor], window: int = WINDOW_BYTES,
+                 staged: bool | None = None):
         problem = layout.matches(tensors)
         if problem is not None:
             raise ValueError(f"the state does not fit the image: {problem}")
@@ -286,9 +289,10 @@ class WindowPlan:
         self.nbytes = layout.nbytes
         self.starts = list(range(0, layout.nbytes, self.window))
         self.targets = {name: byte_view(t) for name, t in tensors.items()}
-        self.staging = _CudaStaging(self.window) if any(t.is_cuda for t in self.targets.values()) else None
-        self.pieces: dict[int, list[tuple[str, int, int]]] = {s: [] for s in self.starts}
-        for name, offset, size in layout.spans():  # (name, first, last byte of the tensor's own bytes)
+        cuda = any(t.is_cuda for t in self.targets.values())
+        self.staging = _Staging(self.window, pinned=cuda) if (cuda if staged is None else staged) else None
+        self.pieces: dict[int, list[tuple[str, int, int, int]]] = {s: [] for s in self.starts}
+        for name, offset, size in layout.spans():  # (name, where in the window, first, end byte of the tensor)
             a, end = 0, size
             while a < end:
                 start = (offset + a) // self.window * self.window
@@ -300,27 +304,34 @@ class WindowPlan:
         return min(self.window, self.nbytes - start)
 
     def copy(self, win: torch.Tensor, start: int, direction: Direction) -> None:
-        """Copy window `start` (`win`: its bytes) into the tensors, or the tensors into it."""
+        """Copy window `start` (`win`: its bytes) into the tensors, or the tensors into it. Once this returns,
+        nothing reads `win` any more (staged bytes are read from the staging buffers)."""
         for name, at, a, b in self.pieces[start]:
             target, source = self.targets[name][a:b], win[at: at + b - a]
             if direction == "to_image":
                 source.copy_(target)  # from a CUDA tensor: a synchronous device-to-host copy
-            elif self.staging is not None and target.is_cuda:
+            elif self.staging is not None:
                 self.staging.upload(source, target)
             else:
                 target.copy_(source)
+
+    def finish(self) -> None:
+        """Wait for the copies in flight (CUDA: the last staged windows' host-to-device copies)."""
         if self.staging is not None:
-            self.staging.drain()  # the window is unmapped next: every copy out of it must have finished
+            self.staging.finish()
 
 
-class _CudaStaging:
-    """Two pinned host buffers: while one window's bytes go to the device, the next window is staged."""
+class _Staging:
+    """Two host buffers of a window each (pinned, on CUDA): while one's bytes go to the device, the next
+    window is staged into the other; a buffer is reused once its copies have reached the device."""
 
-    def __init__(self, window: int):
-        self.buffers = [torch.empty(window, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    def __init__(self, window: int, pinned: bool):
+        self.buffers = [torch.empty(window, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        self.cuda = pinned
         self.events: list = [None, None]
         self.turn = 0
         self.used = 0
+        self.switches = 0
 
     def upload(self, source: torch.Tensor, target: torch.Tensor) -> None:
         n = source.numel()
@@ -328,20 +339,22 @@ class _CudaStaging:
             self._switch()
         staged = self.buffers[self.turn][self.used: self.used + n]
         staged.copy_(source)
-        target.copy_(staged, non_blocking=True)
+        target.copy_(staged, non_blocking=True)  # on the CPU: a plain copy, done when it returns
         self.used += n
 
     def _switch(self) -> None:
-        event = torch.cuda.Event()
-        event.record()
-        self.events[self.turn] = event
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self.events[self.turn] = event
         self.turn, self.used = 1 - self.turn, 0
+        self.switches += 1
         if self.events[self.turn] is not None:
-            self.events[self.turn].synchronize()  # the buffer about to be reused has reached the device
+            self.events[self.turn].synchronize()  # the buffer about to be refilled has reached the device
 
-    def drain(self) -> None:
-        torch.cuda.current_stream().synchronize()
-        self.used = 0
+    def finish(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
         self.events = [None, None]
 
 

@@ -68,6 +68,25 @@ class PublisherStats(BaseModel):
     """Records the shadow lacks that no trainer holds any more (a resync repairs it), if any."""
 
 
+class KernelCheckInfo(BaseModel):
+    """The start-up guard's verdict on the GPU kernels (`core.kernel_guard.KernelCheck`)."""
+
+    model_config = _FROZEN
+
+    backend: str
+    """`triton` when the kernels passed and are used, `eager` otherwise."""
+    passed: bool | None
+    """True: the kernels gave the oracle's bits; False: they did not (or failed); None: not checked."""
+    device: str
+    dtypes: list[str] = []
+    mismatches: list[str] = []
+    """What differed (or the error), one line each."""
+    reason: str = ""
+    seconds: float = 0.0
+    checks: int = 0
+    """Tensors compared."""
+
+
 class KernelInfo(BaseModel):
     """Which implementation updates the weights, and on CUDA the start-up guard's verdict."""
 
@@ -77,8 +96,8 @@ class KernelInfo(BaseModel):
     """`cpu` or `cuda`."""
     backend: str
     """`fused`/`eager` on the CPU, `triton` or `eager` on CUDA."""
-    check: dict | None = None
-    """The start-up guard's `KernelCheck` (CUDA only): backend, passed, device, reason, seconds, checks."""
+    check: KernelCheckInfo | None = None
+    """The start-up guard's verdict (CUDA only)."""
 
 
 class TrainerProgress(BaseModel):

@@ -309,6 +309,7 @@ class OfferedImage:
         for start in plan.starts:  # one window in flight: a bounded share of both object stores
             window = ray.get(self.actor.image_window.remote(self.handle.token, start, plan.length(start)))
             plan.copy(torch.from_numpy(window), start, "from_image")
+        plan.finish()
 
     def release(self) -> None:
         """Done reading: close it here and give it back to the shadow (which may then reuse its memory)."""

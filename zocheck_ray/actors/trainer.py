@@ -36,7 +36,7 @@ import torch
 
 from zocheck_ray.actors.collective import LossGroup, RankLostError, reduce_in_rank_order
 from zocheck_ray.actors.hooks import NO_HOOKS, TrainerHooks
-from zocheck_ray.actors.messages import KernelInfo, RecoveryInfo, TrainerProgress
+from zocheck_ray.actors.messages import KernelCheckInfo, KernelInfo, RecoveryInfo, TrainerProgress
 from zocheck_ray.actors.publisher import FLUSH_SECONDS, Publisher, ShadowLink
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, replay, state_hash
@@ -293,7 +293,7 @@ class Trainer:
         and, on CUDA, the start-up guard's verdict."""
         check = self.opt.kernel_check
         return KernelInfo(device=self.device.type, backend=self.opt.kernel_backend,
-                          check=check.as_dict() if check is not None else None)
+                          check=KernelCheckInfo(**check.as_dict()) if check is not None else None)
 
     def _flush_loop(self) -> None:
         # Off the training loop's critical path: encode and send, take replies, re-send what a

@@ -203,7 +203,7 @@ class Controller:
         _, shadow_hash = call_when_alive(lambda: self.shadow.replica_hash.remote())
         self._check_profile(metrics)
         kernel = self.record.last.kernel if self.record.last is not None else None
-        if kernel is not None and kernel.check and kernel.check.get("passed") is False:
+        if kernel is not None and kernel.check is not None and kernel.check.passed is False:
             self.warn(f"the GPU kernels differed from the CPU oracle at start-up: the trainer ran the eager path "
                       f"({kernel.check})")
         self.summary = self.record.summarize(self, final_step, final_hash, shadow_hash, metrics,
