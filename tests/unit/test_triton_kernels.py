@@ -50,13 +50,28 @@ def test_kernels_equal_the_oracle(optimizer, dtype, kind):
         assert_equal_lists(got_v, want_v, f"{path} exp_avg_sq")
 
 
+@pytest.mark.parametrize("optimizer,dtype", [("zo-sgd", "bf16"), ("zo-adam", "fp32"), ("sparse-mezo", "fp16"),
+                                             ("zo-sgd-sign", "bf16"), ("zo-sgd-mmt", "fp16"), ("zo-sgd-cons", "fp32")])
+def test_kernels_equal_the_oracle_with_several_perturbations(optimizer, dtype):
+    """n-SPSA: q = 3 perturbations per step, each with its own seed, their estimate formed in order."""
+    config = config_for(optimizer, "gaussian", q=3)
+    want_p, want_m, want_v, records = run_oracle(config, DTYPES[dtype])
+    assert all(len(r.grads) == 3 for r in records)
+    for path in ("trainer", "replay"):
+        got_p, got_m, got_v = run_kernels(config, DTYPES[dtype], records, "cpu", path)
+        assert_equal_lists(got_p, want_p, f"{path} params")
+        assert_equal_lists(got_m, want_m, f"{path} buffers")
+        assert_equal_lists(got_v, want_v, f"{path} second buffers")
+
+
 def test_weight_decay_zero_takes_the_undecayed_sequence():
     config = config_for("zo-sgd", "gaussian", weight_decay=0.0)
     want_p, _, _, records = run_oracle(config, torch.bfloat16)
     assert_equal_lists(run_kernels(config, torch.bfloat16, records, "cpu", "trainer")[0], want_p, "params")
 
 
-CASES = [("zo-sgd", "bf16", "gaussian"), ("zo-adam", "fp32", "gaussian"), ("sparse-mezo", "fp16", "rademacher")]
+CASES = [("zo-sgd", "bf16", "gaussian"), ("zo-adam", "fp32", "gaussian"), ("sparse-mezo", "fp16", "rademacher"),
+         ("zo-sgd-sign", "bf16", "gaussian"), ("zo-sgd-mmt", "fp32", "rademacher"), ("zo-sgd-cons", "bf16", "gaussian")]
 TRAIN_STEPS = 10
 
 

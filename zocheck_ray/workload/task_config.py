@@ -54,6 +54,11 @@ class TaskConfig(BaseModel):
     """Held-out rows evaluated by `Task.evaluate` (at most this many from `eval_path`)."""
     eval_interval: int = Field(50, ge=1)
     """Steps between held-out evaluations in the progress output (the trainer also evaluates at the end)."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Gradient accumulation for small devices: rows per forward pass of a training step (None: the whole
+    batch, or a data-parallel rank's slice, at once). The step's loss at each perturbation is then the
+    sum of the micro-batches' loss sums over the sum of their counts, added in order in float64, so the
+    same step gives the same projected gradient on every device and after every recovery."""
     eval_batch_size: int = Field(64, ge=1)
     """Rows per forward pass during evaluation (memory only; the metrics do not depend on it)."""
     tokenizer: TokenizerChoice = "auto"

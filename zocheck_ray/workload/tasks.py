@@ -120,12 +120,36 @@ class Task(ABC):
         rows = batch_indices(self.config.data_seed, step, self.config.batch_size, self.n_train)
         return _to(self._collate([self.train_examples[i] for i in rows]), device)
 
+    def _micro_batches(self, rows: list[int], device) -> list[dict[str, torch.Tensor]]:
+        """The rows' examples in `micro_batch_size` pieces, in order, each collated (padded) on its own."""
+        size = self.config.micro_batch_size
+        return [_to(self._collate([self.train_examples[i] for i in rows[a:a + size]]), device)
+                for a in range(0, len(rows), size)]
+
+    def _accumulated(self, model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        """(sum of the micro-batches' loss sums, sum of their counts), added in order in float64."""
+        total = count = 0.0
+        for batch in batches:
+            s, c = self._loss_sum(model, batch)
+            total += float(s)
+            count += float(c)
+        return total, count
+
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The scalar training loss of `model` on `batch` (float32)."""
         return self._loss(model, _to(batch, _device_of(model)))
 
-    def closure(self, model: torch.nn.Module, step: int) -> Callable[[], torch.Tensor]:
-        """`ZOOptimizer.step`'s closure for step `step`: one batch, evaluated at each perturbation."""
+    def closure(self, model: torch.nn.Module, step: int) -> Callable[[], torch.Tensor | float]:
+        """`ZOOptimizer.step`'s closure for step `step`: one batch, evaluated at each perturbation (in
+        `micro_batch_size` pieces when set: their accumulated mean, a float)."""
+        if self.config.micro_batch_size is not None:
+            rows = batch_indices(self.config.data_seed, step, self.config.batch_size, self.n_train)
+            batches = self._micro_batches(rows, _device_of(model))
+
+            def accumulated() -> float:
+                total, count = self._accumulated(model, batches)
+                return total / count
+            return accumulated
         batch = self.batch(step, _device_of(model))
         return lambda: self._loss(model, batch)
 
@@ -145,7 +169,15 @@ class Task(ABC):
 
     def slice_closure(self, model: torch.nn.Module, step: int, rank: int,
                       ranks: int) -> Callable[[], tuple[float, float]]:
-        """A data-parallel rank's closure: (loss sum, count) on its slice of step `step`'s batch."""
+        """A data-parallel rank's closure: (loss sum, count) on its slice of step `step`'s batch (in
+        `micro_batch_size` pieces when set, accumulated in float64)."""
+        if self.config.micro_batch_size is not None:
+            if self.config.batch_size % ranks:
+                raise WorkloadError(f"task.batch_size={self.config.batch_size} does not divide among {ranks} ranks")
+            rows = batch_indices(self.config.data_seed, step, self.config.batch_size, self.n_train)
+            size = len(rows) // ranks
+            batches = self._micro_batches(rows[rank * size:(rank + 1) * size], _device_of(model))
+            return lambda: self._accumulated(model, batches)
         batch = self.batch_slice(step, rank, ranks, _device_of(model))
         return lambda: self.loss_sum(model, batch)
 
