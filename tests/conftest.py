@@ -26,6 +26,7 @@ SLOW_TESTS: dict[str, str | set[str]] = {
     "test_job_submit.py": "*",  # a `ray start --head` node and two submitted jobs
     "test_ray_host_failure.py": "*",  # multi-node clusters, node loss, rebuilds from durable storage
     "test_ray_recovery.py": "*",  # jobs on a real Ray instance with injected failures
+    "test_ray_zo_methods.py": "*",  # ZO-Bench optimizers, n-SPSA, accumulation, adapters through every failure
     "test_ray_shadow_faults.py": "*",  # jobs with a killed shadow and S3 outages, then verified
     "test_data_parallel.py": "*",  # k trainer ranks on a real Ray instance, ranks killed
     "test_data_parallel_nodes.py": "*",  # a 3-node cluster, a rank's node removed
@@ -37,6 +38,7 @@ SLOW_TESTS: dict[str, str | set[str]] = {
     "test_tune.py": {"results"},  # a two-trial sweep with a restored trial
     "test_bench_eval.py": {"waste_doc", "scaling_doc", "memory_doc"},  # three benchmarks at a small scale
     "test_workload_training.py": {"test_zo_fine_tuning_lowers_held_out_loss", "test_a_task_run_is_reproducible"},
+    "test_zo_methods.py": {"test_trainer_and_both_replays_agree"},  # HF models, the new kernels' first compile
     "test_core_exactness.py": {"test_trainer_reference_and_fused_replay_agree_on_a_hf_model",
                                "test_odd_tensor_shapes"},  # HF models in every dtype; the fp16 kernels' compile
     "test_storage_crash.py": {"test_sigkill_during_saves_never_exposes_a_torn_snapshot"},  # 12 killed writers

@@ -34,6 +34,19 @@ class PushReply(NamedTuple):
     """Records of this push it accepted."""
 
 
+class AdapterIdentity(BaseModel):
+    """What a parameter-efficient run records of its model beside the adapter's state: the frozen base's
+    weights' SHA-256 (`workload.adapters.base_identity`) and the adapter's config (its snapshots'
+    `adapter_config.json`)."""
+
+    model_config = _FROZEN
+
+    base_hash: str
+    """SHA-256 of the frozen base model's weights."""
+    adapter_config: dict
+    """The peft adapter config, as `adapter_config.json` holds it."""
+
+
 class RecoveryOffer(BaseModel):
     """What a shadow offers a recovering trainer: its newest image (lent) and the records after it."""
 
@@ -45,6 +58,8 @@ class RecoveryOffer(BaseModel):
     """The encoded records after the image's step (`core.record.decode_records`)."""
     source: str
     """Where the shadow's replica came from: `fresh`, `durable` (rebuilt from storage) or `resync`."""
+    adapter: AdapterIdentity | None = None
+    """A parameter-efficient run's base and adapter, as the run recorded them (None: full fine-tuning)."""
 
 
 class PublisherStats(BaseModel):
