@@ -189,6 +189,10 @@ class TrainerTimes(BaseModel):
 
     rank_seconds_per_step: list[float]
     collective_seconds_per_step: float | None = None
+    held_out_step: int | None = None
+    """The step of the newest held-out evaluation (every `task.eval_interval` steps)."""
+    held_out: dict[str, float] = {}
+    """Its metrics (`accuracy`; `f1` and `exact_match` for SQuAD; `loss`)."""
 
 
 class ShadowMetrics(BaseModel):
@@ -271,6 +275,10 @@ class ShadowMetrics(BaseModel):
     trainer; empty until the first segment). Exported as one gauge tagged by `rank`."""
     collective_seconds_per_step: float | None = None
     """Data parallel: the ranks' all-gather per step over the last segment, waits for the slowest rank included."""
+    held_out_step: int | None = None
+    """The step of the trainers' newest held-out evaluation, as the controller last reported it."""
+    held_out: dict[str, float] = {}
+    """Its metrics on the held-out rows (`accuracy`, `f1`, `exact_match`, `loss`, ...)."""
     regime: Literal["keep-pace", "lag", "unknown"]
     """The cost model's regime: `keep-pace` (replay faster than training), `lag` (slower), `unknown` (no profile)."""
     source: str

@@ -61,6 +61,8 @@ class Shadow:
         self.trainer_step: int | None = None
         self.rank_seconds_per_step: list[float] = []
         self.collective_seconds_per_step: float | None = None
+        self.held_out_step: int | None = None
+        self.held_out: dict[str, float] = {}
         self.rejected = 0
         self.last_rejection = ""
         self.ingest_error: str | None = None
@@ -287,12 +289,14 @@ class Shadow:
             snapshot_seconds=replay.last_copy_seconds,
             rank_seconds_per_step=self.rank_seconds_per_step,
             collective_seconds_per_step=self.collective_seconds_per_step, regime=self.regime, source=replay.source,
+            held_out_step=self.held_out_step, held_out=self.held_out,
         )
 
     def note_trainers(self, times: TrainerTimes) -> None:
         """The trainers' step times, as the controller measured them over its last segment."""
         self.rank_seconds_per_step = list(times.rank_seconds_per_step)
         self.collective_seconds_per_step = times.collective_seconds_per_step
+        self.held_out_step, self.held_out = times.held_out_step, dict(times.held_out)
 
     def close(self) -> None:
         """Stop the stages; the persistence stage seals the log and writes what it can first."""

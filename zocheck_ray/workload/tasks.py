@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 
 from zocheck_ray.workload.data import batch_indices
-from zocheck_ray.workload.datafiles import SHIPPED_SST2, Row, read_rows
+from zocheck_ray.workload.datafiles import SHIPPED_SST2, Row, has_split, read_rows
 from zocheck_ray.workload.errors import DataFormatError, LabelError, TaskModelMismatchError, WorkloadError
 from zocheck_ray.workload.models import model_config_dict, model_directory, model_kind
-from zocheck_ray.workload.task_config import TaskConfig
+from zocheck_ray.workload.task_config import MEZO_KINDS, TaskConfig
 from zocheck_ray.workload.tokenization import TextTokenizer, load_tokenizer
 
 __all__ = ["Task", "PromptClassificationTask", "LanguageModelingTask", "SequenceClassificationTask",
@@ -343,7 +343,7 @@ def _class_index(config: TaskConfig, row: Row) -> int:
         raise LabelError(row.path, row.line, row.label, labels) from None
 
 
-def _split_prompt(prompt: list[int], whole: list[int]) -> tuple[list[int], list[int]]:
+def split_prompt(prompt: list[int], whole: list[int]) -> tuple[list[int], list[int]]:
     # Tokenise prompt and prompt+word, and take what follows the shared prefix as the word's
     # tokens (as lm-evaluation-harness does): robust to tokenizers that merge across the boundary.
     n = 0
@@ -361,25 +361,35 @@ def _shared_prefix(options: list[list[int]]) -> int:
     return n
 
 
-def _prompt_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list[Row]) -> list[PromptExample]:
-    prompts = [config.template.format(text=r.text) for r in rows]
+def candidate_examples(config: TaskConfig, tokenizer: TextTokenizer, prompts: list[str],
+                       options: list[Sequence[str]], labels: list[int], what: str = "candidate") -> list[PromptExample]:
+    """Prompt-classification examples: each prompt followed by each of its candidates' texts (class order),
+    the candidates' tokens taken as what follows the prompt's (`split_prompt`)."""
     prompt_ids = tokenizer.encode(prompts)
-    per_word = [tokenizer.encode([p + " " + word for p in prompts]) for word in config.verbalizer.values()]
+    width = max(len(o) for o in options)
+    per_option = [tokenizer.encode([p + (o[k] if k < len(o) else "") for p, o in zip(prompts, options)])
+                  for k in range(width)]
     examples = []
-    for i, row in enumerate(rows):
-        options = []
-        for word, encoded in zip(config.verbalizer.values(), per_word):
-            prefix, option = _split_prompt(prompt_ids[i], encoded[i])
+    for i, label in enumerate(labels):
+        encoded_options = []
+        for k, text in enumerate(options[i]):
+            prefix, option = split_prompt(prompt_ids[i], per_option[k][i])
             if not option or len(option) >= config.max_length:
                 raise TaskModelMismatchError(
-                    f"verbalizer word {word!r} takes {len(option)} tokens with {tokenizer.describe()}, which leaves "
+                    f"{what} {text.strip()!r} takes {len(option)} tokens with {tokenizer.describe()}, which leaves "
                     f"no room for the prompt within task.max_length={config.max_length}; raise max_length or "
                     "choose shorter words")
-            options.append(option)
-        shared = _shared_prefix(options)
-        examples.append(PromptExample(prefix + options[0][:shared], [o[shared:] for o in options],
-                                      _class_index(config, row)))
+            encoded_options.append(option)
+        shared = _shared_prefix(encoded_options)
+        examples.append(PromptExample(prefix + encoded_options[0][:shared], [o[shared:] for o in encoded_options],
+                                      label))
     return examples
+
+
+def _prompt_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list[Row]) -> list[PromptExample]:
+    words = [" " + word for word in config.verbalizer.values()]
+    return candidate_examples(config, tokenizer, [config.template.format(text=r.text) for r in rows],
+                              [words] * len(rows), [_class_index(config, r) for r in rows], "verbalizer word")
 
 
 def _text_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list[Row], labelled: bool) -> list[TextExample]:
@@ -395,7 +405,7 @@ def _text_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list[Row]
 
 def _check_fit(config: TaskConfig, name: str, kind: str, hf: dict, tokenizer: TextTokenizer) -> None:
     arch = ", ".join(hf.get("architectures") or [hf.get("model_type", "?")])
-    if config.kind in ("sst2", "lm") and kind != "causal-lm":
+    if config.kind in ("sst2", "lm", *MEZO_KINDS) and kind != "causal-lm":
         raise TaskModelMismatchError(
             f"task kind {config.kind!r} needs a causal LM, but model {name!r} is an encoder with a classification "
             f"head ({arch}); use task kind 'classification', or a causal LM such as tiny-opt, tiny-llama, tiny-qwen3")
@@ -434,13 +444,30 @@ def build_task(config: TaskConfig, model: str, overrides: dict | None = None,
         tokenizer = load_tokenizer(model_directory(model), int(hf["vocab_size"]), config.tokenizer)
     _check_fit(config, model, kind, hf, tokenizer)
 
+    if config.kind in MEZO_KINDS:
+        from zocheck_ray.workload.mezo_tasks import build_mezo_task
+
+        return build_mezo_task(config, tokenizer)
     label_field = None if config.kind == "lm" else config.label_field
-    rows = read_rows(config.data_path or SHIPPED_SST2, config.text_field, label_field, config.data_format)
-    if config.eval_path is None:
+    path = config.data_path or SHIPPED_SST2
+    rows = read_rows(path, config.text_field, label_field, config.data_format, config.split)
+    if config.eval_path is None and has_split(path, config.eval_split, config.data_format):
+        train = rows
+        held_out = read_rows(path, config.text_field, label_field, config.data_format,
+                             config.eval_split)[:config.eval_size]
+    elif config.eval_path is None:
         train, held_out = split_rows(rows, config.eval_size)
     else:
         train = rows
-        held_out = read_rows(config.eval_path, config.text_field, label_field, config.data_format)[:config.eval_size]
+        held_out = read_rows(config.eval_path, config.text_field, label_field, config.data_format,
+                             config.eval_split)[:config.eval_size]
+    if config.k_shot is not None and config.kind != "lm":
+        from zocheck_ray.workload.mezo_tasks import k_shot
+
+        kept = k_shot([(r.line, {"text": r.text, "label": r.label}) for r in train], config.k_shot,
+                      config.data_seed, lambda row: str(row[1]["label"]))
+        lines = {line for line, _ in kept}
+        train = [r for r in train if r.line in lines]
 
     if config.kind == "sst2":
         return PromptClassificationTask(config, tokenizer, _prompt_examples(config, tokenizer, train),
