@@ -49,17 +49,37 @@ def call_when_alive(submit, timeout: float = 300.0):
             time.sleep(0.02)
 
 
-def actor_state(actor) -> str | None:
-    """The GCS's state of `actor` now (`ALIVE`, `RESTARTING`, `DEAD`, ...), or None where it cannot be read.
+def actor_entry(actor) -> dict:
+    """The GCS's actor table entry of `actor` (`State`, `NumRestarts`, ...), or {} where it cannot be read.
 
     Ray has no public way to ask without the dashboard; its GCS actor table says it at once, where a task
     sent to a restarting actor waits on Ray's death-info timer (1 s or more) before it fails."""
     try:
         from ray._private.state import actors
 
-        return actors(actor_id=actor._actor_id.hex()).get("State")
+        return actors(actor_id=actor._actor_id.hex()) or {}
     except Exception:  # another Ray, or the table is unreachable: callers fall back to calling the actor
-        return None
+        return {}
+
+
+def actor_state(actor) -> str | None:
+    """The GCS's state of `actor` now (`ALIVE`, `RESTARTING`, `DEAD`, ...), or None where it cannot be read."""
+    return actor_entry(actor).get("State")
+
+
+def wait_until_restarted(actor, restarts: int | None, timeout: float = 300.0) -> None:
+    """Return once the GCS reports `actor` alive after more than `restarts` restarts (or dead, or after
+    `timeout`): a call then reaches the new process at once. With `restarts` unknown, or the table
+    unreadable, as `wait_until_alive`."""
+    if restarts is None:
+        return wait_until_alive(actor, timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        entry = actor_entry(actor)
+        if not entry or entry.get("State") == "DEAD" or (
+                entry.get("State") == "ALIVE" and entry.get("NumRestarts", 0) > restarts):
+            return
+        time.sleep(0.01)
 
 
 def wait_until_alive(actor, timeout: float = 300.0) -> None:
