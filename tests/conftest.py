@@ -56,10 +56,23 @@ _AWS_ENV = {
 }
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free on 127.0.0.1 now: every socket is held open until all are chosen (a port
+    released by one call is often the next one the kernel hands out, so one call at a time can repeat)."""
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            sockets.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 class MotoS3:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV_BIN = Path(sys.executable).parent
@@ -93,11 +93,11 @@ def head():
            "PYTHONPATH": ""}
     for name in ("RAY_ADDRESS", "VIRTUAL_ENV"):
         env.pop(name, None)
-    gcs, dashboard = free_port(), free_port()
-    ports = {"--port": gcs, "--dashboard-port": dashboard, "--ray-client-server-port": free_port(),
-             "--node-manager-port": free_port(), "--object-manager-port": free_port(),
-             "--dashboard-agent-listen-port": free_port(), "--dashboard-agent-grpc-port": free_port(),
-             "--metrics-export-port": free_port(), "--runtime-env-agent-port": free_port()}
+    flags = ["--port", "--dashboard-port", "--ray-client-server-port", "--node-manager-port", "--object-manager-port",
+             "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
+             "--runtime-env-agent-port"]
+    ports = dict(zip(flags, free_ports(len(flags))))  # distinct: Ray refuses one port for two components
+    gcs, dashboard = ports["--port"], ports["--dashboard-port"]
     start = [str(ENV_BIN / "ray"), "start", "--head", f"--temp-dir={temp_dir}", "--num-cpus=4", "--num-gpus=0",
              "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--disable-usage-stats",
              *[f"{k}={v}" for k, v in ports.items()]]

@@ -116,3 +116,12 @@ def test_the_slow_marker_selects(pytester):
     assert "test_tune.py::test_grid_option_parses_values_as_yaml" in quick
     assert "test_setup.py::test_every_test_marked_slow_by_name_exists" in quick
     assert slow and quick and not slow & quick
+
+
+def test_free_ports_are_distinct():
+    # a port released by one lookup is often the kernel's next answer: all of a call's sockets are held at once
+    from conftest import free_ports
+
+    for _ in range(20):
+        ports = free_ports(9)  # as many as a `ray start --head` takes
+        assert len(set(ports)) == 9 and all(0 < p < 65536 for p in ports)
