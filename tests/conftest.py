@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import time
 import uuid
 
 import pytest
@@ -73,6 +75,35 @@ def free_ports(n: int) -> list[int]:
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+def processes_naming(marker: str) -> list[int]:
+    """Processes whose command line names `marker` (a Ray cluster's temp dir: its own processes)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def stop_processes_naming(marker: str) -> None:
+    """Stop the processes whose command line names `marker`: a cluster a test started, and only that one
+    (never a blanket `ray stop`, which stops every Ray instance of this user on the machine)."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+        for pid in processes_naming(marker):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while processes_naming(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 class MotoS3:

@@ -19,7 +19,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_ports
+from conftest import free_ports, stop_processes_naming
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV_BIN = Path(sys.executable).parent
@@ -39,33 +38,6 @@ ENDLESS_STEPS = 10**7  # a job that only ends when stopped: the test reads its s
 JOB_ARGS = ["--set", "task.batch_size=4", "--set", "task.max_length=32", "--set", "task.eval_interval=10",
             "--set", "snapshot_interval=5", "--set", "log_interval=5"]
 ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
-
-
-def our_processes(marker: str) -> list[int]:
-    """Processes whose command line names `marker` (this cluster's temp dir)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(name))
-        except OSError:
-            pass
-    return found
-
-
-def stop_cluster(temp_dir: str) -> None:
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
-        for pid in our_processes(temp_dir):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait
-        while our_processes(temp_dir) and time.monotonic() < deadline:
-            time.sleep(0.1)
 
 
 def python_without_dependencies(bin_dir: Path) -> Path:
@@ -108,7 +80,7 @@ def head():
     except subprocess.CalledProcessError as exc:
         pytest.fail(f"ray start --head failed:\n{exc.stdout}\n{exc.stderr}")
     finally:
-        stop_cluster(temp_dir)
+        stop_processes_naming(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

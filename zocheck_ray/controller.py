@@ -643,7 +643,7 @@ def run(job: JobConfig, fail_at: list[int] | None = None,
         raise JobConfigError(f"fail_mode={fail_mode} with trainers={job.trainers}: only software failures (one "
                              "rank's process, --fail-rank) are injected into data-parallel runs")
     if not ray.is_initialized():
-        connect_ray(say=progress)
+        connect_ray(say=progress, run_id=job.run_id)
     try:  # another live writer of this run's storage is refused, named; this cluster's dead shadow is not
         check_no_live_writer(job.run_url, job.storage_options)
     except LeaseHeldError as exc:

@@ -51,9 +51,11 @@ class Shadow:
 
     def __init__(self, job: JobConfig, publish: Callable[[np.ndarray], object] | None = None,
                  threads: int | None = None, persist: bool = True, faults: FaultInjection = NO_FAULTS,
-                 writer: str | None = None):
+                 writer: str | None = None, nice: int = 0):
         """`writer` names this shadow in the run's lease; a restarted shadow passes the same name and
-        reclaims the lease of its dead predecessor. Any other live writer is refused (`LeaseHeldError`)."""
+        reclaims the lease of its dead predecessor. Any other live writer is refused (`LeaseHeldError`).
+        `nice`: the niceness of the replay and persistence threads and of what they start (`job.shadow_nice`
+        in a `ShadowActor`); the caller's threads, ingest's and the lease's heartbeat keep theirs."""
         self.job = job
         self.incarnation = uuid.uuid4().hex[:12]
         self.trainer_step: int | None = None
@@ -68,7 +70,7 @@ class Shadow:
         self.ledger = RecordLedger(0, on_accept=lambda: self.replay.wake())
         self.persist: PersistStage | None = None
         self.replay = ReplayStage(self.ledger, job, publish or (lambda buffer: None), self._on_image, threads,
-                                  faults)
+                                  faults, nice=nice)
         self.lease: Lease | None = None
         if persist:
             self.lease = _with_retries(lambda: Lease(job.run_url, job.storage_options,
@@ -80,7 +82,7 @@ class Shadow:
                                   f"opening the snapshot store {job.run_url}")
             meta = {"run_id": job.run_id, "hf_config": model_config_dict(job.model),
                     "zo_config": job.zo.model_dump(mode="json")}
-            self.persist = PersistStage(self.ledger, job, store, self.lease, meta)
+            self.persist = PersistStage(self.ledger, job, store, self.lease, meta, nice=nice)
             self._durable_rebuild(store)
         warm.join()
         self.replay.start()

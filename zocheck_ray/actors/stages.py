@@ -20,6 +20,7 @@ import torch
 
 from zocheck_ray.actors.image import ImageLayout, new_buffer, pack_into, unpack
 from zocheck_ray.actors.ledger import LOG, REPLAY, RecordLedger
+from zocheck_ray.actors.priority import background_thread
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord, replay, state_hash
 from zocheck_ray.faults import FaultInjection
@@ -54,14 +55,17 @@ class ReplayStage:
     """Owns the replica: applies the ledger's records, snapshots at multiples of N."""
 
     def __init__(self, ledger: RecordLedger, job: JobConfig, publish: Callable[[np.ndarray], object],
-                 on_image: Callable[[Image], None], threads: int | None, faults: FaultInjection):
+                 on_image: Callable[[Image], None], threads: int | None, faults: FaultInjection, nice: int = 0):
+        """`nice`: the niceness of the replay thread and of the workers it starts (see `priority.py`)."""
         self.ledger = ledger
+        self._nice = nice
         self.zo = job.zo
         self.threads = threads
         self.snapshot_interval = job.snapshot_interval or 16
         self._publish = publish
         self._on_image = on_image
         self._delay = faults.replay_delay_seconds
+        self._stalled = faults.replay_stalled
         self.replica: dict[str, torch.Tensor] | None = None
         self.layout: ImageLayout | None = None
         self.replayed_step = 0
@@ -107,6 +111,7 @@ class ReplayStage:
     # ------------------------------------------------------------------ the thread
 
     def _loop(self) -> None:
+        background_thread(self._thread.name, self._nice)
         while not self._stop.is_set():
             self._wake.wait(0.05)
             self._wake.clear()
@@ -127,7 +132,7 @@ class ReplayStage:
                 future.set_exception(exc)
 
     def _replay_batch(self) -> bool:
-        if self.replica is None or self.error is not None:
+        if self.replica is None or self.error is not None or self._stalled:
             return False
         n = self.snapshot_interval
         boundary = (self.replayed_step // n + 1) * n
@@ -228,8 +233,11 @@ class ReplayStage:
 class PersistStage:
     """Owns the snapshot store and the step log: makes records and images durable, whatever the store does."""
 
-    def __init__(self, ledger: RecordLedger, job: JobConfig, store: SnapshotStore, lease: Lease, meta: dict):
+    def __init__(self, ledger: RecordLedger, job: JobConfig, store: SnapshotStore, lease: Lease, meta: dict,
+                 nice: int = 0):
+        """`nice`: the niceness of the persistence thread and of the workers it starts (see `priority.py`)."""
         self.ledger = ledger
+        self._nice = nice
         self.job = job
         self.store = store
         self.lease = lease
@@ -286,6 +294,7 @@ class PersistStage:
     # ------------------------------------------------------------------ the thread
 
     def _loop(self) -> None:
+        background_thread(self._thread.name, self._nice)
         backoff = 0.0
         while True:
             self._wake.wait(backoff or LOG_FLUSH_SECONDS)
