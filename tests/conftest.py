@@ -1,5 +1,6 @@
 """Shared fixtures: a real S3 endpoint on 127.0.0.1 (moto's server, as s3fs's own suite uses);
-the `slow` marker on the tests that take more than a few seconds (`pytest -m "not slow"`)."""
+the `slow` marker on the tests that take more than a few seconds (`pytest -m "not slow"`), set where a
+test or its module is defined or by the fixtures it uses (`slow_fixture`)."""
 
 from __future__ import annotations
 
@@ -12,40 +13,72 @@ import uuid
 
 import pytest
 
-SLOW_TESTS: dict[str, str | set[str]] = {
-    # module: "*" (all of its tests), or the names of its slow tests and of the fixtures that make a test slow
-    "test_job_submit.py": "*",  # a `ray start --head` node and two submitted jobs
-    "test_ray_host_failure.py": "*",  # multi-node clusters, node loss, rebuilds from durable storage
-    "test_ray_recovery.py": "*",  # jobs on a real Ray instance with injected failures
-    "test_ray_shadow_faults.py": "*",  # jobs with a killed shadow and S3 outages, then verified
-    "test_data_parallel.py": "*",  # k trainer ranks on a real Ray instance, ranks killed
-    "test_data_parallel_nodes.py": "*",  # a 3-node cluster, a rank's node removed
-    "test_shadow_pipeline.py": {"test_a_storage_outage_is_reported_retried_and_leaves_no_gap"},  # S3 retries
-    "test_triton_kernels.py": "*",  # kernels run by Triton's CPU interpreter
-    "test_bench_overhead_recovery.py": "*",  # the overhead and recovery benchmarks on a real Ray instance
-    "test_bench_data_parallel.py": {"local_ray"},  # a k=1 and a k=2 run, each losing a rank
-    "test_train_cli.py": {"local_ray"},  # the embedded default job on Ray
-    "test_tune.py": {"results"},  # a two-trial sweep with a restored trial
-    "test_bench_eval.py": {"waste_doc", "scaling_doc", "memory_doc"},  # three benchmarks at a small scale
-    "test_workload_training.py": {"test_zo_fine_tuning_lowers_held_out_loss", "test_a_task_run_is_reproducible"},
-    "test_core_exactness.py": {"test_trainer_reference_and_fused_replay_agree_on_a_hf_model",
-                               "test_odd_tensor_shapes"},  # HF models in every dtype; the fp16 kernels' compile
-    "test_storage_crash.py": {"test_sigkill_during_saves_never_exposes_a_torn_snapshot"},  # 12 killed writers
-}
-"""The tests marked `slow`, by module: measured at more than a few seconds on two cores (with the
-fixtures they start). `pytest -m "not slow"` runs the rest in a fraction of the time."""
+SLOW_FIXTURES: set[tuple[str, str]] = set()
+"""(module, name) of the fixtures declared with `slow_fixture`."""
 
 
-def is_slow(module: str, test_name: str, fixture_names) -> bool:
-    names = SLOW_TESTS.get(module)
-    return names == "*" or bool(names and (test_name in names or names & set(fixture_names)))
+def slow_fixture(*args, **kwargs):  # (fn) or (**pytest.fixture's keywords)
+    """`pytest.fixture` for a fixture that makes every test using it slow (a Ray instance, a benchmark run):
+    those tests are marked `slow` where the fixture is defined, so a new test that uses it is marked too.
+    A slow test that uses no such fixture carries `@pytest.mark.slow` (or its module, `pytestmark`)."""
+
+    def declare(fn):
+        SLOW_FIXTURES.add((fn.__module__, fn.__name__))
+        return pytest.fixture(**kwargs)(fn)
+
+    if len(args) == 1 and callable(args[0]) and not kwargs:  # @slow_fixture, without arguments
+        return declare(args[0])
+    return declare
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if is_slow(item.path.name, getattr(item, "originalname", item.name), getattr(item, "fixturenames", ())):
+        module = getattr(getattr(item, "module", None), "__name__", None)
+        if any((module, name) in SLOW_FIXTURES for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+# `--max-unmarked-seconds S` (`make check-slow-marks`): the session fails when a test that is not marked
+# slow took more than S seconds, its setup (the fixtures it started first) and teardown included. Only
+# when asked: how long a test takes depends on the machine, so `make test` never judges it.
+
+
+def pytest_addoption(parser):
+    parser.addoption("--max-unmarked-seconds", type=float, default=None, metavar="S",
+                     help="fail when a test not marked slow takes more than S seconds (setup and teardown "
+                          "included); measure on a warm numba cache")
+
+
+class UnmarkedSeconds:
+    """Adds up the seconds of each test not marked slow; names those over the limit and fails the session."""
+
+    def __init__(self, limit: float):
+        self.limit = limit
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report):
+        if "slow" not in report.keywords:
+            self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+
+    def over(self) -> dict[str, float]:
+        return {node: seconds for node, seconds in self.seconds.items() if seconds > self.limit}
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        if self.over() and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
+        if self.over():
+            terminalreporter.section(f"tests not marked slow that took more than {self.limit:g} s", red=True)
+            for node, seconds in sorted(self.over().items(), key=lambda kv: -kv[1]):
+                terminalreporter.write_line(f"{seconds:8.2f} s  {node}  (mark it slow, or its slow fixture)")
+
+
+def pytest_configure(config):
+    limit = config.getoption("max_unmarked_seconds")
+    if limit is not None and not hasattr(config, "workerinput"):  # judged where every test's report arrives
+        config.pluginmanager.register(UnmarkedSeconds(limit), "unmarked-seconds")
 
 
 # Nothing may reach real AWS: dummy credentials and no instance-metadata lookups.

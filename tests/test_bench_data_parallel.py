@@ -7,10 +7,11 @@ from statistics import median
 import pytest
 import ray
 
+from conftest import slow_fixture
 from zocheck_ray.bench.data_parallel import data_parallel_benchmark, markdown, round_order
 
 
-@pytest.fixture(scope="module", autouse=True)
+@slow_fixture(scope="module", autouse=True)  # a k=1 and a k=2 run, each losing a rank
 def local_ray():
     ray.init(address="local", num_cpus=4, namespace="zocheck", include_dashboard=False, log_to_driver=False)
     yield

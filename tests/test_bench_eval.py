@@ -14,6 +14,7 @@ import numba
 import pytest
 import torch
 
+from conftest import slow_fixture
 from zocheck_ray.bench import memory, report, scaling, waste, waste_inputs
 
 MTBF = [3.0, 9.0, 15.0]
@@ -29,19 +30,19 @@ def out(tmp_path_factory):
     return tmp_path_factory.mktemp("bench-results")
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")  # the waste benchmark at a small scale
 def waste_doc(out):
     return waste.waste_benchmark(MTBF, hidden=64, layers=1, steps=2, trials=500, measure_restart=False,
                                  json_path=str(out / "waste.json"), say=lambda *_: None)
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")  # the scaling benchmark at a small scale
 def scaling_doc(out):
     return scaling.scaling_benchmark(PARAMS, THREADS, DTYPES, BATCHES, SEQ_LENS, repeats=1, hidden=64, layers=1,
                                      json_path=str(out / "scaling.json"), say=lambda *_: None)
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")  # the memory benchmark at a small scale
 def memory_doc(out):
     return memory.memory_benchmark(SHADOW_SIZES, hidden=128, layers=1, steps=7, strategies=("trainer", "zocheck"),
                                    json_path=str(out / "memory.json"), say=lambda *_: None)

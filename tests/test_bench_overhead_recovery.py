@@ -19,6 +19,8 @@ from zocheck_ray.bench.overhead import overhead_benchmark, parse_count, percenti
 from zocheck_ray.bench.recovery import Scenario, catch_up_seconds, check_targets, failure_steps, recovery_benchmark
 from zocheck_ray.bench.recovery_comparison import ComparisonSpec
 
+pytestmark = pytest.mark.slow  # the overhead and recovery benchmarks on a real Ray instance
+
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():

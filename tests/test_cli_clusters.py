@@ -29,6 +29,8 @@ import pytest
 
 from conftest import free_ports, stop_processes_naming
 
+pytestmark = pytest.mark.slow  # a `ray start --head` node, train drivers and their local instances
+
 ROOT = Path(__file__).resolve().parent.parent
 ENV_BIN = Path(sys.executable).parent
 BOUND_SECONDS = 300  # a ceiling for a loaded machine, not a timing

@@ -18,6 +18,8 @@ from zocheck_ray.config import JobConfigError, load_job_config
 from zocheck_ray.controller import Action, Failure, decide, run
 from zocheck_ray.verify import verify_run
 
+pytestmark = pytest.mark.slow  # k trainer ranks on a real Ray instance, ranks killed
+
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():

@@ -14,6 +14,8 @@ from reference_runs import job_for, uninterrupted_data_parallel_hashes
 from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
 from zocheck_ray.controller import run
 
+pytestmark = pytest.mark.slow  # a 3-node cluster, a rank's node removed
+
 STEPS = 24
 
 

@@ -14,6 +14,8 @@ from zocheck_ray.config import JobConfig
 from zocheck_ray.controller import run
 from reference_runs import SMALL_TASK, STEPS, assert_exact, uninterrupted_hashes
 
+pytestmark = pytest.mark.slow  # multi-node clusters, node loss, rebuilds from durable storage
+
 NODE_CPUS = 2
 
 

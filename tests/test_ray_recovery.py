@@ -19,6 +19,8 @@ from zocheck_ray.config import JobConfigError, load_job_config
 from zocheck_ray.controller import run
 from zocheck_ray.faults import FaultInjection
 
+pytestmark = pytest.mark.slow  # jobs on a real Ray instance with injected failures
+
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():

@@ -18,6 +18,8 @@ from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name
 from zocheck_ray.controller import RunFailedError, run
 from zocheck_ray.storage import SnapshotStore, read_log
 
+pytestmark = pytest.mark.slow  # jobs with a killed shadow and S3 outages, then verified
+
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():

@@ -11,6 +11,7 @@ import os
 import pytest
 import ray
 
+from conftest import slow_fixture
 from zocheck_ray.cli import main
 from zocheck_ray.config import RAY_JOB_ENV, JobConfig, JobConfigError, check_job_environment, load_job_config
 from zocheck_ray.controller import run
@@ -74,7 +75,7 @@ def test_controller_refuses_a_bad_task_before_ray(tmp_path):
     assert not ray.is_initialized() and not (tmp_path / "runs").exists()
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")  # the embedded default job on Ray
 def local_ray():
     # address="local": a new instance of its own, even where another `ray start` cluster runs on this machine
     ray.init(address="local", num_cpus=3, namespace="zocheck", include_dashboard=False, log_to_driver=False)

@@ -27,6 +27,8 @@ from zocheck_ray.core.errors import StateMismatchError  # noqa: E402
 from zocheck_ray.core.generator import perturbation  # noqa: E402
 from zocheck_ray.workload.models import build_model, trainable_parameters  # noqa: E402
 
+pytestmark = pytest.mark.slow  # kernels run by Triton's CPU interpreter
+
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_z_kernel_equals_the_oracle(kind):

@@ -15,6 +15,7 @@ import pytest
 import ray
 from ray import tune
 
+from conftest import slow_fixture
 from reference_runs import SMALL_TASK, uninterrupted_hashes
 
 from zocheck_ray.config import JobConfig, JobConfigError
@@ -30,7 +31,7 @@ FAIL_AT = 8
 LRS = [2e-3, 5e-3]
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")  # a two-trial sweep with a restored trial
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("tune")
     # address="local": a new instance of its own, even where another `ray start` cluster runs on this machine
