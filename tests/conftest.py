@@ -13,18 +13,15 @@ import uuid
 
 import pytest
 
-SLOW_FIXTURES: set[tuple[str, str]] = set()
-"""(module, name) of the fixtures declared with `slow_fixture`."""
-
-
 def slow_fixture(*args, **kwargs):  # (fn) or (**pytest.fixture's keywords)
     """`pytest.fixture` for a fixture that makes every test using it slow (a Ray instance, a benchmark run):
-    those tests are marked `slow` where the fixture is defined, so a new test that uses it is marked too.
+    the tests of its module that use it are marked `slow`, so a new test that uses it is marked too.
     A slow test that uses no such fixture carries `@pytest.mark.slow` (or its module, `pytestmark`)."""
 
     def declare(fn):
-        SLOW_FIXTURES.add((fn.__module__, fn.__name__))
-        return pytest.fixture(**kwargs)(fn)
+        fixture = pytest.fixture(**kwargs)(fn)
+        fixture.makes_tests_slow = True  # read by pytest_collection_modifyitems, in the test's module
+        return fixture
 
     if len(args) == 1 and callable(args[0]) and not kwargs:  # @slow_fixture, without arguments
         return declare(args[0])
@@ -34,8 +31,9 @@ def slow_fixture(*args, **kwargs):  # (fn) or (**pytest.fixture's keywords)
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        module = getattr(getattr(item, "module", None), "__name__", None)
-        if any((module, name) in SLOW_FIXTURES for name in getattr(item, "fixturenames", ())):
+        module = getattr(item, "module", None)
+        if any(getattr(getattr(module, name, None), "makes_tests_slow", False)
+               for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 
