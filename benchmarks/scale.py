@@ -335,7 +335,7 @@ def scale_benchmark(sizes: list[str] | None = None, dtypes: tuple[str, ...] = ("
                     json_path: str | None = None, plot_path: str | None = None, say=print) -> dict:
     import ray
 
-    from zocheck_ray.control.placement import connect_ray
+    from zocheck_ray.control.connect import connect_ray
 
     sizes = sizes or DEFAULT_SIZES
     unknown = [s for s in sizes if s not in SIZES]

@@ -92,6 +92,17 @@ def wait_until_alive(actor, timeout: float = 300.0) -> None:
         time.sleep(0.01)
 
 
+def describe_actor(actor) -> str:
+    """What the GCS's actor table says of `actor`, in words: its state (ALIVE, RESTARTING, DEAD, ...), its
+    process and its restarts; "unknown" where the table cannot be read."""
+    entry = actor_entry(actor)
+    if not entry:
+        return "unknown"
+    where = entry.get("Address") or {}
+    return (f"{entry.get('State', 'unknown')} (pid {entry.get('Pid') or '-'} on {where.get('IPAddress') or '-'}, "
+            f"{entry.get('NumRestarts', 0)} restarts)")
+
+
 def shadow_name(run_id: str) -> str:
     return f"zocheck-shadow-{run_id}"
 
@@ -100,20 +111,6 @@ def shadow_writer(run_id: str) -> str:
     """The shadow's name in its run's storage lease. An actor name is unique in a cluster, so a
     holder of this name is a dead predecessor (a restart, a lost node): the new shadow reclaims it."""
     return f"shadow:{run_id}@{ray.get_runtime_context().gcs_address}"
-
-
-def lower_priority(nice: int) -> None:
-    """Raise the niceness of every thread of this process to at least `nice` (Linux keeps it per
-    thread; threads started later inherit their creator's)."""
-    if nice <= 0 or not os.path.isdir("/proc/self/task"):
-        return
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            current = os.getpriority(os.PRIO_PROCESS, int(tid))
-            if current < nice:
-                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        except OSError:  # a thread that ended meanwhile
-            pass
 
 
 def settle_heap() -> None:
@@ -137,11 +134,11 @@ class ShadowActor:
     def __init__(self, job: dict, hooks=None):
         logging.basicConfig(level=logging.INFO)
         self.job = JobConfig.model_validate(job)
-        lower_priority(self.job.shadow_nice)
         threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.shadow = Shadow(self.job, threads=threads, hooks=hooks or NO_HOOKS,
-                             writer=shadow_writer(self.job.run_id))
+        # replay and persistence at `shadow_nice`; Ray's threads and this actor's methods keep Ray's niceness
+        self.shadow = Shadow(self.job, threads=threads, hooks=hooks or NO_HOOKS, writer=shadow_writer(self.job.run_id),
+                             nice=self.job.shadow_nice)
         self._gauges = None
         settle_heap()
 
