@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick bench venv clean reference
+.PHONY: demo test test-quick check-slow-marks bench venv clean reference
 
 $(STAMP): pyproject.toml scripts/install_torch.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,12 +29,25 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# numba's kernels are compiled first, at once, in one process per core (a fresh clone has none in its
+# cache): the tests' processes and their Ray actors then only load them, rather than each compiling the
+# ones it meets first.
+COMPILE_KERNELS := $(PY) -c "from zocheck_ray.core.fused import compile_kernels; compile_kernels()"
+
 test: $(STAMP)
+	$(COMPILE_KERNELS)
 	$(PYTEST) tests
 
 # Everything but the tests marked slow (Ray clusters, benchmarks, long exactness runs).
 test-quick: $(STAMP)
+	$(COMPILE_KERNELS)
 	$(PYTEST) -m "not slow" tests
+
+# The slow marks hold: every test outside them takes at most 30 s here (setup included). It judges the
+# machine as much as the tests, so it runs only when asked, never in `make test`.
+check-slow-marks: $(STAMP)
+	$(COMPILE_KERNELS)
+	$(PYTEST) -m "not slow" --max-unmarked-seconds 30 tests
 
 # The benchmarks are a program beside the package (benchmarks/): `python -m benchmarks --help` lists them.
 bench: $(STAMP)

@@ -9,47 +9,35 @@ Fixtures: `local_ray` (a Ray instance of the test module's own), `s3_endpoint`, 
 `s3_bucket`, `root` (an empty run root on local disk and on S3), `no_matplotlib`. Helpers
 (`support.py`, `reference_runs.py`, `kernel_cases.py`, `normality.py`) lie beside this file,
 which puts `tests/` on every test's path. The `slow` marker goes on the tests that take more
-than a few seconds (`pytest -m "not slow"`).
+than a few seconds (`pytest -m "not slow"`), set where a test or its module is defined, or by the
+fixtures it uses (`slow_fixture`: `local_ray` is one); `make check-slow-marks` names the unmarked
+tests over 30 s.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import time
 import uuid
 
 import pytest
 
-SLOW_TESTS: dict[str, str | set[str]] = {
-    # module: "*" (all of its tests), or the names of its slow tests and of the fixtures that make a test slow
-    "test_job_submit.py": "*",  # a `ray start --head` node and two submitted jobs
-    "test_ray_host_failure.py": "*",  # multi-node clusters, node loss, rebuilds from durable storage
-    "test_ray_recovery.py": "*",  # jobs on a real Ray instance with injected failures
-    "test_ray_zo_methods.py": "*",  # ZO-Bench optimizers, n-SPSA, accumulation, adapters through every failure
-    "test_ray_shadow_faults.py": "*",  # jobs with a killed shadow and S3 outages, then verified
-    "test_data_parallel.py": "*",  # k trainer ranks on a real Ray instance, ranks killed
-    "test_data_parallel_nodes.py": "*",  # a 3-node cluster, a rank's node removed
-    "test_shadow_pipeline.py": {"test_a_storage_outage_is_reported_retried_and_leaves_no_gap"},  # S3 retries
-    "test_triton_kernels.py": "*",  # kernels run by Triton's CPU interpreter
-    "test_bench_overhead_recovery.py": "*",  # the overhead and recovery benchmarks on a real Ray instance
-    "test_bench_data_parallel.py": {"local_ray"},  # a k=1 and a k=2 run, each losing a rank
-    "test_train_cli.py": {"local_ray"},  # the embedded default job on Ray
-    "test_tune.py": {"results"},  # a two-trial sweep with a restored trial
-    "test_bench_eval.py": {"waste_doc", "scaling_doc", "memory_doc"},  # three benchmarks at a small scale
-    "test_workload_training.py": {"test_zo_fine_tuning_lowers_held_out_loss", "test_a_task_run_is_reproducible"},
-    "test_zo_methods.py": {"test_trainer_and_both_replays_agree"},  # HF models, the new kernels' first compile
-    "test_core_exactness.py": {"test_trainer_reference_and_fused_replay_agree_on_a_hf_model",
-                               "test_odd_tensor_shapes"},  # HF models in every dtype; the fp16 kernels' compile
-    "test_storage_crash.py": {"test_sigkill_during_saves_never_exposes_a_torn_snapshot"},  # 12 killed writers
-}
-"""The tests marked `slow`, by module: measured at more than a few seconds on two cores (with the
-fixtures they start). `pytest -m "not slow"` runs the rest in a fraction of the time."""
+def slow_fixture(*args, **kwargs):  # (fn) or (**pytest.fixture's keywords)
+    """`pytest.fixture` for a fixture that makes every test using it slow (a Ray instance, a benchmark run):
+    the tests of its module that use it are marked `slow`, so a new test that uses it is marked too.
+    A slow test that uses no such fixture carries `@pytest.mark.slow` (or its module, `pytestmark`)."""
 
+    def declare(fn):
+        fixture = pytest.fixture(**kwargs)(fn)
+        fixture.makes_tests_slow = True  # read by pytest_collection_modifyitems, in the test's module
+        return fixture
 
-def is_slow(module: str, test_name: str, fixture_names) -> bool:
-    names = SLOW_TESTS.get(module)
-    return names == "*" or bool(names and (test_name in names or names & set(fixture_names)))
+    if len(args) == 1 and callable(args[0]) and not kwargs:  # @slow_fixture, without arguments
+        return declare(args[0])
+    return declare
 
 
 INTEGRATION_FIXTURES = {"local_ray", "s3_endpoint", "private_s3", "s3_bucket", "root"}
@@ -63,14 +51,65 @@ def pytest_collection_modifyitems(config, items):
         if item.path.parent.name == "unit" and needs:
             raise pytest.UsageError(f"{item.nodeid} uses {', '.join(sorted(needs))} (real Ray or S3): "
                                     "it belongs in tests/integration/")
-        if is_slow(item.path.name, getattr(item, "originalname", item.name), getattr(item, "fixturenames", ())):
+        if any(_makes_slow(item, name) for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+def _makes_slow(item, name: str) -> bool:
+    """Whether fixture `name`, as `item` uses it (its module's, or the conftest's), is a `slow_fixture`."""
+    if getattr(getattr(getattr(item, "module", None), name, None), "makes_tests_slow", False):
+        return True
+    info = getattr(item, "_fixtureinfo", None)
+    definitions = info.name2fixturedefs.get(name, ()) if info is not None else ()
+    return any(getattr(d.func, "makes_tests_slow", False) for d in definitions)
+
+
+# `--max-unmarked-seconds S` (`make check-slow-marks`): the session fails when a test that is not marked
+# slow took more than S seconds, its setup (the fixtures it started first) and teardown included. Only
+# when asked: how long a test takes depends on the machine, so `make test` never judges it.
+
+
+def pytest_addoption(parser):
+    parser.addoption("--max-unmarked-seconds", type=float, default=None, metavar="S",
+                     help="fail when a test not marked slow takes more than S seconds (setup and teardown "
+                          "included); measure on a warm numba cache")
+
+
+class UnmarkedSeconds:
+    """Adds up the seconds of each test not marked slow; names those over the limit and fails the session."""
+
+    def __init__(self, limit: float):
+        self.limit = limit
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report):
+        if "slow" not in report.keywords:
+            self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+
+    def over(self) -> dict[str, float]:
+        return {node: seconds for node, seconds in self.seconds.items() if seconds > self.limit}
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        if self.over() and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
+        if self.over():
+            terminalreporter.section(f"tests not marked slow that took more than {self.limit:g} s", red=True)
+            for node, seconds in sorted(self.over().items(), key=lambda kv: -kv[1]):
+                terminalreporter.write_line(f"{seconds:8.2f} s  {node}  (mark it slow, or its slow fixture)")
+
+
+def pytest_configure(config):
+    limit = config.getoption("max_unmarked_seconds")
+    if limit is not None and not hasattr(config, "workerinput"):  # judged where every test's report arrives
+        config.pluginmanager.register(UnmarkedSeconds(limit), "unmarked-seconds")
 
 
 # ------------------------------------------------------------------------------------------ Ray
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def local_ray(request):
     """A Ray instance of the test module's own, with the module's `RAY_CPUS` logical CPUs (3 unless it
     sets another), for all of its tests; a module whose every test needs it says
@@ -97,10 +136,52 @@ _AWS_ENV = {
 }
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free on 127.0.0.1 now: every socket is held open until all are chosen (a port
+    released by one call is often the next one the kernel hands out, so one call at a time can repeat)."""
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            sockets.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def processes_naming(marker: str) -> list[int]:
+    """Processes whose command line names `marker` (a Ray cluster's temp dir: its own processes)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def stop_processes_naming(marker: str) -> None:
+    """Stop the processes whose command line names `marker`: a cluster a test started, and only that one
+    (never a blanket `ray stop`, which stops every Ray instance of this user on the machine)."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+        for pid in processes_naming(marker):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while processes_naming(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 class MotoS3:

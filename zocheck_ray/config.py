@@ -78,10 +78,12 @@ class JobConfig(BaseModel):
     shadow_cpus: int = Field(1, ge=1)
     """CPUs reserved for the shadow (its replay threads)."""
     shadow_nice: int = Field(19, ge=0, le=19)
-    """The least niceness of every thread of the shadow's process (Linux). Ray runs actors' tasks at
-    niceness 15 (the trainers' too) and its own threads at 0; at 19 the shadow yields where the node's
-    CPUs are all busy: the trainers run first, the shadow takes what is left (a shadow that falls too
-    far behind is resynced). 0 leaves Ray's niceness as it is."""
+    """The niceness of the shadow's background work (Linux): its replay and persistence threads and the
+    workers they start (numba's). Ray runs actors' methods at niceness 15 (the trainers' too) and its own
+    threads at 0, and the shadow leaves those as they are, so its `metrics()` (`zocheck-ray status`) and
+    its ingest of the trainers' records answer on a busy node. At 19 replay and persistence yield where
+    the node's CPUs are all busy: the trainers run first, the shadow's pipeline takes what is left (a
+    shadow that falls too far behind is resynced). 0 leaves Ray's niceness as it is."""
     max_lag_steps: int | None = Field(None, ge=1)
     """Resync the shadow from the trainer when it falls this many steps behind; None: the cost model's
     bound from the startup profile (64 without one)."""

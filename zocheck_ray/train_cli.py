@@ -4,7 +4,7 @@
     zocheck-ray train [--config FILE] [--set key=value ...] [--steps N] [--storage URL]
                       [--fail-at 20,35,50|none] [--fail-mode software|host] [--fail-rank R] [--verify]
                       [--json FILE]
-    zocheck-ray status RUN_ID [--json]
+    zocheck-ray status RUN_ID [--json] [--address HOST:PORT] [--timeout SECONDS]
     zocheck-ray config-reference [--check docs/configuration.md | --write docs/configuration.md]
 
 With no --config, `train` runs the embedded default: one injected trainer failure at
@@ -12,12 +12,19 @@ With no --config, `train` runs the embedded default: one injected trainer failur
 step). With a --config, nothing is injected unless --fail-at says so.
 Exit status: 0 when the shadow equals the trainer (and the verification passed),
 1 when not, 2 for a configuration that cannot run.
+
+`train` joins the cluster of `--address`, of RAY_ADDRESS or of a `ray start` on this machine,
+else starts a local instance for the run (`--address local`: in any case) and says which
+on its `ray:` line. `status` finds a run on such a local instance while its driver runs
+(the driver records the address), and answers within `--timeout` seconds or says in one
+line which actor did not answer and what Ray reports of it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from zocheck_ray import demo
@@ -91,9 +98,16 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
     return rows
 
 
+STATUS_SECONDS = 30.0
+"""How long `zocheck-ray status` waits for the shadow's metrics by default (`--timeout`)."""
+
+
 def train(args: argparse.Namespace) -> int:
+    import ray
+
     from zocheck_ray.control import RunFailedError
-    from zocheck_ray.control.placement import connect_ray, profile_settings
+    from zocheck_ray.control.connect import RayConnectionError, connect_ray
+    from zocheck_ray.control.placement import profile_settings
     from zocheck_ray.testing import run_with_faults
     from zocheck_ray.verify import verify_run
 
@@ -113,10 +127,10 @@ def train(args: argparse.Namespace) -> int:
             print(describe(job))
             print(f"  injected trainer failure at step {fail_at}; verification against the durable log: "
                   f"{'on' if verify else 'off'}", flush=True)  # before Ray's processes inherit the buffer
-        if args.address:
-            connect_ray(args.address)
+        if args.address and not ray.is_initialized():  # else `run` connects, once the job has passed its checks
+            connect_ray(args.address, say=print, run_id=job.run_id)
         summary = run_with_faults(job, fail_at=fail_at, fail_mode=args.fail_mode, fail_rank=args.fail_rank)
-    except JobConfigError as exc:
+    except (JobConfigError, RayConnectionError) as exc:
         print(f"zocheck-ray train: {exc}", file=sys.stderr)
         return 2
     except RunFailedError as exc:
@@ -142,17 +156,42 @@ def train(args: argparse.Namespace) -> int:
 
 def status(args: argparse.Namespace) -> int:
     import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
 
-    from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name
+    from zocheck_ray.actors.ray_actors import NAMESPACE, describe_actor, shadow_name
+    from zocheck_ray.control.connect import RayConnectionError, connect_ray, recorded_address
 
-    if not ray.is_initialized():
-        ray.init(address=args.address or "auto", namespace=NAMESPACE, log_to_driver=False)
-    try:
-        shadow = ray.get_actor(shadow_name(args.run_id), namespace=NAMESPACE)
-    except ValueError:
-        print(f"zocheck-ray status: no running shadow for run {args.run_id!r}", file=sys.stderr)
+    if not args.timeout > 0:
+        print(f"zocheck-ray status: --timeout must be a positive number of seconds, got {args.timeout:g}",
+              file=sys.stderr)
         return 2
-    metrics = ray.get(shadow.metrics.remote()).model_dump(mode="json")
+    if not ray.is_initialized():
+        address = args.address or (None if os.environ.get("RAY_ADDRESS") else recorded_address(args.run_id))
+        try:
+            connect_ray(address or "auto")
+        except RayConnectionError as exc:
+            print(f"zocheck-ray status: {exc}" + ("" if address else "; a run's `zocheck-ray train` prints its "
+                                                                    "cluster's address on its `ray:` line"),
+                  file=sys.stderr)
+            return 2
+    name = shadow_name(args.run_id)
+    try:
+        shadow = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        print(f"zocheck-ray status: no running shadow for run {args.run_id!r} on the Ray cluster at "
+              f"{ray.get_runtime_context().gcs_address}", file=sys.stderr)
+        return 2
+    try:
+        metrics = ray.get(shadow.metrics.remote(), timeout=args.timeout)
+    except GetTimeoutError:
+        print(f"zocheck-ray status: the shadow of run {args.run_id!r} (actor {name}) did not answer within "
+              f"{args.timeout:g} s; Ray reports it {describe_actor(shadow)}", file=sys.stderr)
+        return 1
+    except RayActorError as exc:
+        print(f"zocheck-ray status: the shadow of run {args.run_id!r} (actor {name}) is gone: "
+              f"{str(exc).strip().splitlines()[0]}; Ray reports it {describe_actor(shadow)}", file=sys.stderr)
+        return 1
+    metrics = metrics.model_dump(mode="json")
     if args.json:
         print(json.dumps(metrics, indent=2))
     else:
@@ -182,7 +221,9 @@ def add_train_arguments(p: argparse.ArgumentParser, with_config: bool = True) ->
                         "complete (and from the initial state when the whole log is kept) and compare every later "
                         "snapshot, every hashed step and the final state (default: on for the embedded default, "
                         "off with --config)")
-    p.add_argument("--address", help="Ray cluster address (default: start a local one)")
+    p.add_argument("--address", help="Ray cluster address HOST:PORT (default: RAY_ADDRESS, else the cluster `ray "
+                                     "start` runs on this machine, else a local instance for the run; `local`: a "
+                                     "local instance in any case)")
     p.add_argument("--json", metavar="FILE", help="write the run summary (and the verification) as JSON")
 
 
@@ -222,6 +263,10 @@ def register(commands) -> None:
     r.set_defaults(func=config_reference)
     s = commands.add_parser("status", help="metrics of a running job's shadow")
     s.add_argument("run_id")
-    s.add_argument("--address", help="Ray cluster address (default: auto)")
+    s.add_argument("--address", help="Ray cluster address HOST:PORT (default: RAY_ADDRESS, else the local instance "
+                                     "a running `zocheck-ray train` started for the run, else the cluster on this "
+                                     "machine)")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--timeout", type=float, default=STATUS_SECONDS, metavar="SECONDS",
+                   help=f"how long to wait for the shadow's answer (default {STATUS_SECONDS:g})")
     s.set_defaults(func=status)

@@ -19,6 +19,8 @@ from zocheck_ray.control import Action, Failure, FailureBudget, decide
 from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.verify import verify_run
 
+pytestmark = pytest.mark.slow  # k trainer ranks on a real Ray instance, ranks killed
+
 
 RAY_CPUS = 5
 """Logical CPUs of the module's Ray instance (`conftest.local_ray`)."""

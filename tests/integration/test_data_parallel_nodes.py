@@ -15,6 +15,8 @@ from support import multi_node_cluster
 from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
 from zocheck_ray.testing import run_with_faults as run
 
+pytestmark = pytest.mark.slow  # a 3-node cluster, a rank's node removed
+
 STEPS = 24
 
 

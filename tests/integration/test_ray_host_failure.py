@@ -15,6 +15,8 @@ from zocheck_ray.testing import run_with_faults as run
 from reference_runs import SMALL_TASK, STEPS, assert_exact, uninterrupted_hashes
 from support import multi_node_cluster
 
+pytestmark = pytest.mark.slow  # multi-node clusters, node loss, rebuilds from durable storage
+
 NODE_CPUS = 2
 
 

@@ -6,6 +6,8 @@ the shadow's in-memory image plus the records after it. Every step's `state_hash
 plain, uninterrupted ZO loop over the same model, seeds and batches.
 """
 
+import contextlib
+import io
 import os
 
 import pytest
@@ -16,6 +18,8 @@ from reference_runs import STEPS, assert_exact, job_for, uninterrupted_hashes
 from zocheck_ray.config import JobConfigError, load_job_config
 from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.testing import FaultInjection
+
+pytestmark = pytest.mark.slow  # jobs on a real Ray instance with injected failures
 
 
 pytestmark = pytest.mark.usefixtures("local_ray")  # conftest: a Ray instance of the module's own
@@ -118,12 +122,12 @@ def test_metrics_are_consistent_after_a_run(tmp_path):
     assert summary.publish_us_median is not None and summary.publish_us_median < 1000
 
 
-def test_a_slow_shadow_is_resynced_and_recovery_stays_exact(tmp_path):
-    # 1 s per replayed step, a one-row step and a poll every 12 steps: the shadow falls more than
-    # 2 steps behind whenever a trainer step takes under ~0.8 s (a heavily loaded two-core machine included).
+def test_a_shadow_that_cannot_keep_up_is_resynced_and_recovery_stays_exact(tmp_path):
+    # The shadow replays nothing by itself: at every poll (every 12 steps) it lags 12 steps, more than 2,
+    # however fast or slow the trainer is; only the resyncs move its replica.
     job = job_for(tmp_path, max_lag_steps=2, log_interval=12,
                   task=dict(batch_size=1, max_length=16, eval_size=4, eval_interval=1000))
-    summary = run(job, fail_at=[25], progress=None, faults=FaultInjection(replay_delay_seconds=1.0))
+    summary = run(job, fail_at=[25], progress=None, faults=FaultInjection(replay_stalled=True))
     assert summary.metrics.resync_count >= 1
     assert summary.resyncs and all("lags more than 2 steps" in why for _, why in summary.resyncs)
     assert summary.lag_samples and all(lag <= job.max_lag_steps for _, lag in summary.lag_samples)
@@ -149,57 +153,54 @@ def test_a_config_that_cannot_run_fails_before_any_actor(tmp_path):
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True)]
 
 
-def thread_niceness(pid: int) -> list[int]:
-    """The nice value of every thread of process `pid` (field 19 of /proc/PID/task/TID/stat)."""
-    values = []
+def threads_of(pid: int) -> list[tuple[str, int]]:
+    """(name, nice value) of every thread of process `pid` (/proc/PID/task/TID/comm, field 19 of .../stat)."""
+    found = []
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                values.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+                found.append((name, int(f.read().rsplit(")", 1)[1].split()[16])))
         except FileNotFoundError:  # the thread ended meanwhile
             pass
-    return values
+    return found
 
 
-def test_status_and_metrics_agree_during_a_run(tmp_path, capsys):
+PIPELINE_THREADS = {"zocheck-replay", "zocheck-persist"}
+"""The shadow's background threads; the workers they start carry their names."""
+
+
+@pytest.fixture(scope="module")
+def sampled_run(tmp_path_factory):
+    """A run read at every segment boundary (the controller waits for `on_segment`, so the actors are
+    alive and the reads happen however fast the machine is): `zocheck-ray status`, the shadow's metrics
+    read directly, and the threads of the shadow and the trainer processes. Two shadow CPUs, so the
+    replay starts a team of numba workers."""
     import json
-    import threading
-    import time
 
     from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name, trainer_name
     from zocheck_ray.cli import main
 
-    job = job_for(tmp_path, hash_every_step=False, max_lag_steps=1000)
-    result = {}
-    worker = threading.Thread(target=lambda: result.update(summary=run(
-        job, progress=None, faults=FaultInjection(replay_delay_seconds=0.02))))
-    worker.start()
-    samples, niceness = [], {}
-    while worker.is_alive() and len(samples) < 8:
-        try:
-            shadow = ray.get_actor(shadow_name(job.run_id), namespace=NAMESPACE)
-        except ValueError:
-            time.sleep(0.1)
-            continue
-        capsys.readouterr()
-        if main(["status", job.run_id, "--json"]) != 0:
-            time.sleep(0.1)
-            continue
-        reported = json.loads(capsys.readouterr().out)
-        direct = ray.get(shadow.metrics.remote()).model_dump(mode="json")
-        samples.append((reported, direct))
-        if not niceness:  # every thread of the shadow yields the CPU to the trainer, whose own do not
-            try:
-                trainer = ray.get_actor(trainer_name(job.run_id), namespace=NAMESPACE)
-            except ValueError:  # the shadow starts first
-                continue
-            niceness = {"shadow": thread_niceness(ray.get(shadow.pid.remote())),
-                        "trainer": thread_niceness(ray.get(trainer.pid.remote()))}
-        time.sleep(0.2)
-    worker.join()
-    assert len(samples) >= 3
-    # (Ray runs actors' tasks at niceness 15, its own threads at 0)
-    assert min(niceness["shadow"]) >= job.shadow_nice == 19 and max(niceness["trainer"]) == 15, niceness
+    job = job_for(tmp_path_factory.mktemp("sampled"), hash_every_step=False, max_lag_steps=1000, shadow_cpus=2)
+    samples, threads = [], []
+
+    def sample(progress, metrics):
+        shadow = ray.get_actor(shadow_name(job.run_id), namespace=NAMESPACE)
+        trainer = ray.get_actor(trainer_name(job.run_id), namespace=NAMESPACE)
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert main(["status", job.run_id, "--json"]) == 0
+        samples.append((json.loads(out.getvalue()), ray.get(shadow.metrics.remote()).model_dump(mode="json")))
+        threads.append({"shadow": threads_of(ray.get(shadow.pid.remote())),
+                        "trainer": threads_of(ray.get(trainer.pid.remote()))})
+
+    summary = run(job, progress=None, on_segment=sample, faults=FaultInjection(replay_delay_seconds=0.02))
+    return {"job": job, "summary": summary, "samples": samples, "threads": threads}
+
+
+def test_status_and_metrics_agree_during_a_run(sampled_run):
+    job, samples = sampled_run["job"], sampled_run["samples"]
+    assert len(samples) == STEPS // job.log_interval  # one per segment
     for reported, direct in samples:
         assert reported["run_id"] == direct["run_id"] == job.run_id
         for m in (reported, direct):
@@ -209,4 +210,51 @@ def test_status_and_metrics_agree_during_a_run(tmp_path, capsys):
             assert m["snapshot_interval"] == 8
         for key in ("received_step", "replayed_step", "snapshots_taken"):
             assert reported[key] <= direct[key]  # status was read first; counters only grow
-    assert result["summary"].steps == STEPS
+    assert sampled_run["summary"].steps == STEPS
+
+
+def test_only_the_shadows_pipeline_runs_at_shadow_nice(sampled_run):
+    """Replay and persistence (and the workers they start) yield the CPU to the trainer; the threads that
+    answer `metrics()` and take in pushes keep Ray's niceness (15 for an actor's methods, 0 for Ray's own)."""
+    nice = sampled_run["job"].shadow_nice
+    assert nice == 19
+    for seen in sampled_run["threads"]:
+        trainer = {n for _, n in seen["trainer"]}
+        assert max(trainer) == 15 and nice not in trainer, seen["trainer"]
+        pipeline = [(name, n) for name, n in seen["shadow"] if name in PIPELINE_THREADS]
+        others = [(name, n) for name, n in seen["shadow"] if name not in PIPELINE_THREADS]
+        assert {name for name, _ in pipeline} == PIPELINE_THREADS, seen["shadow"]
+        assert all(n == nice for _, n in pipeline), pipeline
+        assert others and {n for _, n in others} <= trainer, others  # what Ray gives any actor's process
+    # the replay's numba team: workers started by the replay thread, named and niced like it
+    assert max(sum(name == "zocheck-replay" for name, _ in seen["shadow"]) for seen in sampled_run["threads"]) >= 2
+
+
+@ray.remote
+class _Unanswering:
+    """Named as a run's shadow; its `metrics` never returns (a shadow whose methods cannot run)."""
+
+    def metrics(self, trainers=None) -> dict:
+        import threading
+
+        threading.Event().wait()
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_status_of_a_shadow_that_does_not_answer_ends_with_one_line(capsys):
+    from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name
+    from zocheck_ray.cli import main
+
+    stuck = _Unanswering.options(name=shadow_name("stuck"), namespace=NAMESPACE).remote()
+    assert ray.get(stuck.ready.remote())
+    try:
+        capsys.readouterr()
+        assert main(["status", "stuck", "--timeout", "1"]) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1, err
+        assert err.startswith("zocheck-ray status: the shadow of run 'stuck' (actor zocheck-shadow-stuck) did not "
+                              "answer within 1 s; Ray reports it ALIVE (pid "), err
+    finally:
+        ray.kill(stuck)

@@ -19,6 +19,8 @@ from zocheck_ray.control import RunFailedError
 from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.storage import SnapshotStore, read_log
 
+pytestmark = pytest.mark.slow  # jobs with a killed shadow and S3 outages, then verified
+
 
 pytestmark = pytest.mark.usefixtures("local_ray")  # conftest: a Ray instance of the module's own
 

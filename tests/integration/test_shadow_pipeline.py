@@ -98,6 +98,7 @@ def test_a_publisher_reports_a_gap_it_cannot_fill():
     assert publisher.gap is not None and "step 3" in publisher.gap
 
 
+@pytest.mark.slow  # S3 retries through an outage
 def test_a_storage_outage_is_reported_retried_and_leaves_no_gap(private_s3, job):
     bucket = private_s3.new_bucket()
     job = job.model_copy(update=dict(storage=f"s3://{bucket}/runs", storage_options=private_s3.options(),

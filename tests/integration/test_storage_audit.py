@@ -181,3 +181,27 @@ def test_a_collected_log_is_not_reported_as_a_gap(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert audit_run(url).verified
     assert "gap" not in caplog.text
+
+
+def test_damage_in_a_log_segment_is_named_by_its_first_unreadable_step_and_byte(tmp_path, capsys):
+    # one segment holds steps 0..39; snapshots every 10 steps; the record of step 14 is damaged. Every start
+    # after it meets the damage too (the segment is read from its start): the report names step 14 and its
+    # byte, once, not the step where a read began
+    url = str(tmp_path / "run")
+    run = Run(url, every=10, seal_records=100, keep=10).step(40).close()
+    storage = run.log.storage
+    (seg,) = list_segments(storage)
+    data = bytearray(storage.read_bytes(seg.rel))
+    records, _ = parse_segment(bytes(data), seg, seg.rel, torn_tail_ok=False)
+    offset = len(SEGMENT_MAGIC) + sum(len(r.to_bytes()) for r in records[:14])
+    data[offset + 12] ^= 0xFF  # inside the record of step 14: its CRC no longer matches
+    storage.write_atomic(seg.rel, bytes(data))
+
+    audit = audit_run(url)
+    assert not audit.verified
+    damage = [m for m in audit.mismatches if "damaged" in m]
+    assert len(damage) == 1, audit.mismatches
+    assert damage[0].startswith(f"the log is damaged at step 14 (byte {offset} of {storage.url_of(seg.rel)}): no "
+                                "record from step 14 on is replayed"), damage[0]
+    assert main(["verify", url]) == 1
+    assert f"MISMATCH: the log is damaged at step 14 (byte {offset} of " in capsys.readouterr().out

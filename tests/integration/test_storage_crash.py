@@ -57,6 +57,7 @@ def recipe():
     return scope["make"]
 
 
+@pytest.mark.slow  # 12 killed writers
 def test_sigkill_during_saves_never_exposes_a_torn_snapshot(tmp_path):
     make = recipe()
     script = tmp_path / "writer.py"

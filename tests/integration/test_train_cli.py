@@ -11,6 +11,7 @@ import os
 import pytest
 import ray
 
+from conftest import slow_fixture
 from zocheck_ray.cli import main
 from zocheck_ray.config import RAY_JOB_ENV, JobConfig, JobConfigError, check_job_environment, load_job_config
 from zocheck_ray.testing import run_with_faults as run

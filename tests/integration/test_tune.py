@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from ray import tune
 
+from conftest import slow_fixture
 from reference_runs import SMALL_TASK, uninterrupted_hashes
 from support import REPO
 
@@ -34,7 +35,7 @@ RAY_CPUS = 6
 """Logical CPUs of the module's Ray instance (`conftest.local_ray`): trials run side by side."""
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")  # a two-trial sweep with a restored trial
 def results(tmp_path_factory, local_ray):
     root = tmp_path_factory.mktemp("tune")
     job = JobConfig(run_id="sweep", steps=STEPS, snapshot_interval=4, log_interval=4, storage=str(root / "runs"),

@@ -82,8 +82,8 @@ class Link:
     def __init__(self, shadow):
         self.shadow = shadow
 
-    def recovery_image(self):
-        image, records = self.shadow.recovery_image(lend=True)
+    def borrow_image(self):
+        image, records = self.shadow.recovery_view(lend=True)
         if image is None:
             return None
         return StateOffer(image.tensors(), image.step, records, "memory",

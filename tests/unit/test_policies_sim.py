@@ -118,25 +118,49 @@ def test_profile_with_self_reported_times_plans_exactly():
                                "persist_seconds"]
 
 
-def test_profile_times_real_work_and_picks_the_fastest_thread_count():
-    replay_sleep = {1: 0.060, 2: 0.035, 4: 0.010, 8: 0.030}
+def test_profile_times_each_call_by_its_clock_and_picks_the_fastest_thread_count():
+    # A clock that moves only when the calls spend time: the measurements are exact on any machine
+    # (every duration a multiple of 2**-10 s, so the differences of the clock's readings are exact).
+    now = [0.0]
+
+    def spend(seconds: float) -> None:  # returns None: the profile times the call itself
+        now[0] += seconds
+
+    unit = 2.0**-10
+    replay_cost = {1: 60 * unit, 2: 36 * unit, 4: 10 * unit, 8: 30 * unit}
     report = profile_startup(
-        trainer_step=lambda i: time.sleep(0.012),
-        replay_step=lambda record, threads: time.sleep(replay_sleep[threads]),
-        snapshot_copy=lambda: time.sleep(0.004),
-        persist=lambda: time.sleep(0.008),
+        trainer_step=lambda i: spend(12 * unit),
+        replay_step=lambda record, threads: spend(replay_cost[threads]),
+        snapshot_copy=lambda: spend(4 * unit),
+        persist=lambda: spend(8 * unit),
         failures=FailureModel(mtbf_hours=1.0),
+        clock=lambda: now[0],
     )
     assert report.replay_threads == 4
-    # a sleep lasts at least as long as asked, and not much longer on a busy machine
-    assert 0.012 <= report.timings.gpu_step_seconds < 0.012 + 0.05
-    assert 0.010 <= report.timings.replay_step_seconds < 0.010 + 0.05
-    assert 0.004 <= report.timings.snapshot_cost_seconds < 0.004 + 0.05
-    assert 0.008 <= report.timings.persist_seconds < 0.008 + 0.05
-    assert report.plan.regime == "keep-pace"
-    assert report.snapshot_interval == report.plan.snapshot_interval >= 1
+    assert report.replay_seconds_by_threads == replay_cost
+    assert report.gpu_step_samples == [12 * unit] * 10  # two warm-up steps left out
+    assert report.timings.gpu_step_seconds == 12 * unit
+    assert report.timings.replay_step_seconds == 10 * unit
+    assert report.timings.snapshot_cost_seconds == 4 * unit
+    assert report.timings.persist_seconds == 8 * unit
+    assert report.profile_seconds == now[0]  # every call, timed or not, and nothing else
+    assert report.plan.regime == "keep-pace"  # replay 10 < trainer 12
+    assert report.snapshot_interval == report.plan.snapshot_interval == 2  # >= 4 / (12 - 10) and >= 8 / 10
     assert set(report.plan.waste) == set(STRATEGIES)
-    assert report.training_steps <= 30
+    assert report.training_steps == 12  # 4 thread counts x (1 + 2) replays
+
+
+def test_profile_times_with_the_wall_clock_by_default():
+    report = profile_startup(
+        trainer_step=lambda i: time.sleep(0.012), replay_step=lambda record, threads: time.sleep(0.010),
+        snapshot_copy=lambda: time.sleep(0.004), persist=lambda: time.sleep(0.008),
+        settings=ProfileSettings(thread_counts=(1,)),
+    )
+    # a sleep lasts at least as long as asked (how much longer depends on the machine's load)
+    assert report.timings.gpu_step_seconds >= 0.012
+    assert report.timings.replay_step_seconds >= 0.010
+    assert report.timings.snapshot_cost_seconds >= 0.004
+    assert report.timings.persist_seconds >= 0.008
 
 
 def test_profile_in_the_lag_regime_sets_the_resync_bound():

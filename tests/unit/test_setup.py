@@ -110,21 +110,10 @@ def test_python_m_zocheck_ray_under_a_python_without_the_dependencies_says_which
     assert "-m zocheck_ray" in out.stderr
 
 
-def test_every_test_marked_slow_by_name_exists():
-    from conftest import SLOW_TESTS
-
-    fixtures = (REPO / "tests" / "conftest.py").read_text()
-    for module, names in SLOW_TESTS.items():
-        (path,) = (REPO / "tests").rglob(module)
-        source = path.read_text() + fixtures  # a test or fixture of the module, or a shared fixture
-        for name in [] if names == "*" else sorted(names):
-            assert re.search(rf"^def {name}\(", source, re.M), f"conftest.SLOW_TESTS: {module} has no {name}"
-
-
 def test_the_slow_marker_selects(pytester):
     # in this process: pytest's own collection with the suite's conftest, modules already imported
-    files = [str(REPO / "tests" / name)
-             for name in ("integration/test_tune.py", "integration/test_job_submit.py", "unit/test_setup.py")]
+    files = [str(REPO / "tests" / name) for name in ("integration/test_tune.py", "integration/test_job_submit.py",
+                                                     "unit/test_setup.py", "unit/test_core_exactness.py")]
 
     def collected(expression: str) -> set[str]:
         items, recorder = pytester.inline_genitems("-m", expression, "-p", "no:cacheprovider", "--rootdir",
@@ -136,5 +125,75 @@ def test_the_slow_marker_selects(pytester):
     assert "test_job_submit.py::test_status_of_an_unknown_run_is_a_clear_error" in slow
     assert "test_tune.py::test_restored_trial_resumes_exactly" in slow
     assert "test_tune.py::test_grid_option_parses_values_as_yaml" in quick
-    assert "test_setup.py::test_every_test_marked_slow_by_name_exists" in quick
+    assert "test_setup.py::test_free_ports_are_distinct" in quick
+    assert "test_core_exactness.py::test_other_architectures_replay_exactly[tiny-llama]" in slow
+    assert "test_core_exactness.py::test_public_api_is_exported" in quick
     assert slow and quick and not slow & quick
+
+
+SLOW_MARKS_CASE = """
+import time
+import pytest
+from conftest import slow_fixture
+
+@slow_fixture
+def cluster():
+    return "started"
+
+def test_sleeps():
+    time.sleep(0.01)
+
+@pytest.mark.slow
+def test_marked_sleeps():
+    time.sleep(0.01)
+
+def test_with_a_slow_fixture(cluster):
+    time.sleep(0.01)
+"""
+
+
+def test_the_unmarked_slow_check_names_only_unmarked_tests_and_only_when_asked(pytester):
+    pytester.makeconftest((REPO / "tests" / "conftest.py").read_text())
+    pytester.makepyfile(test_case=SLOW_MARKS_CASE)
+    # each test sleeps 0.01 s, at least: over a 0.001 s limit on any machine
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--max-unmarked-seconds", "0.001")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(passed=3)
+    named = [line for line in result.outlines if "(mark it slow, or its slow fixture)" in line]
+    assert len(named) == 1 and "test_case.py::test_sleeps " in named[0], result.outlines
+    assert pytester.runpytest_inprocess("-p", "no:cacheprovider").ret == pytest.ExitCode.OK
+    selected = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-m", "not slow")
+    selected.assert_outcomes(passed=1, deselected=2)
+
+
+def test_free_ports_are_distinct():
+    # a port released by one lookup is often the kernel's next answer: all of a call's sockets are held at once
+    from conftest import free_ports
+
+    for _ in range(20):
+        ports = free_ports(9)  # as many as a `ray start --head` takes
+        assert len(set(ports)) == 9 and all(0 < p < 65536 for p in ports)
+
+
+def test_compiled_kernels_are_only_loaded_afterwards():
+    # `make test` compiles every kernel once, before the tests; a process started afterwards (a test's,
+    # a Ray actor's) finds each in numba's cache, whatever dtype, optimizer or batch it replays
+    from zocheck_ray.core.fused import compile_kernels
+
+    compile_kernels()
+    code = """
+import torch
+from zocheck_ray.core import ZOConfig, fused
+fused.load_kernels(fused.KERNELS)
+for optimizer in ("zo-sgd", "zo-adam", "sparse-mezo"):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for steps in (1, 3):
+            fused.warm_up(dtype, ZOConfig(optimizer=optimizer), steps=steps)
+kernels = [k for k in vars(fused).values() if hasattr(k, "stats") and hasattr(k, "py_func")]
+print(len(fused.KERNELS), sum(sum(k.stats.cache_hits.values()) for k in kernels),
+      sum(sum(k.stats.cache_misses.values()) for k in kernels))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    kernels, hits, misses = map(int, done.stdout.split())
+    assert hits == kernels and misses == 0, done.stdout  # each loaded once, none compiled

@@ -8,6 +8,7 @@ is exercised here without a GPU. test_cuda.py runs the compiled kernels where CU
 
 import itertools
 import logging
+import os
 import subprocess
 import sys
 
@@ -25,6 +26,8 @@ from zocheck_ray.core import kernel_guard, triton_kernels, update  # noqa: E402
 from zocheck_ray.core.errors import StateMismatchError  # noqa: E402
 from zocheck_ray.core.backend import perturbation  # noqa: E402
 from zocheck_ray.workload.models import build_model, trainable_parameters  # noqa: E402
+
+pytestmark = pytest.mark.slow  # kernels run by Triton's CPU interpreter
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -212,6 +215,21 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("interpret_env", ["1", "0"])
+def test_the_compiled_and_interpreted_kernels_do_not_depend_on_triton_interpret(interpret_env):
+    # TRITON_INTERPRET=1 is the documented way to run Triton on a CPU: it must not turn the compiled
+    # copy (the trainer's on CUDA, and the PTX checks below) into an interpreted one
+    code = """
+from zocheck_ray.core import triton_kernels
+compiled, interpreted = triton_kernels._source(False).zo_kernel, triton_kernels._source(True).zo_kernel
+print(type(compiled).__name__, type(interpreted).__name__)
+"""
+    env = {**os.environ, "TRITON_INTERPRET": interpret_env}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["JITFunction", "InterpretedFunction"]
 
 
 COMPILED = [  # (PHASE, OPT, DTYPE, GAUSSIAN, MASK, SEARCH): every phase, optimizer and dtype once

@@ -28,6 +28,7 @@ def lm_task():
     return build_task(TaskConfig(kind="lm", batch_size=16), "tiny-opt")
 
 
+@pytest.mark.slow  # three HF models fine-tuned
 @pytest.mark.parametrize("model_name", ["tiny-opt", "tiny-llama", "tiny-qwen3"])
 def test_zo_fine_tuning_lowers_held_out_loss(lm_task, model_name):
     _, curve = fine_tune(model_name, lm_task, STEPS)
@@ -40,6 +41,7 @@ def test_zo_fine_tuning_lowers_held_out_loss(lm_task, model_name):
     assert curve[-1]["perplexity"] < 0.4 * curve[0]["perplexity"]
 
 
+@pytest.mark.slow  # a task run twice
 def test_a_task_run_is_reproducible(lm_task):
     a, curve_a = fine_tune("tiny-opt", lm_task, 30)
     b, curve_b = fine_tune("tiny-opt", lm_task, 30)

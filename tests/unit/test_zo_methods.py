@@ -48,6 +48,7 @@ def train(optimizer, dtype, q=1, steps=STEPS, lr=1e-3):
     return config, initial, opt, records
 
 
+@pytest.mark.slow  # HF models, the new kernels' first compile
 @pytest.mark.parametrize("optimizer,dtype,q", [*itertools.product(NEW, ["fp32", "bf16"], [1, 3]),
                                                ("zo-sgd", "bf16", 3), ("zo-adam", "fp32", 2),
                                                ("sparse-mezo", "bf16", 2)])

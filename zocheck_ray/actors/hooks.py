@@ -24,6 +24,9 @@ class TrainerHooks(Protocol):
 
 
 class ShadowHooks(Protocol):
+    replay_stalled: bool
+    """The replay applies no record: only resyncs move the replica (a shadow behind however slow the trainer)."""
+
     def after_replay(self, steps: int) -> None:
         """Called after the shadow replayed `steps` records."""
 
@@ -32,6 +35,7 @@ class NoHooks:
     """Production: nothing is injected."""
 
     steps_hooked = False
+    replay_stalled = False
 
     def before_step(self, rank: int, step: int) -> None:
         pass

@@ -49,17 +49,37 @@ def call_when_alive(submit, timeout: float = 300.0):
             time.sleep(0.02)
 
 
-def actor_state(actor) -> str | None:
-    """The GCS's state of `actor` now (`ALIVE`, `RESTARTING`, `DEAD`, ...), or None where it cannot be read.
+def actor_entry(actor) -> dict:
+    """The GCS's actor table entry of `actor` (`State`, `NumRestarts`, ...), or {} where it cannot be read.
 
     Ray has no public way to ask without the dashboard; its GCS actor table says it at once, where a task
     sent to a restarting actor waits on Ray's death-info timer (1 s or more) before it fails."""
     try:
         from ray._private.state import actors
 
-        return actors(actor_id=actor._actor_id.hex()).get("State")
+        return actors(actor_id=actor._actor_id.hex()) or {}
     except Exception:  # another Ray, or the table is unreachable: callers fall back to calling the actor
-        return None
+        return {}
+
+
+def actor_state(actor) -> str | None:
+    """The GCS's state of `actor` now (`ALIVE`, `RESTARTING`, `DEAD`, ...), or None where it cannot be read."""
+    return actor_entry(actor).get("State")
+
+
+def wait_until_restarted(actor, restarts: int | None, timeout: float = 300.0) -> None:
+    """Return once the GCS reports `actor` alive after more than `restarts` restarts (or dead, or after
+    `timeout`): a call then reaches the new process at once. With `restarts` unknown, or the table
+    unreadable, as `wait_until_alive`."""
+    if restarts is None:
+        return wait_until_alive(actor, timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        entry = actor_entry(actor)
+        if not entry or entry.get("State") == "DEAD" or (
+                entry.get("State") == "ALIVE" and entry.get("NumRestarts", 0) > restarts):
+            return
+        time.sleep(0.01)
 
 
 def wait_until_alive(actor, timeout: float = 300.0) -> None:
@@ -72,6 +92,17 @@ def wait_until_alive(actor, timeout: float = 300.0) -> None:
         time.sleep(0.01)
 
 
+def describe_actor(actor) -> str:
+    """What the GCS's actor table says of `actor`, in words: its state (ALIVE, RESTARTING, DEAD, ...), its
+    process and its restarts; "unknown" where the table cannot be read."""
+    entry = actor_entry(actor)
+    if not entry:
+        return "unknown"
+    where = entry.get("Address") or {}
+    return (f"{entry.get('State', 'unknown')} (pid {entry.get('Pid') or '-'} on {where.get('IPAddress') or '-'}, "
+            f"{entry.get('NumRestarts', 0)} restarts)")
+
+
 def shadow_name(run_id: str) -> str:
     return f"zocheck-shadow-{run_id}"
 
@@ -80,20 +111,6 @@ def shadow_writer(run_id: str) -> str:
     """The shadow's name in its run's storage lease. An actor name is unique in a cluster, so a
     holder of this name is a dead predecessor (a restart, a lost node): the new shadow reclaims it."""
     return f"shadow:{run_id}@{ray.get_runtime_context().gcs_address}"
-
-
-def lower_priority(nice: int) -> None:
-    """Raise the niceness of every thread of this process to at least `nice` (Linux keeps it per
-    thread; threads started later inherit their creator's)."""
-    if nice <= 0 or not os.path.isdir("/proc/self/task"):
-        return
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            current = os.getpriority(os.PRIO_PROCESS, int(tid))
-            if current < nice:
-                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        except OSError:  # a thread that ended meanwhile
-            pass
 
 
 def settle_heap() -> None:
@@ -117,11 +134,11 @@ class ShadowActor:
     def __init__(self, job: dict, hooks=None):
         logging.basicConfig(level=logging.INFO)
         self.job = JobConfig.model_validate(job)
-        lower_priority(self.job.shadow_nice)
         threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.shadow = Shadow(self.job, threads=threads, hooks=hooks or NO_HOOKS,
-                             writer=shadow_writer(self.job.run_id))
+        # replay and persistence at `shadow_nice`; Ray's threads and this actor's methods keep Ray's niceness
+        self.shadow = Shadow(self.job, threads=threads, hooks=hooks or NO_HOOKS, writer=shadow_writer(self.job.run_id),
+                             nice=self.job.shadow_nice)
         self._gauges = None
         settle_heap()
 
@@ -153,8 +170,9 @@ class ShadowActor:
         self.shadow.abort_intake()
 
     @ray.method(concurrency_group="control")
-    def recovery_image(self) -> RecoveryOffer | None:
-        image, records = self.shadow.recovery_image(lend=True)
+    def offer_image(self) -> RecoveryOffer | None:
+        """The newest image (lent until `give_back`) and the records after it; None for a fresh run."""
+        image, records = self.shadow.recovery_view(lend=True)
         if image is None:
             return None
         handle = ImageHandle.of(image.buffer, image.layout, token=image.token, step=image.step,
@@ -242,12 +260,12 @@ class RayShadowLink:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.threads = threads
 
-    def recovery_image(self, timeout: float = 300.0) -> "OfferedImage | None":
+    def borrow_image(self, timeout: float = 300.0) -> "OfferedImage | None":
         # The image may belong to a shadow that is dying right now (both processes lost), or be replaced
         # by a newer one before it is opened: ask again until an image is opened.
         deadline = time.monotonic() + timeout
         while True:
-            offer: RecoveryOffer | None = call_when_alive(lambda: self.actor.recovery_image.remote())
+            offer: RecoveryOffer | None = call_when_alive(lambda: self.actor.offer_image.remote())
             if offer is None:
                 return None
             try:

@@ -53,9 +53,11 @@ class Shadow:
     """Ingest, replay and persistence of one run's records (see the module docstring)."""
 
     def __init__(self, job: JobConfig, threads: int | None = None, persist: bool = True,
-                 hooks: ShadowHooks = NO_HOOKS, writer: str | None = None):
+                 hooks: ShadowHooks = NO_HOOKS, writer: str | None = None, nice: int = 0):
         """`writer` names this shadow in the run's lease; a restarted shadow passes the same name and
-        reclaims the lease of its dead predecessor. Any other live writer is refused (`LeaseHeldError`)."""
+        reclaims the lease of its dead predecessor. Any other live writer is refused (`LeaseHeldError`).
+        `nice`: the niceness of the replay and persistence threads and of what they start (`job.shadow_nice`
+        in a `ShadowActor`); the caller's threads, ingest's and the lease's heartbeat keep theirs."""
         self.job = job
         self.incarnation = uuid.uuid4().hex[:12]
         self.trainer_step: int | None = None
@@ -73,7 +75,8 @@ class Shadow:
         warm.start()  # the replay kernel loads while storage is read; profiles then time the kernel, not its load
         self.ledger = RecordLedger(0, on_accept=lambda: self.replay.wake())
         self.persist: PersistStage | None = None
-        self.replay = ReplayStage(self.ledger, job, self._on_image, threads, hooks, token_prefix=self.incarnation)
+        self.replay = ReplayStage(self.ledger, job, self._on_image, threads, hooks, token_prefix=self.incarnation,
+                                  nice=nice)
         self.lease: Lease | None = None
         if persist:
             self.lease = _with_retries(lambda: Lease(job.run_url, job.storage_options,
@@ -83,7 +86,7 @@ class Shadow:
             self.lease.start_heartbeat()
             store = _with_retries(lambda: SnapshotStore(job.run_url, job.storage_options, lease=self.lease),
                                   f"opening the snapshot store {job.run_url}")
-            self.persist = PersistStage(self.ledger, job, store, self.lease, self._snapshot_meta())
+            self.persist = PersistStage(self.ledger, job, store, self.lease, self._snapshot_meta(), nice=nice)
             self._durable_rebuild(store)
         warm.join()
         self.replay.start()
@@ -204,7 +207,7 @@ class Shadow:
 
     # ------------------------------------------------------------------ out
 
-    def recovery_image(self, lend: bool = False) -> tuple[Image | None, list[StepRecord]]:
+    def recovery_view(self, lend: bool = False) -> tuple[Image | None, list[StepRecord]]:
         """The newest image and every accepted record after it (replayed or not). `lend`: a trainer reads
         the image from another process; it is not written again until `give_back`."""
         return self.ledger.recovery_view(lend=lend)

@@ -21,6 +21,7 @@ import torch
 
 from zocheck_ray.actors.image import ImageLayout, SharedBuffer, anonymous_buffer, copy_state
 from zocheck_ray.actors.ledger import LOG, RecordLedger
+from zocheck_ray.actors.priority import background_thread
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord, ZOConfig, replay, state_hash
 from zocheck_ray.core.layout import ALL_MOMENT_PREFIXES, Layout, moment_prefixes
@@ -82,8 +83,10 @@ class ReplayStage:
     """Owns the replica and the image memory: applies the ledger's records, snapshots at multiples of N."""
 
     def __init__(self, ledger: RecordLedger, job: JobConfig, on_image: Callable[[Image], None],
-                 threads: int | None, hooks: ShadowHooks, token_prefix: str = ""):
+                 threads: int | None, hooks: ShadowHooks, token_prefix: str = "", nice: int = 0):
+        """`nice`: the niceness of the replay thread and of the workers it starts (see `priority.py`)."""
         self.ledger = ledger
+        self._nice = nice
         self.zo = job.zo
         self.threads = threads
         self.snapshot_interval = job.snapshot_interval or 16
@@ -147,6 +150,7 @@ class ReplayStage:
     # ------------------------------------------------------------------ the thread
 
     def _loop(self) -> None:
+        background_thread(self._thread.name, self._nice)
         while not self._stop.is_set():
             self._wake.wait(0.05)
             self._wake.clear()
@@ -167,7 +171,7 @@ class ReplayStage:
                 future.set_exception(exc)
 
     def _replay_batch(self) -> bool:
-        if self.replica is None or self.error is not None:
+        if self.replica is None or self.error is not None or self._hooks.replay_stalled:
             return False
         n = self.snapshot_interval
         boundary = (self.replayed_step // n + 1) * n
@@ -393,8 +397,11 @@ class ProfileScratch:
 class PersistStage:
     """Owns the snapshot store and the step log: makes records and images durable, whatever the store does."""
 
-    def __init__(self, ledger: RecordLedger, job: JobConfig, store: SnapshotStore, lease: Lease, meta: dict):
+    def __init__(self, ledger: RecordLedger, job: JobConfig, store: SnapshotStore, lease: Lease, meta: dict,
+                 nice: int = 0):
+        """`nice`: the niceness of the persistence thread and of the workers it starts (see `priority.py`)."""
         self.ledger = ledger
+        self._nice = nice
         self.job = job
         self.store = store
         self.lease = lease
@@ -458,6 +465,7 @@ class PersistStage:
     # ------------------------------------------------------------------ the thread
 
     def _loop(self) -> None:
+        background_thread(self._thread.name, self._nice)
         backoff = 0.0
         while True:
             self._wake.wait(backoff or LOG_FLUSH_SECONDS)

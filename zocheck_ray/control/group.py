@@ -24,7 +24,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from zocheck_ray.actors.messages import RecoveryInfo, TrainerProgress, TrainerTimes
-from zocheck_ray.actors.ray_actors import actor_state, call_when_alive, wait_until_alive
+from zocheck_ray.actors.ray_actors import actor_entry, actor_state, call_when_alive, wait_until_restarted
 from zocheck_ray.actors.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.policy import Failure
@@ -85,6 +85,8 @@ class TrainerGroup:
         """The waiting process a lost rank is replaced by (None: no standby, or not started yet)."""
         self.durable_next: int | None = None
         """Every record before this step is durable (the holding ranks drop them)."""
+        self._restarts: dict[str, int] = {}
+        """Each actor's restarts as the GCS last reported them: a lost one is back once they grow."""
         self.times = StepTimes([0.0] * self.k, [0] * self.k)
 
     @property
@@ -105,7 +107,12 @@ class TrainerGroup:
         self.incarnations = [info.incarnation for info in infos]
         if self.k > 1:
             self.form()
+        self._note_restarts()
         return infos[0]
+
+    def _note_restarts(self) -> None:
+        self._restarts = {actor._actor_id.hex(): entry.get("NumRestarts", 0)
+                          for actor in self.all_actors() if (entry := actor_entry(actor))}
 
     def start_standby(self) -> None:
         """Start the warm standby (once the run is steady); it builds its skeleton while training goes on."""
@@ -175,6 +182,7 @@ class TrainerGroup:
             self.form()
             marks.append(("group", time.perf_counter()))
         self.incarnations = [infos[r].incarnation for r in range(self.k)]
+        self._note_restarts()
         rank = lost[0] if lost else 0
         how, constructed = (replaced[rank][1], replaced[rank][2]) if lost else ("torn", None)
         return Restored(rank, infos[rank], how, _phases(failure.seen_at, marks, constructed, infos[rank]))
@@ -187,7 +195,7 @@ class TrainerGroup:
             self.ranks[r] = promoted
             return promoted, "standby", None
         while True:  # Ray restarts the lost process (a new incarnation): it waits to be told where to restore
-            wait_until_alive(lost)
+            wait_until_restarted(lost, self._restarts.get(lost._actor_id.hex()))
             try:
                 info = call_when_alive(lambda: lost.recovery.remote())
             except RayActorError as exc:

@@ -19,17 +19,6 @@ STANDBY_GPU_SHARE = 0.01
 the rest of the bundle's GPU. It allocates no device memory until it is promoted."""
 
 
-def connect_ray(address: str | None = None, say: Callable[[str], None] | None = None, **kwargs) -> None:
-    """`ray.init` in our namespace, worker logs kept out of the driver's output, and Ray's token-
-    authentication warning (printed on every local start) replaced by one line of ours."""
-    import logging
-
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **kwargs)
-    if say is not None and address in (None, "local"):
-        say("  ray: a local instance for this run (token authentication on; RAY_AUTH_MODE=disabled turns it off)")
-
-
 def _check_resources(job: JobConfig) -> int:
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     max_cpus = max((n["Resources"].get("CPU", 0) for n in nodes), default=0)

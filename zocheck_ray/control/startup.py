@@ -10,7 +10,8 @@ from ray.util.placement_group import PlacementGroup
 
 from zocheck_ray.actors.ray_actors import shadow_writer
 from zocheck_ray.config import JobConfig, JobConfigError, check_task
-from zocheck_ray.control.placement import _check_resources, connect_ray
+from zocheck_ray.control.connect import connect_ray
+from zocheck_ray.control.placement import _check_resources
 from zocheck_ray.storage import LeaseHeldError, StorageError, check_no_live_writer
 from zocheck_ray.storage.fs import open_storage
 
@@ -26,7 +27,7 @@ def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group
     except StorageError as exc:
         raise JobConfigError(f"storage={job.storage!r} cannot be used: {exc}") from exc
     if not ray.is_initialized():
-        connect_ray(say=say)
+        connect_ray(say=say, run_id=job.run_id)
     try:  # another live writer of this run's storage is refused, named; this cluster's dead shadow is not
         check_no_live_writer(job.run_url, job.storage_options)
     except LeaseHeldError as exc:

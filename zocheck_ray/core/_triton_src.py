@@ -1,8 +1,8 @@
 """The Triton source of the fused GPU kernels (loaded by `triton_kernels.py`, never imported directly).
 
 `triton_kernels` executes this file as two module objects: one with `INTERPRET` false
-(`triton.jit`: compiled for CUDA) and one with it true (Triton's interpreter: numpy on
-the CPU, for CPU tensors and the tests). Every helper is decorated with `_jit`, so each
+(`JITFunction`: compiled for CUDA, whatever TRITON_INTERPRET says) and one with it true
+(Triton's interpreter: numpy on the CPU, for CPU tensors and the tests). Every helper is decorated with `_jit`, so each
 module object is consistently one or the other, and no function of Triton's own library
 that is itself `@triton.jit` (`tl.zeros`, `tl.sum`, ...) is used: those were made for one
 mode when Triton was imported. (Interpreted, a constant must not come first in an
@@ -19,8 +19,8 @@ owe nothing to the compiler's conversions. bf16/fp16 parameters are read and wri
 as int16 bits.
 """
 
-import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from zocheck_ray.core import generator as G
 
@@ -33,7 +33,9 @@ def _jit(fn):
     if INTERPRET:
         fn.fn = fn  # what the interpreter's tl.reduce calls a combine function through
         return fn
-    return triton.jit(fn)
+    # JITFunction itself, not `triton.jit`, which makes an interpreted function wherever
+    # TRITON_INTERPRET=1 is set: this module object is the compiled one whatever the environment says
+    return JITFunction(fn)
 
 
 def _kernel_jit(fn):
@@ -42,7 +44,7 @@ def _kernel_jit(fn):
 
         return InterpretedFunction(fn)
     # the keys arrive with bit 32 set, so every launch has the same (int64) signature
-    return triton.jit(fn, do_not_specialize=["key0", "key1"])
+    return JITFunction(fn, do_not_specialize=["key0", "key1"])
 
 
 PHILOX_M0 = tl.constexpr(G.PHILOX_M0)

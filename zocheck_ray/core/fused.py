@@ -697,10 +697,11 @@ def _chunk_plan(tensors: tuple[tuple[int, int], ...], chunk: int) -> tuple[np.nd
     return tensor_ids, starts, lens, int(lens.max()) if len(lens) else 0
 
 
-def warm_up(dtype: torch.dtype, config: ZOConfig) -> None:
+def warm_up(dtype: torch.dtype, config: ZOConfig, steps: int = 1) -> None:
     """Load (or compile) the kernels a trainer and a replay use for `dtype` and `config`: the
-    generator, and `replay` of one step on four elements. The first step or replay in a process
-    otherwise pays for it (about 0.15 s from numba's cache)."""
+    generator, and `replay` of `steps` steps on four elements (one step and a batch take different
+    kernels for bf16/fp16). The first step or replay in a process otherwise pays for it (about 0.15 s
+    from numba's cache)."""
     perturbation_into(np.empty(4, dtype=np.float32), 0, 0, config.perturbation)
     name = "warm_up.weight"
     state = {name: torch.zeros(4, dtype=dtype)}
@@ -709,8 +710,53 @@ def warm_up(dtype: torch.dtype, config: ZOConfig) -> None:
     extras = (0.0,) if config.optimizer == "sparse-mezo" else ()
     fingerprint = Layout.from_state(state, config).fingerprint(config)
     more = (0.0,) * (config.num_perturbations - 1)
-    record = StepRecord(0, 0, 0.0, config.lr, config.eps, fingerprint, config.optimizer, extras, more)
-    replay(state, [record], config, threads=1)
+    records = [StepRecord(t, t, 0.0, config.lr, config.eps, fingerprint, config.optimizer, extras, more)
+               for t in range(steps)]
+    replay(state, records, config, threads=1)
+
+
+KERNELS = {"perturbation": None, "float32": (torch.float32, 1), "bfloat16 step": (torch.bfloat16, 1),
+           "bfloat16 batch": (torch.bfloat16, 2), "float16 step": (torch.float16, 1),
+           "float16 batch": (torch.float16, 2)}
+"""Every kernel numba compiles for `perturbation_cpu` and `replay` (dtype, steps that take it): one
+compilation each per cache, whatever the optimizer, perturbation or thread count."""
+
+
+def load_kernels(names) -> None:
+    """Load the kernels `names` of `KERNELS` in this process, compiling those not in numba's cache."""
+    for name in names:
+        if KERNELS[name] is None:
+            perturbation_cpu(0, 0, 4)
+        else:
+            dtype, steps = KERNELS[name]
+            warm_up(dtype, ZOConfig(), steps=steps)
+
+
+def compile_kernels(processes: int | None = None) -> None:
+    """Load every kernel of `KERNELS` into numba's cache, compiling those not there (tens of seconds
+    each, once per cache), in up to `processes` child processes at once (default: one per core).
+
+    Processes started afterwards only load them (a fraction of a second each) instead of compiling the
+    kernels they meet first, the same ones several times over where many start together (a test
+    session's workers, Ray's actors on a fresh machine or image):
+
+        python -c "from zocheck_ray.core.fused import compile_kernels; compile_kernels()"
+
+    Raises `RuntimeError` with a child's error output if one fails.
+    """
+    import os
+    import subprocess
+    import sys
+
+    names = list(KERNELS)
+    workers = max(1, min(processes or os.cpu_count() or 1, len(names)))
+    children = [subprocess.Popen([sys.executable, "-c", "import sys; from zocheck_ray.core.fused import load_kernels; "
+                                  "load_kernels(sys.argv[1:])", *names[i::workers]],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                for i in range(workers)]
+    failed = [err for child in children if (err := child.communicate()[1]) and child.returncode]
+    if failed:
+        raise RuntimeError("compiling the numba kernels failed:\n" + "\n".join(failed))
 
 
 def default_threads() -> int:

@@ -9,7 +9,7 @@ plain Python functions.
     snapshot_copy()           the shadow copies its replica into a snapshot
     persist()                 the newest snapshot is written to durable storage
 
-Each is timed with `time.perf_counter`; a callable may instead return its own measurement
+Each is timed with `clock` (`time.perf_counter`); a callable may instead return its own measurement
 in seconds (e.g. a CUDA-synchronised time taken inside the actor, which leaves out the
 remote-call overhead). A number already known is passed in `known` and not measured.
 
@@ -152,11 +152,11 @@ class ProfileReport(BaseModel):
     """Wall-clock time the profile took."""
 
 
-def _timed(name: str, call: Callable[[], object]) -> float:
-    """Run `call`; its own number of seconds if it returns one, else the wall time."""
-    start = time.perf_counter()
+def _timed(name: str, call: Callable[[], object], clock: Callable[[], float]) -> float:
+    """Run `call`; its own number of seconds if it returns one, else the time `clock` saw pass."""
+    start = clock()
     result = call()
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     if result is None:
         return elapsed
     if isinstance(result, bool) or not isinstance(result, numbers.Real):
@@ -185,11 +185,13 @@ def profile_startup(
     extra_timings: Mapping[str, float | None] | None = None,
     lag_bound_steps: float | None = None,
     storage_share: float = DEFAULT_STORAGE_SHARE,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> ProfileReport:
     """Measure T_gpu, T_rep per thread count, C_snap and T_per, pick the fastest thread
     count, and plan N (and the resync bound, given `failures`).
 
-    `extra_timings` fills the other `Timings` fields (restart_seconds, load_seconds, ...).
+    `extra_timings` fills the other `Timings` fields (restart_seconds, load_seconds, ...). `clock`
+    times the calls that return no measurement of their own (seconds, monotonic).
     Raises `PolicyInputError` naming the callable that is missing or misbehaves, or the
     setting that does not fit in `max_training_steps`.
     """
@@ -197,7 +199,7 @@ def profile_startup(
     settings = settings or ProfileSettings()
     if (known.replay_step_seconds is None) != (known.replay_threads is None):
         raise PolicyInputError("known.replay_threads", "give replay_step_seconds and replay_threads together")
-    started = time.perf_counter()
+    started = clock()
     measure_gpu = known.gpu_step_seconds is None
     scan_replay = known.replay_step_seconds is None
     steps_needed = max(settings.warmup_steps + settings.timed_steps if measure_gpu else 0,
@@ -215,7 +217,7 @@ def profile_startup(
     if steps_needed:
         step = _require("trainer_step", trainer_step)
         for i in range(steps_needed):
-            seconds = _timed("trainer_step", lambda: step(i))
+            seconds = _timed("trainer_step", lambda: step(i), clock)
             if measure_gpu and i >= settings.warmup_steps:
                 gpu_samples.append(seconds)
     gpu_step = known.gpu_step_seconds
@@ -230,7 +232,7 @@ def profile_startup(
         for threads in settings.thread_counts:
             samples = []
             for repeat in range(1 + settings.replay_repeats):
-                seconds = _timed("replay_step", lambda: replay(record, threads))
+                seconds = _timed("replay_step", lambda: replay(record, threads), clock)
                 record += 1
                 if repeat:
                     samples.append(seconds)
@@ -246,12 +248,12 @@ def profile_startup(
     snapshot_cost, persist_time = known.snapshot_cost_seconds, known.persist_seconds
     if snapshot_cost is None:
         copy = _require("snapshot_copy", snapshot_copy)
-        snapshot_samples = [_timed("snapshot_copy", copy) for _ in range(settings.snapshot_repeats)]
+        snapshot_samples = [_timed("snapshot_copy", copy, clock) for _ in range(settings.snapshot_repeats)]
         snapshot_cost = statistics.median(snapshot_samples)
         measured.append("snapshot_cost_seconds")
     if persist_time is None:
         write = _require("persist", persist)
-        persist_samples = [_timed("persist", write) for _ in range(settings.persist_repeats)]
+        persist_samples = [_timed("persist", write, clock) for _ in range(settings.persist_repeats)]
         persist_time = statistics.median(persist_samples)
         measured.append("persist_seconds")
 
@@ -265,5 +267,5 @@ def profile_startup(
         training_steps=steps_needed, gpu_step_samples=gpu_samples, replay_seconds_by_threads=by_threads,
         snapshot_samples=snapshot_samples, persist_samples=persist_samples, measured=measured,
         replay_threads=threads, timings=timings, plan=chosen, snapshot_interval=chosen.snapshot_interval,
-        profile_seconds=time.perf_counter() - started,
+        profile_seconds=clock() - started,
     )

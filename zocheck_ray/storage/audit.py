@@ -132,8 +132,20 @@ def _log_after(store: SnapshotStore, start: SnapshotInfo, mismatches: list[str])
     try:
         return read_records(store.storage, after_step=start.step - 1)
     except CorruptLogError as exc:
-        mismatches.append(f"the log is damaged after step {start.step + len(exc.records) - 1}: {exc}")
+        damage = damage_line(exc)
+        if damage not in mismatches:  # met again from every later start: said once
+            mismatches.append(damage)
         return exc.records
+
+
+def damage_line(exc: CorruptLogError) -> str:
+    """Where the log is damaged: the first step that cannot be read, and the byte of its segment where the
+    damage starts. A segment is read from its start, so the damage stops every reader that needs a record
+    of that segment, wherever it began."""
+    if exc.step is None:
+        return f"the log is damaged: {exc}"
+    return (f"the log is damaged at step {exc.step} (byte {exc.offset} of {exc.url}): no record from step "
+            f"{exc.step} on is replayed: {exc}")
 
 
 def _replay_and_compare(store, start, state, records, config, later, expected, threads, mismatches, result):

@@ -42,13 +42,18 @@ class CorruptLogError(CorruptRecordError):
     """A log segment holds a damaged record before its end, or is missing from the middle.
 
     `url` names the segment; `records` are the contiguous records read before the damage,
-    so a recovery can still use them.
+    so a recovery can still use them. `step` is the first step that cannot be read (the
+    damaged record's, or the segment's first for a damaged header) and `offset` the byte of
+    the segment where the damage starts, where the parser knows them.
     """
 
-    def __init__(self, message: str, url: str | None = None, records: Sequence = ()):
+    def __init__(self, message: str, url: str | None = None, records: Sequence = (), step: int | None = None,
+                 offset: int | None = None):
         super().__init__(message)
         self.url = url
         self.records = list(records)
+        self.step = step
+        self.offset = offset
 
     def __reduce__(self):
-        return type(self), (str(self), self.url, self.records)
+        return type(self), (str(self), self.url, self.records, self.step, self.offset)

@@ -71,7 +71,7 @@ def parse_segment(data: bytes, segment: Segment, url: str, torn_tail_ok: bool) -
     """
     records: list[StepRecord] = []
     if data[: len(SEGMENT_MAGIC)] != SEGMENT_MAGIC[: len(data)] or (len(data) < len(SEGMENT_MAGIC) and not torn_tail_ok):
-        raise CorruptLogError(f"{url} is not a step-log segment (bad magic)", url)
+        raise CorruptLogError(f"{url} is not a step-log segment (bad magic)", url, step=segment.first_step, offset=0)
     if len(data) < len(SEGMENT_MAGIC):
         return records, 0
     offset = len(SEGMENT_MAGIC)
@@ -81,18 +81,20 @@ def parse_segment(data: bytes, segment: Segment, url: str, torn_tail_ok: bool) -
         except IncompleteRecordError as exc:
             if torn_tail_ok:
                 break
-            raise CorruptLogError(f"{url} ends inside a record at byte {offset} but is sealed: {exc}", url, records) from exc
+            raise CorruptLogError(f"{url} ends inside a record at byte {offset} but is sealed: {exc}", url, records,
+                                  step=segment.first_step + len(records), offset=offset) from exc
         except CorruptRecordError as exc:
             if torn_tail_ok and not _intact_record_after(data, offset + 1):
                 # Damage with nothing intact after it, at the end of the segment being written:
                 # a write cut short (a power loss can leave garbage or zeros), not a lost record.
                 logger.warning("ignoring the damaged tail of %s from byte %d: %s", url, offset, exc)
                 break
-            raise CorruptLogError(f"{url}: corrupt record at byte {offset}: {exc}", url, records) from exc
+            raise CorruptLogError(f"{url}: corrupt record at byte {offset}: {exc}", url, records,
+                                  step=segment.first_step + len(records), offset=offset) from exc
         expected = segment.first_step + len(records)
         if record.step != expected:
             raise CorruptLogError(f"{url}: record at byte {offset} is step {record.step}, step {expected} belongs "
-                                  "there", url, records)
+                                  "there", url, records, step=expected, offset=offset)
         records.append(record)
         offset = end
     return records, offset

@@ -271,7 +271,7 @@ class StepLog:
             except CorruptLogError as exc:
                 raise CorruptLogError(f"{exc} -- to continue, open the log with resume_step set to the step the "
                                       "recovered state is at; the damaged records are then dropped", url,
-                                      exc.records) from exc
+                                      exc.records, exc.step, exc.offset) from exc
             if records:
                 return records[-1].step
         return None

@@ -46,6 +46,9 @@ class FaultInjection(BaseModel):
 
     replay_delay_seconds: float = Field(0.0, ge=0)
     """Extra seconds the shadow spends per replayed step (makes it lag)."""
+    replay_stalled: bool = False
+    """The shadow's replay applies no record: only resyncs move its replica (a shadow that falls behind
+    however slow the trainer is)."""
     crash_in_recovery_marker: str | None = None
     """A file path: the first recovering trainer that finds it missing creates it and dies mid-recovery."""
     die_at: dict[int, list[int]] = {}
