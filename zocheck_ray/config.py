@@ -323,7 +323,7 @@ def check_task(job: JobConfig):
     Returns the task (see `zocheck_ray.workload.build_task`); raises `JobConfigError`
     naming the field or the file and line, before any model or actor exists.
     """
-    from zocheck_ray.workload.tasks import build_task
+    from zocheck_ray.workload.builder import build_task
 
     try:
         return build_task(job.task, job.model)

@@ -13,7 +13,8 @@ from zocheck_ray.core import ZOConfig, ZOOptimizer
 from zocheck_ray.testing.reference import uninterrupted_hashes
 from zocheck_ray.workload import TaskConfig, build_model, build_task, trainable_parameters
 from zocheck_ray.workload.errors import DataFileError, DataFormatError, LabelError
-from zocheck_ray.workload.mezo_tasks import TEMPLATES, f1_score, k_shot, normalize_answer
+from zocheck_ray.workload.mezo_tasks import TEMPLATES, f1_score, normalize_answer
+from zocheck_ray.workload.sampling import k_shot
 
 ROWS = 24
 CLASSES = {"rte": 2, "cb": 3, "boolq": 2, "wsc": 2, "wic": 2, "multirc": 2, "copa": 2, "squad": 1, "sst2": 2}

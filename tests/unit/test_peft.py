@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from support import wait_until
-from zocheck_ray.actors.publisher import StateOffer, poll_answered
 from zocheck_ray.actors.shadow import Shadow
 from zocheck_ray.actors.trainer import Trainer
 from zocheck_ray.config import JobConfig, JobConfigError, load_job_config
 from zocheck_ray.core import ZOOptimizer, replay, replay_reference, state_hash
 from zocheck_ray.storage import SnapshotStore, snapshot_dir
+from zocheck_ray.testing.in_process import InProcessLink
 from zocheck_ray.testing.reference import uninterrupted_hashes
 from zocheck_ray.workload.adapters import BaseModelMismatchError, PeftSettings, build_trainable
 from zocheck_ray.workload.models import build_model
@@ -76,31 +76,6 @@ def test_adapter_steps_replay_exactly(optimizer, method, dtype):
     assert state_hash(replay_reference(clone(initial), records, zo)) == state_hash(trained)
 
 
-class Link:
-    """The trainer's side of an in-process shadow (as `TrainerActor` has it over Ray)."""
-
-    def __init__(self, shadow):
-        self.shadow = shadow
-
-    def borrow_image(self):
-        image, records = self.shadow.recovery_view(lend=True)
-        if image is None:
-            return None
-        return StateOffer(image.tensors(), image.step, records, "memory",
-                          release=lambda: self.shadow.give_back(image.token), adapter=self.shadow.adapter)
-
-    def initialize(self, state, step, adapter=None):
-        self.shadow.initialize(step, state, adapter=adapter)
-
-    def write_state(self, state):
-        raise AssertionError("no resync in these tests")
-
-    def push(self, data, trainer_step=None):
-        return self.shadow.push(data, trainer_step)
-
-    poll = staticmethod(poll_answered)
-
-
 def peft_job(tmp_path, method="lora", **kw):
     fields = dict(steps=10, storage=str(tmp_path), snapshot_interval=5, durable_interval=5, hash_every_step=True,
                   zo=dict(optimizer="zo-adam", lr=5e-3, eps=1e-2), peft=METHODS[method].model_dump(), task=TASK)
@@ -116,7 +91,7 @@ def test_snapshot_loads_with_peft_and_a_recovery_takes_the_base_from_the_model(t
     shadow = Shadow(job)
     trainer = None
     try:
-        trainer = Trainer(job, Link(shadow))
+        trainer = Trainer(job, InProcessLink(shadow))
         assert trainer.recovery.source == "fresh"
         progress = trainer.run(10)
         shadow.push(b"", 10)
@@ -146,7 +121,7 @@ def test_snapshot_loads_with_peft_and_a_recovery_takes_the_base_from_the_model(t
         trainer = None
 
         # a restarted trainer loads the base and restores the adapter from the shadow's image
-        again = Trainer(job, Link(shadow))
+        again = Trainer(job, InProcessLink(shadow))
         assert again.recovery.source == "memory" and again.step == 10
         assert state_hash(again.opt.state_tensors()) == final
         with torch.no_grad():
@@ -165,13 +140,13 @@ def test_a_recovery_against_another_base_model_is_refused(tmp_path):
     job = peft_job(tmp_path)
     shadow = Shadow(job)
     try:
-        trainer = Trainer(job, Link(shadow))
+        trainer = Trainer(job, InProcessLink(shadow))
         trainer.run(3)
         trainer.close()
         # the same adapter, on a base initialised from another seed: other weights
         other = job.model_copy(update={"run_seed": 1})
         with pytest.raises(BaseModelMismatchError, match="SHA-256") as caught:
-            Trainer(other, Link(shadow))
+            Trainer(other, InProcessLink(shadow))
         assert job.run_id in str(caught.value) and "tiny-opt" in str(caught.value)
     finally:
         shadow.close()
@@ -181,7 +156,7 @@ def test_a_rebuilt_shadow_keeps_the_run_s_base_and_refuses_another(tmp_path):
     job = peft_job(tmp_path)
     first = Shadow(job)
     try:
-        trainer = Trainer(job, Link(first))
+        trainer = Trainer(job, InProcessLink(first))
         trainer.run(5)
         first.push(b"", 5)
         first.drain(5)
@@ -191,9 +166,9 @@ def test_a_rebuilt_shadow_keeps_the_run_s_base_and_refuses_another(tmp_path):
     rebuilt = Shadow(job)  # a host failure: the shadow comes back from durable storage
     try:
         assert rebuilt.adapter is not None and rebuilt.replay.source == "durable"
-        assert Trainer(job, Link(rebuilt)).step == 5
+        assert Trainer(job, InProcessLink(rebuilt)).step == 5
         with pytest.raises(BaseModelMismatchError):
-            Trainer(job.model_copy(update={"run_seed": 7}), Link(rebuilt))
+            Trainer(job.model_copy(update={"run_seed": 7}), InProcessLink(rebuilt))
     finally:
         rebuilt.close()
 

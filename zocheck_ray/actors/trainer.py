@@ -46,7 +46,7 @@ from zocheck_ray.core.triton_kernels import replay_on_device
 from zocheck_ray.workload.data import step_seed
 from zocheck_ray.workload.adapters import BaseModelMismatchError, build_trainable
 from zocheck_ray.workload.models import TORCH_DTYPES
-from zocheck_ray.workload.tasks import build_task
+from zocheck_ray.workload.builder import build_task
 
 logger = logging.getLogger(__name__)
 
@@ -341,10 +341,12 @@ class Trainer:
     def state_hash(self) -> tuple[int, str]:
         return self.step, state_hash(self.opt.state_tensors())
 
-    def close(self) -> None:
+    def close(self, hand_over: bool = True) -> None:
+        """Stop publishing. `hand_over`: send the shadow the records not sent yet; False stops as a dying
+        process does, those records lost (an in-process software failure, `testing.in_process`)."""
         self._stop.set()
         self._flusher.join(timeout=5)
-        if self.publisher is not None:
+        if self.publisher is not None and hand_over:
             self.publisher.flush()
         if self.group is not None:
             self.group.leave()

@@ -9,7 +9,7 @@ from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, state_hash
 from zocheck_ray.workload.data import step_seed
 from zocheck_ray.workload.adapters import build_trainable
-from zocheck_ray.workload.tasks import build_task
+from zocheck_ray.workload.builder import build_task
 
 
 def _model_and_optimizer(job: JobConfig):

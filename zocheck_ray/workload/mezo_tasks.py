@@ -10,15 +10,13 @@ MeZO's (its `templates.py`): the prompt, then each candidate's words, scored by 
 `Title: ... Context: ... Question: ... Answer:` and is evaluated by greedy decoding, with SQuAD's F1 and
 exact match against every gold answer (lowercased, punctuation and articles removed).
 
-k-shot sampling (`task.k_shot`): per class, the k rows whose SHA-256 of (data_seed, row) is smallest,
-kept in file order, so the sample is a pure function of the data and the seed.
+k-shot sampling (`task.k_shot`, `sampling.k_shot`): per class, the k rows whose SHA-256 of (data_seed, row)
+is smallest, kept in file order, so the sample is a pure function of the data and the seed.
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
-import json
 import re
 import string
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ import torch
 
 from zocheck_ray.workload.datafiles import data_format, has_split, read_records
 from zocheck_ray.workload.errors import DataFormatError, LabelError, WorkloadError
+from zocheck_ray.workload.sampling import k_shot, row_rank
 from zocheck_ray.workload.task_config import TaskConfig
 from zocheck_ray.workload.tasks import (
     IGNORE, PromptClassificationTask, Task, _pad, _target_log_probs, candidate_examples, split_prompt,
@@ -139,24 +138,6 @@ def squad_prompt(record: dict, where: tuple[str, int]) -> tuple[str, list[str]]:
 # ---------------------------------------------------------------- reading and sampling
 
 
-def _rank(seed: int, record: dict) -> bytes:
-    return hashlib.sha256(f"{seed}:".encode() + json.dumps(record, sort_keys=True, default=str).encode()).digest()
-
-
-def k_shot(rows: list, k: int | None, seed: int, label_of) -> list:
-    """Per class (`label_of(row)`; None: one class), the k rows of smallest SHA-256 of (seed, row), in file
-    order; every row when k is None."""
-    if k is None:
-        return rows
-    by_class: dict = collections.defaultdict(list)
-    for i, row in enumerate(rows):
-        by_class[label_of(row)].append(i)
-    keep = set()
-    for members in by_class.values():
-        keep.update(sorted(members, key=lambda i: _rank(seed, rows[i][1]))[:k])
-    return [row for i, row in enumerate(rows) if i in keep]
-
-
 def read_splits(config: TaskConfig) -> tuple[list, list, str]:
     """(train rows, held-out rows, the held-out rows' source) as (line, record) pairs, before sampling: the
     held-out rows come from `eval_path`, else the folder's `eval_split`, else the `eval_size` rows of the
@@ -171,7 +152,7 @@ def read_splits(config: TaskConfig) -> tuple[list, list, str]:
     if config.eval_size >= len(train):
         raise WorkloadError(f"task.eval_size={config.eval_size} holds out every row of {path} ({len(train)} rows); "
                             "lower eval_size or give held-out rows in task.eval_path")
-    ranked = sorted(range(len(train)), key=lambda i: (_rank(config.data_seed, train[i][1]), i))
+    ranked = sorted(range(len(train)), key=lambda i: (row_rank(config.data_seed, train[i][1]), i))
     held = set(ranked[:config.eval_size])
     return ([r for i, r in enumerate(train) if i not in held], [r for i, r in enumerate(train) if i in held],
             f"{path} (held out)")
@@ -183,12 +164,13 @@ def build_mezo_task(config: TaskConfig, tokenizer: TextTokenizer):
     path = str(config.data_path)
     eval_path = str(config.eval_path or config.data_path)
     if config.kind == "squad":
-        train = k_shot(train, config.k_shot, config.data_seed, lambda row: None)
+        train = k_shot(train, config.k_shot, config.data_seed, lambda row: None, lambda row: row[1])
         return SquadTask(config, tokenizer, _squad_examples(config, tokenizer, train, path),
                          _squad_examples(config, tokenizer, held[:config.eval_size], eval_path))
     render = TEMPLATES[config.kind]
-    rendered_train = [(line, render(record, (path, line))) for line, record in train]
-    rendered_train = k_shot(rendered_train, config.k_shot, config.data_seed, lambda row: row[1].label)
+    rendered_train = [(record, render(record, (path, line))) for line, record in train]
+    rendered_train = k_shot(rendered_train, config.k_shot, config.data_seed, lambda row: row[1].label,
+                            lambda row: row[0])
     rendered_held = [render(record, (eval_path, line)) for line, record in held[:config.eval_size]]
 
     def examples(rendered):
@@ -312,4 +294,4 @@ class SquadTask(Task):
         return {"f1": f1 / n, "exact_match": exact / n, **metrics}
 
 
-__all__ = ["TEMPLATES", "SquadTask", "build_mezo_task", "f1_score", "k_shot", "normalize_answer", "squad_prompt"]
+__all__ = ["TEMPLATES", "SquadTask", "build_mezo_task", "f1_score", "normalize_answer", "squad_prompt"]

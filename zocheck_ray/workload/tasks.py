@@ -1,6 +1,6 @@
 """Tasks: the batches, loss and held-out metrics a ZO trainer needs, built before any model.
 
-    task = build_task(TaskConfig(), "tiny-opt")            # checks data, labels, model fit
+    task = build_task(TaskConfig(), "tiny-opt")            # checks data, labels, model fit (builder.py)
     model = build_model("tiny-opt")
     opt = ZOOptimizer(trainable_parameters(model), ZOConfig(lr=1e-3))
     for t in range(steps):
@@ -24,7 +24,8 @@ Kinds:
 
 Batches are padded on the right to the longest sequence of the batch; padding is
 masked from attention and loss. Every error about the data, the labels or the
-model's fit is raised by `build_task`, before training starts.
+model's fit is raised by `build_task` (`builder.py`), before training starts. MeZO's SuperGLUE
+and SQuAD tasks (`rte`, ..., `squad`) are in `mezo_tasks.py`.
 """
 
 from __future__ import annotations
@@ -39,14 +40,13 @@ import torch
 import torch.nn.functional as F
 
 from zocheck_ray.workload.data import batch_indices
-from zocheck_ray.workload.datafiles import SHIPPED_SST2, Row, has_split, read_rows
-from zocheck_ray.workload.errors import DataFormatError, LabelError, TaskModelMismatchError, WorkloadError
-from zocheck_ray.workload.models import model_config_dict, model_directory, model_kind
-from zocheck_ray.workload.task_config import MEZO_KINDS, TaskConfig
-from zocheck_ray.workload.tokenization import TextTokenizer, load_tokenizer
+from zocheck_ray.workload.datafiles import Row
+from zocheck_ray.workload.errors import TaskModelMismatchError, WorkloadError
+from zocheck_ray.workload.task_config import TaskConfig
+from zocheck_ray.workload.tokenization import TextTokenizer
 
 __all__ = ["Task", "PromptClassificationTask", "LanguageModelingTask", "SequenceClassificationTask",
-           "TaskConfig", "build_task", "split_rows"]
+           "TaskConfig", "candidate_examples", "split_prompt", "split_rows"]
 
 IGNORE = -100
 """Target id that contributes no loss (padding, prompt tokens)."""
@@ -332,15 +332,7 @@ class LanguageModelingTask(Task):
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
 
 
-# ---------------------------------------------------------------- building a task
-
-
-def _class_index(config: TaskConfig, row: Row) -> int:
-    labels = config.labels
-    try:
-        return labels.index(str(row.label))
-    except ValueError:
-        raise LabelError(row.path, row.line, row.label, labels) from None
+# ---------------------------------------------------------------- examples
 
 
 def split_prompt(prompt: list[int], whole: list[int]) -> tuple[list[int], list[int]]:
@@ -384,95 +376,3 @@ def candidate_examples(config: TaskConfig, tokenizer: TextTokenizer, prompts: li
         examples.append(PromptExample(prefix + encoded_options[0][:shared], [o[shared:] for o in encoded_options],
                                       label))
     return examples
-
-
-def _prompt_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list[Row]) -> list[PromptExample]:
-    words = [" " + word for word in config.verbalizer.values()]
-    return candidate_examples(config, tokenizer, [config.template.format(text=r.text) for r in rows],
-                              [words] * len(rows), [_class_index(config, r) for r in rows], "verbalizer word")
-
-
-def _text_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list[Row], labelled: bool) -> list[TextExample]:
-    encoded = tokenizer.encode([r.text for r in rows], max_length=config.max_length)
-    examples = []
-    for row, ids in zip(rows, encoded):
-        if not labelled and len(ids) < 2:
-            raise DataFormatError(row.path, row.line, f"the text encodes to {len(ids)} token(s) with "
-                                                      f"{tokenizer.describe()}; language modelling needs at least 2")
-        examples.append(TextExample(ids, _class_index(config, row) if labelled else -1))
-    return examples
-
-
-def _check_fit(config: TaskConfig, name: str, kind: str, hf: dict, tokenizer: TextTokenizer) -> None:
-    arch = ", ".join(hf.get("architectures") or [hf.get("model_type", "?")])
-    if config.kind in ("sst2", "lm", *MEZO_KINDS) and kind != "causal-lm":
-        raise TaskModelMismatchError(
-            f"task kind {config.kind!r} needs a causal LM, but model {name!r} is an encoder with a classification "
-            f"head ({arch}); use task kind 'classification', or a causal LM such as tiny-opt, tiny-llama, tiny-qwen3")
-    if config.kind == "classification":
-        if kind != "sequence-classification":
-            raise TaskModelMismatchError(
-                f"task kind 'classification' needs a model with a classification head, but model {name!r} is a "
-                f"causal LM ({arch}); use task kind 'sst2' to classify with the LM's verbalizer scores, or an "
-                "encoder such as tiny-bert or minilm")
-        n_labels = len(hf.get("id2label") or {}) or 2
-        if n_labels != len(config.verbalizer):
-            raise TaskModelMismatchError(
-                f"model {name!r} has {n_labels} output classes but task.verbalizer has {len(config.verbalizer)} "
-                f"labels {config.labels}; build the model with overrides={{'num_labels': {len(config.verbalizer)}}}")
-    vocab = int(hf["vocab_size"])
-    if tokenizer.vocab_size > vocab:
-        raise TaskModelMismatchError(f"the tokenizer ({tokenizer.describe()}) has {tokenizer.vocab_size} ids but "
-                                     f"model {name!r} embeds only vocab_size={vocab}; use the model's own tokenizer")
-    positions = hf.get("max_position_embeddings")
-    if positions is not None and config.max_length > int(positions):
-        raise TaskModelMismatchError(f"task.max_length={config.max_length} exceeds model {name!r}'s "
-                                     f"max_position_embeddings={positions}; lower task.max_length")
-
-
-def build_task(config: TaskConfig, model: str, overrides: dict | None = None,
-               tokenizer: TextTokenizer | None = None) -> Task:
-    """The task `config` for model `model` (a name `build_model` accepts, with the same `overrides`).
-
-    Reads and checks every row, the labels and the model's fit without building the
-    model, so bad input fails here, before training starts. `tokenizer` replaces
-    the one `config.tokenizer` selects.
-    """
-    kind = model_kind(model, overrides)
-    hf = model_config_dict(model, overrides)
-    if tokenizer is None:
-        tokenizer = load_tokenizer(model_directory(model), int(hf["vocab_size"]), config.tokenizer)
-    _check_fit(config, model, kind, hf, tokenizer)
-
-    if config.kind in MEZO_KINDS:
-        from zocheck_ray.workload.mezo_tasks import build_mezo_task
-
-        return build_mezo_task(config, tokenizer)
-    label_field = None if config.kind == "lm" else config.label_field
-    path = config.data_path or SHIPPED_SST2
-    rows = read_rows(path, config.text_field, label_field, config.data_format, config.split)
-    if config.eval_path is None and has_split(path, config.eval_split, config.data_format):
-        train = rows
-        held_out = read_rows(path, config.text_field, label_field, config.data_format,
-                             config.eval_split)[:config.eval_size]
-    elif config.eval_path is None:
-        train, held_out = split_rows(rows, config.eval_size)
-    else:
-        train = rows
-        held_out = read_rows(config.eval_path, config.text_field, label_field, config.data_format,
-                             config.eval_split)[:config.eval_size]
-    if config.k_shot is not None and config.kind != "lm":
-        from zocheck_ray.workload.mezo_tasks import k_shot
-
-        kept = k_shot([(r.line, {"text": r.text, "label": r.label}) for r in train], config.k_shot,
-                      config.data_seed, lambda row: str(row[1]["label"]))
-        lines = {line for line, _ in kept}
-        train = [r for r in train if r.line in lines]
-
-    if config.kind == "sst2":
-        return PromptClassificationTask(config, tokenizer, _prompt_examples(config, tokenizer, train),
-                                        _prompt_examples(config, tokenizer, held_out))
-    labelled = config.kind == "classification"
-    cls = SequenceClassificationTask if labelled else LanguageModelingTask
-    return cls(config, tokenizer, _text_examples(config, tokenizer, train, labelled),
-               _text_examples(config, tokenizer, held_out, labelled))
