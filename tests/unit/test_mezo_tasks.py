@@ -17,6 +17,8 @@ from zocheck_ray.workload.mezo_tasks import TEMPLATES, f1_score, normalize_answe
 from zocheck_ray.workload.sampling import k_shot
 
 ROWS = 24
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: see conftest
 CLASSES = {"rte": 2, "cb": 3, "boolq": 2, "wsc": 2, "wic": 2, "multirc": 2, "copa": 2, "squad": 1, "sst2": 2}
 
 
@@ -68,19 +70,42 @@ def config(kind, path, **kw):
     return TaskConfig(**fields)
 
 
-@pytest.mark.parametrize("kind", ["rte", "cb", "boolq", "wsc", "wic", "multirc", "copa", "squad", "sst2"])
-@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "dataset"])
-def test_every_task_reads_every_format_and_evaluates(tmp_path, kind, fmt):
-    task = build_task(config(kind, write(tmp_path, kind, fmt)), "tiny-opt")
-    assert (task.n_train, task.n_eval) == ((18, 6) if fmt == "dataset" else (ROWS - 6, 6))
-    model = build_model("tiny-opt")
+KINDS = ["rte", "cb", "boolq", "wsc", "wic", "multirc", "copa", "squad", "sst2"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("tiny-opt")  # evaluation only reads it
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_task_reads_jsonl_parquet_and_a_saved_dataset(tmp_path, kind):
+    """The same rows as JSONL and as Parquet give the same examples; a `save_to_disk` folder's splits are the
+    training and held-out rows."""
+    from_jsonl = build_task(config(kind, write(tmp_path, kind, "jsonl")), "tiny-opt")
+    from_parquet = build_task(config(kind, write(tmp_path, kind, "parquet")), "tiny-opt")
+    assert (from_jsonl.n_train, from_jsonl.n_eval) == (ROWS - 6, 6)
+    assert from_parquet.train_examples == from_jsonl.train_examples
+    assert from_parquet.eval_examples == from_jsonl.eval_examples
+    saved = build_task(config(kind, write(tmp_path, kind, "dataset")), "tiny-opt")
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "validation.jsonl"
+    train.write_text("".join(json.dumps(record(kind, i)) + "\n" for i in range(18)))
+    held_out.write_text("".join(json.dumps(record(kind, i)) + "\n" for i in range(18, ROWS)))
+    as_files = build_task(config(kind, str(train), eval_path=str(held_out)), "tiny-opt")
+    assert (saved.n_train, saved.n_eval) == (18, 6)
+    assert saved.train_examples == as_files.train_examples and saved.eval_examples == as_files.eval_examples
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_task_has_a_loss_and_its_metric(tmp_path, kind, model):
+    task = build_task(config(kind, write(tmp_path, kind, "jsonl"), eval_size=3), "tiny-opt")
     loss = task.loss(model, task.batch(0))
-    assert torch.isfinite(loss)
+    assert torch.isfinite(loss) and loss > 0
     metrics = task.evaluate(model)
     if kind == "squad":
         assert task.metric == "f1" and 0.0 <= metrics["f1"] <= 1.0 and 0.0 <= metrics["exact_match"] <= 1.0
     else:
-        assert task.metric == "accuracy" and 0.0 <= metrics["accuracy"] <= 1.0
+        assert task.metric == "accuracy" and metrics["accuracy"] in (0.0, 1 / 3, 2 / 3, 1.0)
     assert metrics["loss"] > 0
 
 
@@ -95,6 +120,9 @@ def test_mezo_s_templates_and_verbalizers():
     copa = TEMPLATES["copa"]({"premise": "The man fell.", "choice1": "He slipped.", "choice2": "He won.",
                               "question": "cause", "label": 0}, where)
     assert copa.prompt == "The man fell because " and copa.options == ("he slipped.", "he won.")
+    effect = TEMPLATES["copa"]({"premise": "I was cold.", "choice1": "I shivered.", "choice2": "Ann LEFT.",
+                                "question": "effect", "label": 0}, where)
+    assert effect.prompt == "I was cold so " and effect.options == ("I shivered.", "ann LEFT.")
     wsc = TEMPLATES["wsc"]({"text": "Tom said he ran.", "span1_text": "Tom", "span2_text": "He", "label": 1}, where)
     assert wsc.prompt.endswith('does the pronoun "he" refer to Tom? Yes or No?\n') and wsc.options == ("No", "Yes")
     wic = TEMPLATES["wic"]({"word": "bank", "sentence1": "s1", "sentence2": "s2", "label": 0}, where)

@@ -13,7 +13,6 @@ import itertools
 import json
 
 import pytest
-import torch
 
 from zocheck_ray.config import JobConfig
 from zocheck_ray.testing import FaultInjection
@@ -25,15 +24,7 @@ ADAPTERS = {"full": None, "lora": {"method": "lora", "r": 2, "lora_alpha": 4},
             "prefix": {"method": "prefix", "num_virtual_tokens": 3}}
 STEPS, SOFTWARE, HOST = 12, [2, 5, 7], 9
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The model is tiny: one intra-op thread beats two that contend with the shadow's threads (and the other
-    test process) for two cores, several times over."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: see conftest
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,11 @@ and SQuAD (answer generation), with MeZO's prompt templates, verbalizers, k-shot
 Rows carry the fields of the SuperGLUE and SQuAD datasets (as `datasets` names them), read from JSONL,
 Parquet or a `save_to_disk` folder (`datafiles.read_records`); nothing is downloaded. The templates are
 MeZO's (its `templates.py`): the prompt, then each candidate's words, scored by their mean log-probability
-(`PromptClassificationTask`); accuracy is the argmax. SQuAD trains on the answer's tokens after
-`Title: ... Context: ... Question: ... Answer:` and is evaluated by greedy decoding, with SQuAD's F1 and
-exact match against every gold answer (lowercased, punctuation and articles removed).
+(`PromptClassificationTask`); accuracy is the argmax. SQuAD trains on the tokens of " <answer>\n" after
+`Title: ... Context: ... Question: ... Answer:` and is evaluated by greedy decoding up to a newline, with
+SQuAD's F1 and exact match against every gold answer (lowercased, punctuation and articles removed).
+The held-out rows: `task.eval_path`, else the folder's `task.eval_split`, else `eval_size` rows held out
+of the data by SHA-256 (never trained on); evaluation takes the first `eval_size` of them.
 
 k-shot sampling (`task.k_shot`, `sampling.k_shot`): per class, the k rows whose SHA-256 of (data_seed, row)
 is smallest, kept in file order, so the sample is a pure function of the data and the seed.
@@ -115,8 +117,14 @@ def _copa(r, w):
         raise DataFormatError(*w, f"field 'question' must be 'cause' or 'effect', got {question!r}")
     choices = [_field(r, "choice1", w), _field(r, "choice2", w)]
     conjunction = " because " if question == "cause" else " so "
-    return Rendered(premise.rstrip()[:-1] + conjunction, tuple(c[0].lower() + c[1:] for c in choices),
+    return Rendered(premise.rstrip()[:-1] + conjunction, tuple(_lower_first_word(c) for c in choices),
                     _label(r, {0: 0, 1: 1}, w))
+
+
+def _lower_first_word(text: str) -> str:
+    """MeZO's COPA capitalization: the choice continues the sentence, so its first word is lowercased ("I" kept)."""
+    first, *rest = text.split(" ")
+    return " ".join([first if first == "I" else first.lower(), *rest])
 
 
 TEMPLATES = {"rte": _rte, "cb": _cb, "boolq": _boolq, "wsc": _wsc, "wic": _wic, "multirc": _multirc, "copa": _copa}
@@ -125,7 +133,7 @@ TEMPLATES = {"rte": _rte, "cb": _cb, "boolq": _boolq, "wsc": _wsc, "wic": _wic, 
 
 def squad_prompt(record: dict, where: tuple[str, int]) -> tuple[str, list[str]]:
     """MeZO's SQuAD prompt and the row's gold answers (the first one is trained on)."""
-    context, question = _field(record, "context", where), _field(record, "question", where)
+    context, question = _field(record, "context", where), _field(record, "question", where).strip()
     title = record.get("title") or ""
     answers = record.get("answers")
     texts = answers.get("text") if isinstance(answers, dict) else answers
@@ -198,7 +206,8 @@ def _squad_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list, pa
     for line, record in rows:
         prompt, answers = squad_prompt(record, (path, line))
         prompt_ids = tokenizer.encode([prompt])[0]
-        prefix, answer = split_prompt(prompt_ids, tokenizer.encode([prompt + " " + answers[0]])[0])
+        # MeZO's target: " <answer>\n", so the model learns where its answer ends (decoding stops at a newline)
+        prefix, answer = split_prompt(prompt_ids, tokenizer.encode([f"{prompt} {answers[0]}\n"])[0])
         if not answer or len(answer) >= config.max_length:
             raise DataFormatError(path, line, f"the answer takes {len(answer)} tokens, which leaves no room for the "
                                               f"prompt within task.max_length={config.max_length}")
