@@ -114,15 +114,19 @@ def test_mezo_s_templates_and_verbalizers():
     rte = TEMPLATES["rte"]({"premise": "It rains.", "hypothesis": "It is wet.", "label": "entailment"}, where)
     assert rte.prompt == 'It rains.\nDoes this mean that "It is wet." is true? Yes or No?\n'
     assert rte.options == ("Yes", "No") and rte.label == 0
-    assert TEMPLATES["cb"]({"premise": "a", "hypothesis": "b", "label": "neutral"}, where).options[2] == "Maybe"
+    cb = TEMPLATES["cb"]({"premise": "It rains.", "hypothesis": "It is wet.", "label": "neutral"}, where)
+    assert cb.prompt == 'Suppose It rains. Can we infer that "It is wet."? Yes, No, or Maybe?\n'
+    assert cb.options == ("Yes", "No", "Maybe") and cb.label == 2
     boolq = TEMPLATES["boolq"]({"passage": "Cats purr.", "question": "do cats purr", "label": True}, where)
     assert boolq.prompt == "Cats purr. Do cats purr?" and boolq.options == (" No", " Yes") and boolq.label == 1
+    answer = TEMPLATES["boolq"]({"passage": "P.", "question": "is it?", "answer": False}, where)  # `boolq`'s fields
+    assert answer.prompt == "P. Is it?" and answer.label == 0
     copa = TEMPLATES["copa"]({"premise": "The man fell.", "choice1": "He slipped.", "choice2": "He won.",
                               "question": "cause", "label": 0}, where)
     assert copa.prompt == "The man fell because " and copa.options == ("he slipped.", "he won.")
-    effect = TEMPLATES["copa"]({"premise": "I was cold.", "choice1": "I shivered.", "choice2": "Ann LEFT.",
+    effect = TEMPLATES["copa"]({"premise": "I was cold!", "choice1": "I shivered.", "choice2": "Ann LEFT.",
                                 "question": "effect", "label": 0}, where)
-    assert effect.prompt == "I was cold so " and effect.options == ("I shivered.", "ann LEFT.")
+    assert effect.prompt == "I was cold! so " and effect.options == ("I shivered.", "ann LEFT.")
     wsc = TEMPLATES["wsc"]({"text": "Tom said he ran.", "span1_text": "Tom", "span2_text": "He", "label": 1}, where)
     assert wsc.prompt.endswith('does the pronoun "he" refer to Tom? Yes or No?\n') and wsc.options == ("No", "Yes")
     wic = TEMPLATES["wic"]({"word": "bank", "sentence1": "s1", "sentence2": "s2", "label": 0}, where)

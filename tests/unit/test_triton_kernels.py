@@ -74,7 +74,10 @@ def test_weight_decay_zero_takes_the_undecayed_sequence():
 
 
 CASES = [("zo-sgd", "bf16", "gaussian"), ("zo-adam", "fp32", "gaussian"), ("sparse-mezo", "fp16", "rademacher"),
-         ("zo-sgd-sign", "bf16", "gaussian"), ("zo-sgd-mmt", "fp32", "rademacher"), ("zo-sgd-cons", "bf16", "gaussian")]
+         ("zo-sgd-cons", "bf16", "gaussian")]
+"""ZO-SGD-Sign and -MMT take the same launches as ZO-SGD and ZO-Adam here (their trainer path is checked
+against the oracle in every dtype above); ZO-SGD-Cons adds its moves and the decision of a real model's
+losses."""
 TRAIN_STEPS = 10
 
 

@@ -57,9 +57,9 @@ def _field(record: dict, name: str, where: tuple[str, int]) -> str:
     return value
 
 
-def _label(record: dict, names: dict, where: tuple[str, int]) -> int:
-    """The class index of the row's `label` (an index, a boolean for yes/no tasks, or the dataset's name)."""
-    value = record.get("label")
+def _label(record: dict, names: dict, where: tuple[str, int], field: str = "label") -> int:
+    """The class index of the row's `field` (an index, a boolean for yes/no tasks, or the dataset's name)."""
+    value = record.get(field)
     count = len(set(names.values()))
     if isinstance(value, bool) and count == 2:
         return names[value]
@@ -83,14 +83,18 @@ def _rte(r, w):
 
 def _cb(r, w):
     premise, hypothesis = _field(r, "premise", w), _field(r, "hypothesis", w)
-    return Rendered(f"{premise}\nDoes this mean that \"{hypothesis}\" is true? Yes or No?\n", (*YES_NO, "Maybe"),
-                    _label(r, _CB, w))
+    return Rendered(f"Suppose {premise} Can we infer that \"{hypothesis}\"? Yes, No, or Maybe?\n",
+                    (*YES_NO, "Maybe"), _label(r, _CB, w))
 
 
 def _boolq(r, w):
-    passage, question = _field(r, "passage", w), _field(r, "question", w).strip().rstrip("?")
+    # SuperGLUE's BoolQ has `label`, the `boolq` dataset `answer` (a boolean): either is taken
+    passage, question = _field(r, "passage", w), _field(r, "question", w)
+    if not question.endswith("?"):
+        question += "?"
     question = question[0].upper() + question[1:]
-    return Rendered(f"{passage} {question}?", (" No", " Yes"), _label(r, _BINARY, w))
+    field = "label" if "label" in r or "answer" not in r else "answer"
+    return Rendered(f"{passage} {question}", (" No", " Yes"), _label(r, _BINARY, w, field))
 
 
 def _wsc(r, w):
@@ -117,7 +121,9 @@ def _copa(r, w):
         raise DataFormatError(*w, f"field 'question' must be 'cause' or 'effect', got {question!r}")
     choices = [_field(r, "choice1", w), _field(r, "choice2", w)]
     conjunction = " because " if question == "cause" else " so "
-    return Rendered(premise.rstrip()[:-1] + conjunction, tuple(_lower_first_word(c) for c in choices),
+    premise = premise.rstrip()
+    premise = premise[:-1] if premise.endswith(".") else premise
+    return Rendered(premise + conjunction, tuple(_lower_first_word(c) for c in choices),
                     _label(r, {0: 0, 1: 1}, w))
 
 
