@@ -118,9 +118,9 @@ def test_mezo_s_templates_and_verbalizers():
     assert cb.prompt == 'Suppose It rains. Can we infer that "It is wet."? Yes, No, or Maybe?\n'
     assert cb.options == ("Yes", "No", "Maybe") and cb.label == 2
     boolq = TEMPLATES["boolq"]({"passage": "Cats purr.", "question": "do cats purr", "label": True}, where)
-    assert boolq.prompt == "Cats purr. Do cats purr?" and boolq.options == (" No", " Yes") and boolq.label == 1
+    assert boolq.prompt == "Cats purr. Do cats purr?\n" and boolq.options == ("Yes", "No") and boolq.label == 0
     answer = TEMPLATES["boolq"]({"passage": "P.", "question": "is it?", "answer": False}, where)  # `boolq`'s fields
-    assert answer.prompt == "P. Is it?" and answer.label == 0
+    assert answer.prompt == "P. Is it?\n" and answer.label == 1
     copa = TEMPLATES["copa"]({"premise": "The man fell.", "choice1": "He slipped.", "choice2": "He won.",
                               "question": "cause", "label": 0}, where)
     assert copa.prompt == "The man fell because " and copa.options == ("he slipped.", "he won.")

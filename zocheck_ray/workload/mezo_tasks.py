@@ -88,13 +88,14 @@ def _cb(r, w):
 
 
 def _boolq(r, w):
-    # SuperGLUE's BoolQ has `label`, the `boolq` dataset `answer` (a boolean): either is taken
+    # MeZO's default BoolQ template (its version 2), candidates "Yes" then "No". SuperGLUE's BoolQ has
+    # `label`, the `boolq` dataset `answer` (a boolean): either is taken.
     passage, question = _field(r, "passage", w), _field(r, "question", w)
     if not question.endswith("?"):
         question += "?"
     question = question[0].upper() + question[1:]
     field = "label" if "label" in r or "answer" not in r else "answer"
-    return Rendered(f"{passage} {question}", (" No", " Yes"), _label(r, _BINARY, w, field))
+    return Rendered(f"{passage} {question}\n", YES_NO, 1 - _label(r, _BINARY, w, field))
 
 
 def _wsc(r, w):

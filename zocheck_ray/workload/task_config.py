@@ -36,7 +36,8 @@ class TaskConfig(BaseModel):
     """Training rows: a JSONL, CSV or Parquet file, or a folder written by `datasets`' `save_to_disk`;
     None uses the shipped SST-2 style dataset (`sst2`, `lm`, `classification` only)."""
     eval_path: str | None = None
-    """Held-out rows in their own file; None holds out `eval_size` rows of `data_path` (see `split_rows`)."""
+    """Held-out rows in their own file (or folder); None takes the `eval_split` of a `save_to_disk` folder that
+    has one, else holds out `eval_size` rows of `data_path` (see `split_rows`)."""
     data_format: DataFormat = "auto"
     """`jsonl`, `csv`, `parquet`, `dataset` (a `save_to_disk` folder), or `auto` (by the suffix; a folder is a
     `dataset`)."""
