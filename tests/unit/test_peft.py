@@ -33,6 +33,8 @@ METHODS = {"lora": PeftSettings(method="lora", r=2, lora_alpha=4), "prefix": Pef
                                                                                          num_virtual_tokens=3)}
 TASK = dict(batch_size=4, max_length=32, eval_size=16, eval_interval=5)
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: see conftest
+
 
 def clone(state):
     return {k: v.detach().clone() for k, v in state.items()}
