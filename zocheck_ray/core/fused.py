@@ -16,7 +16,8 @@ one write of the parameters, so a replay reaches at most about a quarter of that
 Each thread takes one contiguous run of chunks (the hardware prefetcher streams it) and
 allocates its scratch once; float32 parameters are updated in place, and a single step
 on bf16/fp16 converts in the update itself, while a batch of steps works on a float32
-copy of the chunk. Since z depends only on (seed, global offset), the partitioning and
+copy of the chunk. A step of one perturbation makes one pass over its chunk, whatever the
+optimizer; several perturbations make one per perturbation and one for the update. Since z depends only on (seed, global offset), the partitioning and
 thread count cannot change a bit.
 
 numba compiles without fastmath (no FMA contraction, no reassociation) and with
@@ -373,14 +374,66 @@ def perturbation_block(key0, key1, first, count, gaussian, out, wa, wb, radius):
 
 
 @njit(inline="always")
-def _apply_step(src, dst, m, v, n, z, lane, opt, use_wd, cp, cm, g, lr, bc1, bc2, thr, consts, ld, st, rnd,
-                rnd_full, fin):
+def _move(x, u, c, use_wd, wd, rnd):
+    """One ZO-SGD move: [u = r(u + r(x * wd))];  x = r(x - r(u * c))."""
+    if use_wd:
+        u = rnd(u + rnd(x * wd))
+    return rnd(x - rnd(u * c))
+
+
+@njit(inline="always")
+def _apply_step(src, dst, m, v, n, z, lane, opt, use_wd, cp, cm, g, lr, bc1, bc2, thr, consts, moves, n_moves, ld,
+                st, rnd, rnd_full, fin):
     """One step's update of n elements: x = ld(src, i), the operations of `update.py`, st(dst, i, x).
 
     `fin` is the last operation's rounding: `rnd` when `st` stores float32, the identity when
-    `st` converts to the dtype itself (rounding to nearest even once or twice gives the same bits)."""
+    `st` converts to the dtype itself (rounding to nearest even once or twice gives the same bits).
+    Each element's sequence is `_steps_general`'s, in one pass (elements do not interact)."""
     wd, b1, omb1, b2, omb2, adam_eps = consts[0], consts[1], consts[2], consts[3], consts[4], consts[5]
-    if opt == OPT_ADAM:
+    if opt == OPT_MMT:
+        mu = consts[6]
+        for i in range(n):
+            zd = rnd(z[lane + i])
+            x = ld(src, i)
+            x = rnd(x + rnd(zd * cp))
+            x = rnd(x + rnd(zd * cm))
+            x = rnd(x + rnd(zd * cp))
+            mi = m[i] * mu + zd * g
+            m[i] = mi
+            u = mi
+            if use_wd:
+                u = u + x * wd
+            st(dst, i, fin(x - rnd_full(u * lr)))
+    elif opt == OPT_SIGN:
+        for i in range(n):
+            zd = rnd(z[lane + i])
+            x = ld(src, i)
+            x = rnd(x + rnd(zd * cp))
+            x = rnd(x + rnd(zd * cm))
+            x = rnd(x + rnd(zd * cp))
+            a = zd * g
+            st(dst, i, _move(x, _F32(a > _F32(0.0)) - _F32(a < _F32(0.0)), lr, use_wd, wd, rnd))
+    elif opt == OPT_CONS and n_moves == 3:  # back to the start, or on to the descent step
+        c0, c1, c2 = moves[0], moves[1], moves[2]
+        for i in range(n):
+            zd = rnd(z[lane + i])
+            x = ld(src, i)
+            x = rnd(x + rnd(zd * cp))
+            x = rnd(x + rnd(zd * cm))
+            x = rnd(x + rnd(zd * cp))
+            u = rnd(zd * g)
+            st(dst, i, _move(_move(_move(x, u, c0, use_wd, wd, rnd), u, c1, use_wd, wd, rnd), u, c2, use_wd, wd, rnd))
+    elif opt == OPT_CONS:  # two moves: staying at the ascent step
+        c0, c1 = moves[0], moves[1]
+        for i in range(n):
+            zd = rnd(z[lane + i])
+            x = ld(src, i)
+            x = rnd(x + rnd(zd * cp))
+            x = rnd(x + rnd(zd * cm))
+            x = rnd(x + rnd(zd * cp))
+            u = rnd(zd * g)
+            st(dst, i, _move(_move(x, u, c0, use_wd, wd, rnd), u, c1, use_wd, wd, rnd))
+    elif opt == OPT_ADAM:
         for i in range(n):
             zd = rnd(z[lane + i])
             x = ld(src, i)
@@ -513,10 +566,9 @@ def _steps_general(p, m, v, n, offset, tensor, decay, opt, gaussian, multi, keys
 def _chunk_in_place(param, m, v, n, offset, tensor, decay, opt, gaussian, multi, keys0, keys1, c_plus, c_minus, grads,
                     lrs, bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, load, store, rnd, rnd_full, fin):
     """Every step of the batch on one chunk of n elements, read and written where they are stored
-    (float32 storage; or one step on bf16/fp16, converting in the update). One perturbation of
-    ZO-SGD, ZO-Adam or Sparse-MeZO takes the single-pass `_apply_step`; everything else
-    `_steps_general`."""
-    if multi[0] > 1 or opt > OPT_SPARSE:
+    (float32 storage; or one step on bf16/fp16, converting in the update). One perturbation a step
+    takes the single-pass `_apply_step`; several take `_steps_general`."""
+    if multi[0] > 1:
         _steps_general(param, m, v, n, offset, tensor, decay, opt, gaussian, multi, keys0, keys1, c_plus, c_minus,
                        grads, lrs, bc1s, bc2s, thresholds, consts, z, wa, wb, radius, load, store, rnd, rnd_full, fin)
         return
@@ -527,7 +579,8 @@ def _chunk_in_place(param, m, v, n, offset, tensor, decay, opt, gaussian, multi,
     for k in range(keys0.shape[0]):
         perturbation_block(keys0[k], keys1[k], first, count, gaussian, z, wa, wb, radius)
         _apply_step(param, param, m, v, n, z, lane, opt, use_wd, c_plus[k], c_minus[k], grads[k, 0], lrs[k],
-                    bc1s[k], bc2s[k], thresholds[k, tensor], consts, load, store, rnd, rnd_full, fin)
+                    bc1s[k], bc2s[k], thresholds[k, tensor], consts, multi[1][k], multi[2][k], load, store, rnd,
+                    rnd_full, fin)
 
 
 @njit(inline="always")
@@ -564,7 +617,7 @@ def _run(param_ptrs, m_ptrs, v_ptrs, offsets, decays, plan, opt, gaussian, steps
         wa = np.empty(pairs, np.uint32)
         wb = np.empty(pairs, np.uint32)
         radius = np.empty(pairs, np.float32)
-        general = q > 1 or opt > OPT_SPARSE
+        general = q > 1
         multi = (q, moves, n_moves, np.empty(longest if general else 0, np.float32),
                  np.empty(longest if general else 0, np.bool_))
         last = (w + 1) * chunks // workers
