@@ -10,6 +10,7 @@ import torch
 
 from zocheck_ray.config import JobConfigError, load_job_config
 from zocheck_ray.core import ZOConfig, ZOOptimizer
+from zocheck_ray.testing.in_process import run_in_process
 from zocheck_ray.testing.reference import uninterrupted_hashes
 from zocheck_ray.workload import TaskConfig, build_model, build_task, trainable_parameters
 from zocheck_ray.workload.errors import DataFileError, DataFormatError, LabelError
@@ -167,6 +168,23 @@ def test_a_mezo_task_trains_and_its_run_is_reproducible(tmp_path):
     opt = ZOOptimizer(trainable_parameters(model), ZOConfig(lr=1e-2, eps=1e-2))
     opt.step(task.closure(model, 0), seed=1)
     assert opt.last_losses is not None
+
+
+def test_a_squad_run_with_a_prefix_adapter_reports_f1_at_every_eval_interval_and_survives_a_failure(tmp_path):
+    """The trainer evaluates the held-out rows (greedy answers through peft's prefix model) at step 0, every
+    eval_interval steps and the last; a software failure in between changes no hash."""
+    job = load_job_config(overrides=[
+        f"storage={tmp_path / 'run'}", "steps=5", "snapshot_interval=2", "durable_interval=2", "log_interval=2",
+        "hash_every_step=true", "task.kind=squad", f"task.data_path={write(tmp_path, 'squad', 'jsonl')}",
+        "task.batch_size=2", "task.max_length=48", "task.eval_size=2", "task.eval_interval=2", "task.k_shot=8",
+        "peft.method=prefix", "peft.num_virtual_tokens=2", "zo.lr=1e-2", "zo.eps=1e-2"])
+    run = run_in_process(job, software=[3])
+    assert sorted(run.evaluations) == [0, 2, 4, 5]
+    for metrics in run.evaluations.values():
+        assert set(metrics) == {"f1", "exact_match", "loss"} and 0.0 <= metrics["f1"] <= 1.0
+    expected = uninterrupted_hashes(job)
+    assert all(set(seen) == {expected[step]} for step, seen in run.step_hashes.items())
+    assert run.shadow == (5, expected[5])
 
 
 def test_bad_data_names_the_file_the_row_and_the_field(tmp_path):
