@@ -537,8 +537,10 @@ class PersistStage:
 
     def _publish_log_step(self) -> None:
         durable = self.log.durable_step
-        if durable is not None and durable < self.ledger.generation_start:
-            durable = None  # records of an earlier generation (before a resync) say nothing of this one
+        if durable is not None and durable < self.ledger.generation_start - 1:
+            # Records of an earlier generation (before a resync past them) say nothing of this one; the
+            # record just before it (a resumed run's last logged step) still is the last durable one.
+            durable = None
         with self._durable:
             self.durable_log_step = durable
             self._recovered()

@@ -33,7 +33,7 @@ class Monitor:
         if m.replay_error:
             return Failure("replay_error", run.step, m.replay_error)
         if progress.publisher.gap:
-            return Failure("record_gap", run.step, progress.publisher.gap)
+            return Failure("records_lost", run.step, progress.publisher.gap)
         failure = self._durability(run, m)
         if failure is None and m.lag_steps > run.max_lag_steps:
             failure = Failure("shadow_lag", run.step, f"lag {m.lag_steps} steps")
