@@ -155,7 +155,7 @@ class DurableLink:
             self.log = StepLog(self.log_url, self.job.storage_options, seal_records=self.job.log_seal_records,
                                resume_step=resume_step, lease=self.lease)
 
-    def recovery_image(self):
+    def borrow_image(self):
         started = time.perf_counter()
         latest = self.store.latest()
         if latest is None:
@@ -200,8 +200,8 @@ class InProcessShadowLink:
     def __init__(self, shadow):
         self.shadow = shadow
 
-    def recovery_image(self):
-        image, records = self.shadow.recovery_image(lend=True)
+    def borrow_image(self):
+        image, records = self.shadow.recovery_view(lend=True)
         if image is None:
             return None
         return StateOffer(image.tensors(), image.step, records, "memory",
@@ -231,8 +231,8 @@ class ShadowActorLink:
         ray.get(self.actor.ready.remote())
         self.link = RayShadowLink(job.run_id)
 
-    def recovery_image(self):
-        return self.link.recovery_image()
+    def borrow_image(self):
+        return self.link.borrow_image()
 
     def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
         self.link.initialize(state, step)

@@ -33,25 +33,29 @@ except ModuleNotFoundError as missing:
 
 __version__ = "0.1.0"
 
+_ON_FIRST_USE = {
+    "run": "zocheck_ray.control", "RunSummary": "zocheck_ray.control", "RunFailedError": "zocheck_ray.control",
+    "RunCallback": "zocheck_ray.control", "JobConfig": "zocheck_ray.config", "load_job_config": "zocheck_ray.config",
+    "JobConfigError": "zocheck_ray.config",
+}
+"""The Ray-dependent public names, loaded on first use so that `zocheck_ray.core` runs where Ray is absent."""
+
 __all__ = [
+    "run", "JobConfig", "load_job_config", "RunSummary", "RunCallback", "JobConfigError", "RunFailedError",
     "ZOConfig", "ZOOptimizer", "StepRecord", "Layout", "perturbation", "state_hash", "replay",
     "replay_reference", "ZOCheckError", "StateMismatchError", "RecordSequenceError",
     "CorruptRecordError", "IncompleteRecordError", "NonFiniteError",
 ]
+"""The public surface; everything else is reached through its module (`zocheck_ray.testing`, `.storage`, ...)."""
 
 
 def __getattr__(name: str):
-    # Ray-dependent parts load on first use, so `zocheck_ray.core` runs where Ray is absent.
-    if name == "run":
-        from zocheck_ray.control import run
+    if name in _ON_FIRST_USE:
+        import importlib
 
-        return run
-    if name in ("JobConfig", "load_job_config"):
-        from zocheck_ray import config
-
-        return getattr(config, name)
-    if name == "RunSummary":
-        from zocheck_ray.control import RunSummary
-
-        return RunSummary
+        return getattr(importlib.import_module(_ON_FIRST_USE[name]), name)
     raise AttributeError(f"module 'zocheck_ray' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -16,7 +16,7 @@ Independent rebuilds, each compared by `state_hash` with what the trainer had:
 - **from the initial state**, when the durable log still holds every record from step 0:
   the job's initial state (the model built from `model` and `run_seed`, as every trainer
   builds it) with the whole log replayed, compared at every hashed step and the last.
-- **recovery image**: `zocheck_ray.storage.recovery_image`, the newest committed
+- **recovery image**: `zocheck_ray.storage.recover_state`, the newest committed
   snapshot plus the log suffix after it: what a host failure would recover. It must be
   at the last step with the trainer's final hash.
 
@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, replay, state_hash
-from zocheck_ray.storage import CorruptLogError, open_storage, recovery_image
+from zocheck_ray.storage import CorruptLogError, open_storage, recover_state
 from zocheck_ray.storage.audit import audit_run
 from zocheck_ray.storage.steplog import first_logged_step, read_records
 from zocheck_ray.workload.models import build_model, trainable_parameters
@@ -108,7 +108,7 @@ def verify_run(job: JobConfig, summary) -> Verification:
                                   "trainer's state there")
         del state  # one copy of the state at a time
 
-    image, image_step = recovery_image(job.run_url, storage_options=job.storage_options)
+    image, image_step = recover_state(job.run_url, storage_options=job.storage_options)
     if image_step != summary.steps:
         mismatches.append(f"the newest durable image is at step {image_step}, not the last step {summary.steps}")
     elif state_hash(image) != summary.final_state_hash:

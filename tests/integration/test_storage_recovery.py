@@ -1,7 +1,7 @@
 """Recovery from durable storage (DESIGN.md sections 4, 8): snapshot + replayed log = the trainer's bits.
 
 A real `ZOOptimizer` trains; its records go to a `StepLog` and its state to a
-`SnapshotStore` every few steps. `recovery_image` must reproduce the trainer's
+`SnapshotStore` every few steps. `recover_state` must reproduce the trainer's
 `state_hash` at every step, also when the newest snapshot or a log segment is damaged.
 """
 
@@ -22,7 +22,7 @@ from zocheck_ray.storage import (
     StepLog,
     StorageError,
     recover,
-    recovery_image,
+    recover_state,
 )
 from zocheck_ray.storage import cli as storage_cli
 from zocheck_ray.storage.snapshot import snapshot_dir
@@ -79,7 +79,7 @@ def test_recovery_reproduces_the_trainer_after_every_step(tmp_path, optimizer):
     trainer = Trainer(url, None, ZOConfig(optimizer=optimizer, lr=1e-2, eps=1e-3, weight_decay=0.01))
     for _ in range(17):
         trainer.step()
-        state, step = recovery_image(url)
+        state, step = recover_state(url)
         assert step == trainer.opt.step_index
         assert state_hash(state) == trainer.hashes[step]
     for name, tensor in trainer.opt.state_tensors().items():
@@ -128,12 +128,12 @@ def test_nothing_to_recover_from_is_an_error_naming_the_store(tmp_path):
     url = str(tmp_path / "run")
     SnapshotStore(url)
     with pytest.raises(SnapshotNotFoundError, match="no committed snapshot under .*run"):
-        recovery_image(url)
+        recover_state(url)
     store = SnapshotStore(url)
     store.save(0, dict(make_params()))
     with pytest.raises(StorageError, match="carries no zo_config; pass config="):
-        recovery_image(url)
-    state, step = recovery_image(url, config=ZOConfig())
+        recover_state(url)
+    state, step = recover_state(url, config=ZOConfig())
     assert step == 0 and state_hash(state) == state_hash(dict(make_params()))
 
 

@@ -158,3 +158,9 @@ def test_load_state_tensors_continues_exactly():
 def test_public_api_is_exported():
     for name in ("ZOConfig", "ZOOptimizer", "StepRecord", "replay", "replay_reference", "state_hash", "perturbation"):
         assert hasattr(zocheck_ray, name)
+    # the whole surface: every name of __all__ resolves (the Ray-dependent ones on first use) and dir() lists it
+    assert all(getattr(zocheck_ray, name) is not None for name in zocheck_ray.__all__)
+    assert set(zocheck_ray.__all__) <= set(dir(zocheck_ray))
+    assert {"run", "JobConfig", "RunSummary", "RunFailedError", "JobConfigError"} <= set(zocheck_ray.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'controller'"):
+        zocheck_ray.controller  # noqa: B018  (the internals are reached through their modules)

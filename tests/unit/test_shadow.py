@@ -8,7 +8,7 @@ from support import trained, wait_until
 from zocheck_ray.actors.image import ImageLayout, SharedBuffer, copy_state
 from zocheck_ray.actors.shadow import Shadow
 from zocheck_ray.config import JobConfig
-from zocheck_ray.core import state_hash
+from zocheck_ray.core import replay, state_hash
 from zocheck_ray.workload.models import trainable_parameters
 
 
@@ -43,15 +43,14 @@ def test_snapshots_fall_on_multiples_of_n_and_recovery_images_are_exact(job):
         shadow.initialize(0, initial)
         shadow.push(b"".join(r.to_bytes() for r in records))
         assert shadow.replay.wait_replayed(10, timeout=60)
-        image, tail = shadow.recovery_image()
+        image, tail = shadow.recovery_view()
         m = shadow.metrics()
         # Boundaries 0, 4 and 8 each took a snapshot, or deferred it while the image was being persisted.
         assert m.snapshots_taken + m.snapshots_deferred == 3 and m.snapshots_taken >= 1
         assert image.step in (0, 4, 8) and [r.step for r in tail] == list(range(image.step, 10))
         assert image.step == 8 or m.snapshots_deferred >= 1
         state = {k: v.clone() for k, v in image.tensors().items()}
-        from zocheck_ray.core import replay
-        replay(state, tail, job.zo, start_step=8)
+        replay(state, tail, job.zo, start_step=image.step)
         assert state_hash(state) == state_hash(opt.state_tensors())
         assert wait_until(lambda: shadow.metrics().durable_step == image.step)  # persisted in the background
         # the durable snapshot directory is a Hugging Face model directory

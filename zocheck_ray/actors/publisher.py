@@ -43,7 +43,7 @@ PING_SECONDS = 0.25
 class ShadowLink(Protocol):
     """How the trainer reaches its shadow (a Ray actor, or an in-process one in tests)."""
 
-    def recovery_image(self):
+    def borrow_image(self):
         """The shadow's newest image, opened for reading (`.step`, `.layout`, `.records`, `.source`,
         `.copy_into(tensors)`, `.release()`), or None when the shadow has none (a fresh run)."""
     def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
@@ -58,7 +58,7 @@ class ShadowLink(Protocol):
 
 class StateOffer:
     """An image that is already a state in this process (a checkpoint read from disk, an in-process
-    shadow's image): what `ShadowLink.recovery_image` returns for links without shared memory."""
+    shadow's image): what `ShadowLink.borrow_image` returns for links without shared memory."""
 
     def __init__(self, state: dict[str, torch.Tensor], step: int, records: list[StepRecord], source: str,
                  release: Callable[[], None] | None = None):
@@ -90,7 +90,9 @@ class Publisher:
         self.publishing = publishing
         """False on a data-parallel rank other than 0: records are held, never sent unless `deliver`ed."""
         self._trainer_step = trainer_step
-        self._pending: deque[StepRecord] = deque()    # appended by the training loop, no lock
+        # One producer, one consumer: the training loop only appends, the publishing thread only pops from
+        # the left, and a deque's append and popleft are atomic (documented): no lock on the loop's path.
+        self._pending: deque[StepRecord] = deque()
         self.append: Callable[[StepRecord], None] = self._pending.append
         """The training loop's whole cost of publishing: a deque append (no Python frame)."""
         self._held: deque[StepRecord] = deque(held)   # sent, not yet known durable

@@ -183,8 +183,9 @@ class ShadowActor:
         self.shadow.abort_intake()
 
     @ray.method(concurrency_group="control")
-    def recovery_image(self) -> RecoveryOffer | None:
-        image, records = self.shadow.recovery_image(lend=True)
+    def offer_image(self) -> RecoveryOffer | None:
+        """The newest image (lent until `give_back`) and the records after it; None for a fresh run."""
+        image, records = self.shadow.recovery_view(lend=True)
         if image is None:
             return None
         handle = ImageHandle.of(image.buffer, image.layout, token=image.token, step=image.step,
@@ -274,12 +275,12 @@ class RayShadowLink:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.threads = threads
 
-    def recovery_image(self, timeout: float = 300.0) -> "OfferedImage | None":
+    def borrow_image(self, timeout: float = 300.0) -> "OfferedImage | None":
         # The image may belong to a shadow that is dying right now (both processes lost), or be replaced
         # by a newer one before it is opened: ask again until an image is opened.
         deadline = time.monotonic() + timeout
         while True:
-            offer: RecoveryOffer | None = call_when_alive(lambda: self.actor.recovery_image.remote())
+            offer: RecoveryOffer | None = call_when_alive(lambda: self.actor.offer_image.remote())
             if offer is None:
                 return None
             try:

@@ -181,7 +181,7 @@ class Shadow:
 
     # ------------------------------------------------------------------ out
 
-    def recovery_image(self, lend: bool = False) -> tuple[Image | None, list[StepRecord]]:
+    def recovery_view(self, lend: bool = False) -> tuple[Image | None, list[StepRecord]]:
         """The newest image and every accepted record after it (replayed or not). `lend`: a trainer reads
         the image from another process; it is not written again until `give_back`."""
         return self.ledger.recovery_view(lend=lend)

@@ -78,7 +78,7 @@ class Trainer:
         self.task = build_task(job.task, job.model)
         # Asked first: with an image to recover from, the model's weights would only be overwritten.
         asked = time.perf_counter()
-        offer = None if waits else self.shadow.recovery_image()
+        offer = None if waits else self.shadow.borrow_image()
         self._fetch_seconds = time.perf_counter() - asked
         self.model = self.opt = None
         self._skeleton = waits or offer is not None
@@ -131,7 +131,7 @@ class Trainer:
             self._build()
         if not asked:
             began = time.perf_counter()
-            offer = self.shadow.recovery_image()
+            offer = self.shadow.borrow_image()
             self._fetch_seconds = time.perf_counter() - began
         info, held = self._recover(offer)
         parts = (self._fetch_seconds, info.install_seconds, info.replay_seconds, info.hash_seconds)

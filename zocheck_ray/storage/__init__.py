@@ -1,6 +1,6 @@
 """Durable storage: crash-consistent snapshots and a step log over fsspec (local disk, S3).
 
-    from zocheck_ray.storage import SnapshotStore, StepLog, recovery_image
+    from zocheck_ray.storage import SnapshotStore, StepLog, recover_state
 
     lease = Lease("s3://bucket/run", {"endpoint_url": url}, owner="shadow:run-1")
     lease.acquire(); lease.start_heartbeat()            # one writer per run
@@ -9,7 +9,7 @@
     log.append(record); log.flush()                     # every step, buffered
     store.save(step, state, {"zo_config": config})      # every N steps, from a frozen copy
     log.collect_garbage(store.committed()[-1].step)     # after a save
-    state, step = recovery_image("s3://bucket/run")     # after a host failure
+    state, step = recover_state("s3://bucket/run")      # after a host failure
 
 Storage knows nothing of training: it handles tensors, `StepRecord`s and JSON metadata.
 """
@@ -32,7 +32,7 @@ from zocheck_ray.storage.lease import (
     check_no_live_writer,
     read_lease,
 )
-from zocheck_ray.storage.recovery import Recovery, recover, recovery_image
+from zocheck_ray.storage.recovery import RecoveredState, recover, recover_state
 from zocheck_ray.storage.audit import Audit, audit_run
 from zocheck_ray.storage.manifest import Manifest, SnapshotMeta
 from zocheck_ray.storage.snapshot import SnapshotInfo, SnapshotStore, snapshot_dir
@@ -40,7 +40,7 @@ from zocheck_ray.storage.steplog import StepLog, read_log
 
 __all__ = [
     "SnapshotStore", "SnapshotInfo", "SnapshotMeta", "Manifest", "snapshot_dir",
-    "StepLog", "read_log", "recovery_image", "recover", "Recovery", "audit_run", "Audit",
+    "StepLog", "read_log", "recover_state", "recover", "RecoveredState", "audit_run", "Audit",
     "Storage", "FsspecStorage", "open_storage", "parse_url",
     "StorageError", "StorageURLError", "CorruptSnapshotError", "CorruptLogError", "SnapshotNotFoundError",
     "Lease", "LeaseInfo", "read_lease", "check_no_live_writer", "LeaseError", "LeaseHeldError", "LeaseLostError", "LeaseRequiredError",

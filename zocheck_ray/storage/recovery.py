@@ -1,6 +1,7 @@
-"""`recovery_image`: the newest exact state that durable storage can rebuild.
+"""`recover`: the newest exact state that durable storage can rebuild.
 
-    state, step = recovery_image("s3://bucket/run", storage_options=opts)
+    state, step = recover_state("s3://bucket/run", storage_options=opts)
+    result = recover("s3://bucket/run", storage_options=opts)   # and how: snapshot, records, problems
 
 The newest snapshot that loads with every hash intact, plus the durable log records
 after it replayed with the core's fused kernel: the state the trainer had after step
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Recovery:
+class RecoveredState:
     """A recovered state and how it was obtained."""
 
     state: dict[str, torch.Tensor]
@@ -44,7 +45,7 @@ class Recovery:
 
 def recover(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *, storage_options: dict | None = None,
             config: ZOConfig | None = None, threads: int | None = None,
-            out: Mapping[str, torch.Tensor] | None = None) -> Recovery:
+            out: Mapping[str, torch.Tensor] | None = None) -> RecoveredState:
     """Rebuild the newest exact state from a snapshot store and the step log.
 
     `snapshots` is a store or its URL (the run's root); `log` a `StepLog` or URL, by
@@ -68,12 +69,12 @@ def recover(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *,
         zo_config = config if config is not None else _config_of(info, meta)
         records = _records(store, log, storage_options, info.step, problems)
         replay(state, records, zo_config, threads=threads, start_step=info.step)
-        return Recovery(state, info.step + len(records), info, meta, zo_config, len(records), problems)
+        return RecoveredState(state, info.step + len(records), info, meta, zo_config, len(records), problems)
     raise CorruptSnapshotError(f"every committed snapshot under {store.url} is corrupt: {'; '.join(problems)}",
                                store.url)
 
 
-def recovery_image(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *,
+def recover_state(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *,
                    storage_options: dict | None = None, config: ZOConfig | None = None,
                    threads: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
     """`(state, step)`: the newest valid snapshot plus the replayed log suffix (see `recover`)."""

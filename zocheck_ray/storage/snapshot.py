@@ -78,7 +78,7 @@ class SnapshotStore:
 
     One writer per store: `save` is not safe to call from two threads or processes at once.
     The run's writer passes its held `Lease` (`lease=`): only then does opening remove what
-    killed saves left (`clean_uncommitted`), and every commit and deletion first checks the
+    killed saves left (`clean_uncommitted`, then retention past `keep`), and every commit and deletion first checks the
     lease is still held (`LeaseLostError` otherwise). Without a lease the store saves and
     prunes but never removes uncommitted directories at open (a tool or benchmark on a
     directory of its own). `create=False` opens an existing store read-only (no cleanup, no test write).
@@ -106,6 +106,7 @@ class SnapshotStore:
             self.storage.sync_dir("")
             if lease is not None:  # without the lease, what looks uncommitted may be another writer's save
                 self.clean_uncommitted()
+                self.prune()  # a kill between a commit and its retention left one snapshot too many
         else:
             _check_is_root(self.storage)
 

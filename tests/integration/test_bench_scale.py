@@ -1,0 +1,32 @@
+"""`python -m benchmarks scale` on a real Ray instance, at its smallest size: three runs of one job
+(the standby promoted, Ray's restart, the async-checkpoint baseline) that end in the same state,
+and a document that reports what they measured."""
+
+import json
+
+import pytest
+
+from benchmarks.scale import markdown, scale_benchmark
+
+RAY_CPUS = 3
+pytestmark = pytest.mark.usefixtures("local_ray")
+
+
+def test_the_three_recoveries_of_one_job_end_in_one_state_and_are_reported(tmp_path):
+    path = tmp_path / "scale.json"
+    doc = scale_benchmark(["tiny-opt"], ("fp32",), json_path=str(path), say=lambda line: None)
+    (row,) = doc["rows"]
+    assert row["exact"] is True and doc["targets"]["every_run_exact"] is True
+    assert row["recovery_standby_replaced_by"] == "standby"
+    assert "standby" in row["recovery_standby_phases"] and "restart" in row["recovery_restart_phases"]
+    assert row["recovery_standby_seconds"] > 0 and row["recovery_restart_seconds"] > 0 and row["baseline_seconds"] > 0
+    assert row["baseline"]["checkpoint_step"] in (4, 8)  # every 4 steps, killed at 9: the write of 8 may be lost
+    assert row["state_bytes"] == row["params"] * 4
+    # the shadow's own accounting: the replica and one image, and the profile's scratch at most
+    assert 2.0 <= row["shadow_accounted_peak_x"] <= 2.0 + (64 << 20) / row["state_bytes"]
+    assert 0 < row["copy_gbps"] and 0 < row["snapshot_gbps"] and 0 < row["restore_gbps"]
+    assert json.loads(path.read_text())["rows"][0]["exact"] is True
+    (projected,) = [p for p in doc["projections"] if p["job"].startswith("OPT-13B")]
+    assert projected["shadow_host_bytes"] > 2 * 12_853_473_280 * 2  # two copies of the fp16 state, and a baseline
+    text = markdown(doc)
+    assert "| tiny-opt | fp32 |" in text and "OPT-13B" in text
