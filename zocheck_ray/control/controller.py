@@ -94,21 +94,12 @@ class Controller:
         self.summary: RunSummary | None = None
 
     def run(self) -> RunSummary:
-        handlers = {State.STARTING: self._start, State.PROFILING: self._profile, State.RUNNING: self._running,
-                    State.RECOVERING: self._recover, State.RESYNCING: self._resync, State.FINISHING: self._finish,
-                    State.STOPPING: self._stopping}
         self.stop.describe_now = lambda: (f"at step {self.step}; the durable state under {self.job.run_url} "
                                           "resumes the run")
-        released = False
         try:
-            while self.state not in ENDED:
-                self._emit("on_state", self.state.value)
-                try:
-                    self.state = handlers[self.state]()
-                except _ShadowGone as gone:
-                    self.state = self._fail(gone.failure)
-                if self.stop.requested and self.state in (State.PROFILING, State.RUNNING):
-                    self.state = State.STOPPING  # every trainer is at a step boundary, none is being recovered
+            self._drive()
+        except RunStopped as now:  # a second signal: nothing more is waited for
+            self.state, self.stopped = State.STOPPED, str(now)
         finally:
             released = self._stop_actors(graceful=not self.stop.hurried)
         self._emit("on_state", self.state.value)
@@ -120,6 +111,19 @@ class Controller:
             self._emit("on_stopped", line)
             raise RunStopped(line, self.stop.signum)
         return self.summary
+
+    def _drive(self) -> None:
+        handlers = {State.STARTING: self._start, State.PROFILING: self._profile, State.RUNNING: self._running,
+                    State.RECOVERING: self._recover, State.RESYNCING: self._resync, State.FINISHING: self._finish,
+                    State.STOPPING: self._stopping}
+        while self.state not in ENDED:
+            self._emit("on_state", self.state.value)
+            try:
+                self.state = handlers[self.state]()
+            except _ShadowGone as gone:
+                self.state = self._fail(gone.failure)
+            if self.stop.requested and self.state in (State.PROFILING, State.RUNNING):
+                self.state = State.STOPPING  # every trainer is at a step boundary, none is being recovered
 
     def _emit(self, event: str, *args) -> None:
         for callback in self.callbacks:
@@ -316,12 +320,12 @@ class Controller:
         actor is killed and the placement groups removed. A lease the shadow could not release (its process
         is gone, or hangs) is released here once its process is dead, so a rerun takes it at once. Returns
         whether the lease was released."""
-        released, interrupted = False, None
+        released = False
         try:
             if graceful:
                 released = self._close_shadow()
-        except RunStopped as second:  # a second signal: no more waiting, but nothing is left running
-            graceful, interrupted = False, second
+        except RunStopped as now:  # a second signal: no more waiting, but nothing is left running
+            graceful, self.state, self.stopped = False, State.STOPPED, str(now)
         actors = [a for a in [*(self.group.all_actors() if self.group is not None else []), self.shadow] if a]
         for actor in actors:
             try:
@@ -340,8 +344,6 @@ class Controller:
             except (StorageError, LeaseError) as exc:
                 self.warn(f"the run's lease could not be released (it goes stale in {self.job.lease_seconds:g} s): "
                           f"{exc}")
-        if interrupted is not None:
-            raise interrupted
         return released
 
     def _close_shadow(self) -> bool:
@@ -384,8 +386,13 @@ def launch(job: JobConfig, progress: Callable[[str], None] | None, callbacks: It
            first_bundle: int = 0, hooks=None) -> RunSummary:
     """`run`, with `hooks` handed to the actors' processes (`zocheck_ray.testing` injects faults so)."""
     say = progress or (lambda line: None)
-    task, gpus = check_run(job, progress, placement_group, first_bundle)
     chain = [ProgressPrinter(say), *callbacks, *([SegmentFunction(on_segment)] if on_segment else [])]
-    with StopRequest().installed() as stop:  # after Ray's start-up, which installs handlers of its own
+    with StopRequest().installed() as stop:
+        task, gpus = check_run(job, progress, placement_group, first_bundle)
+        stop.install()  # again: connecting to Ray installed a SIGTERM handler of its own
+        if stop.requested:
+            stopped = stop.before_start()
+            say(f"  {stopped}")
+            raise stopped
         placement = Placement(job, gpus, placement_group, first_bundle, hooks)
         return Controller(job, task, placement, chain, stop).run()
