@@ -133,8 +133,8 @@ class ProgressPrinter(RunCallback):
     def on_recovery(self, run, r):
         if r.cause == "records_lost":
             who = "every rank" if run.job.trainers > 1 else "the trainer"
-            self.say(f"  the records of steps {r.recovered_step}..{r.failed_at_step - 1} were lost with the trainer "
-                     f"and the shadow (lost one after the other before they were durable): {who} restored at step "
+            self.say(f"  the trainer and the shadow were lost one after the other before steps {r.recovered_step}.."
+                     f"{r.failed_at_step - 1} were durable (a host failure in two steps): {who} restored at step "
                      f"{r.recovered_step} from the {r.image_source} image of step {r.image_step or 0} "
                      f"({r.replayed_records} records replayed) in {r.seconds:.2f} s and trains them again")
             return
