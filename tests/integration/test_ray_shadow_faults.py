@@ -1,13 +1,15 @@
 """Faults nobody scripts, on a real local Ray cluster: the shadow process killed mid-run, the S3
 endpoint stopped and restarted, paused, or gone for good, a trainer and then the shadow lost while
-durability lags. Each run ends exact (shadow == trainer,
+durability lags, a full disk. Each run ends exact (shadow == trainer,
 a durable image at the last step) or with a clear error; none hangs, none passes silently.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import ray
@@ -256,3 +258,63 @@ def test_a_trainer_then_a_shadow_lost_while_durability_lags_recover_from_the_dur
     assert len(said) == 2, lines  # one line each
     assert summary.shadow_restarts == 2
     assert_exact(summary, uninterrupted_hashes(job))
+
+
+class FillTheDisk(RunCallback):
+    """At `fill_at` the run's disk is filled but for less than a snapshot needs; at the next segment's end,
+    what the shadow says is taken once it reports the full disk (`seen`); a segment later the space is
+    given back."""
+
+    def __init__(self, disk, fill_at: int):
+        self.disk, self.fill_at = disk, fill_at
+        self.filled_unix: float | None = None
+        self.seen = None
+        self.freed = False
+
+    def on_segment(self, run, segment):
+        if self.filled_unix is None and segment.progress.step >= self.fill_at:
+            self.lease_before = lease_of(run.job)
+            self.disk.fill(leave=ray.get(run.shadow.metrics.remote()).state_bytes // 2)
+            self.filled_unix = time.time()
+        elif self.filled_unix is not None and self.seen is None:
+            step = segment.progress.step
+            # The snapshot of step 16 does not fit; the log goes on; the lease is renewed all along.
+            assert wait_until(lambda: self.full_and_logging(run, step), timeout=180)
+        elif self.seen is not None and not self.freed:
+            self.disk.free()
+            self.freed = True
+
+    def full_and_logging(self, run, step: int) -> bool:
+        m = ray.get(run.shadow.metrics.remote())
+        lease = lease_of(run.job)
+        if "(ENOSPC)" in (m.persist_error or "") and m.durable_log_step == step - 1 \
+                and lease.heartbeat_unix > self.filled_unix + run.job.lease_seconds:
+            self.seen = (m, lease)
+        return self.seen is not None
+
+
+def lease_of(job):
+    from zocheck_ray.storage import read_lease
+    from zocheck_ray.storage.fs import open_storage
+
+    return read_lease(open_storage(job.run_url, create=False))
+
+
+def test_a_full_disk_is_reported_as_such_keeps_the_log_and_the_lease_and_the_run_ends_exact(small_disk, tmp_path):
+    job = job_for(tmp_path, storage=str(small_disk.path / "runs"), lease_seconds=6)
+    disk = FillTheDisk(small_disk, fill_at=12)
+    lines = []
+    summary = run(job, progress=lines.append, callbacks=[disk])
+    assert disk.freed
+    metrics, lease = disk.seen
+    # the storage's own error, with the path of what did not fit: no lost lease
+    assert re.fullmatch(rf"StorageFullError: cannot \w+ {re.escape(job.run_url)}/snapshots/step-\d{{12}}/\S+: No space "
+                        r"left on device \(ENOSPC\); free space there, or give the run a larger storage",
+                        metrics.persist_error)
+    assert metrics.durable_step < 16 and not metrics.persist_stopped
+    assert (lease.generation, lease.owner, lease.released) == (disk.lease_before.generation, disk.lease_before.owner,
+                                                               False)
+    assert any("durability is behind" in line and "(ENOSPC)" in line for line in lines), lines
+    assert summary.metrics.persist_error is None
+    assert_exact(summary, uninterrupted_hashes(job))
+    assert_durable_and_whole(job, summary)
