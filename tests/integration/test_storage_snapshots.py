@@ -239,21 +239,25 @@ def test_a_snapshot_that_does_not_fit_is_removed_at_once_and_the_log_and_the_lea
     url = str(small_disk.path / "run")
     lease = Lease(url, owner="writer").acquire()
     store, log = SnapshotStore(url, lease=lease), StepLog(url, lease=lease)
-    state = {"weight": torch.arange(128 * 1024, dtype=torch.float32)}  # 512 KiB
+    weight = torch.arange(128 * 1024, dtype=torch.float32)  # 512 KiB, and twice that of ZO-Adam moments
+    state = {"weight": weight, EXP_AVG_PREFIX + "weight": weight, EXP_AVG_SQ_PREFIX + "weight": weight}
     store.save(0, state)
-    small_disk.fill(leave=256 << 10)  # room for the log and the lease, not for a snapshot
+    page = os.statvfs(small_disk.path).f_frsize
+    model_bytes = -(-os.path.getsize(local_file(small_disk.path, 0, "model.safetensors")) // page) * page
+    small_disk.fill(leave=model_bytes + page)  # the model's file fits, its optimizer's does not
     with pytest.raises(StorageFullError) as full:
         store.save(1, state)
     # the storage's own error, naming the file that did not fit
     assert full.value.errno == errno.ENOSPC
-    assert re.fullmatch(rf"cannot \w+ {re.escape(url)}/{snapshot_dir(1)}/model\.safetensors: No space left on device "
-                        r"\(ENOSPC\); free space there, or give the run a larger storage", str(full.value))
-    # nothing of it is left to hold the space the log needs
+    assert re.fullmatch(rf"cannot \w+ {re.escape(url)}/{snapshot_dir(1)}/optimizer\.safetensors: No space left on "
+                        r"device \(ENOSPC\); free space there, or give the run a larger storage", str(full.value))
+    # nothing of it is left to hold the space that the log and the lease's renewals need
     assert os.listdir(small_disk.path / "run" / "snapshots") == [os.path.basename(snapshot_dir(0))]
-    assert small_disk.free_bytes() >= 256 << 10
-    log.append(StepRecord(step=0, seed=1, projected_grad=0.5, lr=1e-3, eps=1e-3, fingerprint=7))
-    log.flush()
-    assert log.durable_step == 0
+    assert small_disk.free_bytes() == model_bytes + page
+    for step in range(64):
+        log.append(StepRecord(step=step, seed=step + 1, projected_grad=0.5, lr=1e-3, eps=1e-3, fingerprint=7))
+        log.flush()
+    assert log.durable_step == 63
     lease.renew()
     assert lease.held and read_lease(lease.storage).generation == lease.generation
     small_disk.free()
