@@ -29,13 +29,6 @@ def profiled_job(tmp_path, steps: int) -> JobConfig:
                                          hash_every_step=True, zo=dict(lr=2e-3, eps=1e-3), task=SMALL_TASK))
 
 
-def test_a_finished_run_has_released_its_lease(tmp_path):
-    job = job_for(tmp_path, steps=12)
-    run(job, progress=None)
-    lease = lease_of(job)
-    assert lease is not None and lease.released  # the next writer, on any cluster, takes it at once
-
-
 def test_a_failed_run_has_released_its_lease(tmp_path):
     job = job_for(tmp_path, steps=12, max_restarts=0)
     with pytest.raises(RunFailedError, match="more than max_restarts=0"):
@@ -44,32 +37,32 @@ def test_a_failed_run_has_released_its_lease(tmp_path):
     assert lease is not None and lease.released
 
 
-def test_extending_a_finished_run_profiles_again_and_ends_exact(tmp_path):
+def test_extending_a_finished_run_works_at_once_with_a_profile_or_without_one(tmp_path):
     first = profiled_job(tmp_path, steps=20)
     run(first, progress=None)
-    # The shadow comes back from storage with nothing written yet; the profile makes the image of the step
-    # it reached durable to time a snapshot write, instead of reporting a write of 0 s.
-    longer = profiled_job(tmp_path, steps=20 + profile_steps(first) + 5)
-    lines = []
-    summary = run(longer, progress=lines.append)
-    assert "  resumed from the durable image at step 20" in lines
-    assert summary.resumed_from_step == 20
-    assert summary.profile is not None and summary.profile.timings.persist_seconds > 0
-    assert_exact(summary, uninterrupted_hashes(longer), steps=longer.steps)
-
-
-def test_extending_a_run_by_fewer_steps_than_the_profile_takes_runs_without_one(tmp_path):
-    first = profiled_job(tmp_path, steps=20)
-    run(first, progress=None)
-    longer = profiled_job(tmp_path, steps=20 + profile_steps(first) - 1)
-    summary = run(longer, progress=None)
+    profile = profile_steps(first)
+    # Fewer steps left than the startup profile takes: the run goes on without one.
+    shorter = profiled_job(tmp_path, steps=20 + profile - 1)
+    summary = run(shorter, progress=None)
     assert summary.profile is None and summary.resumed_from_step == 20
-    assert_exact(summary, uninterrupted_hashes(longer), steps=longer.steps)
+    # Enough for a profile: the shadow comes back from storage with nothing written yet, and the profile
+    # makes the image of the step it reached durable to time a snapshot write (not a write of 0 s).
+    longer = profiled_job(tmp_path, steps=shorter.steps + profile + 5)
+    lines = []
+    extended = run(longer, progress=lines.append)
+    assert f"  resumed from the durable image at step {shorter.steps}" in lines
+    assert extended.resumed_from_step == shorter.steps
+    assert extended.profile is not None and extended.profile.timings.persist_seconds > 0
+    expected = uninterrupted_hashes(longer)
+    assert_exact(summary, expected, steps=shorter.steps)
+    assert_exact(extended, expected, steps=longer.steps)
 
 
-def test_rerunning_a_finished_run_says_what_is_durable_and_which_kernels(tmp_path):
+def test_a_finished_run_has_released_its_lease_and_run_again_says_what_is_durable_and_which_kernels(tmp_path):
     job = job_for(tmp_path, steps=12)
     run(job, progress=None)
+    lease = lease_of(job)
+    assert lease is not None and lease.released  # the next writer, on any cluster, takes it at once
     again = run(job, progress=None)
     assert again.resumed_from_step == 12 and again.steps == 12
     assert again.final_state_hash == again.shadow_state_hash == uninterrupted_hashes(job)[12]
