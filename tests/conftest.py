@@ -25,6 +25,13 @@ import time
 import uuid
 
 import pytest
+import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one test process per core: a second torch thread in each would only contend
+    # for the other's core (and for its Ray actors'), and tiny models' operators wait on each other.
+    torch.set_num_threads(1)
+
 
 def slow_fixture(*args, **kwargs):  # (fn) or (**pytest.fixture's keywords)
     """`pytest.fixture` for a fixture that makes every test using it slow (a Ray instance, a benchmark run):
