@@ -376,7 +376,9 @@ def run(job: JobConfig, progress: Callable[[str], None] | None = print, callback
     `progress(line)` gets the progress lines; `on_segment(progress, metrics)` is called after each
     segment with rank 0's `TrainerProgress` and the shadow's `ShadowMetrics`; `callbacks` see
     every event (`RunCallback`). Raises `JobConfigError` before any actor starts for a job that
-    cannot run, and `RunFailedError` for a run that cannot go on.
+    cannot run, `RunFailedError` for a run that cannot go on, and `RunStopped` (a `SystemExit` with
+    128 + the signal's number) once SIGTERM or SIGINT stopped it at a step boundary, its state durable.
+    However it ends, the run's lease is released and none of its actors is left.
     """
     return launch(job, progress, callbacks, on_segment, placement_group, first_bundle)
 
