@@ -94,8 +94,9 @@ class Controller:
         self.summary: RunSummary | None = None
 
     def run(self) -> RunSummary:
-        self.stop.describe_now = lambda: (f"at step {self.step}; the durable state under {self.job.run_url} "
-                                          "resumes the run")
+        self.stop.describe_now = lambda: (f"at step {self.step}, without waiting: the durable state under "
+                                          f"{self.job.run_url} resumes the run once its lease goes stale "
+                                          f"({self.job.lease_seconds:g} s)")
         try:
             self._drive()
         except RunStopped as now:  # a second signal: nothing more is waited for
