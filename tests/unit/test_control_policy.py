@@ -11,7 +11,7 @@ from zocheck_ray.control.policy import FailureKind
 
 EXPECTED = {
     "trainer_lost": Action.RESTART, "shadow_lag": Action.RESYNC, "replay_error": Action.RESYNC,
-    "record_gap": Action.RESYNC, "trainer_gone": Action.FAIL, "shadow_gone": Action.FAIL,
+    "records_lost": Action.RESTART, "trainer_gone": Action.FAIL, "shadow_gone": Action.FAIL,
     "durability_stalled": Action.FAIL, "writer_lost": Action.FAIL, "drain_failed": Action.FAIL,
 }
 
@@ -43,3 +43,11 @@ def test_a_failed_storage_decision_names_the_storage_and_how_to_resume(job):
                     FailureBudget(job.max_restarts)).reason
     assert job.run_url in reason and "no durable step for 40 steps" in reason
     assert decide(Failure("shadow_lag", 9, ""), job, FailureBudget(0)).action is Action.RESYNC  # spends nothing
+
+
+def test_records_no_process_holds_are_a_host_failure_in_two_steps_every_rank_restores_from_the_durable_state(job):
+    lost = Failure("records_lost", 36, "the shadow holds the records up to step 24, the trainers are at step 36")
+    decision = decide(lost, job, FailureBudget(0))  # no process of this run is lost now: nothing is spent
+    assert decision.action is Action.RESTART
+    assert "the shadow holds the records up to step 24" in decision.reason
+    assert "one after the other" in decision.reason and "durable image" in decision.reason
