@@ -22,10 +22,9 @@ from zocheck_ray.control import RunCallback, RunFailedError
 from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.storage import SnapshotStore, read_log
 
-pytestmark = pytest.mark.slow  # jobs with a killed shadow and S3 outages, then verified
 
-
-pytestmark = pytest.mark.usefixtures("local_ray")  # conftest: a Ray instance of the module's own
+# jobs with a killed shadow and S3 outages, then verified; local_ray: a Ray instance of its own
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
 
 def shadow_metrics(job):
