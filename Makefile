@@ -27,7 +27,7 @@ demo: $(STAMP)
 # Two test processes, each taking whole files (a module shares one Ray cluster): a Ray test spends
 # most of its time waiting for processes to start, so two overlap well even on two cores.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # numba's kernels are compiled first, at once, in one process per core (a fresh clone has none in its
 # cache): the tests' processes and their Ray actors then only load them, rather than each compiling the

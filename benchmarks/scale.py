@@ -84,6 +84,40 @@ def build_directory(size: str, root: str) -> tuple[str, int]:
     return directory, params
 
 
+def parameters_of(size: str) -> int:
+    """An OPT shape's parameter count, from its shape alone (before anything is built)."""
+    hidden, layers, vocab = SIZES[size]
+    ffn = 2 * hidden if size == "tiny-opt" else 4 * hidden
+    per_layer = 4 * (hidden * hidden + hidden) + 2 * hidden * ffn + ffn + hidden + 4 * hidden
+    return vocab * hidden + (128 + 2) * hidden + layers * per_layer + 2 * hidden
+
+
+MEMORY_NEED_X = 6
+"""Host memory a size needs, in states: the driver's model while it is saved, the shadow's two copies,
+the trainer's and the standby's, and the copy-bandwidth measurement's."""
+MEMORY_HEADROOM = 4 << 30
+"""Beyond those: the processes' baselines (Ray, the imports) and the page cache the runs write through."""
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo, in bytes (the machine's free memory, counting reclaimable cache)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+
+
+def too_big(size: str, dtype: str, available: int) -> str | None:
+    """Why this machine cannot run `size` in `dtype` (a sentence), or None when it fits."""
+    state = parameters_of(size) * (4 if dtype == "fp32" else 2)
+    need = MEMORY_NEED_X * state + MEMORY_HEADROOM
+    if need <= available:
+        return None
+    return (f"needs about {need / 2**30:.1f} GiB ({MEMORY_NEED_X}x its {state / 2**30:.1f} GiB state plus "
+            f"{MEMORY_HEADROOM / 2**30:.0f} GiB), {available / 2**30:.1f} GiB available")
+
+
 def copy_bandwidth(nbytes: int, repeats: int = 3) -> tuple[float, float]:
     """(GB/s into touched memory, GB/s into fresh memory) for a plain `copy_` of `nbytes` in this process."""
     import torch
@@ -348,10 +382,20 @@ def scale_benchmark(sizes: list[str] | None = None, dtypes: tuple[str, ...] = ("
     try:
         footprints = _footprints()
         say(f"process baselines: shadow {footprints['shadow'] / 1e9:.2f} GB, trainer {footprints['trainer'] / 1e9:.2f} GB")
-        rows = [measure(size, dtype, root, every, footprints, say) for size in sizes for dtype in dtypes]
+        rows, skipped = [], []
+        for size in sizes:
+            for dtype in dtypes:
+                reason = too_big(size, dtype, available_memory())
+                if reason:
+                    say(f"  {size} {dtype}: skipped: {reason}")
+                    skipped.append({"size": size, "dtype": dtype, "reason": reason})
+                    continue
+                rows.append(measure(size, dtype, root, every, footprints, say))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    doc = {"benchmark": "scale", "machine": machine(), "footprints": footprints, "rows": rows,
+    if not rows:
+        raise RuntimeError(f"no size fits this machine's memory: {skipped}")
+    doc = {"benchmark": "scale", "machine": machine(), "footprints": footprints, "rows": rows, "skipped": skipped,
            "projections": projections(rows, footprints), "targets": targets(rows)}
     report(doc)
     write_json(json_path, doc)
@@ -443,6 +487,8 @@ def markdown(doc: dict) -> str:
                      f"{r['copy_gbps']:.2f} | {_f(r['snapshot_fraction'])} | {_f(r['restore_fraction'])} | "
                      f"{r['recovery_standby_seconds']:.2f} | {r['recovery_restart_seconds']:.2f} | "
                      f"{r['baseline_seconds']:.2f} | {r['speedup_standby']:.1f} | {r['exact']} |")
+    for skip in doc.get("skipped", []):
+        lines.append(f"\n{skip['size']} {skip['dtype']} was not run: {skip['reason']}.")
     lines.append("\nProjections (this machine's restore bandwidth and fixed recovery costs):\n")
     for p in doc["projections"]:
         lines.append(f"- {p['job']}: shadow host memory {p['shadow_host_bytes'] / 1e9:.1f} GB, trainer host memory on "

@@ -6,12 +6,13 @@
                          real S3 endpoint on 127.0.0.1 (moto's server, as s3fs's own suite uses)
 
 Fixtures: `local_ray` (a Ray instance of the test module's own), `s3_endpoint`, `private_s3`,
-`s3_bucket`, `root` (an empty run root on local disk and on S3), `no_matplotlib`, `one_torch_thread`
-(a module of tiny models, in process). Helpers (`support.py`, `reference_runs.py`,
-`kernel_cases.py`, `normality.py`) lie beside this file, which puts `tests/` on every test's path.
-The `slow` marker goes on the tests that take more than a few seconds (`pytest -m "not slow"`), set
-where a test or its module is defined, or by the fixtures it uses (`slow_fixture`: `local_ray` is
-one); `make check-slow-marks` names the unmarked tests over 30 s.
+`s3_bucket`, `root` (an empty run root on local disk and on S3), `no_matplotlib`, `small_disk` (a
+real 4 MiB filesystem to fill), `one_torch_thread` (a module of tiny models, in process). Helpers
+(`support.py`, `reference_runs.py`, `kernel_cases.py`, `normality.py`) lie beside this file,
+which puts `tests/` on every test's path. The `slow` marker goes on the tests that take more than
+a few seconds (`pytest -m "not slow"`), set where a test or its module is defined, or by the
+fixtures it uses (`slow_fixture`: `local_ray` is one); `make check-slow-marks` names the unmarked
+tests over 30 s.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ import time
 import uuid
 
 import pytest
+import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one test process per core: a second torch thread in each would only contend
+    # for the other's core (and for its Ray actors'), and tiny models' operators wait on each other.
+    torch.set_num_threads(1)
+
 
 def slow_fixture(*args, **kwargs):  # (fn) or (**pytest.fixture's keywords)
     """`pytest.fixture` for a fixture that makes every test using it slow (a Ray instance, a benchmark run):
@@ -288,3 +296,48 @@ def no_matplotlib(monkeypatch):
     for name in [n for n in sys.modules if n == "matplotlib" or n.startswith(("matplotlib.", "mpl_toolkits"))]:
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+
+
+# ------------------------------------------------------------------------------------------- a full disk
+
+
+class SmallDisk:
+    """A real filesystem of `size` bytes (tmpfs) mounted at `path`, and a ballast file to fill it with."""
+
+    def __init__(self, path, size: int):
+        self.path, self.size = path, size
+        self.ballast = path / ".ballast"
+
+    def free_bytes(self) -> int:
+        stats = os.statvfs(self.path)
+        return stats.f_bavail * stats.f_frsize
+
+    def fill(self, leave: int) -> None:
+        """Write the ballast until at most `leave` bytes are free (a real ENOSPC for anything larger)."""
+        with open(self.ballast, "ab", buffering=0) as f:
+            while (room := self.free_bytes() - leave) > 0:
+                f.write(b"\0" * min(room, 1 << 20))
+
+    def free(self) -> None:
+        self.ballast.unlink()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A `SmallDisk` of 4 MiB at tmp_path/disk, unmounted afterwards. Mounting needs CAP_SYS_ADMIN (root, as
+    in CI's container): elsewhere the tests that need a real full filesystem are skipped."""
+    import subprocess
+
+    path = tmp_path / "disk"
+    path.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "zocheck-full-disk", str(path)],
+                                 capture_output=True, text=True)
+    except FileNotFoundError as exc:
+        pytest.skip(f"a small filesystem cannot be mounted here: {exc}")
+    if mounted.returncode != 0:
+        pytest.skip(f"a small filesystem cannot be mounted here: {mounted.stderr.strip()}")
+    try:
+        yield SmallDisk(path, 4 << 20)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

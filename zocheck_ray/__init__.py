@@ -36,13 +36,13 @@ __version__ = "0.1.0"
 _ON_FIRST_USE = {
     "run": "zocheck_ray.control", "RunSummary": "zocheck_ray.control", "RunFailedError": "zocheck_ray.control",
     "RunCallback": "zocheck_ray.control", "JobConfig": "zocheck_ray.config", "load_job_config": "zocheck_ray.config",
-    "JobConfigError": "zocheck_ray.config",
+    "JobConfigError": "zocheck_ray.config", "RunStopped": "zocheck_ray.control",
 }
 """The Ray-dependent public names, loaded on first use so that `zocheck_ray.core` runs where Ray is absent."""
 
 __all__ = [
     "run", "JobConfig", "load_job_config", "RunSummary", "RunCallback", "JobConfigError", "RunFailedError",
-    "ZOConfig", "ZOOptimizer", "StepRecord", "Layout", "perturbation", "state_hash", "replay",
+    "RunStopped", "ZOConfig", "ZOOptimizer", "StepRecord", "Layout", "perturbation", "state_hash", "replay",
     "replay_reference", "ZOCheckError", "StateMismatchError", "RecordSequenceError",
     "CorruptRecordError", "IncompleteRecordError", "NonFiniteError",
 ]

@@ -11,7 +11,10 @@ With no --config, `train` runs the embedded default: one injected trainer failur
 60% of the steps and `--verify` (the durable log replayed and compared with every
 step). With a --config, nothing is injected unless --fail-at says so.
 Exit status: 0 when the shadow equals the trainer (and the verification passed),
-1 when not, 2 for a configuration that cannot run.
+1 when not, 2 for a configuration that cannot run, 143 (SIGTERM) or 130 (SIGINT) when
+stopped by that signal: the run stops at the next step boundary, what the shadow holds is
+made durable, the run's lease is released, one line says where it stopped, and the same
+command resumes it (a second signal stops at once; the durable state still resumes it).
 
 `train` joins the cluster of `--address`, of RAY_ADDRESS or of a `ray start` on this machine,
 else starts a local instance for the run (`--address local`: in any case) and says which
@@ -55,19 +58,23 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
     persisted = [(f"rank {r.rank}: " if summary.trainers > 1 else "")
                  + f"{r.seconds:.2f} s from the {r.image_source} image of step {r.image_step or 0} "
                  f"(+{r.replayed_records} records), lost at step {r.failed_at_step}" for r in summary.recoveries]
+    resumed = summary.resumed_from_step
     rows = [
         ("run", summary.run_id),
         ("steps", str(summary.steps)),
+        *([("resumed", f"from the durable image at step {resumed}; {summary.steps - resumed} steps trained after "
+                       "it")] if resumed is not None else []),
         ("task", f"{summary.task.get('kind')}: {summary.task.get('train_rows')} training rows, "
                  f"{summary.task.get('eval_rows')} held-out rows"),
-        (f"held-out before (step {min(evaluations) if evaluations else 0})", _metrics_text(first)),
+        ("held-out before" + (f" (step {min(evaluations)})" if evaluations else ""), _metrics_text(first)),
         (f"held-out after (step {summary.steps})", _metrics_text(last)),
         ("training loss first -> last",
          f"{summary.losses[0][1]:.4f} -> {summary.losses[-1][1]:.4f}" if summary.losses else "-"),
         ("publish overhead per step",
          f"{summary.publish_us_median:.2f} us (median), trainer step {summary.trainer_seconds_per_step * 1e3:.1f} ms"
          if summary.publish_us_median is not None else "-"),
-        ("shadow replay per step", f"{m.replay_seconds_per_step * 1e3:.3f} ms"),
+        ("shadow replay per step", f"{m.replay_seconds_per_step * 1e3:.3f} ms" if m.replay_seconds_per_step else
+         "- (nothing replayed)"),
         ("lag (steps)", f"max {max(lags)}, final {m.lag_steps}" if lags else f"final {m.lag_steps}"),
         ("snapshot interval", str(summary.snapshot_interval)),
         ("snapshots taken / persisted", f"{m.snapshots_taken} / {m.snapshots_persisted}"),
@@ -107,7 +114,8 @@ def train(args: argparse.Namespace) -> int:
 
     from zocheck_ray.control import RunFailedError
     from zocheck_ray.control.connect import RayConnectionError, connect_ray
-    from zocheck_ray.control.placement import profile_settings
+    from zocheck_ray.control.stop import RunStopped
+    from zocheck_ray.control.placement import profile_steps
     from zocheck_ray.testing import run_with_faults
     from zocheck_ray.verify import verify_run
 
@@ -118,9 +126,7 @@ def train(args: argparse.Namespace) -> int:
         check_job_environment(job)  # a relative path in a submitted job: refused before Ray starts
         fail_at = args.fail_at
         if fail_at is None:
-            settings = profile_settings(job)
-            first_allowed = 1 if job.snapshot_interval else max(
-                settings.warmup_steps + settings.timed_steps, settings.replays_needed) + 1
+            first_allowed = 1 if job.snapshot_interval else profile_steps(job) + 1
             fail_at = default_failures(job.steps, first_allowed) if embedded else []
         verify = embedded if args.verify is None else args.verify
         if embedded:
@@ -136,6 +142,9 @@ def train(args: argparse.Namespace) -> int:
     except RunFailedError as exc:
         print(f"zocheck-ray train: {exc}", file=sys.stderr)
         return 1
+    except RunStopped as stopped:  # SIGTERM or SIGINT: its one line is printed; 128 + the signal's number
+        sys.stdout.flush()
+        return stopped.code
     verification = verify_run(job, summary) if verify else None
     print()
     rows = result_table(summary, verification)

@@ -19,10 +19,8 @@ from benchmarks.failures import catch_up_seconds
 from benchmarks.recovery import Scenario, check_targets, failure_steps, recovery_benchmark
 from benchmarks.recovery_comparison import ComparisonSpec
 
-pytestmark = pytest.mark.slow  # the overhead and recovery benchmarks on a real Ray instance
-
-
-pytestmark = pytest.mark.usefixtures("local_ray")  # conftest: a Ray instance of the module's own
+# the overhead and recovery benchmarks on a Ray instance of the module's own (conftest: slow by that fixture)
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,15 @@ import json
 
 import pytest
 
-from benchmarks.scale import markdown, scale_benchmark
+import torch
+import transformers
+
+from benchmarks.scale import SIZES, markdown, parameters_of, scale_benchmark, too_big
 
 RAY_CPUS = 3
-pytestmark = pytest.mark.usefixtures("local_ray")
 
 
+@pytest.mark.usefixtures("local_ray")
 def test_the_three_recoveries_of_one_job_end_in_one_state_and_are_reported(tmp_path):
     path = tmp_path / "scale.json"
     doc = scale_benchmark(["tiny-opt"], ("fp32",), json_path=str(path), say=lambda line: None)
@@ -30,3 +33,20 @@ def test_the_three_recoveries_of_one_job_end_in_one_state_and_are_reported(tmp_p
     assert projected["shadow_host_bytes"] > 2 * 12_853_473_280 * 2  # two copies of the fp16 state, and a baseline
     text = markdown(doc)
     assert "| tiny-opt | fp32 |" in text and "OPT-13B" in text
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_a_size_is_counted_from_its_shape_and_skipped_where_memory_cannot_hold_it(size):
+    hidden, layers, vocab = SIZES[size]
+    config = transformers.OPTConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                    ffn_dim=2 * hidden if size == "tiny-opt" else 4 * hidden,
+                                    num_attention_heads=4 if size == "tiny-opt" else hidden // 64,
+                                    max_position_embeddings=128, word_embed_proj_dim=hidden)
+    with torch.device("meta"):
+        model = transformers.OPTForCausalLM(config)
+    assert parameters_of(size) == sum(p.numel() for p in model.parameters())
+    fp32 = parameters_of(size) * 4
+    assert too_big(size, "fp32", available=100 * fp32 + (8 << 30)) is None
+    reason = too_big(size, "fp32", available=fp32)
+    assert reason is not None and "GiB available" in reason
+    assert too_big(size, "bf16", available=6 * fp32 // 2 + (4 << 30)) is None

@@ -1,5 +1,5 @@
-"""Which Ray cluster `zocheck-ray train` and `zocheck-ray status` use, and what they say when it cannot
-be reached, with real Ray processes.
+"""Which Ray cluster `zocheck-ray train` and `zocheck-ray status` use, what they say when it cannot
+be reached, and how SIGTERM and SIGINT stop a `train` driver, with real Ray processes.
 
 The module's head node is its own (`ray start --head` with its own temp dir, ports and token, as a
 cluster with token authentication is started); a `train` that starts a local instance runs with a
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import secrets
 import shutil
@@ -27,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_ports, stop_processes_naming
-from support import REPO
+from conftest import free_ports, processes_naming, stop_processes_naming
+from support import REPO, wait_until
 
 pytestmark = pytest.mark.slow  # a `ray start --head` node, train drivers and their local instances
 
@@ -124,50 +123,180 @@ def test_train_says_which_cluster_it_joined_and_why(head, tmp_path, how):
     assert "a local instance" not in out.stdout
 
 
-@pytest.fixture
-def local_train(tmp_path):
-    """`zocheck-ray train` of a run that only ends when stopped, on a local instance it starts (no cluster
-    to join: a Ray temp dir of its own); its output lines arrive in `lines`; stopped with SIGINT at the end."""
-    ray_tmp = tempfile.mkdtemp(prefix="zcl", dir="/tmp")
-    env = clean_env(ray_tmp)
-    run_id = f"local-{uuid.uuid4().hex[:6]}"
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "zocheck_ray", "train", "--steps", str(10**7), "--fail-at", "none", "--no-verify",
-         "--storage", str(tmp_path / "runs"), "--set", f"run_id={run_id}", "--set", "log_interval=5"],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in driver.stdout], daemon=True)
-    reader.start()  # drained all along, so the driver never blocks on a full pipe
-    try:
-        yield {"env": env, "run_id": run_id, "driver": driver, "lines": lines}
-    finally:
+class DriverOutput:
+    """A driver's output lines (stdout and stderr), read all along so the driver never blocks on a full pipe."""
+
+    def __init__(self, driver: subprocess.Popen):
+        self.lines: list[str] = []
+        self.ended = False
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, args=(driver,), daemon=True).start()
+
+    def _read(self, driver: subprocess.Popen) -> None:
+        for line in driver.stdout:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self.ended = True
+            self._changed.notify_all()
+
+    def wait_for(self, pattern: str, after: int = 0) -> tuple[int, re.Match]:
+        """The first line from index `after` on that `pattern` matches (from its start): (index, match)."""
+        deadline = time.monotonic() + BOUND_SECONDS
+        with self._changed:
+            while True:
+                for i in range(after, len(self.lines)):
+                    if (match := re.match(pattern, self.lines[i])) is not None:
+                        return i, match
+                remaining = deadline - time.monotonic()
+                assert not self.ended and remaining > 0, f"no line matches {pattern!r}:\n" + "\n".join(self.lines)
+                self._changed.wait(remaining)
+
+    def wait_for_end(self) -> list[str]:
+        with self._changed:
+            assert self._changed.wait_for(lambda: self.ended, BOUND_SECONDS), "\n".join(self.lines)
+            return list(self.lines)
+
+
+def train_args(storage: Path, run_id: str) -> list[str]:
+    """`zocheck-ray train` of the embedded job for a run that only ends when it is stopped."""
+    return ["train", "--steps", str(10**7), "--fail-at", "none", "--no-verify", "--storage", str(storage),
+            "--set", f"run_id={run_id}", "--set", "log_interval=5"]
+
+
+def start_train(env: dict, args: list[str]) -> tuple[subprocess.Popen, DriverOutput]:
+    driver = subprocess.Popen([sys.executable, "-m", "zocheck_ray", *args], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return driver, DriverOutput(driver)
+
+
+def stop_driver(driver: subprocess.Popen) -> None:
+    if driver.poll() is None:
         driver.send_signal(signal.SIGINT)
         try:
             driver.wait(timeout=120)
         except subprocess.TimeoutExpired:
             driver.kill()
             driver.wait()
-        stop_processes_naming(ray_tmp)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+class LocalTrain:
+    """`zocheck-ray train` of a run that only ends when stopped, on a local instance it starts (no cluster
+    to join: a Ray temp dir of its own). The module's tests share it: one stops it and starts it again,
+    the next ones use the driver running then (`driver`, `output`)."""
+
+    def __init__(self, storage: Path):
+        self.ray_tmp = tempfile.mkdtemp(prefix="zcl", dir="/tmp")
+        self.env = clean_env(self.ray_tmp)
+        self.run_id = f"local-{uuid.uuid4().hex[:6]}"
+        self.storage = storage
+        self.started: list[subprocess.Popen] = []
+        self.start()
+
+    def start(self) -> None:
+        self.driver, self.output = start_train(self.env, train_args(self.storage, self.run_id))
+        self.started.append(self.driver)
+
+    def close(self) -> None:
+        for driver in self.started:
+            stop_driver(driver)
+        stop_processes_naming(self.ray_tmp)
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def local_train(tmp_path_factory):
+    """The module's `LocalTrain`; whatever still runs at the end is stopped (SIGINT, then the processes
+    naming its Ray temp dir)."""
+    train = LocalTrain(tmp_path_factory.mktemp("local-train") / "runs")
+    try:
+        yield train
+    finally:
+        train.close()
+
+
+STOPPED = (r"  stopped by {signal} at step (\d+): its state is durable in (\S+); the run's lease is released; run "
+           r"the same job again to resume it$")
+
+
+def stop_with(train: LocalTrain, sig: signal.Signals, after: int = 0) -> tuple[int, int]:
+    """Send `sig` to the training driver once it printed a step line from line `after` on; (its exit status,
+    the step it says it stopped at), once its last line said so and nothing of its Ray instance is left."""
+    driver, output = train.driver, train.output
+    output.wait_for(r"  step +\d+ ", after)
+    driver.send_signal(sig)
+    lines = output.wait_for_end()
+    driver.wait(timeout=BOUND_SECONDS)
+    text = "\n".join(lines)
+    assert not any(word in text for word in ("Traceback", "Aborted", "core dumped", "*** ")), text
+    stopped = re.match(STOPPED.format(signal=sig.name), lines[-1])
+    assert stopped is not None, text  # one line, the last, says where it stopped and what is durable
+    assert wait_until(lambda: not processes_naming(train.ray_tmp), timeout=60)  # its Ray instance went with it
+    return driver.returncode, int(stopped.group(1))
+
+
+def durable_snapshot(train: LocalTrain):
+    from zocheck_ray.storage import SnapshotStore
+
+    return SnapshotStore(str(train.storage / train.run_id), create=False).latest()
+
+
+def lease_released(train: LocalTrain) -> bool:
+    from zocheck_ray.storage import read_lease
+    from zocheck_ray.storage.fs import open_storage
+
+    lease = read_lease(open_storage(str(train.storage / train.run_id), create=False))
+    return lease is not None and lease.released
+
+
+def test_sigterm_stops_train_at_a_step_boundary_and_a_rerun_at_once_resumes_exactly(local_train):
+    from zocheck_ray.config import load_job_config
+    from zocheck_ray.demo import EMBEDDED_DEFAULT
+    from zocheck_ray.testing.reference import uninterrupted_hashes
+
+    code, step = stop_with(local_train, signal.SIGTERM)
+    assert code == 143  # 128 + SIGTERM, as a scheduler expects
+    assert lease_released(local_train)  # a rerun, here or on another cluster, takes it at once
+    stopped = durable_snapshot(local_train)
+    assert stopped.step == step
+
+    # Started at once, as a Kubernetes retry would be: the same command resumes where it stopped, and its
+    # startup profile makes the image of a later step durable (once it has printed a step line).
+    local_train.start()
+    resumed, _ = local_train.output.wait_for(rf"  resumed from the durable image at step {step}$")
+    local_train.output.wait_for(r"  step +\d+ ", resumed)
+    later = durable_snapshot(local_train)
+    assert later.step > step
+    job = load_job_config(None, [f"run_id={local_train.run_id}", "log_interval=5"], base=EMBEDDED_DEFAULT,
+                          steps=later.step, storage=str(local_train.storage))
+    expected = uninterrupted_hashes(job)
+    assert (stopped.state_hash, later.state_hash) == (expected[step], expected[later.step])
 
 
 def test_status_finds_a_run_on_the_local_instance_its_train_started(local_train):
-    driver, run_id = local_train["driver"], local_train["run_id"]
-    seen = []
-    deadline = time.monotonic() + BOUND_SECONDS
-    while not seen or "ray: " not in seen[-1]:  # the driver says where it runs, before the run starts
-        seen.append(local_train["lines"].get(timeout=max(deadline - time.monotonic(), 0.1)))
-    assert seen[-1].startswith("  ray: a local instance for this run at "), "".join(seen)
-    address = seen[-1].split(" at ", 1)[1].split()[0]
+    driver, run_id, output = local_train.driver, local_train.run_id, local_train.output
+    # the driver says where it runs, before the run starts
+    _, ray_line = output.wait_for(r"  ray: ")
+    assert ray_line.string.startswith("  ray: a local instance for this run at "), "\n".join(output.lines)
+    address = ray_line.string.split(" at ", 1)[1].split()[0]
 
+    deadline = time.monotonic() + BOUND_SECONDS
     while True:  # until the trainer has run a step (the shadow exists from the run's start)
-        out = cli(local_train["env"], "status", run_id, "--json")
+        out = cli(local_train.env, "status", run_id, "--json")
         if out.returncode == 0 and json.loads(out.stdout)["trainer_step"] > 0:
             break
         assert driver.poll() is None and time.monotonic() < deadline, out.stderr
         time.sleep(0.5)
     assert json.loads(out.stdout)["run_id"] == run_id
     # the address it printed reaches the same run
-    out = cli(local_train["env"], "status", run_id, "--json", "--address", address)
+    out = cli(local_train.env, "status", run_id, "--json", "--address", address)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["run_id"] == run_id
+
+
+def test_sigint_stops_train_the_same_way(local_train):
+    code, step = stop_with(local_train, signal.SIGINT)
+    assert code == 130  # 128 + SIGINT
+    assert lease_released(local_train)
+    assert durable_snapshot(local_train).step == step

@@ -19,12 +19,11 @@ from zocheck_ray.control import Action, Failure, FailureBudget, decide
 from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.verify import verify_run
 
-pytestmark = pytest.mark.slow  # k trainer ranks on a real Ray instance, ranks killed
-
 
 RAY_CPUS = 5
 """Logical CPUs of the module's Ray instance (`conftest.local_ray`)."""
-pytestmark = pytest.mark.usefixtures("local_ray")
+# k trainer ranks on a real Ray instance, ranks killed; local_ray: a Ray instance of its own
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
 
 STEPS = 24

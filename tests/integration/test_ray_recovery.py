@@ -19,10 +19,9 @@ from zocheck_ray.config import JobConfigError, load_job_config
 from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.testing import FailAt, FaultInjection
 
-pytestmark = pytest.mark.slow  # jobs on a real Ray instance with injected failures
 
-
-pytestmark = pytest.mark.usefixtures("local_ray")  # conftest: a Ray instance of the module's own
+# jobs on a real Ray instance with injected failures; local_ray: a Ray instance of its own
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
 
 # Every optimizer, and each dtype, through Ray's restarts: the recovery path is the same for all of

@@ -1,12 +1,15 @@
 """Faults nobody scripts, on a real local Ray cluster: the shadow process killed mid-run, the S3
-endpoint stopped and restarted, paused, or gone for good. Each run ends exact (shadow == trainer,
+endpoint stopped and restarted, paused, or gone for good, a trainer and then the shadow lost while
+durability lags, a full disk. Each run ends exact (shadow == trainer,
 a durable image at the last step) or with a clear error; none hangs, none passes silently.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import ray
@@ -15,14 +18,13 @@ from conftest import free_port
 from reference_runs import STEPS, assert_exact, job_for, uninterrupted_hashes
 from support import wait_until
 from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name
-from zocheck_ray.control import RunFailedError
+from zocheck_ray.control import RunCallback, RunFailedError
 from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.storage import SnapshotStore, read_log
 
-pytestmark = pytest.mark.slow  # jobs with a killed shadow and S3 outages, then verified
 
-
-pytestmark = pytest.mark.usefixtures("local_ray")  # conftest: a Ray instance of the module's own
+# jobs with a killed shadow and S3 outages, then verified; local_ray: a Ray instance of its own
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
 
 def shadow_metrics(job):
@@ -45,7 +47,6 @@ def test_a_killed_shadow_comes_back_from_storage_and_the_trainer_fills_it_in(tmp
     assert summary.shadow_restarts == 1 and not summary.recoveries
     assert any("the shadow restarted" in w for w in summary.warnings)
     assert_exact(summary, uninterrupted_hashes(job))
-    assert_durable_and_whole(job, summary)
 
 
 def test_an_s3_endpoint_stopped_and_restarted_mid_run_ends_durable_and_exact(tmp_path, private_s3):
@@ -71,7 +72,6 @@ def test_an_s3_endpoint_stopped_and_restarted_mid_run_ends_durable_and_exact(tmp
     assert any("durability is behind" in line for line in lines)
     assert summary.metrics.persist_failures > 0 and summary.metrics.persist_error is None
     assert_exact(summary, uninterrupted_hashes(job))
-    assert_durable_and_whole(job, summary)
 
 
 class PausableS3:
@@ -179,3 +179,141 @@ def test_verify_proves_the_run_after_a_failure_and_collected_log_segments(tmp_pa
     assert result.steps_checked >= STEPS - result.proven_from_step
     argv = ["verify", job.run_url] + (["--endpoint-url", options["endpoint_url"]] if options else [])
     assert main(argv) == 0                         # the same proof from the storage alone
+
+
+def gone(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie not yet reaped by its parent counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+class TrainerThenShadow(RunCallback):
+    """A host failure in two steps while durability lags. At each of `pause_at` the S3 endpoint is paused:
+    nothing written after it becomes durable, and once the shadow holds an image its storage does not (at
+    the next segment's end) the trainer dies (`fail_at`) and recovers from it, holding the records after it
+    only. At the end of the next segment the shadow is killed and the endpoint goes on once its process is
+    gone: the restarted shadow comes back from the durable state, without records that no process holds
+    any more. `and_wait`: wait there until the trainer sees it, so that the next segment's check meets it."""
+
+    def __init__(self, server: PausableS3, pause_at: list[int], and_wait: list[bool]):
+        self.server, self.pause_at, self.and_wait = server, list(pause_at), list(and_wait)
+        self.paused = self.trainer_recovered = False
+        self.shadow_killed_at: list[int] = []
+        self.recoveries = []
+
+    def on_segment(self, run, segment):
+        if not self.paused and self.pause_at and segment.progress.step >= self.pause_at[0]:
+            self.pause_at.pop(0)
+            self.server.process.send_signal(signal.SIGSTOP)
+            self.paused = True
+        elif self.paused and not self.trainer_recovered:
+            assert wait_until(lambda: self.image_not_durable(run), timeout=180)
+        elif self.paused:
+            pid = ray.get(run.shadow.pid.remote())
+            ray.kill(run.shadow, no_restart=False)  # Ray restarts it from durable storage
+            assert wait_until(lambda: gone(pid), timeout=120)
+            self.server.process.send_signal(signal.SIGCONT)
+            self.paused = self.trainer_recovered = False
+            self.shadow_killed_at.append(segment.progress.step)
+            if self.and_wait.pop(0):
+                assert wait_until(lambda: ray.get(run.group.leader.publisher_stats.remote()).gap, timeout=180)
+
+    @staticmethod
+    def image_not_durable(run) -> bool:
+        m = ray.get(run.shadow.metrics.remote())
+        return m.snapshot_step is not None and m.snapshot_step > (m.durable_step if m.durable_step is not None else -1)
+
+    def on_recovery(self, run, recovery):
+        self.recoveries.append(recovery)
+        self.trainer_recovered = self.paused and recovery.cause == "trainer_lost"
+
+
+def test_a_trainer_then_a_shadow_lost_while_durability_lags_recover_from_the_durable_state(tmp_path, aws_env):
+    server = PausableS3()
+    try:
+        # No log segment is sealed (uploaded) but by a drain: the durable state is the last durable snapshot.
+        job = job_for(tmp_path, storage=f"s3://{server.new_bucket()}/runs", storage_options=server.options(),
+                      log_seal_records=1000, lease_seconds=300)  # no pause outlasts the lease
+        # Mid-run: paused at 12, the trainer dies at 19, the shadow at 24; the next check finds the records
+        # lost. At the end: paused at 18 (the steps trained again), the trainer dies at 31, the shadow after
+        # the last segment (36); the final drain finds the records lost.
+        faults = TrainerThenShadow(server, pause_at=[12, 18], and_wait=[True, False])
+        lines = []
+        summary = run(job, fail_at=[19, 31], progress=lines.append, callbacks=[faults])
+        assert_durable_and_whole(job, summary)
+    finally:
+        server.close()
+    assert faults.shadow_killed_at == [24, STEPS]
+    causes = [(r.cause, r.failed_at_step) for r in faults.recoveries]
+    assert causes == [("trainer_lost", 19), ("records_lost", 30), ("trainer_lost", 31), ("records_lost", STEPS)]
+    # each restored the trainer from the durable image, before the steps that were not durable
+    lost = faults.recoveries[1::2]
+    assert [r.image_source for r in lost] == ["durable", "durable"]
+    assert lost[0].recovered_step < 19 and lost[1].recovered_step < 31
+    said = [line for line in lines if "(a host failure in two steps)" in line]
+    assert len(said) == 2, lines  # one line each
+    assert summary.shadow_restarts == 2
+    assert_exact(summary, uninterrupted_hashes(job))
+
+
+class FillTheDisk(RunCallback):
+    """At `fill_at` the run's disk is filled but for less than a snapshot needs; at the next segment's end,
+    what the shadow says is taken once it reports the full disk (`seen`); a segment later the space is
+    given back."""
+
+    def __init__(self, disk, fill_at: int):
+        self.disk, self.fill_at = disk, fill_at
+        self.filled_unix: float | None = None
+        self.seen = None
+        self.freed = False
+
+    def on_segment(self, run, segment):
+        if self.filled_unix is None and segment.progress.step >= self.fill_at:
+            self.lease_before = lease_of(run.job)
+            self.disk.fill(leave=ray.get(run.shadow.metrics.remote()).state_bytes // 2)
+            self.filled_unix = time.time()
+        elif self.filled_unix is not None and self.seen is None:
+            step = segment.progress.step
+            # The snapshot of step 16 does not fit; the log goes on; the lease is renewed all along.
+            assert wait_until(lambda: self.full_and_logging(run, step), timeout=180)
+        elif self.seen is not None and not self.freed:
+            self.disk.free()
+            self.freed = True
+
+    def full_and_logging(self, run, step: int) -> bool:
+        m = ray.get(run.shadow.metrics.remote())
+        lease = lease_of(run.job)
+        if "(ENOSPC)" in (m.persist_error or "") and m.durable_log_step == step - 1 \
+                and lease.heartbeat_unix > self.filled_unix + run.job.lease_seconds:
+            self.seen = (m, lease)
+        return self.seen is not None
+
+
+def lease_of(job):
+    from zocheck_ray.storage import read_lease
+    from zocheck_ray.storage.fs import open_storage
+
+    return read_lease(open_storage(job.run_url, create=False))
+
+
+def test_a_full_disk_is_reported_as_such_keeps_the_log_and_the_lease_and_the_run_ends_exact(small_disk, tmp_path):
+    job = job_for(tmp_path, storage=str(small_disk.path / "runs"), lease_seconds=6)
+    disk = FillTheDisk(small_disk, fill_at=12)
+    lines = []
+    summary = run(job, progress=lines.append, callbacks=[disk])
+    assert disk.freed
+    metrics, lease = disk.seen
+    # the storage's own error, with the path of what did not fit: no lost lease
+    assert re.fullmatch(rf"StorageFullError: cannot \w+ {re.escape(job.run_url)}/snapshots/step-\d{{12}}/\S+: No space "
+                        r"left on device \(ENOSPC\); free space there, or give the run a larger storage",
+                        metrics.persist_error)
+    assert metrics.durable_step < 16 and not metrics.persist_stopped
+    assert (lease.generation, lease.owner, lease.released) == (disk.lease_before.generation, disk.lease_before.owner,
+                                                               False)
+    assert any("durability is behind" in line and "(ENOSPC)" in line for line in lines), lines
+    assert summary.metrics.persist_error is None
+    assert_exact(summary, uninterrupted_hashes(job))
+    assert_durable_and_whole(job, summary)

@@ -83,18 +83,20 @@ def llama_directory(tmp_path_factory):
     return str(directory)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_a_restarted_trainer_of_a_saved_model_rebuilds_a_skeleton_and_ends_exact(tmp_path, llama_directory, dtype):
-    job = job_for(tmp_path, model=llama_directory, dtype=dtype)
+def test_a_restarted_trainer_of_a_saved_model_rebuilds_a_skeleton_and_ends_exact(tmp_path, llama_directory):
+    # bf16: the dtype where a skeleton's buffers can go wrong (rotary frequencies stay fp32); the
+    # skeleton of every dtype is compared with the loaded model below, without Ray
+    job = job_for(tmp_path, model=llama_directory, dtype="bf16")
     summary = run(job, fail_at=[13], progress=None)
     (recovery,) = summary.recoveries
     assert recovery.replaced_by == "restart" and recovery.image_source == "memory"
     assert_exact(summary, uninterrupted_hashes(job))
 
 
-def test_a_skeleton_is_the_loaded_model_without_its_weights(llama_directory):
-    loaded = build_model(llama_directory, "bf16")
-    bones = build_model(llama_directory, "bf16", weights="none")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_a_skeleton_is_the_loaded_model_without_its_weights(llama_directory, dtype):
+    loaded = build_model(llama_directory, dtype)
+    bones = build_model(llama_directory, dtype, weights="none")
     assert [(n, p.shape, p.dtype) for n, p in loaded.named_parameters()] == \
         [(n, p.shape, p.dtype) for n, p in bones.named_parameters()]
     for (name, buffer), (_, rebuilt) in zip(loaded.named_buffers(), bones.named_buffers()):

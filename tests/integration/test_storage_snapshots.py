@@ -5,17 +5,19 @@ Against a temporary directory and a real S3 endpoint on 127.0.0.1 (moto), throug
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
 import socket
 
 import pytest
 import safetensors.torch
 import torch
 
-from zocheck_ray.core import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, ZOConfig, state_hash
+from zocheck_ray.core import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, StepRecord, ZOConfig, state_hash
 from zocheck_ray.core import hashing
 from zocheck_ray.core.hashing import combine_file_digests
 from zocheck_ray.storage import (
@@ -23,8 +25,11 @@ from zocheck_ray.storage import (
     CorruptSnapshotError,
     SnapshotNotFoundError,
     SnapshotStore,
+    StepLog,
     StorageError,
+    StorageFullError,
     StorageURLError,
+    read_lease,
     recover,
 )
 from zocheck_ray.storage.manifest import Manifest
@@ -228,6 +233,35 @@ def test_a_directory_without_manifest_is_never_loaded_and_is_cleaned_at_start(tm
     SnapshotStore(url, lease=Lease(url).acquire())  # a restarted writer, under the lease
     assert sorted(os.listdir(tmp_path / "run" / "snapshots")) == [os.path.basename(snapshot_dir(1))]
     assert ".manifest.json.tmp-dead" not in os.listdir(tmp_path / "run" / snapshot_dir(1))
+
+
+def test_a_snapshot_that_does_not_fit_is_removed_at_once_and_the_log_and_the_lease_go_on(small_disk):
+    url = str(small_disk.path / "run")
+    lease = Lease(url, owner="writer").acquire()
+    store, log = SnapshotStore(url, lease=lease), StepLog(url, lease=lease)
+    weight = torch.arange(128 * 1024, dtype=torch.float32)  # 512 KiB, and twice that of ZO-Adam moments
+    state = {"weight": weight, EXP_AVG_PREFIX + "weight": weight, EXP_AVG_SQ_PREFIX + "weight": weight}
+    store.save(0, state)
+    page = os.statvfs(small_disk.path).f_frsize
+    model_bytes = -(-os.path.getsize(local_file(small_disk.path, 0, "model.safetensors")) // page) * page
+    small_disk.fill(leave=model_bytes + page)  # the model's file fits, its optimizer's does not
+    with pytest.raises(StorageFullError) as full:
+        store.save(1, state)
+    # the storage's own error, naming the file that did not fit
+    assert full.value.errno == errno.ENOSPC
+    assert re.fullmatch(rf"cannot \w+ {re.escape(url)}/{snapshot_dir(1)}/optimizer\.safetensors: No space left on "
+                        r"device \(ENOSPC\); free space there, or give the run a larger storage", str(full.value))
+    # nothing of it is left to hold the space that the log and the lease's renewals need
+    assert os.listdir(small_disk.path / "run" / "snapshots") == [os.path.basename(snapshot_dir(0))]
+    assert small_disk.free_bytes() == model_bytes + page
+    for step in range(64):
+        log.append(StepRecord(step=step, seed=step + 1, projected_grad=0.5, lr=1e-3, eps=1e-3, fingerprint=7))
+        log.flush()
+    assert log.durable_step == 63
+    lease.renew()
+    assert lease.held and read_lease(lease.storage).generation == lease.generation
+    small_disk.free()
+    assert store.save(1, state).step == 1
 
 
 def test_s3_leftovers_and_unfinished_uploads_are_cleaned_at_start(s3_bucket):

@@ -170,3 +170,20 @@ def test_the_architecture_map_places_every_module_and_every_import_goes_down_it(
                 upward.append(f"{name} ({layers[mine][0]}) imports {target} "
                               f"({layers[documented_layer(target, layers)][0]})")
     assert not upward, "imports that go up the map in docs/architecture.md:\n" + "\n".join(upward)
+
+
+CONTROL_FUNCTION_LINES = 40
+"""The controller's code reads as a state machine of short steps: no function in `control/` is longer."""
+
+
+def test_the_control_package_is_made_of_short_functions():
+    long = []
+    for name, path in MODULES.items():
+        if not name.startswith("zocheck_ray.control."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > CONTROL_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {lines} lines")
+    assert not long, f"functions in control/ over {CONTROL_FUNCTION_LINES} lines:\n" + "\n".join(long)

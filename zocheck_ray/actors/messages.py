@@ -249,7 +249,9 @@ class ShadowMetrics(BaseModel):
     replay_error: str | None = None
     """The replay stage's error: it stopped, and only a resync from the trainer repairs the replica."""
     persist_error: str | None = None
-    """The last error of the persistence stage (cleared by the next success)."""
+    """The last error of the persistence stage, the storage's own (a full disk: `StorageFullError ... (ENOSPC)`
+    with the path); cleared once a snapshot, or a pass of the log and any image due, goes through (a log
+    written while snapshots fail leaves their error)."""
     state_bytes: int = 0
     """Bytes of the run's state (its tensors, without alignment)."""
     replica_bytes: int = 0

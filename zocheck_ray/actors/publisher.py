@@ -7,7 +7,8 @@ expects next and how far its step log is durable. The publisher keeps every reco
 the durable log does not hold yet, so when a shadow comes back from durable storage
 (its process was killed and Ray restarted it) and expects an older step, the
 publisher re-sends what it lacks; the run stays exact. A shadow that expects a step
-older than anything held reports a gap, which the controller repairs with a resync.
+older than anything held reports a gap: records no process holds any more, which the
+controller repairs by restoring every rank from the shadow's durable state.
 
 With data-parallel ranks only rank 0 publishes; every other rank's publisher only holds
 (`publishing=False`): it keeps the records the controller has not reported durable
@@ -114,7 +115,7 @@ class Publisher:
         self.errors = 0
         self.last_error: str | None = None
         self.gap: str | None = None
-        """Set when the shadow expects a record no longer held: only a resync repairs it."""
+        """Set when the shadow expects a record no longer held: the run restores from the durable state."""
 
     @property
     def held_records(self) -> int:
@@ -223,8 +224,8 @@ class Publisher:
     def _resend_from(self, step: int) -> None:
         if not self._held or self._held[0].step > step:
             first = self._held[0].step if self._held else self.sent_next
-            self.gap = (f"the shadow expects step {step} but the trainer holds records from step {first} on "
-                        "(the rest was acknowledged durable or never held): a resync is needed")
+            self.gap = (f"the shadow expects step {step} but the trainer holds records from step {first} on: "
+                        f"no process holds the records of steps {step}..{first - 1}")
             logger.error(self.gap)
             return
         records = [r for r in self._held if r.step >= step]

@@ -26,7 +26,8 @@ from zocheck_ray.actors.image import (
 )
 from zocheck_ray.actors.hooks import NO_HOOKS
 from zocheck_ray.actors.messages import (
-    AdapterIdentity, PublisherStats, PushReply, RecoveryInfo, RecoveryOffer, ShadowMetrics, TrainerProgress, TrainerTimes, numeric_fields,
+    AdapterIdentity, KernelInfo, PublisherStats, PushReply, RecoveryInfo, RecoveryOffer, ShadowMetrics, TrainerProgress,
+    TrainerTimes, numeric_fields,
 )
 from zocheck_ray.actors.shadow import Shadow
 from zocheck_ray.actors.trainer import Trainer
@@ -90,6 +91,18 @@ def wait_until_alive(actor, timeout: float = 300.0) -> None:
         if actor_state(actor) in ("ALIVE", "DEAD", None):
             return
         time.sleep(0.01)
+
+
+def wait_until_dead(actor, timeout: float = 60.0) -> bool:
+    """Whether the GCS reports `actor` dead within `timeout` (after `ray.kill`: its process is gone); False at
+    once where the GCS's table cannot be read."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = actor_state(actor)
+        if state in ("DEAD", None):
+            return state == "DEAD"
+        time.sleep(0.01)
+    return False
 
 
 def describe_actor(actor) -> str:
@@ -237,9 +250,10 @@ class ShadowActor:
         return self.shadow.replica_hash()
 
     @ray.method(concurrency_group="control")
-    def drain(self, step: int, timeout: float = 300.0) -> ShadowMetrics:
-        """Every record before `step` replayed, the image of `step` taken and durable; returns the metrics."""
-        m = self.shadow.drain(step, timeout)
+    def drain(self, step: int, timeout: float = 300.0, incarnation: str | None = None) -> ShadowMetrics:
+        """Every record before `step` replayed, the image of `step` taken and durable; returns the metrics
+        (`incarnation`: see `Shadow.drain`)."""
+        m = self.shadow.drain(step, timeout, incarnation)
         self._export(m)
         return m
 
@@ -248,8 +262,9 @@ class ShadowActor:
         return os.getpid()
 
     @ray.method(concurrency_group="control")
-    def close(self) -> None:
-        self.shadow.close()
+    def close(self) -> bool:
+        """Seal the log, stop the stages and release the run's lease; returns whether it was released."""
+        return self.shadow.close()
 
 
 class RayShadowLink:
@@ -405,3 +420,7 @@ class TrainerActor:
 
     def publisher_stats(self) -> PublisherStats:
         return self.trainer.publisher.stats()
+
+    def kernel(self) -> KernelInfo:
+        """Which implementation updates the weights (see `Trainer.kernel`)."""
+        return self.trainer.kernel()

@@ -225,8 +225,15 @@ class Shadow:
         """A trainer is done reading the image named `token` (its memory may be reused)."""
         self.ledger.give_back(token)
 
-    def drain(self, step: int, timeout: float = 300.0) -> ShadowMetrics:
-        """Wait for every record before `step`, replay them, snapshot at `step`, make it all durable."""
+    def drain(self, step: int, timeout: float = 300.0, incarnation: str | None = None) -> ShadowMetrics:
+        """Wait for every record before `step`, replay them, snapshot at `step`, make it all durable.
+
+        `incarnation`: the shadow the caller handed the records to; another one (Ray retried the call on
+        the restarted process, which came back from storage) refuses at once with `ShadowRestartedError`
+        rather than wait for records it may never get."""
+        if incarnation is not None and incarnation != self.incarnation:
+            raise ShadowRestartedError(f"the shadow restarted (incarnation {self.incarnation}, not {incarnation}): "
+                                       f"it holds records up to step {self.ledger.next_step}")
         deadline = time.monotonic() + timeout
         if not self.ledger.wait_for(step, timeout):
             raise StageError(f"the shadow received records up to step {self.ledger.next_step}, not {step}, "
@@ -301,8 +308,10 @@ class Shadow:
         self.collective_seconds_per_step = times.collective_seconds_per_step
         self.held_out_step, self.held_out = times.held_out_step, dict(times.held_out)
 
-    def close(self) -> None:
-        """Stop the stages; the persistence stage seals the log and writes what it can first."""
+    def close(self) -> bool:
+        """Stop the stages; the persistence stage seals the log and writes what it can first, then the run's
+        lease is released. Returns whether it was (no lease: nothing to release)."""
+        released = self.persist is None
         self.replay.stop()
         if self.persist is not None:
             self.persist.stop()
@@ -311,8 +320,13 @@ class Shadow:
                     self.persist.log.close()
                 except (StorageError, LeaseError) as exc:
                     logger.warning("closing the step log: %s", exc)
-            self.lease.release()
+            released = self.lease.release()
         self.replay.close()
+        return released
+
+
+class ShadowRestartedError(StageError):
+    """A call meant for one incarnation of the shadow reached the next (its process was restarted)."""
 
 
 def _with_retries(fn: Callable[[], object], what: str, seconds: float = STARTUP_STORAGE_SECONDS):

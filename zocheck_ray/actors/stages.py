@@ -394,6 +394,12 @@ class ProfileScratch:
 # ---------------------------------------------------------------------------------------- persist
 
 
+def _longer(backoff: float) -> float:
+    """The next wait of a retry loop: doubled, from 0.1 s up to `MAX_BACKOFF_SECONDS`."""
+    return min(max(2 * backoff, 0.1), MAX_BACKOFF_SECONDS)
+
+
+
 class PersistStage:
     """Owns the snapshot store and the step log: makes records and images durable, whatever the store does."""
 
@@ -465,34 +471,43 @@ class PersistStage:
     # ------------------------------------------------------------------ the thread
 
     def _loop(self) -> None:
+        # The log first, in every pass; an image after it. A failing log holds up the whole pass (backoff);
+        # a failing image (a snapshot that does not fit on a full disk) only its own retries, so the log
+        # goes on being written at its pace meanwhile.
         background_thread(self._thread.name, self._nice)
-        backoff = 0.0
+        log_backoff = image_backoff = image_retry_at = 0.0
         while True:
-            self._wake.wait(backoff or LOG_FLUSH_SECONDS)
+            self._wake.wait(log_backoff or LOG_FLUSH_SECONDS)
             self._wake.clear()
             stopping = self._stop.is_set()
+            log_failed = True
             try:
                 self._persist_log(seal=stopping or self._seal_requested)
-                self._persist_image()
+                log_failed, log_backoff = False, 0.0
+                if stopping or time.monotonic() >= image_retry_at:
+                    self._persist_image()
+                    image_backoff = 0.0
+                    self._recovered()
             except LeaseError as exc:  # never retried as an outage: ours again, or stop for good
                 if not self._reacquire(exc):
                     return
-                backoff = min(max(2 * backoff, 0.1), MAX_BACKOFF_SECONDS)
-                continue
+                log_backoff = _longer(log_backoff)
             except Exception as exc:  # storage down, full, refusing: report, wait, try again
-                self.failures += 1
-                self.error = f"{type(exc).__name__}: {exc}"
-                if self.failing_since is None:
-                    self.failing_since = time.monotonic()
-                backoff = min(max(2 * backoff, 0.1), MAX_BACKOFF_SECONDS)
-                logger.warning("persistence failed (%d so far), retrying in %.1f s: %s", self.failures, backoff,
-                               self.error)
-                if stopping:
-                    return
-                continue
-            backoff = 0.0
+                self._failed(exc)
+                if log_failed:
+                    log_backoff = _longer(log_backoff)
+                else:
+                    image_backoff = _longer(image_backoff)
+                    image_retry_at = time.monotonic() + image_backoff
             if stopping:
                 return
+
+    def _failed(self, exc: Exception) -> None:
+        self.failures += 1
+        self.error = f"{type(exc).__name__}: {exc}"
+        if self.failing_since is None:
+            self.failing_since = time.monotonic()
+        logger.warning("persistence failed (%d so far), retrying: %s", self.failures, self.error)
 
     def _reacquire(self, lost: LeaseError) -> bool:
         """After the lease lapsed (an outage longer than `lease_seconds`), take it again unless another
@@ -508,14 +523,16 @@ class PersistStage:
             with self._durable:
                 self._durable.notify_all()
             return False
-        except (StorageError, LeaseError) as exc:  # still unreachable: try again after the backoff
+        except (StorageError, LeaseError) as exc:  # still unreachable (or full): try again after the backoff
+            self.error = f"{type(exc).__name__}: {exc} (meanwhile the run's lease lapsed: {lost})"
             logger.warning("the run's lease lapsed and cannot be taken again yet: %s", exc)
             return True
         logger.warning("the run's lease lapsed (%s) and was taken again: generation %s", lost, self.lease.generation)
         return True
 
     def _recovered(self) -> None:
-        """A write went through: the outage, if any, is over (before waiters are told)."""
+        """A snapshot, or a whole pass (the log and any image due), went through: the outage, if any, is
+        over. A log written while snapshots still fail (a full disk: the log has priority) leaves their error."""
         if self.failing_since is not None:
             logger.info("persistence works again after %.1f s", time.monotonic() - self.failing_since)
         self.failing_since, self.error = None, None
@@ -544,11 +561,12 @@ class PersistStage:
 
     def _publish_log_step(self) -> None:
         durable = self.log.durable_step
-        if durable is not None and durable < self.ledger.generation_start:
-            durable = None  # records of an earlier generation (before a resync) say nothing of this one
+        if durable is not None and durable < self.ledger.generation_start - 1:
+            # Records of an earlier generation (before a resync past them) say nothing of this one; the
+            # record just before it (a resumed run's last logged step) still is the last durable one.
+            durable = None
         with self._durable:
             self.durable_log_step = durable
-            self._recovered()
             self._durable.notify_all()
         self.ledger.release(LOG, (durable + 1) if durable is not None else self.ledger.generation_start)
 
@@ -577,5 +595,5 @@ class PersistStage:
         with self._durable:
             self.durable_step = image.step
             self.snapshots_persisted += 1
-            self._recovered()
+            self._recovered()  # before the waiters are told
             self._durable.notify_all()

@@ -339,6 +339,8 @@ class Trainer:
         return self.step
 
     def state_hash(self) -> tuple[int, str]:
+        if self.publisher is None or self.torn_at is not None:  # a waiting or torn state is nobody's
+            raise RejoinRequiredError(f"rank {self.rank} holds no state to hash until it rejoins")
         return self.step, state_hash(self.opt.state_tensors())
 
     def close(self, hand_over: bool = True) -> None:

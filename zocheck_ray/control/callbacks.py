@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from zocheck_ray.actors.messages import RecoveryInfo, ShadowMetrics, TrainerProgress
+from zocheck_ray.actors.messages import KernelInfo, RecoveryInfo, ShadowMetrics, TrainerProgress
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.policy import Decision, Failure
 from zocheck_ray.control.summary import Recovery, RunSummary
@@ -87,6 +87,9 @@ class RunCallback:
     def on_warning(self, run: Controller, message: str) -> None:
         """Something went wrong without ending the run."""
 
+    def on_stopped(self, run: Controller, line: str) -> None:
+        """A stop signal ended the run at a step boundary; `line` says where and what is durable."""
+
 
 class ProgressPrinter(RunCallback):
     """The run's progress lines, through `say` (print, a job's log, a test's list)."""
@@ -128,12 +131,22 @@ class ProgressPrinter(RunCallback):
             self.say(f"  FAILED: {decision.reason}")
 
     def on_recovery(self, run, r):
+        if r.cause == "records_lost":
+            who = "every rank" if run.job.trainers > 1 else "the trainer"
+            self.say(f"  the trainer and the shadow were lost one after the other before steps {r.recovered_step}.."
+                     f"{r.failed_at_step - 1} were durable (a host failure in two steps): {who} restored at step "
+                     f"{r.recovered_step} from the {r.image_source} image of step {r.image_step or 0} "
+                     f"({r.replayed_records} records replayed) in {r.seconds:.2f} s and trains them again")
+            return
         via = {"standby": "the standby took its place", "restart": "Ray restarted its process",
                "torn": "no process was lost"}[r.replaced_by]
         who = f"rank {r.rank}" if run.job.trainers > 1 else "trainer"
         self.say(f"  {who} lost at step {r.failed_at_step} ({r.mode}); {via}; recovered at step {r.recovered_step} "
                  f"from the {r.image_source} image of step {r.image_step or 0} ({r.replayed_records} records "
                  f"replayed) in {r.seconds:.2f} s")
+
+    def on_stopped(self, run, line):
+        self.say(f"  {line}")
 
     def on_resync(self, run, step, reason, lag_steps):
         self.say(f"  {reason}: resynced from the trainer at step {step}")
@@ -209,7 +222,7 @@ class RunRecord(RunCallback):
         return {name: (p, s) for name, (p, s) in pairs.items() if p > 0 and s > 0}
 
     def summarize(self, run, final_step: int, final_hash: str, shadow_hash: str, metrics: ShadowMetrics,
-                  rank_hashes: list[str], resent_records: int) -> RunSummary:
+                  rank_hashes: list[str], resent_records: int, kernel: KernelInfo | None = None) -> RunSummary:
         """The run's `RunSummary`, once its final state is durable."""
         job, task, times, ev = run.job, run.task, run.group.times, self.evaluations
         return RunSummary(
@@ -224,7 +237,8 @@ class RunRecord(RunCallback):
             metric_after=ev[final_step][task.metric] if final_step in ev else None,
             eval_seconds=self.eval_seconds, shadow_restarts=run.monitor.shadow_restarts,
             resent_records=resent_records, resyncs=self.resyncs, warnings=self.warnings,
-            states=self.states + ["done"], kernel=self.last.kernel if self.last else None, trainers=job.trainers,
+            states=self.states + ["done"], kernel=kernel or (self.last.kernel if self.last else None),
+            trainers=job.trainers,
             profile_check={name: {"profiled_seconds": p, "steady_seconds": s, "ratio": s / p}
                            for name, (p, s) in self.profile_pairs(metrics).items()},
             rank_state_hashes=rank_hashes,

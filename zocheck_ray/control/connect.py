@@ -94,6 +94,11 @@ def check_cluster(address: str, timeout: float = 10.0) -> None:
     if ask(token) != grpc.StatusCode.OK:
         raise RayConnectionError(f"the Ray cluster at {address} refuses the token from {source}: set RAY_AUTH_TOKEN "
                                  "to its token (`ray get-auth-token` on its head prints it)")
+    _send_token(address, source)
+
+
+def _send_token(address: str, source: str) -> None:
+    """Have Ray present this process's token (RAY_AUTH_MODE=token, if unset), or say what keeps it from it."""
     mode = os.environ.get("RAY_AUTH_MODE")
     if mode is None:  # as Ray does when it turns token authentication on for a local instance
         from ray._raylet import Config

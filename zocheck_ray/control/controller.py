@@ -9,9 +9,12 @@ the group trains a segment of `log_interval` steps; check: what the shadow's met
 -> FINISHING (the final state replayed and made durable) -> DONE. A failure met in any
 state becomes a `Failure`, carried on the controller while `decide` (control/policy.py)
 turns it into RECOVERING (the group replaces lost ranks and restores them at the shadow's
-step), RESYNCING (the shadow takes the trainer's state) or FAILED. Everything the run
-reports goes through callbacks (control/callbacks.py): the summary's record, the progress
-lines, Tune's reports, and the faults that `zocheck_ray.testing` injects.
+step), RESYNCING (the shadow takes the trainer's state) or FAILED. SIGTERM or SIGINT
+(control/stop.py) turns the next step boundary into STOPPING (what the shadow holds made
+durable) -> STOPPED. However a run ends, the shadow seals its log and releases the run's
+lease before its actors are killed. Everything the run reports goes through callbacks
+(control/callbacks.py): the summary's record, the progress lines, Tune's reports, and the
+faults that `zocheck_ray.testing` injects.
 """
 
 from __future__ import annotations
@@ -25,22 +28,28 @@ from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup
 
 from zocheck_ray.actors.messages import ShadowMetrics, TrainerProgress, TrainerTimes
-from zocheck_ray.actors.ray_actors import call_when_alive
+from zocheck_ray.actors.ray_actors import actor_state, call_when_alive, shadow_writer, wait_until_dead
+from zocheck_ray.actors.shadow import ShadowRestartedError
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.callbacks import ProgressPrinter, RunCallback, RunRecord, Segment, SegmentFunction
 from zocheck_ray.control.group import TrainerGroup
 from zocheck_ray.control.monitor import Monitor
-from zocheck_ray.control.placement import Placement, startup_profile
+from zocheck_ray.control.placement import DRAIN_SECONDS, Placement, profile_steps, startup_profile
 from zocheck_ray.control.policy import Action, Failure, FailureBudget, decide
 from zocheck_ray.control.startup import check_run
+from zocheck_ray.control.stop import RunStopped, StopRequest, signal_name
 from zocheck_ray.control.summary import Recovery, RunFailedError, RunSummary
+from zocheck_ray.storage import LeaseError, StorageError
+from zocheck_ray.storage.lease import release_dead_holder
 
 PROFILE_TOLERANCE = 3.0
 """The startup profile's timings should agree with the run's steady state within this factor."""
 DEFAULT_MAX_LAG_STEPS = 64
 """Resync bound when the job sets none and the startup profile gives none."""
-DRAIN_SECONDS = 300.0
-"""How long the end of a run waits for the shadow to replay and persist the final state."""
+DRAIN_ATTEMPTS = 5
+"""How often the end of a run hands the shadow the trainers' records again after its process restarted."""
+CLOSE_SECONDS = 60.0
+"""How long the end of a run waits for the shadow to seal its log and release the run's lease."""
 
 
 class State(enum.Enum):
@@ -50,15 +59,25 @@ class State(enum.Enum):
     RECOVERING = "recovering"
     RESYNCING = "resyncing"
     FINISHING = "finishing"
+    STOPPING = "stopping"
     DONE = "done"
     FAILED = "failed"
+    STOPPED = "stopped"
+
+
+ENDED = (State.DONE, State.FAILED, State.STOPPED)
 
 
 class Controller:
     """Drives one run through its states; `run()` (the module's function) is the facade."""
 
-    def __init__(self, job: JobConfig, task, placement: Placement, callbacks: Iterable[RunCallback] = ()):
+    def __init__(self, job: JobConfig, task, placement: Placement, callbacks: Iterable[RunCallback] = (),
+                 stop: StopRequest | None = None):
         self.job, self.task, self.placement = job, task, placement
+        self.stop = stop or StopRequest()
+        """SIGTERM and SIGINT, once `launch` installed its handlers: the next step boundary stops the run."""
+        self.stopped: str | None = None
+        """Where a stopped run stopped and what is durable (the line it ends with)."""
         self.record = RunRecord()
         self.callbacks: list[RunCallback] = [self.record, *callbacks]
         self.state = State.STARTING
@@ -75,21 +94,37 @@ class Controller:
         self.summary: RunSummary | None = None
 
     def run(self) -> RunSummary:
-        handlers = {State.STARTING: self._start, State.PROFILING: self._profile, State.RUNNING: self._running,
-                    State.RECOVERING: self._recover, State.RESYNCING: self._resync, State.FINISHING: self._finish}
+        self.stop.describe_now = lambda: (f"at step {self.step}, without waiting: the durable state under "
+                                          f"{self.job.run_url} resumes the run once its lease goes stale "
+                                          f"({self.job.lease_seconds:g} s)")
         try:
-            while self.state not in (State.DONE, State.FAILED):
-                self._emit("on_state", self.state.value)
-                try:
-                    self.state = handlers[self.state]()
-                except _ShadowGone as gone:
-                    self.state = self._fail(gone.failure)
+            self._drive()
+        except RunStopped as now:  # a second signal: nothing more is waited for
+            self.state, self.stopped = State.STOPPED, str(now)
         finally:
-            self._stop_actors()
+            released = self._stop_actors(graceful=not self.stop.hurried)
         self._emit("on_state", self.state.value)
         if self.state is State.FAILED:
             raise RunFailedError(f"run {self.job.run_id} failed at step {self.step}: {self.error}")
+        if self.state is State.STOPPED:
+            line = self.stopped + ("; the run's lease is released" if released else "") + \
+                "; run the same job again to resume it"
+            self._emit("on_stopped", line)
+            raise RunStopped(line, self.stop.signum)
         return self.summary
+
+    def _drive(self) -> None:
+        handlers = {State.STARTING: self._start, State.PROFILING: self._profile, State.RUNNING: self._running,
+                    State.RECOVERING: self._recover, State.RESYNCING: self._resync, State.FINISHING: self._finish,
+                    State.STOPPING: self._stopping}
+        while self.state not in ENDED:
+            self._emit("on_state", self.state.value)
+            try:
+                self.state = handlers[self.state]()
+            except _ShadowGone as gone:
+                self.state = self._fail(gone.failure)
+            if self.stop.requested and self.state in (State.PROFILING, State.RUNNING):
+                self.state = State.STOPPING  # every trainer is at a step boundary, none is being recovered
 
     def _emit(self, event: str, *args) -> None:
         for callback in self.callbacks:
@@ -107,10 +142,16 @@ class Controller:
         self.step = started.step
         self.monitor.shadow_incarnation = self._metrics().incarnation
         self._emit("on_start", started)
-        return State.PROFILING if self.job.snapshot_interval is None and self.step < self.job.steps else State.RUNNING
+        # A resumed run with fewer steps left than the profile takes keeps the shadow's default interval.
+        profiled = self.job.snapshot_interval is None and self.job.steps - self.step >= profile_steps(self.job)
+        return State.PROFILING if profiled else State.RUNNING
 
     def _profile(self) -> State:
-        report = startup_profile(self.job, self.shadow, self._train_all, first_step=self.step)
+        try:
+            report = startup_profile(self.job, self.shadow, self._train_all, first_step=self.step)
+        except RayTaskError as exc:  # the profile's snapshot could not be made durable
+            return self._fail(Failure("drain_failed", self.step, f"the startup profile's snapshot could not be "
+                                      f"made durable: {exc.cause or exc}"))
         self.step += report.training_steps
         if self.job.max_lag_steps is None and report.plan.lag_bound_steps:
             self.max_lag_steps = max(1, int(report.plan.lag_bound_steps))
@@ -176,39 +217,88 @@ class Controller:
         self._emit("on_recovery", Recovery(
             failed_at_step=failure.step, mode=failure.mode, recovered_step=info.step,
             seconds=time.perf_counter() - failure.seen_at, image_source=info.source, image_step=info.image_step,
-            replayed_records=info.replayed_records, rank=restored.rank, replaced_by=restored.replaced_by,
-            state_hash=info.state_hash, phases=restored.phases))
+            replayed_records=info.replayed_records, rank=restored.rank,
+            cause="records_lost" if failure.kind == "records_lost" else "trainer_lost",
+            replaced_by=restored.replaced_by, state_hash=info.state_hash, phases=restored.phases))
         return State.RUNNING  # a host failure restarted the shadow too: the next check counts it
 
     def _resync(self) -> State:
-        lost = self.failure is not None and self.failure.kind == "record_gap"  # don't wait for records nobody has
         try:  # rank 0 writes its state into the shadow's intake, on their node
             step = self.group.export_to_shadow()
         except RayActorError as exc:
             call_when_alive(lambda: self.shadow.abort_intake.remote())  # the shadow snapshots its replica again
             return self._fail(Failure("trainer_lost", self.step, str(exc).splitlines()[0], ranks=(0,)))
-        call_when_alive(lambda: self.shadow.resync.remote(step, 0.0 if lost else 60.0))
+        call_when_alive(lambda: self.shadow.resync.remote(step))
         self.group.resynced(step)
         self._emit("on_resync", step, self.resync_reason, self._metrics().lag_steps)
         return State.RUNNING
 
     def _finish(self) -> State:
-        hashes = self.group.state_hashes()
+        end = self._make_durable()
+        if isinstance(end, Failure):
+            return self._fail(end)
+        hashes, metrics = end
         final_step, final_hash = hashes[0]
-        try:
-            metrics = call_when_alive(lambda: self.shadow.drain.remote(final_step, DRAIN_SECONDS))
-        except RayTaskError as exc:
-            return self._fail(Failure("drain_failed", final_step, f"the final state could not be made durable: "
-                                      f"{str(exc.cause) if exc.cause else exc}"))
         _, shadow_hash = call_when_alive(lambda: self.shadow.replica_hash.remote())
         self._check_profile(metrics)
-        kernel = self.record.last.kernel if self.record.last is not None else None
-        if kernel is not None and kernel.check is not None and kernel.check.passed is False:
+        # A run resumed at its last step trained nothing: its trainer says which kernels it would use.
+        kernel = self.record.last.kernel if self.record.last is not None else ray.get(self.group.leader.kernel.remote())
+        if kernel.check is not None and kernel.check.passed is False:
             self.warn(f"the GPU kernels differed from the CPU oracle at start-up: the trainer ran the eager path "
                       f"({kernel.check})")
         self.summary = self.record.summarize(self, final_step, final_hash, shadow_hash, metrics,
-                                             [h for _, h in hashes], self.group.resent_records())
+                                             [h for _, h in hashes], self.group.resent_records(), kernel)
         return State.DONE
+
+    def _make_durable(self) -> tuple[list[tuple[int, str]], ShadowMetrics] | Failure:
+        """Every rank's final (step, state_hash) and the shadow's metrics once it holds that state durably.
+
+        The trainers first hand the shadow every record it lacks: a shadow that still lacks some then
+        lacks records no process holds (`records_lost`), never waited for. A shadow restarted meanwhile
+        (the drain reached its next process) is handed the records again."""
+        for _ in range(DRAIN_ATTEMPTS):
+            incarnation = self._metrics().incarnation  # waits while Ray restarts the shadow
+            try:
+                expected = self.group.deliver()
+            except RayActorError as exc:
+                return Failure("trainer_lost", self.step, str(exc).splitlines()[0], ranks=self.group.lost_ranks())
+            except RayTaskError:  # the shadow went away under the delivery: ask again
+                continue
+            hashes = self.group.state_hashes(self.step)
+            if isinstance(hashes, Failure):
+                return hashes
+            step = hashes[0][0]
+            if expected < step:
+                return Failure("records_lost", step, f"the shadow holds the records up to step {expected}, the "
+                                                     f"trainers are at step {step}, and no process holds the "
+                                                     f"records of steps {expected}..{step - 1}")
+            try:
+                return hashes, call_when_alive(lambda: self.shadow.drain.remote(step, DRAIN_SECONDS, incarnation))
+            except RayTaskError as exc:
+                if isinstance(exc.cause, ShadowRestartedError):
+                    continue
+                return Failure("drain_failed", step, f"the final state could not be made durable: "
+                                                     f"{str(exc.cause) if exc.cause else exc}")
+        return Failure("drain_failed", self.step, f"the final state could not be made durable: the shadow restarted "
+                                                  f"{DRAIN_ATTEMPTS} times while it was handed the final records")
+
+    def _stopping(self) -> State:
+        """A stop signal: the trainers are at a step boundary; what the shadow holds is made durable."""
+        url, name = self.job.run_url, signal_name(self.stop.signum)
+        try:
+            self.group.deliver()  # every record a trainer holds, to the shadow
+        except (RayActorError, RayTaskError):
+            pass  # a trainer (or the shadow) was lost meanwhile: what the shadow holds is what there is
+        metrics = self._metrics()
+        step = metrics.received_step
+        try:
+            call_when_alive(lambda: self.shadow.drain.remote(step, DRAIN_SECONDS, metrics.incarnation))
+            self.stopped = f"stopped by {name} at step {step}: its state is durable in {url}"
+        except RayTaskError as exc:
+            durable = self._metrics().durable_step
+            self.stopped = (f"stopped by {name} at step {self.step}: the state there could not be made durable "
+                            f"({exc.cause or exc}); the durable state of step {durable} in {url} resumes the run")
+        return State.STOPPED
 
     # ------------------------------------------------------------------ helpers
 
@@ -226,15 +316,45 @@ class Controller:
         except ActorDiedError as exc:
             raise _ShadowGone(Failure("shadow_gone", self.step, str(exc).splitlines()[0])) from exc
 
-    def _stop_actors(self) -> None:
-        for actor in [*(self.group.all_actors() if self.group is not None else []), self.shadow]:
-            if actor is None:
-                continue
+    def _stop_actors(self, graceful: bool = True) -> bool:
+        """However the run ended: the shadow seals its log and releases the run's lease (`graceful`), every
+        actor is killed and the placement groups removed. A lease the shadow could not release (its process
+        is gone, or hangs) is released here once its process is dead, so a rerun takes it at once. Returns
+        whether the lease was released."""
+        released = False
+        try:
+            if graceful:
+                released = self._close_shadow()
+        except RunStopped as now:  # a second signal: no more waiting, but nothing is left running
+            graceful, self.state, self.stopped = False, State.STOPPED, str(now)
+        actors = [a for a in [*(self.group.all_actors() if self.group is not None else []), self.shadow] if a]
+        for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass
         self.placement.remove()  # a given group (a Tune trial's) is not among them
+        # Nothing of the run is left once this returns (a rerun at once finds its names free), and the
+        # shadow cannot write again once its lease is released for it.
+        gone = all([wait_until_dead(actor) for actor in actors])
+        if graceful and not released and self.shadow is not None and gone:
+            try:
+                released = release_dead_holder(self.job.run_url, self.job.storage_options,
+                                               owner=shadow_writer(self.job.run_id),
+                                               lease_seconds=self.job.lease_seconds)
+            except (StorageError, LeaseError) as exc:
+                self.warn(f"the run's lease could not be released (it goes stale in {self.job.lease_seconds:g} s): "
+                          f"{exc}")
+        return released
+
+    def _close_shadow(self) -> bool:
+        if self.shadow is None or actor_state(self.shadow) not in ("ALIVE", None):
+            return False
+        try:
+            return ray.get(self.shadow.close.remote(), timeout=CLOSE_SECONDS)
+        except (RayActorError, RayTaskError, ray.exceptions.GetTimeoutError) as exc:
+            self.warn(f"the shadow did not close within {CLOSE_SECONDS:g} s: {str(exc).splitlines()[0]}")
+            return False
 
 
 class _ShadowGone(Exception):
@@ -257,7 +377,9 @@ def run(job: JobConfig, progress: Callable[[str], None] | None = print, callback
     `progress(line)` gets the progress lines; `on_segment(progress, metrics)` is called after each
     segment with rank 0's `TrainerProgress` and the shadow's `ShadowMetrics`; `callbacks` see
     every event (`RunCallback`). Raises `JobConfigError` before any actor starts for a job that
-    cannot run, and `RunFailedError` for a run that cannot go on.
+    cannot run, `RunFailedError` for a run that cannot go on, and `RunStopped` (a `SystemExit` with
+    128 + the signal's number) once SIGTERM or SIGINT stopped it at a step boundary, its state durable.
+    However it ends, the run's lease is released and none of its actors is left.
     """
     return launch(job, progress, callbacks, on_segment, placement_group, first_bundle)
 
@@ -267,7 +389,13 @@ def launch(job: JobConfig, progress: Callable[[str], None] | None, callbacks: It
            first_bundle: int = 0, hooks=None) -> RunSummary:
     """`run`, with `hooks` handed to the actors' processes (`zocheck_ray.testing` injects faults so)."""
     say = progress or (lambda line: None)
-    task, gpus = check_run(job, progress, placement_group, first_bundle)
     chain = [ProgressPrinter(say), *callbacks, *([SegmentFunction(on_segment)] if on_segment else [])]
-    placement = Placement(job, gpus, placement_group, first_bundle, hooks)
-    return Controller(job, task, placement, chain).run()
+    with StopRequest().installed() as stop:
+        task, gpus = check_run(job, progress, placement_group, first_bundle)
+        stop.install()  # again: connecting to Ray installed a SIGTERM handler of its own
+        if stop.requested:
+            stopped = stop.before_start()
+            say(f"  {stopped}")
+            raise stopped
+        placement = Placement(job, gpus, placement_group, first_bundle, hooks)
+        return Controller(job, task, placement, chain, stop).run()

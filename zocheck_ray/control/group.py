@@ -172,7 +172,7 @@ class TrainerGroup:
             marks.append(("rejoin", time.perf_counter()))
         except RayActorError as exc:
             return Failure("trainer_lost", failure.step, f"lost during the recovery: {str(exc).splitlines()[0]}",
-                           ranks=tuple(sorted(set(lost) | {r for r in range(self.k) if not self._answers(r)})))
+                           ranks=tuple(sorted(set(lost) | set(self.lost_ranks()))))
         except _Gone as gone:
             return gone.failure
         if len({info.step for info in infos.values()}) != 1:
@@ -207,6 +207,10 @@ class TrainerGroup:
     def _answers(self, r: int) -> bool:
         return actor_state(self.ranks[r]) == "ALIVE"
 
+    def lost_ranks(self) -> tuple[int, ...]:
+        """The ranks whose process the GCS does not report alive now."""
+        return tuple(r for r in range(self.k) if not self._answers(r))
+
     # ------------------------------------------------------------------ the rest
 
     def export_to_shadow(self) -> int:
@@ -216,8 +220,28 @@ class TrainerGroup:
     def resynced(self, step: int) -> None:
         ray.get(self.leader.resynced.remote(step))
 
-    def state_hashes(self) -> list[tuple[int, str]]:
-        return ray.get([rank.state_hash.remote() for rank in self.ranks])
+    def deliver(self) -> int:
+        """Every rank hands the shadow the records it holds and the shadow lacks; returns the step the shadow
+        then expects (before the step the ranks are at: records no process holds any more)."""
+        return max(call_when_alive(lambda r=rank: r.deliver.remote()) for rank in self.ranks)
+
+    def state_hashes(self, step: int) -> list[tuple[int, str]] | Failure:
+        """Every rank's (step, state_hash), in rank order; a `Failure` when a rank was lost (or waits to
+        rejoin: Ray restarted its process) since every rank reached `step`."""
+        refs = [rank.state_hash.remote() for rank in self.ranks]
+        hashes, lost = [], []
+        for r, ref in enumerate(refs):
+            try:
+                hashes.append(ray.get(ref))
+            except RayActorError:
+                lost.append(r)
+            except RayTaskError as exc:
+                if not isinstance(exc.cause, RejoinRequiredError):
+                    raise
+                lost.append(r)
+        if lost:
+            return Failure("trainer_lost", step, f"ranks lost {lost}", ranks=tuple(lost))
+        return hashes
 
     def resent_records(self) -> int:
         return ray.get(self.leader.publisher_stats.remote()).resent_records

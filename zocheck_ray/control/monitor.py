@@ -33,7 +33,7 @@ class Monitor:
         if m.replay_error:
             return Failure("replay_error", run.step, m.replay_error)
         if progress.publisher.gap:
-            return Failure("record_gap", run.step, progress.publisher.gap)
+            return Failure("records_lost", run.step, progress.publisher.gap)
         failure = self._durability(run, m)
         if failure is None and m.lag_steps > run.max_lag_steps:
             failure = Failure("shadow_lag", run.step, f"lag {m.lag_steps} steps")
@@ -48,9 +48,10 @@ class Monitor:
                            f"{m.persist_error or 'none; storage is too slow'})")
         if (behind > job.max_undurable_steps // 10 or m.persist_error) and not self._warned_durability:
             self._warned_durability = True
-            run.warn(f"durability is behind: {m.undurable_steps} steps not durable in {job.run_url}, "
-                     f"{m.persist_failures} failed writes (last: {m.persist_error or 'none'}); "
-                     f"the run fails beyond {job.max_undurable_steps + self.seal_window}")
+            run.warn(f"durability is behind: {m.undurable_steps} steps not in the durable log of {job.run_url}, "
+                     f"its newest durable snapshot of step {m.durable_step}, {m.persist_failures} failed writes "
+                     f"(last: {m.persist_error or 'none'}); the run fails beyond "
+                     f"{job.max_undurable_steps + self.seal_window} steps not in the log")
         elif self._warned_durability and not m.persist_error and behind <= job.max_undurable_steps // 10:
             self._warned_durability = False
             run.warn(f"durability caught up: {m.undurable_steps} steps not durable")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 import ray
+from ray.exceptions import RaySystemError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -14,6 +15,8 @@ from zocheck_ray.actors.ray_actors import NAMESPACE, ShadowActor, TrainerActor, 
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.policies import ProfileReport, ProfileSettings, profile_startup
 
+DRAIN_SECONDS = 300.0
+"""How long the end of a run (or the profile of a resumed one) waits for the shadow to replay and persist."""
 STANDBY_GPU_SHARE = 0.01
 """With `standby: true` on a GPU node the standby shares rank 0's GPU: it reserves this fraction and rank 0
 the rest of the bundle's GPU. It allocates no device memory until it is promoted."""
@@ -46,6 +49,18 @@ def _check_resources(job: JobConfig) -> int:
     return 1 if (job.use_gpu == "yes" or (job.use_gpu == "auto" and gpus >= 1 and placeable)) else 0
 
 
+def group_name(run_id: str) -> str:
+    """The name of the placement group of a run's rank 0 and shadow (unique in a cluster, like the actors')."""
+    return f"zocheck-{run_id}"
+
+
+def running_here(job: JobConfig, holder: str) -> JobConfigError:
+    """The refusal of a second job with a running job's run id on this cluster (`holder`: that job, named)."""
+    return JobConfigError(f"run {job.run_id!r} is already running on this Ray cluster: {holder}. One job per run: "
+                          f"stop that job (SIGTERM or Ctrl-C to its driver, or `ray job stop`) and run this one "
+                          f"again to resume the run, or give this job another run_id")
+
+
 def trainer_bundle(gpus: int) -> dict:
     return {"CPU": 1, **({"GPU": gpus} if gpus else {})}
 
@@ -66,11 +81,15 @@ def rank_placements(job: JobConfig, gpus: int, pg: PlacementGroup | None = None,
         return [], [(pg, first_bundle + 1), (pg, first_bundle)] + [(pg, first_bundle + 1 + r)
                                                                   for r in range(1, job.trainers)]
     if job.placement == "pack" or job.trainers == 1:
-        pg = placement_group(job_bundles(job, gpus), strategy="STRICT_PACK", name=f"zocheck-{job.run_id}")
+        pg = placement_group(job_bundles(job, gpus), strategy="STRICT_PACK", name=group_name(job.run_id))
         return [pg], [(pg, 1), (pg, 0)] + [(pg, 1 + r) for r in range(1, job.trainers)]
-    home = placement_group(job_bundles(job, gpus)[:2], strategy="STRICT_PACK", name=f"zocheck-{job.run_id}")
-    others = placement_group([trainer_bundle(gpus)] * (job.trainers - 1), strategy="SPREAD",
-                             name=f"zocheck-{job.run_id}-ranks")
+    home = placement_group(job_bundles(job, gpus)[:2], strategy="STRICT_PACK", name=group_name(job.run_id))
+    try:
+        others = placement_group([trainer_bundle(gpus)] * (job.trainers - 1), strategy="SPREAD",
+                                 name=f"{group_name(job.run_id)}-ranks")
+    except RaySystemError:
+        remove_placement_group(home)
+        raise
     return [home, others], [(home, 1), (home, 0)] + [(others, r - 1) for r in range(1, job.trainers)]
 
 
@@ -80,7 +99,13 @@ class Placement:
     def __init__(self, job: JobConfig, gpus: int, pg: PlacementGroup | None = None, first_bundle: int = 0,
                  hooks=None):
         self.job, self.gpus, self.hooks = job, gpus, hooks
-        self.groups, places = rank_placements(job, gpus, pg, first_bundle)
+        try:
+            self.groups, places = rank_placements(job, gpus, pg, first_bundle)
+        except RaySystemError as exc:  # another job of the run started after `check_run` looked
+            if "already exists" not in str(exc):
+                raise
+            raise running_here(job, f"its placement group {group_name(job.run_id)} exists (the job is starting)") \
+                from None
         """The placement groups created here (a given one, a Tune trial's, is not among them)."""
         self._given = pg
         self._shadow_place, self._rank_places = places[0], places[1:]
@@ -128,15 +153,23 @@ def profile_settings(job: JobConfig, remaining_steps: int | None = None) -> Prof
                                                                    else remaining_steps))
 
 
+def profile_steps(job: JobConfig) -> int:
+    """The training steps the startup profile takes (a run with fewer steps left runs without one)."""
+    settings = profile_settings(job)
+    return max(settings.warmup_steps + settings.timed_steps, settings.replays_needed)
+
+
 def startup_profile(job: JobConfig, shadow, train_to: Callable[[int], TrainerProgress],
                     first_step: int = 0) -> ProfileReport:
     """Measure the trainer step, the replay per thread count, the snapshot copy and the
     persistence time in the first training steps (at most 30) and choose N and the threads.
     `train_to(step)`: trains every rank to `step` and returns rank 0's progress (it is timed)."""
     settings = profile_settings(job, job.steps - first_step)
+    reached = [first_step]
 
     def trainer_step(i: int) -> float:
         progress = train_to(first_step + i + 1)
+        reached[0] = progress.step
         return progress.step_seconds[-1] if progress.step_seconds else 0.0
 
     def replay_step(i: int, threads: int) -> float:
@@ -145,7 +178,10 @@ def startup_profile(job: JobConfig, shadow, train_to: Callable[[int], TrainerPro
 
     def persist() -> float:
         seconds = ray.get(shadow.last_persist_seconds.remote())
-        return seconds if seconds is not None else 0.0
+        if seconds is None:  # a shadow rebuilt from storage (a resumed run) has written nothing yet: write one
+            ray.get(shadow.drain.remote(reached[0], DRAIN_SECONDS))
+            seconds = ray.get(shadow.last_persist_seconds.remote())
+        return seconds
 
     report = profile_startup(trainer_step=trainer_step, replay_step=replay_step,
                              snapshot_copy=lambda: ray.get(shadow.profile_snapshot.remote()),

@@ -15,7 +15,7 @@ from typing import Literal
 
 from zocheck_ray.config import JobConfig
 
-FailureKind = Literal["trainer_lost", "trainer_gone", "shadow_gone", "shadow_lag", "replay_error", "record_gap",
+FailureKind = Literal["trainer_lost", "trainer_gone", "shadow_gone", "shadow_lag", "replay_error", "records_lost",
                       "durability_stalled", "writer_lost", "drain_failed"]
 
 
@@ -29,7 +29,8 @@ class Failure:
     """For a lost trainer: `software` or `host` when injected (tests, the demonstration), else `unplanned`."""
     ranks: tuple[int, ...] = ()
     """For `trainer_lost`: the ranks whose processes were lost (rank 0 for a single trainer); empty when
-    only the ranks' collective broke (every process lives, some states are torn)."""
+    only the ranks' collective broke (every process lives, some states are torn). For `records_lost`: empty
+    (every rank restores)."""
     seen_at: float = field(default_factory=time.perf_counter, compare=False)
     """When the controller saw it: a recovery's seconds count from here."""
 
@@ -69,10 +70,13 @@ def decide(failure: Failure, job: JobConfig, budget: FailureBudget) -> Decision:
         lost = f"rank {', '.join(map(str, failure.ranks))}" if failure.ranks else "no process (a torn collective)"
         return Decision(Action.RESTART, f"lost {lost}: the lost ranks are replaced (by the standby, or by Ray's "
                                         "restart of their process) and every rank restores at the shadow's step")
-    if kind in ("shadow_lag", "replay_error", "record_gap"):
+    if kind == "records_lost":  # a host failure in two steps: a trainer, then the shadow (or the other way)
+        return Decision(Action.RESTART, f"{failure.detail}: the trainer and the shadow were lost one after the "
+                                        "other before those records were durable; every rank restores from the "
+                                        "shadow's durable image and trains the lost steps again")
+    if kind in ("shadow_lag", "replay_error"):
         return Decision(Action.RESYNC, {"shadow_lag": f"the shadow lags more than {job.max_lag_steps} steps",
-                                        "replay_error": "the shadow's replay stopped",
-                                        "record_gap": "the shadow lacks records no process holds"}[kind])
+                                        "replay_error": "the shadow's replay stopped"}[kind])
     if kind == "durability_stalled":
         return Decision(Action.FAIL, f"{failure.detail}; the run stops rather than go on without durability "
                                      f"(max_undurable_steps={job.max_undurable_steps}): fix the storage at "

@@ -8,10 +8,10 @@ from typing import Callable
 import ray
 from ray.util.placement_group import PlacementGroup
 
-from zocheck_ray.actors.ray_actors import shadow_writer
+from zocheck_ray.actors.ray_actors import NAMESPACE, describe_actor, shadow_name, shadow_writer
 from zocheck_ray.config import JobConfig, JobConfigError, check_task
 from zocheck_ray.control.connect import connect_ray
-from zocheck_ray.control.placement import _check_resources
+from zocheck_ray.control.placement import _check_resources, group_name, running_here
 from zocheck_ray.storage import LeaseHeldError, StorageError, check_no_live_writer
 from zocheck_ray.storage.fs import open_storage
 
@@ -30,9 +30,12 @@ def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group
         connect_ray(say=say, run_id=job.run_id)
     try:  # another live writer of this run's storage is refused, named; this cluster's dead shadow is not
         check_no_live_writer(job.run_url, job.storage_options)
+        held = None
     except LeaseHeldError as exc:
         if exc.holder is None or exc.holder.owner != shadow_writer(job.run_id):
             raise JobConfigError(f"storage={job.storage!r}: {exc}") from exc
+        held = exc
+    check_not_running_here(job, held, creates_group=placement_group is None)
     if placement_group is None:
         return task, _check_resources(job)
     gpus = int(placement_group.bundle_specs[first_bundle].get("GPU", 0))
@@ -43,3 +46,24 @@ def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group
                              f"of the given placement group (rank 0, the shadow, ranks 1..), which has "
                              f"{len(placement_group.bundle_specs)}")
     return task, gpus
+
+
+def check_not_running_here(job: JobConfig, held: LeaseHeldError | None = None, creates_group: bool = True) -> None:
+    """Refuse a job whose run id a job on this cluster already uses (its shadow lives, or its placement group
+    exists: it is starting), naming that job as the lease names a writer on another cluster. `held`: the
+    lease of this job's storage, held by this cluster's shadow of the run."""
+    name = shadow_name(job.run_id)
+    try:
+        holder = f"its shadow {name} is {describe_actor(ray.get_actor(name, namespace=NAMESPACE))}"
+    except ValueError:  # no such actor: none, or dead
+        holder = None
+    if holder is None and creates_group:
+        try:
+            ray.util.get_placement_group(group_name(job.run_id))
+            holder = f"its placement group {group_name(job.run_id)} exists (the job is starting)"
+        except ValueError:
+            pass
+    if holder is not None:
+        if held is not None and held.holder is not None:
+            holder += f", and holds the lease of {job.run_url}: {held.holder.describe()}"
+        raise running_here(job, holder)

@@ -30,6 +30,10 @@ class Recovery(BaseModel):
     """Records after the image, replayed by the trainer on its own device."""
     rank: int = 0
     """The data-parallel rank that was lost (0 for a single trainer)."""
+    cause: Literal["trainer_lost", "records_lost"] = "trainer_lost"
+    """What was lost: a rank's process (`trainer_lost`), or records no process held any more (`records_lost`:
+    the trainer and the shadow were lost one after the other before the records were durable; every rank
+    restored from the shadow's durable image and trained the steps after it again)."""
     replaced_by: Literal["standby", "restart", "torn"] = "restart"
     """What took the lost rank's place: the warm `standby` (promoted at once), its own process restarted by
     Ray (`restart`), or nothing (`torn`: no process was lost, a broken collective left states to restore)."""

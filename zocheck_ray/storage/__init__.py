@@ -19,6 +19,7 @@ from zocheck_ray.storage.errors import (
     CorruptSnapshotError,
     SnapshotNotFoundError,
     StorageError,
+    StorageFullError,
     StorageURLError,
 )
 from zocheck_ray.storage.fs import FsspecStorage, Storage, open_storage, parse_url
@@ -42,6 +43,7 @@ __all__ = [
     "SnapshotStore", "SnapshotInfo", "SnapshotMeta", "Manifest", "snapshot_dir",
     "StepLog", "read_log", "recover_state", "recover", "RecoveredState", "audit_run", "Audit",
     "Storage", "FsspecStorage", "open_storage", "parse_url",
-    "StorageError", "StorageURLError", "CorruptSnapshotError", "CorruptLogError", "SnapshotNotFoundError",
+    "StorageError", "StorageFullError", "StorageURLError", "CorruptSnapshotError", "CorruptLogError",
+    "SnapshotNotFoundError",
     "Lease", "LeaseInfo", "read_lease", "check_no_live_writer", "LeaseError", "LeaseHeldError", "LeaseLostError", "LeaseRequiredError",
 ]

@@ -15,6 +15,18 @@ class StorageError(ZOCheckError, OSError):
     """A store cannot be opened, read or written (missing, unwritable, unreachable, denied)."""
 
 
+class StorageFullError(StorageError):
+    """The store has no space left for a write (`ENOSPC`, or a quota's `EDQUOT`): `errno` says which and the
+    message names the object being written. Freeing space there lets the next attempt through."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
+
+    def __reduce__(self):
+        return type(self), (str(self), self.errno)
+
+
 class ObjectNotFoundError(StorageError, FileNotFoundError):
     """A file or object the caller expected does not exist."""
 

@@ -22,6 +22,7 @@ allows it); `open_write` fsyncs them, or leaves that to `make_durable` for many 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -33,7 +34,7 @@ from typing import BinaryIO, ContextManager, Iterator, Protocol
 
 import fsspec
 
-from zocheck_ray.storage.errors import ObjectNotFoundError, StorageError, StorageURLError
+from zocheck_ray.storage.errors import ObjectNotFoundError, StorageError, StorageFullError, StorageURLError
 from zocheck_ray.storage.localfile import open_local_write
 
 SUPPORTED = "a local path, file://PATH, s3://BUCKET[/PREFIX] or memory://PATH"
@@ -53,6 +54,10 @@ logger = logging.getLogger(__name__)
 def redact(url: str) -> str:
     """The URL without any `user:password@` part, fit for messages and logs."""
     return _USERINFO.sub(r"\1***@", str(url))
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+"""The errors of a store without space left for a write (a full filesystem, a quota)."""
 
 
 def _is_storage_failure(exc: BaseException) -> bool:
@@ -129,7 +134,14 @@ class FsspecStorage:
         if isinstance(exc, PermissionError):
             return StorageError(f"cannot {action} {target}: permission denied ({_reason(exc)}); "
                                 "check the path's permissions or the credentials")
-        return StorageError(f"cannot {action} {target}: {_reason(exc)}")
+        code = exc.errno if isinstance(exc, OSError) else None
+        if code in _FULL:
+            return StorageFullError(f"cannot {action} {target}: {_reason(exc)} ({errno.errorcode[code]}); free "
+                                    "space there, or give the run a larger storage", code)
+        error = StorageError(f"cannot {action} {target}: {_reason(exc)}"
+                             + (f" ({errno.errorcode[code]})" if code in errno.errorcode else ""))
+        error.errno = code
+        return error
 
     @contextmanager
     def guard(self, action: str, rel: str) -> Iterator[None]:

@@ -165,6 +165,25 @@ def check_no_live_writer(url: str, storage_options: dict | None = None) -> Lease
     return current
 
 
+def release_dead_holder(url: str, storage_options: dict | None = None, *, owner: str,
+                        lease_seconds: float = DEFAULT_LEASE_SECONDS) -> bool:
+    """Release the lease `owner` holds on the run at `url`, for a holder known to be dead (its process was
+    killed before it could release it), so the next writer takes it at once instead of waiting
+    `lease_seconds` for it to go stale. Takes it over as a restarted holder would (`reclaim`) and releases
+    it; a lease of another owner, or one already released or stale, is left alone. Returns whether it
+    released one."""
+    storage = open_storage(url, storage_options, create=False)
+    current = read_lease(storage)
+    if current is None or current.owner != owner or current.stale():
+        return False
+    lease = Lease(storage, owner=owner, lease_seconds=lease_seconds)
+    try:
+        lease.acquire(reclaim=True)
+    except LeaseHeldError:  # another owner took it meanwhile: it is theirs
+        return False
+    return lease.release()
+
+
 def _generations(storage: Storage) -> list[int]:
     return sorted(int(m.group(1)) for name in storage.list_dir(LEASE_DIR) if (m := _GENERATION.match(name)))
 
@@ -336,23 +355,27 @@ class Lease:
             self._renewed_mono = written_mono
         return fresh
 
-    def release(self) -> None:
-        """Stop the heartbeat and mark the lease released, so the next writer takes it at once."""
+    def release(self) -> bool:
+        """Stop the heartbeat and mark the lease released, so the next writer takes it at once; returns
+        whether the stored lease now says so (False: not held, lost, or the store could not be written,
+        in which case it goes stale by itself after `lease_seconds`)."""
         self.stop_heartbeat()
         with self._lock:
             info, self._info = self._info, None
             was_lost = self._lost is not None
             self._lost = "released"
         if info is None or was_lost:
-            return
+            return False
         try:
             current = read_lease(self.storage)
             if current is not None and current.token == self.token:
                 released = LeaseInfo(**{**asdict(self._new_info(info.generation)), "released": True})
                 self.storage.write_atomic(generation_name(info.generation), released.encode())
+                return True
         except (StorageError, LeaseError) as exc:  # the lease then goes stale by itself
             logger.warning("could not release the lease of %s (it expires in %g s): %s", self.url,
                            self.lease_seconds, exc)
+        return False
 
     # ------------------------------------------------------------------ heartbeat thread
 

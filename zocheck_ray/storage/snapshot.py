@@ -234,14 +234,22 @@ class SnapshotStore:
                                f"{existing.state_hash[:12]}...); a step is snapshotted once")
         if leftovers:
             self.storage.remove_tree(directory)  # a save that never committed (or a damaged manifest)
+        try:
+            info = self._write_and_commit(step, directory, entries, tensors, meta, state_hash)
+        except BaseException:
+            self._remove_torn(directory)
+            raise
+        self.prune()
+        return info
+
+    def _write_and_commit(self, step: int, directory: str, entries: list, tensors: Mapping[str, torch.Tensor],
+                          meta: SnapshotMeta, state_hash: str | None) -> SnapshotInfo:
         self.storage.make_dirs(directory)
         self.storage.sync_dir(SNAPSHOTS_DIR)
-
         files, file_of = self._write_files(directory, tensors, meta)
         tensor_entries = [TensorEntry(name=n, file=file_of[n], dtype=d, shape=sh, nbytes=b) for n, d, sh, b in entries]
         digest_of_state = _state_hash_of_files(tensor_entries, files)
         if state_hash is not None and state_hash != digest_of_state:
-            self.storage.remove_tree(directory)
             raise ValueError(f"state_hash {state_hash[:12]}... was given for step {step}, but the tensors hash to "
                              f"{digest_of_state[:12]}...; not committing {self.storage.url_of(directory)}")
         self.storage.sync_dir(directory)
@@ -253,9 +261,19 @@ class SnapshotStore:
                             tensors=tensor_entries,
                             files=files, zo_config=meta.zo_config, user=meta.user)
         self.storage.write_atomic(f"{directory}/{MANIFEST_FILE}", manifest.encode())  # the commit
-        info = SnapshotInfo(step, self.storage.url_of(directory), manifest)
-        self.prune()
-        return info
+        return SnapshotInfo(step, self.storage.url_of(directory), manifest)
+
+    def _remove_torn(self, directory: str) -> None:
+        """Remove what a failed save wrote, at once: on a full disk its files would keep the step log (and the
+        lease's renewals) from the space they need. Not where the writer lost its lease: the directory may
+        be the next writer's by now; and a commit that failed after its manifest was written stays."""
+        if self.lease is not None and not self.lease.held:
+            return
+        try:
+            if MANIFEST_FILE not in self.storage.list_dir(directory):
+                self.storage.remove_tree(directory)
+        except Exception as exc:  # the save's own error matters more; the store's next open removes it
+            logger.warning("could not remove the torn snapshot %s: %s", self.storage.url_of(directory), exc)
 
     def _write_files(self, directory: str, tensors: Mapping[str, torch.Tensor], meta: SnapshotMeta
                      ) -> tuple[dict[str, FileEntry], dict[str, str]]:

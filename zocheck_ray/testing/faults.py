@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.control.callbacks import RunCallback
 from zocheck_ray.control.controller import launch
-from zocheck_ray.control.placement import profile_settings
+from zocheck_ray.control.placement import profile_steps
 from zocheck_ray.control.policy import Failure
 from zocheck_ray.control.summary import RunSummary
 
@@ -153,9 +153,7 @@ def _checked(job: JobConfig, fail_at: list[int] | None, fail_mode: str, fail_ran
     if any(not 0 < f < job.steps for f in failures):
         raise JobConfigError(f"fail_at steps must lie in (0, {job.steps}), got {failures}")
     if job.snapshot_interval is None and failures:
-        settings = profile_settings(job)
-        profile_steps = max(settings.warmup_steps + settings.timed_steps, settings.replays_needed)
-        if failures[0] <= profile_steps:
+        if failures[0] <= profile_steps(job):
             raise JobConfigError(f"fail_at step {failures[0]} falls in the startup profile (its first "
-                                 f"{profile_steps} steps); fail later or set snapshot_interval")
+                                 f"{profile_steps(job)} steps); fail later or set snapshot_interval")
     return failures

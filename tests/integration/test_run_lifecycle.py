@@ -1,0 +1,116 @@
+"""How a run ends and starts again, on a real local Ray: a run that ended (finished or failed) has
+released its lease, a finished run is extended or re-run with the same steps and says what is true,
+and a second job with a running job's run id is refused before any actor starts.
+"""
+
+import pytest
+import ray
+
+from reference_runs import SMALL_TASK, assert_exact, job_for, uninterrupted_hashes
+from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name
+from zocheck_ray.config import JobConfig, JobConfigError
+from zocheck_ray.control import RunFailedError
+from zocheck_ray.control.placement import Placement, profile_steps
+from zocheck_ray.storage import read_lease
+from zocheck_ray.storage.fs import open_storage
+from zocheck_ray.testing import run_with_faults as run
+from zocheck_ray.train_cli import result_table
+
+pytestmark = pytest.mark.usefixtures("local_ray")  # conftest: a Ray instance of the module's own (slow)
+
+
+def lease_of(job):
+    return read_lease(open_storage(job.run_url, create=False))
+
+
+def profiled_job(tmp_path, steps: int) -> JobConfig:
+    """A job whose snapshot interval the startup profile chooses (run_id fixed: it is run again)."""
+    return JobConfig.model_validate(dict(run_id="lifecycle", steps=steps, storage=str(tmp_path), log_interval=5,
+                                         hash_every_step=True, zo=dict(lr=2e-3, eps=1e-3), task=SMALL_TASK))
+
+
+def test_a_failed_run_has_released_its_lease(tmp_path):
+    job = job_for(tmp_path, steps=12, max_restarts=0)
+    with pytest.raises(RunFailedError, match="more than max_restarts=0"):
+        run(job, fail_at=[5], progress=None)
+    lease = lease_of(job)
+    assert lease is not None and lease.released
+
+
+def test_extending_a_finished_run_works_at_once_with_a_profile_or_without_one(tmp_path):
+    first = profiled_job(tmp_path, steps=20)
+    run(first, progress=None)
+    profile = profile_steps(first)
+    # Fewer steps left than the startup profile takes: the run goes on without one.
+    shorter = profiled_job(tmp_path, steps=20 + profile - 1)
+    summary = run(shorter, progress=None)
+    assert summary.profile is None and summary.resumed_from_step == 20
+    # Enough for a profile: the shadow comes back from storage with nothing written yet, and the profile
+    # makes the image of the step it reached durable to time a snapshot write (not a write of 0 s).
+    longer = profiled_job(tmp_path, steps=shorter.steps + profile + 5)
+    lines = []
+    extended = run(longer, progress=lines.append)
+    assert f"  resumed from the durable image at step {shorter.steps}" in lines
+    assert extended.resumed_from_step == shorter.steps
+    assert extended.profile is not None and extended.profile.timings.persist_seconds > 0
+    expected = uninterrupted_hashes(longer)
+    assert_exact(summary, expected, steps=shorter.steps)
+    assert_exact(extended, expected, steps=longer.steps)
+
+
+def test_a_finished_run_has_released_its_lease_and_run_again_says_what_is_durable_and_which_kernels(tmp_path):
+    job = job_for(tmp_path, steps=12)
+    run(job, progress=None)
+    lease = lease_of(job)
+    assert lease is not None and lease.released  # the next writer, on any cluster, takes it at once
+    again = run(job, progress=None)
+    assert again.resumed_from_step == 12 and again.steps == 12
+    assert again.final_state_hash == again.shadow_state_hash == uninterrupted_hashes(job)[12]
+    table = dict(result_table(again))
+    assert table["durable"].startswith("snapshot 12, log through step 11;")
+    assert table["trainer kernels"] == f"{again.kernel.device}: {again.kernel.backend}"
+    assert table["resumed"] == "from the durable image at step 12; 0 steps trained after it"
+    assert table["shadow replay per step"] == "- (nothing replayed)"
+    assert "held-out before" in table and not any("step 0" in key for key in table)
+    assert not any("None" in value for value in table.values()), table
+
+
+def test_a_second_job_with_a_running_jobs_run_id_is_refused_before_any_actor(tmp_path):
+    job = job_for(tmp_path, steps=12)
+    refusals = []
+
+    def second_job(progress, metrics):
+        if not refusals:
+            before = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True))
+            with pytest.raises(JobConfigError) as refused:
+                run(job.model_copy(update={"storage": str(tmp_path / "elsewhere")}), progress=None)
+            after = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True))
+            refusals.append((str(refused.value), before, after))
+
+    summary = run(job, progress=None, on_segment=second_job)  # the first job goes on, exact
+    assert summary.final_state_hash == uninterrupted_hashes(job)[12]
+    ((message, before, after),) = refusals
+    assert before == after  # nothing was started for the second job
+    assert f"run {job.run_id!r} is already running on this Ray cluster" in message
+    assert shadow_name(job.run_id) in message and "ALIVE" in message  # the holder, named
+    assert "stop that job" in message and "another run_id" in message  # what to do
+
+
+def test_a_placement_group_left_by_a_starting_job_is_named_not_a_raw_ray_error(tmp_path):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    job = job_for(tmp_path, steps=12)
+    held = placement_group([{"CPU": 0.01}], name=f"zocheck-{job.run_id}")  # another job, starting
+    ray.get(held.ready(), timeout=60)
+    try:
+        with pytest.raises(JobConfigError, match=rf"run '{job.run_id}' is already running on this Ray cluster: "
+                                                 rf"its placement group zocheck-{job.run_id} exists"):
+            run(job, progress=None)
+        assert not ray.util.list_named_actors(all_namespaces=True)
+        # the same where the other job's group appears after the checks, as its placement is made
+        with pytest.raises(JobConfigError, match="is already running on this Ray cluster"):
+            Placement(job, gpus=0)
+    finally:
+        remove_placement_group(held)
+    with pytest.raises(ValueError):  # and nothing of it stays behind
+        ray.get_actor(shadow_name(job.run_id), namespace=NAMESPACE)
