@@ -204,5 +204,7 @@ def test_bad_data_names_the_file_the_row_and_the_field(tmp_path):
         build_task(config("wic", saved, split="dev"), "tiny-opt")
     with pytest.raises(JobConfigError, match="data_path"):
         load_job_config(overrides=["task.kind=copa"])
+    with pytest.raises(JobConfigError, match="k_shot"):
+        load_job_config(overrides=["task.kind=lm", "task.k_shot=4"])
     with pytest.raises(JobConfigError, match="causal LM"):
         load_job_config(overrides=["model=tiny-bert", "task.kind=boolq", f"task.data_path={write(tmp_path, 'boolq', 'jsonl')}"])

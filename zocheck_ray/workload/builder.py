@@ -105,7 +105,7 @@ def build_task(config: TaskConfig, model: str, overrides: dict | None = None,
         train = rows
         held_out = read_rows(config.eval_path, config.text_field, label_field, config.data_format,
                              config.eval_split)[:config.eval_size]
-    if config.kind != "lm":
+    if config.k_shot is not None:  # not with `lm` (refused by TaskConfig)
         train = k_shot(train, config.k_shot, config.data_seed, lambda r: str(r.label),
                        lambda r: {"text": r.text, "label": r.label})
 

@@ -117,6 +117,9 @@ class TaskConfig(BaseModel):
         if self.kind in MEZO_KINDS and self.data_path is None:
             raise ValueError(f"task kind {self.kind!r} reads its rows from task.data_path (JSONL, Parquet or a "
                              "save_to_disk folder with MeZO's fields); nothing is downloaded")
+        if self.kind == "lm" and self.k_shot is not None:
+            raise ValueError("task.k_shot samples k rows per class, and kind 'lm' has no classes; unset k_shot (or "
+                             "choose a classification kind)")
         return self
 
     @property
