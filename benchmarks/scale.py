@@ -14,7 +14,9 @@ temporary directory: nothing is downloaded) and dtype, side by side in one run:
   accounting (`peak_held_bytes`) and from /proc (VmHWM), its steady resident memory (the
   median of /proc samples over the run's second half), the trainer's peak (every trainer
   process, the standby's included), each as a multiple of the state over the process's fixed
-  baseline (an idle process that imported the same modules); the snapshot's and the
+  baseline (a process that imported the same modules; for the trainer, one that also ran a ZO
+  step of the dtype on two of the optimizer's 4M-element chunks: its fixed working buffers,
+  about 0.1 GB, the same at every model size); the snapshot's and the
   restore's GB/s; the recovery (failure seen -> every rank restored, ready for its next
   step) and its phases;
 - the same run without the standby (Ray restarts the trainer's process);
@@ -188,11 +190,13 @@ class MemorySampler:
         return int(statistics.median(values[len(values) // 2:])) if values else 0
 
 
-def _footprints() -> dict[str, int]:
-    """The fixed baseline of each role's process: what an idle process that imported the same modules holds."""
+def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
+    """The fixed baseline of each role's process: what a process that imported the same modules holds
+    (`shadow`, `trainer`: idle), and a trainer's after one ZO step of `dtype` on a state of two of the
+    optimizer's chunks (`trainer_<dtype>`: its chunk-sized working buffers, the same at every model size)."""
     import ray
 
-    @ray.remote(num_cpus=0)
+    @ray.remote(num_cpus=0, max_calls=1)  # a fresh worker each: VmHWM is the process's own peak
     def shadow_like() -> int:
         import torch
 
@@ -203,21 +207,27 @@ def _footprints() -> dict[str, int]:
         warm_up(torch.float32, ZOConfig())
         return read_status(os.getpid()).get("VmHWM", 0)
 
-    @ray.remote(num_cpus=0)
-    def trainer_like() -> int:
+    @ray.remote(num_cpus=0, max_calls=1)
+    def trainer_like(dtype: str | None) -> int:
         import torch
 
         from zocheck_ray.actors.trainer import Trainer  # noqa: F401  (the trainer's modules)
-        from zocheck_ray.core import ZOConfig
+        from zocheck_ray.core import ZOConfig, ZOOptimizer
         from zocheck_ray.core.fused import warm_up
+        from zocheck_ray.core.update import CHUNK_ELEMENTS
         from zocheck_ray.workload.models import build_model
 
+        torch.set_num_threads(1)  # as the trainer's actor (one CPU)
         warm_up(torch.float32, ZOConfig())
         build_model("tiny-opt")  # transformers' model classes loaded
+        if dtype is not None:
+            weight = torch.zeros(2 * CHUNK_ELEMENTS, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
+            ZOOptimizer([("weight", weight)], ZOConfig()).step(lambda: weight.float().sum(), seed=0)
         return read_status(os.getpid()).get("VmHWM", 0)
 
-    shadow, trainer = ray.get([shadow_like.remote(), trainer_like.remote()])
-    return {"shadow": shadow, "trainer": trainer}
+    shadow, trainer, *steps = ray.get([shadow_like.remote(), trainer_like.remote(None),
+                                       *(trainer_like.remote(d) for d in dtypes)])
+    return {"shadow": shadow, "trainer": trainer, **{f"trainer_{d}": v for d, v in zip(dtypes, steps)}}
 
 
 # ---------------------------------------------------------------------------------------- runs
@@ -323,7 +333,10 @@ def _row(size, dtype, params, copy_gbps, fresh_gbps, hot, cold, base, footprints
     state = summary.metrics.state_bytes
     hashes = {summary.final_state_hash, summary.shadow_state_hash, cold["summary"].final_state_hash,
               cold["summary"].shadow_state_hash, base["final_state_hash"]}
-    over = lambda role, value: (value - footprints[role]) / state  # noqa: E731  (a multiple of the state)
+
+    def over(role: str, value: int) -> float:  # a multiple of the state, over the role's fixed baseline
+        return (value - footprints.get(f"{role}_{dtype}", footprints[role])) / state
+
     return {
         "size": size, "dtype": dtype, "params": params, "state_bytes": state, "state_gb": state / 1e9,
         "copy_gbps": copy_gbps, "fresh_copy_gbps": fresh_gbps,
@@ -380,8 +393,8 @@ def scale_benchmark(sizes: list[str] | None = None, dtypes: tuple[str, ...] = ("
         connect_ray("local")
     root = tempfile.mkdtemp(prefix="zocheck-bench-scale-")
     try:
-        footprints = _footprints()
-        say(f"process baselines: shadow {footprints['shadow'] / 1e9:.2f} GB, trainer {footprints['trainer'] / 1e9:.2f} GB")
+        footprints = _footprints(tuple(dtypes))
+        say("process baselines: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in footprints.items()))
         rows, skipped = [], []
         for size in sizes:
             for dtype in dtypes:

@@ -93,3 +93,16 @@ def test_image_layout_round_trips_every_dtype_through_shared_memory():
         buffer.close()
     assert list(back) == list(state)
     assert all(torch.equal(back[k], state[k]) and back[k].dtype == state[k].dtype for k in state)
+
+
+def test_the_profiles_scratch_is_a_thirty_second_of_the_state_within_its_bounds():
+    from zocheck_ray.actors.stages import SCRATCH_BYTES, SCRATCH_MIN, ProfileScratch, scratch_limit
+    from zocheck_ray.core import ZOConfig
+
+    assert scratch_limit(1 << 20) == SCRATCH_MIN and scratch_limit(1 << 40) == SCRATCH_BYTES
+    assert scratch_limit(256 << 20) == 8 << 20
+    replica = {"a.weight": torch.empty(1024, 32 << 10), "b.weight": torch.empty(1024, 32 << 10)}  # 256 MiB
+    scratch = ProfileScratch(replica, ZOConfig())
+    assert scratch.bytes == 8 << 20 and scratch.fraction == 1 / 32
+    small = {"w": torch.zeros(1000, 100)}  # 400 kB: under the floor, all of it
+    assert ProfileScratch(small, ZOConfig()).fraction == 1.0

@@ -317,7 +317,7 @@ class ReplayStage:
 
     def profile_replay(self, threads: int) -> float | None:
         """Seconds to replay the newest record with `threads` threads on all of the replica, estimated from
-        a scratch copy of its first `SCRATCH_BYTES` (a copy of the whole replica would break the budget)."""
+        a scratch copy of its first `scratch_limit(state)` bytes (a copy of the whole replica would break the budget)."""
         record = self.last_record
         if record is None:
             return None
@@ -354,10 +354,19 @@ class ReplayStage:
 
 SCRATCH_BYTES = 64 << 20
 """The most the startup profile copies of the replica to time replays on (bounded, not state-sized)."""
+SCRATCH_SHARE = 32
+"""Nor more than 1/32 of the state (the budget is two copies of the state: the scratch stays within 3% of one)."""
+SCRATCH_MIN = 4 << 20
+"""A smaller state still gets this much (or all of it): a replay of fewer bytes is too short to time."""
+
+
+def scratch_limit(state_bytes: int) -> int:
+    """The profile's scratch bytes for a state of `state_bytes`: 1/32 of it, within [4 MiB, 64 MiB]."""
+    return min(SCRATCH_BYTES, max(SCRATCH_MIN, state_bytes // SCRATCH_SHARE))
 
 
 class ProfileScratch:
-    """A copy of the replica's leading parameters (and their moments), `SCRATCH_BYTES` at most, to time
+    """A copy of the replica's leading parameters (and their moments), `scratch_limit` bytes at most, to time
     replays on without touching the replica. A large tensor is cut along its first dimension (its rank,
     so its weight decay, is kept); replay time is proportional to elements, and `fraction` scales a
     timing up to the whole state. Records are re-keyed to the scratch's layout (`record_for`)."""
@@ -366,15 +375,16 @@ class ProfileScratch:
         moments = moment_prefixes(zo.optimizer)
         names = [n for n in replica if not n.startswith(ALL_MOMENT_PREFIXES)]
         total = sum(replica[n].numel() for n in names)
+        limit = scratch_limit(sum(t.numel() * t.element_size() for t in replica.values()))
         params, taken, elements = {}, 0, 0
         for name in names:
-            if taken >= SCRATCH_BYTES:
+            if taken >= limit:
                 break
             t = replica[name]
             per_element = t.element_size() + 4 * len(moments)  # moments are float32
             row = max(1, t[0].numel()) if t.dim() else 1
             rows = t.shape[0] if t.dim() else 1
-            keep = min(rows, max(1, (SCRATCH_BYTES - taken) // (per_element * row)))
+            keep = min(rows, max(1, (limit - taken) // (per_element * row)))
             params[name] = (t[:keep] if t.dim() else t).clone()
             taken += params[name].numel() * per_element
             elements += params[name].numel()
