@@ -205,10 +205,10 @@ class InProcessShadowLink:
         if image is None:
             return None
         return StateOffer(image.tensors(), image.step, records, "memory",
-                          release=lambda: self.shadow.give_back(image.token))
+                          release=lambda: self.shadow.give_back(image.token), adapter=self.shadow.adapter)
 
-    def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
-        self.shadow.initialize(step, state)
+    def initialize(self, state: dict[str, torch.Tensor], step: int, adapter=None) -> None:
+        self.shadow.initialize(step, state, adapter=adapter)
 
     def push(self, data: bytes, trainer_step: int | None = None) -> PushReply:
         return self.shadow.push(data, trainer_step)

@@ -43,7 +43,9 @@ from numba import njit, prange
 from benchmarks.common import machine, print_table, write_json
 from zocheck_ray.core import StepRecord, ZOConfig, replay
 from zocheck_ray.core.fused import perturbation_block
-from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout, applies_weight_decay
+from zocheck_ray.core.layout import Layout, applies_weight_decay, moment_prefixes
+from zocheck_ray.core.scalars import StepScalars
+from zocheck_ray.core.seeds import perturbation_seeds
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TENSOR_COLUMNS = 4096
@@ -66,11 +68,10 @@ def make_state(params: int, dtype: torch.dtype, optimizer: str) -> dict[str, tor
             torch.randn(shape, generator=gen).mul_(0.02).to(dtype))
         left -= state[list(state)[-1]].numel()
         i += 1
-    if optimizer == "zo-adam":
-        names = list(state)
-        for prefix in (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX):
-            for n in names:
-                state[prefix + n] = torch.zeros(state[n].shape, dtype=torch.float32)
+    names = list(state)
+    for prefix in moment_prefixes(optimizer):
+        for n in names:
+            state[prefix + n] = torch.zeros(state[n].shape, dtype=torch.float32)
     return state
 
 
@@ -79,25 +80,47 @@ def make_records(state, config: ZOConfig, count: int, first: int = 0) -> list[St
     fp = layout.fingerprint(config)
     extras = tuple(0.02 for _ in layout.params) if config.optimizer == "sparse-mezo" else ()
     rng = np.random.default_rng(first)
+    q = config.num_perturbations
+    cons = config.optimizer == "zo-sgd-cons"
     return [StepRecord(first + t, int(rng.integers(0, 2**63)), float(rng.normal()), config.lr, config.eps, fp,
-                       config.optimizer, extras) for t in range(count)]
+                       config.optimizer, extras, tuple(float(g) for g in rng.normal(size=q - 1)),
+                       (first + t) % 3 if cons else 0) for t in range(count)]
 
 
 # ------------------------------------------------------------------ the eager baseline
 
 
 def eager_mezo_replay(params: dict[str, torch.Tensor], moments, records, config: ZOConfig) -> None:
-    """A MeZO-style eager replay: regenerate z with torch's generator for every pass."""
+    """A MeZO-style eager replay (ZO-Bench's for its optimizers): regenerate z with torch's generator for
+    every pass (three perturbations per perturbation, then each update pass; ZO-SGD-Cons makes its moves
+    as ZO-Bench's trainer does, one pass each)."""
     for r in records:
-        for scale in (1.0, -2.0, 1.0):
-            torch.manual_seed(r.seed % 2**63)
-            for name, p in params.items():
-                z = torch.normal(mean=0.0, std=1.0, size=p.shape, dtype=p.dtype)
-                p.copy_(p + scale * z * r.eps)
-        torch.manual_seed(r.seed % 2**63)
-        for name, p in params.items():
+        seeds = perturbation_seeds(r.seed, len(r.grads))
+        for seed in seeds:
+            for scale in (1.0, -2.0, 1.0):
+                torch.manual_seed(seed % 2**63)
+                for name, p in params.items():
+                    z = torch.normal(mean=0.0, std=1.0, size=p.shape, dtype=p.dtype)
+                    p.copy_(p + scale * z * r.eps)
+        moves = StepScalars.of(r, config).moves if config.optimizer == "zo-sgd-cons" else (r.lr,)
+        for move in moves:
+            _eager_update(params, moments, r, config, seeds, move)
+
+
+def _eager_update(params, moments, r: StepRecord, config: ZOConfig, seeds, lr: float) -> None:
+    for name, p in params.items():
+        grad = None
+        for seed, g in zip(seeds, r.grads):
+            torch.manual_seed(seed % 2**63)  # as MeZO regenerates it: one generator pass per tensor
             z = torch.normal(mean=0.0, std=1.0, size=p.shape, dtype=p.dtype)
-            grad = r.projected_grad * z
+            grad = g / len(seeds) * z if grad is None else grad + g / len(seeds) * z
+        if True:
+            if config.optimizer == "zo-sgd-sign":
+                grad = grad.sign()
+            if config.optimizer == "zo-sgd-mmt":
+                m = moments[name][0]
+                m.mul_(config.momentum).add_(grad.float())
+                grad = m.to(p.dtype)
             if config.optimizer == "zo-adam":
                 m, v = moments[name]
                 b1, b2 = config.betas
@@ -105,11 +128,11 @@ def eager_mezo_replay(params: dict[str, torch.Tensor], moments, records, config:
                 v.mul_(b2).add_((1 - b2) * grad * grad)
                 t = r.step + 1
                 update = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + config.adam_eps)
-                p.copy_(p - r.lr * update.to(p.dtype))
+                p.copy_(p - lr * update.to(p.dtype))
             elif applies_weight_decay(name, tuple(p.shape)):
-                p.copy_(p - r.lr * (grad + config.weight_decay * p))
+                p.copy_(p - lr * (grad + config.weight_decay * p))
             else:
-                p.copy_(p - r.lr * grad)
+                p.copy_(p - lr * grad)
 
 
 # ------------------------------------------------------------------ the limits
@@ -193,10 +216,10 @@ def _timed(fn) -> float:
 
 
 def bench_one(params: int, dtype_name: str, optimizer: str, perturbation: str, threads: int, steps: int,
-              eager_steps: int, rounds: int) -> dict:
+              eager_steps: int, rounds: int, num_perturbations: int = 1) -> dict:
     dtype = DTYPES[dtype_name]
     config = ZOConfig(optimizer=optimizer, perturbation=perturbation, lr=1e-6, eps=1e-3,
-                      weight_decay=0.01 if optimizer != "zo-adam" else 0.0)
+                      weight_decay=0.01 if optimizer != "zo-adam" else 0.0, num_perturbations=num_perturbations)
     state = make_state(params, dtype, optimizer)
     records = make_records(state, config, 1 + rounds * (2 * steps + eager_steps))
     start = time.perf_counter()
@@ -234,6 +257,7 @@ def bench_one(params: int, dtype_name: str, optimizer: str, perturbation: str, t
     per_thread_ns = 1e9 * threads / params
     return {
         "dtype": dtype_name, "optimizer": optimizer, "perturbation": perturbation, "params": params,
+        "num_perturbations": num_perturbations,
         "threads": threads, "rounds": rounds, "batch": steps,
         "first_call_seconds": first_call,
         "fused_step_seconds": best["stream"], "fused_batched_step_seconds": best["batched"],
@@ -307,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         for optimizer in args.optimizer:
             print(f"  measuring {dtype_name} {optimizer} {args.perturbation} ...", flush=True)
             rows.append(bench_one(args.params, dtype_name, optimizer, args.perturbation, threads, args.steps,
-                                  args.eager_steps, args.rounds))
+                                  args.eager_steps, args.rounds, args.num_perturbations))
     load_after = os.getloadavg()
     for row in rows:
         row["fused_ms"] = row["fused_step_seconds"] * 1e3
@@ -353,7 +377,10 @@ def register(bench) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=int, default=20_000_000, help="parameters (default 20M)")
     parser.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
-    parser.add_argument("--optimizer", nargs="+", choices=["zo-sgd", "zo-adam", "sparse-mezo"],
+    parser.add_argument("--num-perturbations", type=int, default=1,
+                        help="q: perturbations per step (n-SPSA), each record carrying q projected gradients")
+    parser.add_argument("--optimizer", nargs="+", choices=["zo-sgd", "zo-adam", "sparse-mezo", "zo-sgd-sign",
+                                                        "zo-sgd-mmt", "zo-sgd-cons"],
                         default=["zo-sgd", "zo-adam"])
     parser.add_argument("--perturbation", choices=["gaussian", "rademacher"], default="gaussian",
                         help="perturbation kind (default gaussian)")

@@ -7,10 +7,10 @@
 
 Fixtures: `local_ray` (a Ray instance of the test module's own), `s3_endpoint`, `private_s3`,
 `s3_bucket`, `root` (an empty run root on local disk and on S3), `no_matplotlib`, `small_disk` (a
-real 4 MiB filesystem to fill). Helpers
+real 4 MiB filesystem to fill), `one_torch_thread` (a module of tiny models, in process). Helpers
 (`support.py`, `reference_runs.py`, `kernel_cases.py`, `normality.py`) lie beside this file,
-which puts `tests/` on every test's path. The `slow` marker goes on the tests that take more
-than a few seconds (`pytest -m "not slow"`), set where a test or its module is defined, or by the
+which puts `tests/` on every test's path. The `slow` marker goes on the tests that take more than
+a few seconds (`pytest -m "not slow"`), set where a test or its module is defined, or by the
 fixtures it uses (`slow_fixture`: `local_ray` is one); `make check-slow-marks` names the unmarked
 tests over 30 s.
 """
@@ -274,6 +274,18 @@ def root(request, tmp_path):
     if request.param == "local":
         return str(tmp_path / "run"), None
     return request.getfixturevalue("s3_bucket")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module of tiny models: two threads contending with the shadow's threads and
+    the other test process for two cores made each forward pass several times slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -13,11 +13,13 @@ import torch
 from zocheck_ray import ZOConfig
 from zocheck_ray.core import update
 from zocheck_ray.core.generator import perturbation
+from zocheck_ray.core.layout import moment_prefixes
+from zocheck_ray.core.seeds import perturbation_seeds
 from zocheck_ray.core.update import sparse_thresholds
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.scalars import StepScalars
 
-OPTIMIZERS = ["zo-sgd", "zo-adam", "sparse-mezo"]
+OPTIMIZERS = ["zo-sgd", "zo-adam", "sparse-mezo", "zo-sgd-sign", "zo-sgd-mmt", "zo-sgd-cons"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KINDS = ["gaussian", "rademacher"]
 SEGMENTS = [(0, 7, True), (7, 1, False), (2**32 - 5, 613, True), (3 * 2**32 + 2, 1030, False)]
@@ -25,64 +27,74 @@ SEGMENTS = [(0, 7, True), (7, 1, False), (2**32 - 5, 613, True), (3 * 2**32 + 2,
 SEEDS = [11, 2**64 - 2]
 
 
-def config_for(optimizer: str, kind: str, weight_decay: float = 0.1) -> ZOConfig:
+def config_for(optimizer: str, kind: str, weight_decay: float = 0.1, q: int = 1) -> ZOConfig:
     return ZOConfig(optimizer=optimizer, perturbation=kind, lr=3e-2, eps=2e-2, weight_decay=weight_decay,
-                    sparsity=0.5)
+                    sparsity=0.5, momentum=0.8, num_perturbations=q)
 
 
-def initial(dtype: torch.dtype, adam: bool):
+def initial(dtype: torch.dtype, kinds: int):
+    """Parameters, then the first and second kind of float32 buffer per tensor (empty lists where none)."""
     gen = torch.Generator().manual_seed(7)
     params = [(torch.randn(n, generator=gen) * 0.2).to(dtype) for _, n, _ in SEGMENTS]
     params[3][:4] = torch.tensor([0.0, -0.0, 3e-8, -6e-5])  # zeros, fp16 subnormals
-    moments = [[torch.zeros(n) for _, n, _ in SEGMENTS] for _ in range(2)] if adam else [[], []]
-    return params, moments[0], moments[1]
+    buffers = [[torch.zeros(n) for _, n, _ in SEGMENTS] for _ in range(kinds)] + [[], []]
+    return params, buffers[0], buffers[1]
 
 
 def record_at(config: ZOConfig, step: int, params) -> StepRecord:
-    """Step `step`'s record (Sparse-MeZO's thresholds from `params`, the values at the step's start)."""
+    """Step `step`'s record (Sparse-MeZO's thresholds from `params`, the values at the step's start; q
+    gradients; ZO-SGD-Cons' decision: the ascent step, then back to the start)."""
     extras = sparse_thresholds(params, config.sparsity) if config.optimizer == "sparse-mezo" else ()
-    return StepRecord(step, SEEDS[step], (-1) ** step * 1.37, config.lr, config.eps, 0, config.optimizer, extras)
+    more = tuple((-1) ** (step + j) * 0.41 * j for j in range(1, config.num_perturbations))
+    decision = (2, 0)[step] if config.optimizer == "zo-sgd-cons" else 0
+    return StepRecord(step, SEEDS[step], (-1) ** step * 1.37, config.lr, config.eps, 0, config.optimizer, extras,
+                      more, decision)
 
 
 def run_oracle(config: ZOConfig, dtype: torch.dtype):
-    """(params, exp_avg, exp_avg_sq, records) after two eager steps on the CPU."""
-    adam = config.optimizer == "zo-adam"
-    params, ms, vs = initial(dtype, adam)
+    """(params, first buffers, second buffers, records) after two eager steps on the CPU, written from
+    `update.py`'s operations: the 3q perturbations, the estimate, the optimizer's update."""
+    kinds = len(moment_prefixes(config.optimizer))
+    params, first, second = initial(dtype, kinds)
     records = []
     for step, seed in enumerate(SEEDS):
         record = record_at(config, step, params)
         records.append(record)
         s = StepScalars.of(record, config)
         for i, (offset, n, decay) in enumerate(SEGMENTS):
-            zd = update.cast_perturbation(perturbation(seed, offset, n, config.perturbation), dtype)
+            zds = [update.cast_perturbation(perturbation(sj, offset, n, config.perturbation), dtype)
+                   for sj in perturbation_seeds(seed, config.num_perturbations)]
             x = params[i].float()
             mask = update.sparse_mask(x, record.extras[i]) if record.extras else None
-            for c in (s.plus, s.minus, s.plus):
-                x = update.perturb(x, zd, c, dtype, mask)
-            if adam:
-                x, ms[i], vs[i] = update.adam_update(x, ms[i], vs[i], zd, s, decay, dtype)
+            x = update.perturb_all(x, zds, s, dtype, mask)
+            a = update.estimate(zds, s)
+            if config.optimizer == "zo-adam":
+                x, first[i], second[i] = update.adam_update(x, first[i], second[i], a, s, decay, dtype)
+            elif config.optimizer == "zo-sgd-mmt":
+                x, first[i] = update.momentum_update(x, first[i], a, s, decay, dtype)
             else:
-                x = update.sgd_update(x, zd, s, decay, dtype, mask)
+                start = x
+                for c in s.moves:
+                    x = update.sgd_move(x, a, c, s, decay, dtype, sign_of=config.optimizer == "zo-sgd-sign")
+                x = x if mask is None else torch.where(mask, x, start)
             params[i] = x.to(dtype)
-    return params, ms, vs, records
+    return params, first, second, records
 
 
 def run_kernels(config: ZOConfig, dtype: torch.dtype, records, device, path: str):
-    """The kernels' (params, exp_avg, exp_avg_sq) after `records`, on `device`, the `path` way."""
+    """The kernels' (params, first buffers, second buffers) after `records`, on `device`, the `path` way."""
+    from zocheck_ray.core.kernel_guard import trainer_phases
     from zocheck_ray.core.triton_kernels import KernelStepper, Segment
 
-    adam = config.optimizer == "zo-adam"
-    params, ms, vs = (list(t.to(device, copy=True) for t in group) for group in initial(dtype, adam))
+    kinds = len(moment_prefixes(config.optimizer))
+    params, ms, vs = (list(t.to(device, copy=True) for t in group) for group in initial(dtype, kinds))
     stepper = KernelStepper([Segment(*s) for s in SEGMENTS], params, ms, vs, config)
     for record in records:
         s = StepScalars.of(record, config)
         if path == "replay":
             stepper.replay_step(record, s)
         else:
-            stepper.perturb(record.seed, s.plus, first=True, thresholds=record.extras)
-            stepper.perturb(record.seed, s.minus, first=False)
-            stepper.perturb(record.seed, s.plus, first=False)
-            stepper.update(record.seed, s)
+            trainer_phases(stepper, record, s)
     return [t.cpu() for t in params], [t.cpu() for t in ms], [t.cpu() for t in vs]
 
 

@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from zocheck_ray.core.config import ZOConfig
+from zocheck_ray.workload.adapters import PeftSettings
 from zocheck_ray.workload.errors import WorkloadError
 from zocheck_ray.workload.models import model_directory
 from zocheck_ray.workload.task_config import TaskConfig
@@ -48,6 +49,10 @@ class JobConfig(BaseModel):
     """Parameter dtype."""
     zo: ZOConfig = ZOConfig(lr=2e-3, eps=1e-3)
     """The zeroth-order optimizer (`zo.optimizer`, `zo.lr`, `zo.eps`, ...)."""
+    peft: PeftSettings | None = None
+    """Parameter-efficient ZO: wrap the model with a `peft` adapter (`peft.method`: lora or prefix) and train
+    the adapter's parameters only; None trains every parameter. The shadow, its images and snapshots then
+    hold the adapter alone; the base is built (or loaded) by every trainer and identified by its hash."""
     task: TaskConfig = TaskConfig()
     """What the model is fine-tuned on: data files, prompt, batch size, sequence length, evaluation
     (`task.kind`, `task.data_path`, `task.batch_size`, `task.max_length`, `task.eval_interval`, ...)."""
@@ -296,7 +301,20 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | None 
         where = f" in {path}" if path is not None else ""
         raise JobConfigError(f"invalid job configuration{where}:\n{exc}") from exc
     check_task(job)
+    check_peft(job)
     return job
+
+
+def check_peft(job: JobConfig) -> None:
+    """Refuse an adapter the model cannot take (a LoRA target module it lacks), before any actor starts."""
+    if job.peft is None:
+        return
+    from zocheck_ray.workload.adapters import check_adapter
+
+    try:
+        check_adapter(job.peft, job.model)
+    except WorkloadError as exc:
+        raise JobConfigError(f"peft ({job.peft.method} on model {job.model!r}): {exc}") from exc
 
 
 def check_task(job: JobConfig):
@@ -305,7 +323,7 @@ def check_task(job: JobConfig):
     Returns the task (see `zocheck_ray.workload.build_task`); raises `JobConfigError`
     naming the field or the file and line, before any model or actor exists.
     """
-    from zocheck_ray.workload.tasks import build_task
+    from zocheck_ray.workload.builder import build_task
 
     try:
         return build_task(job.task, job.model)

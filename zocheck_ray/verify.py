@@ -34,7 +34,7 @@ from zocheck_ray.core import ZOOptimizer, replay, state_hash
 from zocheck_ray.storage import CorruptLogError, open_storage, recover_state
 from zocheck_ray.storage.audit import audit_run
 from zocheck_ray.storage.steplog import first_logged_step, read_records
-from zocheck_ray.workload.models import build_model, trainable_parameters
+from zocheck_ray.workload.adapters import build_trainable
 
 
 class Verification(BaseModel):
@@ -65,9 +65,9 @@ class Verification(BaseModel):
 
 def initial_state(job: JobConfig) -> dict:
     """The state every trainer of `job` starts from (canonical order, optimizer moments included)."""
-    model = build_model(job.model, job.dtype, seed=job.run_seed)
+    built = build_trainable(job.model, job.dtype, job.run_seed, job.peft)
     # The model's own tensors (not copies): the model is dropped, so this is the one copy of the state.
-    return {k: v.detach() for k, v in ZOOptimizer(trainable_parameters(model), job.zo).state_tensors().items()}
+    return {k: v.detach() for k, v in ZOOptimizer(built.parameters, job.zo).state_tensors().items()}
 
 
 def verify_run(job: JobConfig, summary) -> Verification:

@@ -14,10 +14,10 @@ import pytest
 import ray
 import torch
 
-from reference_runs import STEPS, assert_exact, job_for, uninterrupted_hashes
+from reference_runs import SMALL_TASK, STEPS, assert_exact, job_for, uninterrupted_hashes
 from zocheck_ray.config import JobConfigError, load_job_config
 from zocheck_ray.testing import run_with_faults as run
-from zocheck_ray.testing import FaultInjection
+from zocheck_ray.testing import FailAt, FaultInjection
 
 
 # jobs on a real Ray instance with injected failures; local_ray: a Ray instance of its own
@@ -94,6 +94,20 @@ def test_losing_both_processes_recovers_from_durable_storage(tmp_path):
     summary = run(job, fail_at=[21], fail_mode="host", progress=None)
     (recovery,) = summary.recoveries
     assert recovery.mode == "host" and recovery.image_source == "durable"
+    assert_exact(summary, uninterrupted_hashes(job))
+
+
+def test_a_lora_adapter_with_momentum_and_two_perturbations_through_both_failures(tmp_path):
+    """ZO-SGD-MMT on a LoRA adapter in bf16, two perturbations a step and micro-batches: a software failure
+    (the restarted trainer builds the frozen base itself and takes the adapter from the image), then a host
+    failure (the shadow rebuilds the adapter from durable storage). Every optimizer x {full, LoRA, prefix} x
+    dtype takes three software failures and a host failure in process in tests/unit/test_recovery_matrix.py."""
+    job = job_for(tmp_path, "zo-sgd-mmt", "bf16", peft={"method": "lora", "r": 2, "lora_alpha": 4},
+                  zo=dict(optimizer="zo-sgd-mmt", lr=2e-3, eps=1e-2, num_perturbations=2),
+                  task={**SMALL_TASK, "micro_batch_size": 2})
+    summary = run(job, fail_at=[9], progress=None, callbacks=[FailAt([23], "host")])
+    assert sorted(r.failed_at_step for r in summary.recoveries) == [9, 23]
+    assert {r.failed_at_step: r.image_source for r in summary.recoveries}[23] == "durable"
     assert_exact(summary, uninterrupted_hashes(job))
 
 
@@ -209,6 +223,12 @@ def test_status_and_metrics_agree_during_a_run(sampled_run):
             assert m["snapshot_interval"] == 8
         for key in ("received_step", "replayed_step", "snapshots_taken"):
             assert reported[key] <= direct[key]  # status was read first; counters only grow
+    # the newest held-out evaluation (every eval_interval = 10 steps, and at the last) as status shows it
+    assert [reported["held_out_step"] for reported, _ in samples] == [0, 10, 10, 20, 30, STEPS]
+    evaluations = sampled_run["summary"].evaluations
+    for reported, _ in samples:
+        assert reported["held_out"] == pytest.approx(evaluations[reported["held_out_step"]])
+        assert set(reported["held_out"]) == {"accuracy", "loss"}
     assert sampled_run["summary"].steps == STEPS
 
 

@@ -28,7 +28,8 @@ def small_run(optimizer="zo-sgd", steps=4):
 @pytest.mark.parametrize("field,value,match", [
     ("optimizer", "adam", "optimizer"), ("perturbation", "uniform", "perturbation"),
     ("lr", math.nan, "lr"), ("eps", 0.0, "eps"), ("eps", math.inf, "eps"), ("betas", (0.9, 1.0), "betas"),
-    ("sparsity", 1.0, "sparsity"), ("weight_decay", -0.1, "weight_decay"), ("momentum", 0.9, "momentum"),
+    ("sparsity", 1.0, "sparsity"), ("weight_decay", -0.1, "weight_decay"), ("momentum", 1.0, "momentum"),
+        ("num_perturbations", 0, "num_perturbations"), ("nesterov", True, "nesterov"),
 ])
 def test_config_rejects_bad_fields_by_name(field, value, match):
     with pytest.raises(pydantic.ValidationError, match=match):

@@ -17,6 +17,8 @@ from zocheck_ray.core import fused
 from zocheck_ray.workload.models import build_model, trainable_parameters
 
 OPTIMIZERS = ["zo-sgd", "zo-adam", "sparse-mezo"]
+ZO_BENCH = ["zo-sgd-sign", "zo-sgd-mmt", "zo-sgd-cons"]
+"""ZO-Bench's optimizers: on HF models in test_zo_methods.py, here on odd shapes, one step at a time too."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KINDS = ["gaussian", "rademacher"]
 STEPS = 12
@@ -89,7 +91,7 @@ def odd_state(dtype, optimizer):
 
 
 @pytest.mark.slow  # every optimizer x dtype on odd shapes
-@pytest.mark.parametrize("optimizer,dtype", list(itertools.product(OPTIMIZERS, DTYPES.values())))
+@pytest.mark.parametrize("optimizer,dtype", list(itertools.product(OPTIMIZERS + ZO_BENCH, DTYPES.values())))
 def test_odd_tensor_shapes(optimizer, dtype):
     params = odd_state(dtype, optimizer)
     config = ZOConfig(optimizer=optimizer, lr=1e-2, eps=1e-2, weight_decay=0.1)

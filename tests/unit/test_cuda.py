@@ -28,7 +28,7 @@ def test_generator_is_identical_on_cpu_and_cuda(kind):
         assert torch.equal(cpu, gpu)
 
 
-@pytest.mark.parametrize("optimizer", ["zo-sgd", "zo-adam", "sparse-mezo"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_cuda_trainer_is_replayed_exactly_on_the_cpu(optimizer, dtype):
     config = ZOConfig(optimizer=optimizer, lr=1e-3, eps=1e-2, weight_decay=0.05)

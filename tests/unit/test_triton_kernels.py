@@ -53,18 +53,35 @@ def test_kernels_equal_the_oracle(optimizer, dtype, kind):
         assert_equal_lists(got_v, want_v, f"{path} exp_avg_sq")
 
 
+@pytest.mark.parametrize("optimizer,dtype", [("zo-sgd", "bf16"), ("zo-adam", "fp32"), ("sparse-mezo", "fp16"),
+                                             ("zo-sgd-sign", "bf16"), ("zo-sgd-mmt", "fp16"), ("zo-sgd-cons", "fp32")])
+def test_kernels_equal_the_oracle_with_several_perturbations(optimizer, dtype):
+    """n-SPSA: q = 3 perturbations per step, each with its own seed, their estimate formed in order."""
+    config = config_for(optimizer, "gaussian", q=3)
+    want_p, want_m, want_v, records = run_oracle(config, DTYPES[dtype])
+    assert all(len(r.grads) == 3 for r in records)
+    for path in ("trainer", "replay"):
+        got_p, got_m, got_v = run_kernels(config, DTYPES[dtype], records, "cpu", path)
+        assert_equal_lists(got_p, want_p, f"{path} params")
+        assert_equal_lists(got_m, want_m, f"{path} buffers")
+        assert_equal_lists(got_v, want_v, f"{path} second buffers")
+
+
 def test_weight_decay_zero_takes_the_undecayed_sequence():
     config = config_for("zo-sgd", "gaussian", weight_decay=0.0)
     want_p, _, _, records = run_oracle(config, torch.bfloat16)
     assert_equal_lists(run_kernels(config, torch.bfloat16, records, "cpu", "trainer")[0], want_p, "params")
 
 
-CASES = [("zo-sgd", "bf16", "gaussian"), ("zo-adam", "fp32", "gaussian"), ("sparse-mezo", "fp16", "rademacher")]
-TRAIN_STEPS = 10
+CASES = [("zo-sgd", "bf16", "gaussian", 10), ("zo-adam", "fp32", "gaussian", 10),
+         ("sparse-mezo", "fp16", "rademacher", 10), ("zo-sgd-cons", "bf16", "gaussian", 4)]
+"""(optimizer, dtype, perturbation, steps). ZO-SGD-Sign and -MMT take the same launches as ZO-SGD and
+ZO-Adam here (their trainer path is checked against the oracle in every dtype above); ZO-SGD-Cons adds
+its moves and the decisions of a real model's losses (three forward passes a step: four steps)."""
 
 
-@pytest.mark.parametrize("optimizer,dtype,kind", CASES)
-def test_trainer_cuda_path_equals_the_cpu_trainer(optimizer, dtype, kind):
+@pytest.mark.parametrize("optimizer,dtype,kind,steps", CASES)
+def test_trainer_cuda_path_equals_the_cpu_trainer(optimizer, dtype, kind, steps):
     """The trainer's kernel path (the one it takes on CUDA), driven on CPU tensors, takes the
     CPU trainer's steps bit for bit on a Hugging Face OPT, and its records replay exactly with
     `replay_triton` (test_core_exactness checks the fused CPU replay against the same trainer)."""
@@ -77,7 +94,7 @@ def test_trainer_cuda_path_equals_the_cpu_trainer(optimizer, dtype, kind):
     initial = {k: v.clone() for k, v in kernels.state_tensors().items()}
     gen = torch.Generator().manual_seed(0)
     records = []
-    for t in range(TRAIN_STEPS):
+    for t in range(steps):
         ids = torch.randint(0, 128, (2, 12), generator=gen)
         record = eager.step(lambda: eager_model(input_ids=ids, labels=ids).loss, seed=1000 + t)
         assert kernels.step(lambda: kernel_model(input_ids=ids, labels=ids).loss, seed=1000 + t) == record

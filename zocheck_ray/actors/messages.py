@@ -34,6 +34,19 @@ class PushReply(NamedTuple):
     """Records of this push it accepted."""
 
 
+class AdapterIdentity(BaseModel):
+    """What a parameter-efficient run records of its model beside the adapter's state: the frozen base's
+    weights' SHA-256 (`workload.adapters.base_identity`) and the adapter's config (its snapshots'
+    `adapter_config.json`)."""
+
+    model_config = _FROZEN
+
+    base_hash: str
+    """SHA-256 of the frozen base model's weights."""
+    adapter_config: dict
+    """The peft adapter config, as `adapter_config.json` holds it."""
+
+
 class RecoveryOffer(BaseModel):
     """What a shadow offers a recovering trainer: its newest image (lent) and the records after it."""
 
@@ -45,6 +58,8 @@ class RecoveryOffer(BaseModel):
     """The encoded records after the image's step (`core.record.decode_records`)."""
     source: str
     """Where the shadow's replica came from: `fresh`, `durable` (rebuilt from storage) or `resync`."""
+    adapter: AdapterIdentity | None = None
+    """A parameter-efficient run's base and adapter, as the run recorded them (None: full fine-tuning)."""
 
 
 class PublisherStats(BaseModel):
@@ -174,6 +189,10 @@ class TrainerTimes(BaseModel):
 
     rank_seconds_per_step: list[float]
     collective_seconds_per_step: float | None = None
+    held_out_step: int | None = None
+    """The step of the newest held-out evaluation (every `task.eval_interval` steps)."""
+    held_out: dict[str, float] = {}
+    """Its metrics (`accuracy`; `f1` and `exact_match` for SQuAD; `loss`)."""
 
 
 class ShadowMetrics(BaseModel):
@@ -258,6 +277,10 @@ class ShadowMetrics(BaseModel):
     trainer; empty until the first segment). Exported as one gauge tagged by `rank`."""
     collective_seconds_per_step: float | None = None
     """Data parallel: the ranks' all-gather per step over the last segment, waits for the slowest rank included."""
+    held_out_step: int | None = None
+    """The step of the trainers' newest held-out evaluation, as the controller last reported it."""
+    held_out: dict[str, float] = {}
+    """Its metrics on the held-out rows (`accuracy`, `f1`, `exact_match`, `loss`, ...)."""
     regime: Literal["keep-pace", "lag", "unknown"]
     """The cost model's regime: `keep-pace` (replay faster than training), `lag` (slower), `unknown` (no profile)."""
     source: str

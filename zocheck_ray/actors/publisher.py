@@ -45,9 +45,11 @@ class ShadowLink(Protocol):
 
     def borrow_image(self):
         """The shadow's newest image, opened for reading (`.step`, `.layout`, `.records`, `.source`,
-        `.copy_into(tensors)`, `.release()`), or None when the shadow has none (a fresh run)."""
-    def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
-        """Hand the shadow the initial state (written into its intake; no copy kept here)."""
+        `.copy_into(tensors)`, `.release()`, `.adapter`: the run's `AdapterIdentity` or None), or None when
+        the shadow has none (a fresh run)."""
+    def initialize(self, state: dict[str, torch.Tensor], step: int, adapter=None) -> None:
+        """Hand the shadow the initial state (written into its intake; no copy kept here) and, for a
+        parameter-efficient run, its `AdapterIdentity`."""
     def write_state(self, state: dict[str, torch.Tensor]) -> None:
         """Write `state` into the shadow's intake (a resync follows)."""
     def push(self, data: bytes, trainer_step: int) -> object:
@@ -61,8 +63,9 @@ class StateOffer:
     shadow's image): what `ShadowLink.borrow_image` returns for links without shared memory."""
 
     def __init__(self, state: dict[str, torch.Tensor], step: int, records: list[StepRecord], source: str,
-                 release: Callable[[], None] | None = None):
+                 release: Callable[[], None] | None = None, adapter=None):
         self.state, self.step, self.records, self.source = state, step, records, source
+        self.adapter = adapter
         self.layout = ImageLayout.of(state)
         self._release = release or (lambda: None)
 

@@ -26,8 +26,8 @@ from zocheck_ray.actors.image import (
 )
 from zocheck_ray.actors.hooks import NO_HOOKS
 from zocheck_ray.actors.messages import (
-    KernelInfo, PublisherStats, PushReply, RecoveryInfo, RecoveryOffer, ShadowMetrics, TrainerProgress, TrainerTimes,
-    numeric_fields,
+    AdapterIdentity, KernelInfo, PublisherStats, PushReply, RecoveryInfo, RecoveryOffer, ShadowMetrics, TrainerProgress,
+    TrainerTimes, numeric_fields,
 )
 from zocheck_ray.actors.shadow import Shadow
 from zocheck_ray.actors.trainer import Trainer
@@ -171,8 +171,8 @@ class ShadowActor:
         return ImageHandle.of(buffer, layout, token="intake", step=None, node_id=self.node_id)
 
     @ray.method(concurrency_group="control")
-    def initialize(self, step: int) -> None:
-        self.shadow.initialize(step)
+    def initialize(self, step: int, adapter: AdapterIdentity | None = None) -> None:
+        self.shadow.initialize(step, adapter=adapter)
 
     @ray.method(concurrency_group="control")
     def resync(self, step: int, wait_seconds: float = 60.0) -> None:
@@ -191,7 +191,7 @@ class ShadowActor:
         handle = ImageHandle.of(image.buffer, image.layout, token=image.token, step=image.step,
                                 node_id=self.node_id)
         return RecoveryOffer(image=handle, records=b"".join(r.to_bytes() for r in records),
-                             source=self.shadow.replay.source)
+                             source=self.shadow.replay.source, adapter=self.shadow.adapter)
 
     @ray.method(concurrency_group="control")
     def give_back(self, token: str) -> None:
@@ -304,9 +304,9 @@ class RayShadowLink:
         finally:
             os.close(fd)
 
-    def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
+    def initialize(self, state: dict[str, torch.Tensor], step: int, adapter: AdapterIdentity | None = None) -> None:
         self.write_state(state)
-        call_when_alive(lambda: self.actor.initialize.remote(step))
+        call_when_alive(lambda: self.actor.initialize.remote(step, adapter))
 
     def push(self, data: bytes, trainer_step: int):
         return self.actor.push.remote(data, trainer_step)
@@ -332,6 +332,7 @@ class OfferedImage:
         self.layout = offer.image.layout
         self.records: list[StepRecord] = decode_records(offer.records)
         self.source = "durable" if offer.source == "durable" else "memory"
+        self.adapter = offer.adapter
         self.fd = open_image(self.handle) if local else None
 
     def copy_into(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -29,7 +29,7 @@ import torch
 
 from zocheck_ray.actors.image import ImageGoneError, ImageLayout, SharedBuffer, copy_state
 from zocheck_ray.actors.ledger import RecordLedger
-from zocheck_ray.actors.messages import ShadowMetrics, TrainerTimes
+from zocheck_ray.actors.messages import AdapterIdentity, ShadowMetrics, TrainerTimes
 from zocheck_ray.actors.publisher import PushReply
 from zocheck_ray.actors.stages import (  # noqa: F401  (StageError: callers catch it from here)
     MAX_BACKOFF_SECONDS, STARTUP_STORAGE_SECONDS, Image, PersistStage, ReplayStage, StageError,
@@ -44,6 +44,9 @@ from zocheck_ray.storage import Lease, LeaseError, SnapshotStore, StorageError, 
 from zocheck_ray.workload.models import TORCH_DTYPES, model_config_dict
 
 logger = logging.getLogger(__name__)
+
+ADAPTER_KEY = "adapter"
+"""A parameter-efficient run's snapshots record its `AdapterIdentity` under this key of their user metadata."""
 
 
 class Shadow:
@@ -60,10 +63,14 @@ class Shadow:
         self.trainer_step: int | None = None
         self.rank_seconds_per_step: list[float] = []
         self.collective_seconds_per_step: float | None = None
+        self.held_out_step: int | None = None
+        self.held_out: dict[str, float] = {}
         self.rejected = 0
         self.last_rejection = ""
         self.ingest_error: str | None = None
         self.regime = "unknown"
+        self.adapter: AdapterIdentity | None = None
+        """A parameter-efficient run's base and adapter: from its first trainer, or its durable snapshot."""
         warm = threading.Thread(target=warm_up, args=(TORCH_DTYPES[job.dtype], job.zo), name="zocheck-warm-up")
         warm.start()  # the replay kernel loads while storage is read; profiles then time the kernel, not its load
         self.ledger = RecordLedger(0, on_accept=lambda: self.replay.wake())
@@ -79,14 +86,23 @@ class Shadow:
             self.lease.start_heartbeat()
             store = _with_retries(lambda: SnapshotStore(job.run_url, job.storage_options, lease=self.lease),
                                   f"opening the snapshot store {job.run_url}")
-            meta = {"run_id": job.run_id, "hf_config": model_config_dict(job.model),
-                    "zo_config": job.zo.model_dump(mode="json")}
-            self.persist = PersistStage(self.ledger, job, store, self.lease, meta, nice=nice)
+            self.persist = PersistStage(self.ledger, job, store, self.lease, self._snapshot_meta(), nice=nice)
             self._durable_rebuild(store)
         warm.join()
         self.replay.start()
         if self.persist is not None:
             self.persist.start()
+
+    def _snapshot_meta(self) -> dict:
+        """What every snapshot carries besides the tensors. A parameter-efficient run's snapshot is a peft
+        adapter directory (its config, not the base model's) and records the base's hash."""
+        meta = {"run_id": self.job.run_id, "zo_config": self.job.zo.model_dump(mode="json")}
+        if self.job.peft is None:
+            meta["hf_config"] = model_config_dict(self.job.model)
+        elif self.adapter is not None:
+            meta["adapter_config"] = self.adapter.adapter_config
+            meta["user"] = {ADAPTER_KEY: self.adapter.model_dump(mode="json")}
+        return meta
 
     def _on_image(self, image: Image) -> None:
         if self.persist is not None:
@@ -106,6 +122,10 @@ class Shadow:
                                f"rebuilding from {self.job.run_url}")
         for problem in result.problems:
             logger.warning("durable recovery: %s", problem)
+        recorded = result.meta.user.get(ADAPTER_KEY)
+        if recorded is not None:
+            self.adapter = AdapterIdentity.model_validate(recorded)
+            self.persist.describe(self._snapshot_meta())
         self.replay.commit_intake(result.step, "durable")
         self.persist.durable_step = result.snapshot.step
         logger.info("shadow rebuilt from durable storage at step %d (%d records replayed)", result.step,
@@ -121,9 +141,15 @@ class Shadow:
     def abort_intake(self) -> None:
         self.replay.call(self.replay.abort_intake)
 
-    def initialize(self, step: int, state: dict[str, torch.Tensor] | None = None, timeout: float = 300.0) -> None:
+    def initialize(self, step: int, state: dict[str, torch.Tensor] | None = None, timeout: float = 300.0,
+                   adapter: AdapterIdentity | None = None) -> None:
         """A fresh run: the trainer's initial state at `step` (written into the intake, or given here),
-        made durable before training starts."""
+        made durable before training starts; `adapter`: a parameter-efficient run's base and adapter,
+        recorded in every snapshot."""
+        if adapter is not None:
+            self.adapter = adapter
+            if self.persist is not None:
+                self.persist.describe(self._snapshot_meta())
         if state is not None:
             self._fill_intake(state)
         self.replay.call(lambda: self.replay.commit_intake(step, "fresh"))
@@ -273,12 +299,14 @@ class Shadow:
             snapshot_seconds=replay.last_copy_seconds,
             rank_seconds_per_step=self.rank_seconds_per_step,
             collective_seconds_per_step=self.collective_seconds_per_step, regime=self.regime, source=replay.source,
+            held_out_step=self.held_out_step, held_out=self.held_out,
         )
 
     def note_trainers(self, times: TrainerTimes) -> None:
         """The trainers' step times, as the controller measured them over its last segment."""
         self.rank_seconds_per_step = list(times.rank_seconds_per_step)
         self.collective_seconds_per_step = times.collective_seconds_per_step
+        self.held_out_step, self.held_out = times.held_out_step, dict(times.held_out)
 
     def close(self) -> bool:
         """Stop the stages; the persistence stage seals the log and writes what it can first, then the run's

@@ -24,7 +24,7 @@ from zocheck_ray.actors.ledger import LOG, RecordLedger
 from zocheck_ray.actors.priority import background_thread
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord, ZOConfig, replay, state_hash
-from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout
+from zocheck_ray.core.layout import ALL_MOMENT_PREFIXES, Layout, moment_prefixes
 from zocheck_ray.actors.hooks import ShadowHooks
 from zocheck_ray.storage import Lease, LeaseError, LeaseHeldError, SnapshotStore, StepLog, StorageError
 
@@ -372,8 +372,8 @@ class ProfileScratch:
     timing up to the whole state. Records are re-keyed to the scratch's layout (`record_for`)."""
 
     def __init__(self, replica: dict[str, torch.Tensor], zo: ZOConfig):
-        moments = (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX) if zo.optimizer == "zo-adam" else ()
-        names = [n for n in replica if not n.startswith((EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX))]
+        moments = moment_prefixes(zo.optimizer)
+        names = [n for n in replica if not n.startswith(ALL_MOMENT_PREFIXES)]
         total = sum(replica[n].numel() for n in names)
         limit = scratch_limit(sum(t.numel() * t.element_size() for t in replica.values()))
         params, taken, elements = {}, 0, 0
@@ -422,6 +422,7 @@ class PersistStage:
         self.store = store
         self.lease = lease
         self._meta = meta
+        """What every snapshot carries besides its tensors; replaced whole by `describe`."""
         self.log: StepLog | None = None
         self._log_generation = -1
         self._log_next = 0
@@ -443,6 +444,12 @@ class PersistStage:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="zocheck-persist", daemon=True)
+
+    def describe(self, meta: dict) -> None:
+        """The metadata of the snapshots saved from now on (a parameter-efficient run learns its adapter's
+        config and base from its first trainer). One reference, replaced whole: the saving thread reads it
+        once per save."""
+        self._meta = dict(meta)
 
     def start(self) -> None:
         self._thread.start()

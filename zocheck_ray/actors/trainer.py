@@ -36,7 +36,7 @@ import torch
 
 from zocheck_ray.actors.collective import LossGroup, RankLostError, reduce_in_rank_order
 from zocheck_ray.actors.hooks import NO_HOOKS, TrainerHooks
-from zocheck_ray.actors.messages import KernelCheckInfo, KernelInfo, RecoveryInfo, TrainerProgress
+from zocheck_ray.actors.messages import AdapterIdentity, KernelCheckInfo, KernelInfo, RecoveryInfo, TrainerProgress
 from zocheck_ray.actors.publisher import FLUSH_SECONDS, Publisher, ShadowLink
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, replay, state_hash
@@ -44,10 +44,23 @@ from zocheck_ray.core.errors import StateMismatchError
 from zocheck_ray.core.fused import warm_up
 from zocheck_ray.core.triton_kernels import replay_on_device
 from zocheck_ray.workload.data import step_seed
-from zocheck_ray.workload.models import TORCH_DTYPES, build_model, trainable_parameters
-from zocheck_ray.workload.tasks import build_task
+from zocheck_ray.workload.adapters import BaseModelMismatchError, build_trainable
+from zocheck_ray.workload.models import TORCH_DTYPES
+from zocheck_ray.workload.builder import build_task
 
 logger = logging.getLogger(__name__)
+
+
+def check_base(job: JobConfig, mine: AdapterIdentity | None, recorded: AdapterIdentity | None) -> None:
+    """Refuse to put a run's adapter on another base model than the one it was trained on."""
+    if mine is None or (recorded is not None and recorded.base_hash == mine.base_hash):
+        return
+    was = f"SHA-256 {recorded.base_hash}" if recorded is not None else "not recorded (the image is not of an adapter run)"
+    raise BaseModelMismatchError(
+        f"the base model {job.model!r} this trainer built has weights SHA-256 {mine.base_hash}, but the run "
+        f"{job.run_id!r} trained its adapter on a base whose weights hash {was}: recovering would put the "
+        "adapter on another model. Restore the model directory (or model, dtype and run_seed) the run started "
+        "with, or start a new run_id")
 
 
 class RejoinRequiredError(RuntimeError):
@@ -107,10 +120,16 @@ class Trainer:
 
     def _build(self, prefault: bool = False) -> None:
         """The model: its weights, or a skeleton when an image will fill it (`prefault`: touch its pages
-        now, so that a later restore is a plain copy)."""
-        self.model = build_model(self.job.model, self.job.dtype, seed=self.job.run_seed, device=self.device,
-                                 weights="none" if self._skeleton else "load")
-        self.opt = ZOOptimizer(trainable_parameters(self.model), self.job.zo)
+        now, so that a later restore is a plain copy). With an adapter (`job.peft`) the frozen base is
+        always built with its weights (from the model directory or the seed): only the adapter's
+        parameters come from an image."""
+        built = build_trainable(self.job.model, self.job.dtype, self.job.run_seed, self.job.peft,
+                                device=self.device, weights="none" if self._skeleton else "load")
+        self.model = built.model
+        self.adapter = None if built.base_hash is None else AdapterIdentity(
+            base_hash=built.base_hash, adapter_config=built.adapter_config)
+        """A parameter-efficient run's base (its hash) and adapter, as this trainer built them."""
+        self.opt = ZOOptimizer(built.parameters, self.job.zo)
         if prefault:
             with torch.no_grad():
                 for tensor in self.opt.state_tensors().values():
@@ -168,11 +187,17 @@ class Trainer:
                 raise RuntimeError(f"rank {self.rank} must restore its state from the shadow, which holds no image "
                                    "(a shadow that was never initialized, or lost its image)")
             if self.rank == 0:  # the other ranks build the same initial state from run_seed
-                self.shadow.initialize(self.opt.state_tensors(), 0)
+                if self.adapter is None:
+                    self.shadow.initialize(self.opt.state_tensors(), 0)
+                else:
+                    self.shadow.initialize(self.opt.state_tensors(), 0, adapter=self.adapter)
             return RecoveryInfo(incarnation=self.incarnation, step=0, source="fresh"), []
         step, records, source = offer.step, offer.records, offer.source
         try:
+            check_base(self.job, self.adapter, getattr(offer, "adapter", None))
             offer.copy_into(self.opt.state_tensors())
+        except BaseModelMismatchError:
+            raise
         except ValueError as exc:  # the image is of another model or optimizer
             raise StateMismatchError(f"the shadow's image of step {step} does not fit this trainer: {exc}") from exc
         finally:
@@ -318,10 +343,12 @@ class Trainer:
             raise RejoinRequiredError(f"rank {self.rank} holds no state to hash until it rejoins")
         return self.step, state_hash(self.opt.state_tensors())
 
-    def close(self) -> None:
+    def close(self, hand_over: bool = True) -> None:
+        """Stop publishing. `hand_over`: send the shadow the records not sent yet; False stops as a dying
+        process does, those records lost (an in-process software failure, `testing.in_process`)."""
         self._stop.set()
         self._flusher.join(timeout=5)
-        if self.publisher is not None:
+        if self.publisher is not None and hand_over:
             self.publisher.flush()
         if self.group is not None:
             self.group.leave()

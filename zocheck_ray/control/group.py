@@ -50,9 +50,15 @@ class StepTimes:
     collective_seconds: float = 0.0
     collective_steps: int = 0
     recent: TrainerTimes | None = None
+    held_out_step: int | None = None
+    held_out: dict[str, float] = field(default_factory=dict)
+    """The newest held-out evaluation the ranks reported (rank 0 evaluates), and its step."""
 
     def add(self, results: dict[int, TrainerProgress], k: int) -> None:
         for r, progress in results.items():
+            if progress.evaluations:
+                self.held_out_step = max(progress.evaluations)
+                self.held_out = dict(progress.evaluations[self.held_out_step])
             self.rank_seconds[r] += sum(progress.step_seconds)
             self.rank_steps[r] += len(progress.step_seconds)
             self.collective_seconds += sum(progress.collective_seconds)
@@ -61,7 +67,8 @@ class StepTimes:
             gathers = [s for p in results.values() for s in p.collective_seconds]
             self.recent = TrainerTimes(
                 rank_seconds_per_step=[statistics.fmean(results[r].step_seconds) for r in range(k)],
-                collective_seconds_per_step=statistics.fmean(gathers) if gathers else None)
+                collective_seconds_per_step=statistics.fmean(gathers) if gathers else None,
+                held_out_step=self.held_out_step, held_out=dict(self.held_out))
 
 
 class TrainerGroup:

@@ -70,6 +70,9 @@ PHASE_STEP = tl.constexpr(3)
 OPT_SGD = tl.constexpr(0)
 OPT_ADAM = tl.constexpr(1)
 OPT_SPARSE = tl.constexpr(2)
+OPT_SIGN = tl.constexpr(3)
+OPT_MMT = tl.constexpr(4)
+OPT_CONS = tl.constexpr(5)
 DT_F32 = tl.constexpr(0)
 DT_BF16 = tl.constexpr(1)
 DT_F16 = tl.constexpr(2)
@@ -317,6 +320,20 @@ def _sgd(x, zd, grad, lr, wd, decay, DTYPE: tl.constexpr):
 
 
 @_jit
+def _move(x, acc, c, wd, decay, SIGN: tl.constexpr, DTYPE: tl.constexpr):
+    """One move of ZO-SGD (and its sign and conservative variants) from the estimate `acc`:
+    u = r(acc) or sgn(acc);  [u = r(u + r(x * wd))];  x = r(x - r(u * c))."""
+    if SIGN:
+        u = tl.where(acc > 0.0, 1.0, tl.where(acc < 0.0, -1.0, 0.0))
+    else:
+        u = _round(acc, DTYPE)
+    decayed = _round(u + _round(x * wd, DTYPE), DTYPE)
+    u = tl.where(decay, decayed, u)
+    step = _round(u * c, DTYPE)
+    return _round(x - step, DTYPE)
+
+
+@_jit
 def _pointers(table, t, DTYPE: tl.constexpr):
     """Per row, the base pointer of its tensor (a float32 or, for bf16/fp16 bits, an int16 pointer)."""
     if DTYPE == DT_F32:
@@ -328,8 +345,10 @@ def _pointers(table, t, DTYPE: tl.constexpr):
 @_kernel_jit
 def zo_kernel(p_ptrs, m_ptrs, v_ptrs, offsets, numels, row_starts, decays, thresholds, prog_first, tensors, rows,
               mask_ptr, z_ptr, key0, key1, c_a, c_b, grad, lr, wd, b1, omb1, b2, omb2, bc1, bc2, adam_eps,
+              keys_ptr, grads_ptr, moves_ptr, mu,
               PHASE: tl.constexpr, OPT: tl.constexpr, DTYPE: tl.constexpr, GAUSSIAN: tl.constexpr,
-              MASK: tl.constexpr, B4: tl.constexpr, SEARCH: tl.constexpr):
+              MASK: tl.constexpr, B4: tl.constexpr, SEARCH: tl.constexpr, MULTI: tl.constexpr, Q: tl.constexpr,
+              N_MOVES: tl.constexpr):
     """One phase for B4 rows (4*B4 elements) of a group of `tensors` tensors of one dtype.
 
     The group's tensors are laid end to end in rows, one row per Philox counter: tensor t
@@ -344,6 +363,13 @@ def zo_kernel(p_ptrs, m_ptrs, v_ptrs, offsets, numels, row_starts, decays, thres
     PHASE_UPDATE the optimizer's update; PHASE_STEP a whole step (perturb c_a, c_b, c_a, update).
     Tensor t's elements are at p_ptrs[t] (ZO-Adam's float32 moments at m_ptrs[t], v_ptrs[t]).
     Sparse-MeZO's mask holds bit (s & 7) of byte (s >> 3) for slot s = 4 * row + lane.
+
+    MULTI (Q > 1 perturbations, or ZO-SGD-Sign, -MMT, -Cons): the update and a whole step take the
+    Q perturbations' key words from `keys_ptr` (2Q int64), their G_j from `grads_ptr` (Q float32),
+    form the estimate acc = zd_0 * G_0 (+ zd_j * G_j) and update from it (`update.py`); the moves
+    (lr, or ZO-SGD-Cons' two or three) come from `moves_ptr` (N_MOVES float32); ZO-SGD-MMT's
+    momentum buffer is at m_ptrs[t]. Q and N_MOVES are compile-time constants (a run has one Q;
+    ZO-SGD-Cons takes N_MOVES 1, 2 and 3).
     """
     pid = tl.program_id(0).to(tl.int64)
     row = pid * B4 + tl.arange(0, B4).to(tl.int64)
@@ -379,7 +405,52 @@ def zo_kernel(p_ptrs, m_ptrs, v_ptrs, offsets, numels, row_starts, decays, thres
                 sel = tl.abs(x) <= tl.load(thresholds + t)[:, None]
                 if MASK == MASK_MAKE:
                     tl.store(mask_ptr + byte, _pack_bytes(sel & inb, B4), mask=in_mask)
-        if PHASE == PHASE_PERTURB:
+        if MULTI and (PHASE == PHASE_UPDATE or PHASE == PHASE_STEP):
+            ctr = (offset >> 2) + local
+            out = x
+            for j in tl.static_range(Q):
+                kj0 = (tl.full((B4,), 0, tl.int64) + tl.load(keys_ptr + 2 * j)).to(tl.uint32)
+                kj1 = (tl.full((B4,), 0, tl.int64) + tl.load(keys_ptr + 2 * j + 1)).to(tl.uint32)
+                zdj = _round(_perturbation(ctr, kj0, kj1, GAUSSIAN, B4), DTYPE)
+                gzj = zdj * tl.load(grads_ptr + j)
+                if j == 0:
+                    acc = gzj
+                else:
+                    acc = acc + gzj
+                if PHASE == PHASE_STEP:
+                    out = _perturb(out, zdj, c_a, DTYPE)
+                    out = _perturb(out, zdj, c_b, DTYPE)
+                    out = _perturb(out, zdj, c_a, DTYPE)
+            if OPT == OPT_ADAM or OPT == OPT_MMT:
+                mp = tl.load(m_ptrs + t).to(tl.pointer_type(tl.float32))[:, None] + idx
+                m = tl.load(mp, mask=inb, other=0.0)
+                if OPT == OPT_ADAM:
+                    vp = tl.load(v_ptrs + t).to(tl.pointer_type(tl.float32))[:, None] + idx
+                    v = tl.load(vp, mask=inb, other=0.0)
+                    mb = m * b1
+                    gb = acc * omb1
+                    m = mb + gb
+                    vb = v * b2
+                    gg = acc * acc
+                    gb2 = gg * omb2
+                    v = vb + gb2
+                    tl.store(vp, v, mask=inb)
+                    num = m * bc1
+                    root = tl.math.sqrt_rn(v * bc2)
+                    u = tl.math.div_rn(num, root + adam_eps)
+                else:
+                    mm = m * mu
+                    m = mm + acc
+                    u = m
+                tl.store(mp, m, mask=inb)
+                xw = out * wd
+                u = tl.where(decay, u + xw, u)
+                step = _round(u * lr, DTYPE)
+                out = _round(out - step, DTYPE)
+            else:
+                for r in tl.static_range(N_MOVES):
+                    out = _move(out, acc, tl.load(moves_ptr + r), wd, decay, OPT == OPT_SIGN, DTYPE)
+        elif PHASE == PHASE_PERTURB:
             out = _perturb(x, zd, c_a, DTYPE)
         elif PHASE == PHASE_STEP:
             out = _perturb(x, zd, c_a, DTYPE)
@@ -387,7 +458,7 @@ def zo_kernel(p_ptrs, m_ptrs, v_ptrs, offsets, numels, row_starts, decays, thres
             out = _perturb(out, zd, c_a, DTYPE)
         else:
             out = x
-        if PHASE == PHASE_UPDATE or PHASE == PHASE_STEP:
+        if not MULTI and (PHASE == PHASE_UPDATE or PHASE == PHASE_STEP):
             if OPT == OPT_ADAM:
                 mp = tl.load(m_ptrs + t).to(tl.pointer_type(tl.float32))[:, None] + idx
                 vp = tl.load(v_ptrs + t).to(tl.pointer_type(tl.float32))[:, None] + idx

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-Optimizer = Literal["zo-sgd", "zo-adam", "sparse-mezo"]
+Optimizer = Literal["zo-sgd", "zo-adam", "sparse-mezo", "zo-sgd-sign", "zo-sgd-mmt", "zo-sgd-cons"]
 Perturbation = Literal["gaussian", "rademacher"]
 
 
@@ -17,7 +17,9 @@ class ZOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     optimizer: Optimizer = "zo-sgd"
-    """`zo-sgd` (MeZO), `zo-adam` (Adam moments on the ZO gradient) or `sparse-mezo`."""
+    """`zo-sgd` (MeZO), `zo-adam` (Adam moments on the ZO gradient), `sparse-mezo`, or ZO-Bench's
+    `zo-sgd-sign` (the sign of the estimate), `zo-sgd-mmt` (heavy-ball momentum) and `zo-sgd-cons`
+    (conservative: of the start, the descent step and the ascent step, the one with the lowest loss is kept)."""
     lr: float = Field(1e-6, ge=0)
     """Learning rate; a step may carry its own (schedules), recorded with the step."""
     eps: float = Field(1e-3, gt=0)
@@ -32,12 +34,24 @@ class ZOConfig(BaseModel):
     """Sparse-MeZO: fraction of each tensor (largest magnitudes) left unperturbed."""
     perturbation: Perturbation = "gaussian"
     """Distribution of z: standard `gaussian` or `rademacher` (+1/-1)."""
+    momentum: float = 0.9
+    """ZO-SGD-MMT: decay of the momentum buffer (m = momentum * m + g z), in [0, 1)."""
+    num_perturbations: int = Field(1, ge=1, le=1024)
+    """q: perturbations per step (the n-SPSA estimate (1/q) sum_j g_j z_j, one seed and one projected
+    gradient each); every step costs 2q forward passes. The step's record carries the q gradients."""
 
-    @field_validator("lr", "eps", "weight_decay", "adam_eps", "sparsity")
+    @field_validator("lr", "eps", "weight_decay", "adam_eps", "sparsity", "momentum")
     @classmethod
     def _finite(cls, value: float, info) -> float:
         if not math.isfinite(value):
             raise ValueError(f"{info.field_name} must be finite, got {value!r}")
+        return value
+
+    @field_validator("momentum")
+    @classmethod
+    def _momentum(cls, value: float) -> float:
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {value!r}")
         return value
 
     @field_validator("betas")

@@ -16,7 +16,8 @@ one write of the parameters, so a replay reaches at most about a quarter of that
 Each thread takes one contiguous run of chunks (the hardware prefetcher streams it) and
 allocates its scratch once; float32 parameters are updated in place, and a single step
 on bf16/fp16 converts in the update itself, while a batch of steps works on a float32
-copy of the chunk. Since z depends only on (seed, global offset), the partitioning and
+copy of the chunk. A step of one perturbation makes one pass over its chunk, whatever the
+optimizer; several perturbations make one per perturbation and one for the update. Since z depends only on (seed, global offset), the partitioning and
 thread count cannot change a bit.
 
 numba compiles without fastmath (no FMA contraction, no reassociation) and with
@@ -45,16 +46,19 @@ from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import StateMismatchError
 from zocheck_ray.core import generator as G
 from zocheck_ray.core.generator import PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0, PHILOX_W1, STREAM
-from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout
+from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MOMENTUM_PREFIX, Layout, moment_prefixes
 from zocheck_ray.core.record import StepRecord
-from zocheck_ray.core.seeds import MASK32, check_seed
+from zocheck_ray.core.seeds import MASK32, check_seed, perturbation_seeds
 from zocheck_ray.core.validation import check_replay
 
 CHUNK_ELEMENTS = 8192
 """Elements per work item: parameters, z and words of a chunk stay in L2 across a batch."""
 
-OPT_SGD, OPT_ADAM, OPT_SPARSE = 0, 1, 2
-_OPT_CODES = {"zo-sgd": OPT_SGD, "zo-adam": OPT_ADAM, "sparse-mezo": OPT_SPARSE}
+OPT_SGD, OPT_ADAM, OPT_SPARSE, OPT_SIGN, OPT_MMT, OPT_CONS = 0, 1, 2, 3, 4, 5
+_OPT_CODES = {"zo-sgd": OPT_SGD, "zo-adam": OPT_ADAM, "sparse-mezo": OPT_SPARSE, "zo-sgd-sign": OPT_SIGN,
+              "zo-sgd-mmt": OPT_MMT, "zo-sgd-cons": OPT_CONS}
+MAX_MOVES = 3
+"""ZO-SGD-Cons takes up to three moves per step; every other optimizer one."""
 
 # ---------------------------------------------------------------- bit-level helpers
 
@@ -370,14 +374,66 @@ def perturbation_block(key0, key1, first, count, gaussian, out, wa, wb, radius):
 
 
 @njit(inline="always")
-def _apply_step(src, dst, m, v, n, z, lane, opt, use_wd, cp, cm, g, lr, bc1, bc2, thr, consts, ld, st, rnd,
-                rnd_full, fin):
+def _move(x, u, c, use_wd, wd, rnd):
+    """One ZO-SGD move: [u = r(u + r(x * wd))];  x = r(x - r(u * c))."""
+    if use_wd:
+        u = rnd(u + rnd(x * wd))
+    return rnd(x - rnd(u * c))
+
+
+@njit(inline="always")
+def _apply_step(src, dst, m, v, n, z, lane, opt, use_wd, cp, cm, g, lr, bc1, bc2, thr, consts, moves, n_moves, ld,
+                st, rnd, rnd_full, fin):
     """One step's update of n elements: x = ld(src, i), the operations of `update.py`, st(dst, i, x).
 
     `fin` is the last operation's rounding: `rnd` when `st` stores float32, the identity when
-    `st` converts to the dtype itself (rounding to nearest even once or twice gives the same bits)."""
+    `st` converts to the dtype itself (rounding to nearest even once or twice gives the same bits).
+    Each element's sequence is `_steps_general`'s, in one pass (elements do not interact)."""
     wd, b1, omb1, b2, omb2, adam_eps = consts[0], consts[1], consts[2], consts[3], consts[4], consts[5]
-    if opt == OPT_ADAM:
+    if opt == OPT_MMT:
+        mu = consts[6]
+        for i in range(n):
+            zd = rnd(z[lane + i])
+            x = ld(src, i)
+            x = rnd(x + rnd(zd * cp))
+            x = rnd(x + rnd(zd * cm))
+            x = rnd(x + rnd(zd * cp))
+            mi = m[i] * mu + zd * g
+            m[i] = mi
+            u = mi
+            if use_wd:
+                u = u + x * wd
+            st(dst, i, fin(x - rnd_full(u * lr)))
+    elif opt == OPT_SIGN:
+        for i in range(n):
+            zd = rnd(z[lane + i])
+            x = ld(src, i)
+            x = rnd(x + rnd(zd * cp))
+            x = rnd(x + rnd(zd * cm))
+            x = rnd(x + rnd(zd * cp))
+            a = zd * g
+            st(dst, i, _move(x, _F32(a > _F32(0.0)) - _F32(a < _F32(0.0)), lr, use_wd, wd, rnd))
+    elif opt == OPT_CONS and n_moves == 3:  # back to the start, or on to the descent step
+        c0, c1, c2 = moves[0], moves[1], moves[2]
+        for i in range(n):
+            zd = rnd(z[lane + i])
+            x = ld(src, i)
+            x = rnd(x + rnd(zd * cp))
+            x = rnd(x + rnd(zd * cm))
+            x = rnd(x + rnd(zd * cp))
+            u = rnd(zd * g)
+            st(dst, i, _move(_move(_move(x, u, c0, use_wd, wd, rnd), u, c1, use_wd, wd, rnd), u, c2, use_wd, wd, rnd))
+    elif opt == OPT_CONS:  # two moves: staying at the ascent step
+        c0, c1 = moves[0], moves[1]
+        for i in range(n):
+            zd = rnd(z[lane + i])
+            x = ld(src, i)
+            x = rnd(x + rnd(zd * cp))
+            x = rnd(x + rnd(zd * cm))
+            x = rnd(x + rnd(zd * cp))
+            u = rnd(zd * g)
+            st(dst, i, _move(_move(x, u, c0, use_wd, wd, rnd), u, c1, use_wd, wd, rnd))
+    elif opt == OPT_ADAM:
         for i in range(n):
             zd = rnd(z[lane + i])
             x = ld(src, i)
@@ -426,43 +482,133 @@ def _apply_step(src, dst, m, v, n, z, lane, opt, use_wd, cp, cm, g, lr, bc1, bc2
 
 
 @njit(inline="always")
-def _chunk_in_place(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c_plus, c_minus, grads, lrs,
-                    bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, load, store, rnd, rnd_full, fin):
+def _steps_general(p, m, v, n, offset, tensor, decay, opt, gaussian, multi, keys0, keys1, c_plus, c_minus, grads, lrs,
+                   bc1s, bc2s, thresholds, consts, z, wa, wb, radius, ld, st, rnd, rnd_full, fin):
+    """Every step of the batch on one chunk, for q >= 1 perturbations and every optimizer (`update.py`'s
+    sequences in full): per perturbation j, z_j, the estimate a (float32, in j order) and the three
+    perturbations; then the optimizer's update from a. Elements are read and written where `ld`/`st` say.
+
+    `multi` is (q, moves, n_moves, acc, active): a tuple, as CPython passes a call of more than 30
+    arguments as *args, which numba cannot inline."""
+    q, moves, n_moves, acc, active = multi
+    use_wd = decay and consts[0] > _F32(0.0)
+    wd, b1, omb1, b2, omb2, adam_eps, mu = consts[0], consts[1], consts[2], consts[3], consts[4], consts[5], consts[6]
+    first = offset >> 2
+    count = ((offset + n - 1) >> 2) - first + 1
+    lane = offset & 3
+    for k in range(c_plus.shape[0]):
+        cp = c_plus[k]
+        cm = c_minus[k]
+        sparse = opt == OPT_SPARSE
+        if sparse:
+            thr = thresholds[k, tensor]
+            for i in range(n):
+                active[i] = abs(ld(p, i)) <= thr
+        for j in range(q):
+            perturbation_block(keys0[k * q + j], keys1[k * q + j], first, count, gaussian, z, wa, wb, radius)
+            gj = grads[k, j]
+            if j == 0:
+                for i in range(n):
+                    acc[i] = rnd(z[lane + i]) * gj
+            else:
+                for i in range(n):
+                    acc[i] = acc[i] + rnd(z[lane + i]) * gj
+            for i in range(n):  # every element; Sparse-MeZO keeps the unmasked ones as they were
+                zd = rnd(z[lane + i])
+                x0 = ld(p, i)
+                x = rnd(x0 + rnd(zd * cp))
+                x = rnd(x + rnd(zd * cm))
+                x = rnd(x + rnd(zd * cp))
+                st(p, i, x if (not sparse or active[i]) else x0)
+        lr = lrs[k]
+        if opt == OPT_ADAM:
+            bc1 = bc1s[k]
+            bc2 = bc2s[k]
+            for i in range(n):
+                x = ld(p, i)
+                a = acc[i]
+                mi = m[i] * b1 + a * omb1
+                vi = v[i] * b2 + (a * a) * omb2
+                m[i] = mi
+                v[i] = vi
+                u = (mi * bc1) / (np.sqrt(vi * bc2) + adam_eps)
+                if use_wd:
+                    u = u + x * wd
+                st(p, i, fin(x - rnd_full(u * lr)))
+        elif opt == OPT_MMT:
+            for i in range(n):
+                x = ld(p, i)
+                mi = m[i] * mu + acc[i]
+                m[i] = mi
+                u = mi
+                if use_wd:
+                    u = u + x * wd
+                st(p, i, fin(x - rnd_full(u * lr)))
+        else:
+            # one pass per move (ZO-SGD-Cons makes up to three), each a branch-free loop over the chunk
+            sign = opt == OPT_SIGN
+            for r in range(n_moves[k]):
+                c = moves[k, r]
+                for i in range(n):
+                    x0 = ld(p, i)
+                    a = acc[i]
+                    if sign:
+                        u = _F32(a > _F32(0.0)) - _F32(a < _F32(0.0))
+                    else:
+                        u = rnd(a)
+                    if use_wd:
+                        u = rnd(u + rnd(x0 * wd))
+                    x = rnd(x0 - rnd(u * c))
+                    st(p, i, x if (not sparse or active[i]) else x0)
+
+
+@njit(inline="always")
+def _chunk_in_place(param, m, v, n, offset, tensor, decay, opt, gaussian, multi, keys0, keys1, c_plus, c_minus, grads,
+                    lrs, bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, load, store, rnd, rnd_full, fin):
     """Every step of the batch on one chunk of n elements, read and written where they are stored
-    (float32 storage; or one step on bf16/fp16, converting in the update)."""
+    (float32 storage; or one step on bf16/fp16, converting in the update). One perturbation a step
+    takes the single-pass `_apply_step`; several take `_steps_general`."""
+    if multi[0] > 1:
+        _steps_general(param, m, v, n, offset, tensor, decay, opt, gaussian, multi, keys0, keys1, c_plus, c_minus,
+                       grads, lrs, bc1s, bc2s, thresholds, consts, z, wa, wb, radius, load, store, rnd, rnd_full, fin)
+        return
     use_wd = decay and consts[0] > _F32(0.0)
     first = offset >> 2
     count = ((offset + n - 1) >> 2) - first + 1
     lane = offset & 3
     for k in range(keys0.shape[0]):
         perturbation_block(keys0[k], keys1[k], first, count, gaussian, z, wa, wb, radius)
-        _apply_step(param, param, m, v, n, z, lane, opt, use_wd, c_plus[k], c_minus[k], grads[k], lrs[k],
-                    bc1s[k], bc2s[k], thresholds[k, tensor], consts, load, store, rnd, rnd_full, fin)
+        _apply_step(param, param, m, v, n, z, lane, opt, use_wd, c_plus[k], c_minus[k], grads[k, 0], lrs[k],
+                    bc1s[k], bc2s[k], thresholds[k, tensor], consts, multi[1][k], multi[2][k], load, store, rnd,
+                    rnd_full, fin)
 
 
 @njit(inline="always")
-def _chunk_staged(param, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c_plus, c_minus, grads, lrs,
+def _chunk_staged(param, m, v, n, offset, tensor, decay, opt, gaussian, multi, keys0, keys1, c_plus, c_minus, grads, lrs,
                   bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, load, store, rnd, rnd_full, fin):
     """Every step of the batch on a float32 copy `p` of a bf16/fp16 chunk, converted once in and
     once out. Storing a value the update produced, already rounded to the dtype, gives the bits
     `_chunk_in_place` gives."""
     for i in range(n):
         p[i] = load(param, i)
-    _chunk_in_place(p, m, v, n, offset, tensor, decay, opt, gaussian, keys0, keys1, c_plus, c_minus, grads, lrs,
+    _chunk_in_place(p, m, v, n, offset, tensor, decay, opt, gaussian, multi, keys0, keys1, c_plus, c_minus, grads, lrs,
                     bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, _load_f32, _store_f32, rnd, rnd_full, rnd)
     for i in range(n):
         store(param, i, p[i])
 
 
 @njit(inline="always")
-def _run(param_ptrs, m_ptrs, v_ptrs, offsets, decays, chunk_tensor, chunk_start, chunk_len, opt, gaussian, keys0,
-         keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, consts, storage_dtype, itemsize,
-         load, store, rnd, rnd_full, chunk_fn, scratch, workers, longest):
+def _run(param_ptrs, m_ptrs, v_ptrs, offsets, decays, plan, opt, gaussian, steps, keys0, keys1, c_plus, c_minus, grads,
+         lrs, bc1s, bc2s, thresholds, consts, storage_dtype, itemsize, load, store, rnd, rnd_full, chunk_fn, scratch,
+         workers, longest):
     """Each of `workers` threads takes a contiguous run of chunks and its own scratch
     (for the `longest` chunk), allocated once.
 
     `chunk_fn` is `_chunk_in_place` or `_chunk_staged` (which needs `scratch` elements of
-    float32 scratch): each kernel compiles the one it uses, which keeps compilation short."""
+    float32 scratch): each kernel compiles the one it uses, which keeps compilation short.
+    `plan` is (chunk_tensor, chunk_start, chunk_len); `steps` (q, moves, n_moves)."""
+    chunk_tensor, chunk_start, chunk_len = plan
+    q, moves, n_moves = steps
     chunks = chunk_tensor.shape[0]
     for w in prange(workers):
         p_scratch = np.empty(scratch, np.float32)
@@ -471,6 +617,9 @@ def _run(param_ptrs, m_ptrs, v_ptrs, offsets, decays, chunk_tensor, chunk_start,
         wa = np.empty(pairs, np.uint32)
         wb = np.empty(pairs, np.uint32)
         radius = np.empty(pairs, np.float32)
+        general = q > 1
+        multi = (q, moves, n_moves, np.empty(longest if general else 0, np.float32),
+                 np.empty(longest if general else 0, np.bool_))
         last = (w + 1) * chunks // workers
         for c in range(w * chunks // workers, last):
             t = chunk_tensor[c]
@@ -480,10 +629,13 @@ def _run(param_ptrs, m_ptrs, v_ptrs, offsets, decays, chunk_tensor, chunk_start,
             if opt == OPT_ADAM:
                 m = numba.carray(_as_voidptr(m_ptrs[t] + s * 4), n, np.float32)
                 v = numba.carray(_as_voidptr(v_ptrs[t] + s * 4), n, np.float32)
+            elif opt == OPT_MMT:
+                m = numba.carray(_as_voidptr(m_ptrs[t] + s * 4), n, np.float32)
+                v = m
             else:
                 m = numba.carray(_as_voidptr(param_ptrs[t]), 0, np.float32)
                 v = m
-            chunk_fn(param, m, v, n, offsets[t] + s, t, decays[t], opt, gaussian, keys0, keys1, c_plus, c_minus,
+            chunk_fn(param, m, v, n, offsets[t] + s, t, decays[t], opt, gaussian, multi, keys0, keys1, c_plus, c_minus,
                      grads, lrs, bc1s, bc2s, thresholds, consts, p_scratch, z, wa, wb, radius, load, store,
                      rnd, rnd_full, _round_f32)
 
@@ -494,34 +646,37 @@ _KERNEL_OPTIONS = dict(parallel=True, cache=True, error_model="numpy", nogil=Tru
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_f32(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, wk, lg):
-    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+def _kernel_f32(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con,
+                wk, lg):
+    _run(pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
          np.float32, np.int64(4), _load_f32, _store_f32, _round_f32, _round_f32, _chunk_in_place, 0, wk, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_bf16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, wk, lg):
-    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+def _kernel_bf16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con,
+                 wk, lg):
+    _run(pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
          np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, _chunk_staged, lg, wk, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_bf16_step(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, wk,
-                      lg):
-    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+def _kernel_bf16_step(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm,
+                      con, wk, lg):
+    _run(pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
          np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, _chunk_in_place, 0, wk, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_f16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, wk, lg):
-    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+def _kernel_f16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con,
+                 wk, lg):
+    _run(pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
          np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, _chunk_staged, lg, wk, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_f16_step(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con, wk,
-                     lg):
-    _run(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+def _kernel_f16_step(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm,
+                     con, wk, lg):
+    _run(pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
          np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, _chunk_in_place, 0, wk, lg)
 
 
@@ -603,12 +758,13 @@ def warm_up(dtype: torch.dtype, config: ZOConfig, steps: int = 1) -> None:
     perturbation_into(np.empty(4, dtype=np.float32), 0, 0, config.perturbation)
     name = "warm_up.weight"
     state = {name: torch.zeros(4, dtype=dtype)}
-    if config.optimizer == "zo-adam":
-        state[EXP_AVG_PREFIX + name] = torch.zeros(4)
-        state[EXP_AVG_SQ_PREFIX + name] = torch.zeros(4)
+    for prefix in moment_prefixes(config.optimizer):
+        state[prefix + name] = torch.zeros(4)
     extras = (0.0,) if config.optimizer == "sparse-mezo" else ()
     fingerprint = Layout.from_state(state, config).fingerprint(config)
-    records = [StepRecord(t, t, 0.0, config.lr, config.eps, fingerprint, config.optimizer, extras) for t in range(steps)]
+    more = (0.0,) * (config.num_perturbations - 1)
+    records = [StepRecord(t, t, 0.0, config.lr, config.eps, fingerprint, config.optimizer, extras, more)
+               for t in range(steps)]
     replay(state, records, config, threads=1)
 
 
@@ -679,18 +835,23 @@ def replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config
     if not records:
         return state
     k = len(records)
-    seeds = [r.seed for r in records]
+    q = config.num_perturbations
+    seeds = [seed for r in records for seed in perturbation_seeds(r.seed, q)]  # step k's j-th at k * q + j
     keys0 = np.array([s & MASK32 for s in seeds], dtype=np.uint64)
     keys1 = np.array([s >> 32 for s in seeds], dtype=np.uint64)
     c_plus = np.array([s.plus for s in scalars], dtype=np.float32)
     c_minus = np.array([s.minus for s in scalars], dtype=np.float32)
-    grads = np.array([s.grad for s in scalars], dtype=np.float32)
+    grads = np.array([s.grads for s in scalars], dtype=np.float32).reshape(k, q)
     lrs = np.array([s.lr for s in scalars], dtype=np.float32)
     bc1s = np.array([s.bias_correction1 for s in scalars], dtype=np.float32)
     bc2s = np.array([s.bias_correction2 for s in scalars], dtype=np.float32)
+    moves = np.zeros((k, MAX_MOVES), dtype=np.float32)
+    n_moves = np.array([len(s.moves) for s in scalars], dtype=np.int64)
+    for i, s in enumerate(scalars):
+        moves[i, : len(s.moves)] = s.moves
     s0 = scalars[0]
-    consts = np.array([s0.weight_decay, s0.beta1, s0.one_minus_beta1, s0.beta2, s0.one_minus_beta2, s0.adam_eps],
-                      dtype=np.float32)
+    consts = np.array([s0.weight_decay, s0.beta1, s0.one_minus_beta1, s0.beta2, s0.one_minus_beta2, s0.adam_eps,
+                       s0.momentum], dtype=np.float32)
     ntensors = len(layout.params)
     if config.optimizer == "sparse-mezo":
         thresholds = np.array([r.extras for r in records], dtype=np.float32).reshape(k, ntensors)
@@ -703,6 +864,9 @@ def replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config
     if opt == OPT_ADAM:
         m_ptrs = np.array([state[EXP_AVG_PREFIX + s.name].data_ptr() for s in layout.params], dtype=np.int64)
         v_ptrs = np.array([state[EXP_AVG_SQ_PREFIX + s.name].data_ptr() for s in layout.params], dtype=np.int64)
+    elif opt == OPT_MMT:
+        m_ptrs = v_ptrs = np.array([state[MOMENTUM_PREFIX + s.name].data_ptr() for s in layout.params],
+                                   dtype=np.int64)
     else:
         m_ptrs = v_ptrs = np.zeros(ntensors, dtype=np.int64)
     offsets = np.array([s.offset for s in layout.params], dtype=np.int64)
@@ -721,8 +885,9 @@ def replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config
                 if not len(lens):
                     continue
                 workers = min(threads or default_threads(), len(lens))
-                kernel(param_ptrs, m_ptrs, v_ptrs, offsets, decays, tensor_ids, starts, lens, opt, gaussian,
-                       keys0, keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, consts, workers, longest)
+                kernel(param_ptrs, m_ptrs, v_ptrs, offsets, decays, tensor_ids, starts, lens, opt, gaussian, q,
+                       keys0, keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, moves, n_moves, consts,
+                       workers, longest)
         finally:
             numba.set_num_threads(previous)
     return state

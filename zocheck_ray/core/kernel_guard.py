@@ -5,7 +5,8 @@
 
 On a sample (odd sizes; offsets not a multiple of 4, one past 2**32, one past 2**34;
 decayed and undecayed tensors; every dtype the job uses) the kernels run two steps of
-the job's optimizer as the trainer runs them (perturb, perturb, perturb, update) and as
+the job's optimizer, with its number of perturbations, as the trainer runs them
+(perturb, perturb, perturb per perturbation, then the update or ZO-SGD-Cons' moves) and as
 a replay runs them (one pass per step), and z alone; each result is compared with
 `torch.equal` to the eager oracle (`generator.py`, `update.py`) computed on the CPU.
 Any difference, or an error, and the check fails: the trainer logs it, runs eagerly and
@@ -29,9 +30,10 @@ import torch
 from zocheck_ray.core import triton_kernels, update
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.generator import perturbation
-from zocheck_ray.core.layout import DTYPES
+from zocheck_ray.core.layout import DTYPES, moment_prefixes
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.scalars import StepScalars
+from zocheck_ray.core.seeds import perturbation_seeds
 from zocheck_ray.core.triton_kernels import KernelStepper, Segment, perturbation_triton
 from zocheck_ray.core.update import sparse_thresholds
 
@@ -86,29 +88,41 @@ def inject_fault_for_tests(hook: Callable[[int, list[torch.Tensor]], None]):
         clear_cache()
 
 
-def _oracle_step(p: torch.Tensor, m, v, offset: int, decay: bool, seed: int, s: StepScalars, config: ZOConfig,
-                 threshold: float):
-    """One step of `config.optimizer` on a CPU tensor at `offset`, in eager torch: (p, m, v)."""
-    dtype = p.dtype
-    z = perturbation(seed, offset, p.numel(), config.perturbation, "cpu")
-    zd = update.cast_perturbation(z, dtype)
-    x = p.float()
-    mask = update.sparse_mask(x, threshold) if config.optimizer == "sparse-mezo" else None
-    for c in (s.plus, s.minus, s.plus):
-        x = update.perturb(x, zd, c, dtype, mask)
-    if config.optimizer == "zo-adam":
-        x, m, v = update.adam_update(x, m, v, zd, s, decay, dtype)
+def _oracle_step(p: torch.Tensor, buffers: list[torch.Tensor], offset: int, decay: bool, record: StepRecord,
+                 s: StepScalars, config: ZOConfig, threshold: float):
+    """One step of `config.optimizer` on a CPU tensor at `offset`, in eager torch: (p, buffers)."""
+    zds = [update.cast_perturbation(perturbation(seed, offset, p.numel(), config.perturbation, "cpu"), p.dtype)
+           for seed in perturbation_seeds(record.seed, len(record.grads))]
+    return update.step_tensor(p, buffers, zds, s, decay, config.optimizer, threshold)
+
+
+def trainer_phases(stepper: KernelStepper, record: StepRecord, s: StepScalars) -> None:
+    """A step the way the trainer runs it on the kernels: the 3q perturbations, then the update (ZO-SGD-Cons:
+    its moves one launch each, as the trainer makes them between its forward passes)."""
+    for j, seed in enumerate(perturbation_seeds(record.seed, len(record.grads))):
+        stepper.perturb(seed, s.plus, first=j == 0, thresholds=record.extras)
+        stepper.perturb(seed, s.minus, first=False)
+        stepper.perturb(seed, s.plus, first=False)
+    if record.optimizer == "zo-sgd-cons":
+        for move in s.moves:
+            stepper.update(record.seed, s.with_moves(move))
     else:
-        x = update.sgd_update(x, zd, s, decay, dtype, mask)
-    return x.to(dtype), m, v
+        stepper.update(record.seed, s)
 
 
-def _sample(dtype: torch.dtype, adam: bool):
+def guard_record(step: int, seed: int, config: ZOConfig, thresholds: tuple[float, ...]) -> StepRecord:
+    """The sample's record of `step`: q gradients; ZO-SGD-Cons takes each decision in turn."""
+    more = tuple(0.731 * (-0.5) ** j for j in range(1, config.num_perturbations))
+    decision = (step + 1) % 3 if config.optimizer == "zo-sgd-cons" else 0
+    return StepRecord(step, seed, 0.731, 1e-2, 1e-2, 0, config.optimizer, thresholds, more, decision)
+
+
+def _sample(dtype: torch.dtype, kinds: int):
+    """The sample's parameters and, per tensor, its `kinds` float32 buffers."""
     gen = torch.Generator().manual_seed(1234)
     params = [(torch.randn(n, generator=gen) * 0.05).to(dtype) for _, n, _ in SAMPLE]
     params[1][:3] = torch.tensor([0.0, -0.0, 1e-30])  # zeros and an underflowing value
-    moments = [torch.zeros(n) for _, n, _ in SAMPLE] if adam else []
-    return params, moments, [m.clone() for m in moments]
+    return params, [[torch.zeros(n) for _ in range(kinds)] for _, n, _ in SAMPLE]
 
 
 def _compare(label: str, got: torch.Tensor, want: torch.Tensor, mismatches: list[str]) -> None:
@@ -123,7 +137,7 @@ def _compare(label: str, got: torch.Tensor, want: torch.Tensor, mismatches: list
 def _run_checks(device: torch.device, dtypes: Sequence[torch.dtype], config: ZOConfig) -> tuple[list[str], int]:
     mismatches, checks = [], 0
     config = config.model_copy(update={"weight_decay": config.weight_decay or 0.05})
-    adam = config.optimizer == "zo-adam"
+    kinds = moment_prefixes(config.optimizer)
     segments = [Segment(o, n, d) for o, n, d in SAMPLE]
     for o, n, _ in SAMPLE:
         for seed in SEEDS:
@@ -132,37 +146,31 @@ def _run_checks(device: torch.device, dtypes: Sequence[torch.dtype], config: ZOC
             checks += 1
     for dtype in dtypes:
         name = DTYPES[dtype]
-        want, want_m, want_v = _sample(dtype, adam)
+        want, want_buffers = _sample(dtype, len(kinds))
         # copies (`.to` would alias the CPU sample on a CPU device)
         params = {path: [p.to(device, copy=True) for p in want] for path in ("trainer", "replay")}
-        ms = {path: [m.to(device, copy=True) for m in want_m] for path in params}
-        vs = {path: [v.to(device, copy=True) for v in want_v] for path in params}
-        steppers = {path: KernelStepper(segments, params[path], ms[path], vs[path], config) for path in params}
+        buffers = {path: [[b[k].to(device, copy=True) for b in want_buffers] for k in range(len(kinds))]
+                   for path in params}
+        steppers = {path: KernelStepper(segments, params[path], *(buffers[path] + [[], []])[:2], config)
+                    for path in params}
         for step, seed in enumerate(SEEDS):
             thresholds = sparse_thresholds(want, config.sparsity) if config.optimizer == "sparse-mezo" else ()
-            record = StepRecord(step, seed, 0.731, 1e-2, 1e-2, 0, config.optimizer, thresholds)
+            record = guard_record(step, seed, config, thresholds)
             s = StepScalars.of(record, config)
             for i, (o, _, d) in enumerate(SAMPLE):
                 threshold = thresholds[i] if thresholds else 0.0
-                want[i], m, v = _oracle_step(want[i], want_m[i] if adam else None, want_v[i] if adam else None,
-                                             o, d, seed, s, config, threshold)
-                if adam:
-                    want_m[i], want_v[i] = m, v
-            trainer = steppers["trainer"]
-            trainer.perturb(seed, s.plus, first=True, thresholds=thresholds)
-            trainer.perturb(seed, s.minus, first=False)
-            trainer.perturb(seed, s.plus, first=False)
-            trainer.update(seed, s)
+                want[i], want_buffers[i] = _oracle_step(want[i], want_buffers[i], o, d, record, s, config, threshold)
+            trainer_phases(steppers["trainer"], record, s)
             steppers["replay"].replay_step(record, s)
             for path in params:
                 for i, (o, n, _) in enumerate(SAMPLE):
                     where = f"{name} {path} step {step} (offset {o}, {n} elements)"
                     _compare(f"{where} parameter", params[path][i], want[i], mismatches)
                     checks += 1
-                    if adam:
-                        _compare(f"{where} exp_avg", ms[path][i], want_m[i], mismatches)
-                        _compare(f"{where} exp_avg_sq", vs[path][i], want_v[i], mismatches)
-                        checks += 2
+                    for k, prefix in enumerate(kinds):
+                        _compare(f"{where} {prefix.removeprefix('optimizer.').rstrip('.')}", buffers[path][k][i],
+                                 want_buffers[i][k], mismatches)
+                        checks += 1
     return mismatches, checks
 
 
@@ -172,7 +180,7 @@ def check_kernels(device: torch.device | str, dtypes: Sequence[torch.dtype], con
     dtypes = tuple(sorted(set(dtypes), key=lambda d: DTYPES[d]))
     names = tuple(DTYPES[d] for d in dtypes)
     key = (str(device), names, config.optimizer, config.perturbation, config.weight_decay > 0, config.betas,
-           config.adam_eps, config.sparsity)
+           config.adam_eps, config.sparsity, config.momentum, config.num_perturbations)
     if key in _cache:
         return _cache[key]
     if not triton_kernels.available():

@@ -1,7 +1,8 @@
 """The canonical layout: which tensors a state holds, in which order, at which offsets.
 
 A state is an ordered `dict[str, torch.Tensor]`: the trainable parameters in
-canonical order, then (ZO-Adam) the first moments, then the second moments. A
+canonical order, then the optimizer's float32 buffers, one block per kind in the same
+order (ZO-Adam: the first moments, then the second moments; ZO-SGD-MMT: the momentum). A
 parameter's global offset, the index z is generated at, is the number of parameter
 elements before it. The layout and the replay-relevant part of the `ZOConfig` hash
 to a 64-bit fingerprint that every `StepRecord` carries, so a record is never
@@ -23,6 +24,21 @@ EXP_AVG_PREFIX = "optimizer.exp_avg."
 """State key prefix of ZO-Adam's first moments (float32, one per parameter)."""
 EXP_AVG_SQ_PREFIX = "optimizer.exp_avg_sq."
 """State key prefix of ZO-Adam's second moments (float32, one per parameter)."""
+MOMENTUM_PREFIX = "optimizer.momentum."
+"""State key prefix of ZO-SGD-MMT's momentum buffers (float32, one per parameter)."""
+MOMENT_PREFIXES: dict[str, tuple[str, ...]] = {
+    "zo-adam": (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX),
+    "zo-sgd-mmt": (MOMENTUM_PREFIX,),
+}
+ALL_MOMENT_PREFIXES = (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MOMENTUM_PREFIX)
+NEW_CONFIG_DEFAULTS = {"momentum": 0.9, "num_perturbations": 1}
+"""ZOConfig fields added after the fingerprint's definition: left out of it at their defaults, so the
+fingerprints of earlier runs (their logs, their snapshots) do not change."""
+
+
+def moment_prefixes(optimizer: str) -> tuple[str, ...]:
+    """The state key prefixes of `optimizer`'s float32 buffers, in state order (none for most)."""
+    return MOMENT_PREFIXES.get(optimizer, ())
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float32: "float32",
@@ -96,22 +112,26 @@ class Layout:
         for name, tensor in items:
             if not isinstance(tensor, torch.Tensor):
                 raise StateMismatchError(f"state[{name!r}] is a {type(tensor).__name__}, not a tensor")
-        if config.optimizer != "zo-adam":
-            stray = [n for n, _ in items if n.startswith((EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX))]
+        prefixes = moment_prefixes(config.optimizer)
+        if not prefixes:
+            stray = [n for n, _ in items if n.startswith(ALL_MOMENT_PREFIXES)]
             if stray:
                 raise StateMismatchError(
                     f"state holds optimizer moments ({stray[0]!r}) but the config's optimizer is "
                     f"{config.optimizer!r}"
                 )
             return cls.from_params(items, config.optimizer)
-        if len(items) % 3:
+        per = 1 + len(prefixes)
+        if len(items) % per:
             raise StateMismatchError(
-                f"a zo-adam state holds parameters, exp_avg and exp_avg_sq tensors (3 per parameter); "
-                f"got {len(items)} tensors"
+                f"a {config.optimizer} state holds the parameters and, for each, "
+                f"{' and '.join(p.removeprefix('optimizer.').rstrip('.') for p in prefixes)} "
+                f"({per} per parameter); got {len(items)} tensors"
             )
-        n = len(items) // 3
+        n = len(items) // per
         layout = cls.from_params(items[:n], config.optimizer)
-        for prefix, block in ((EXP_AVG_PREFIX, items[n : 2 * n]), (EXP_AVG_SQ_PREFIX, items[2 * n :])):
+        for k, prefix in enumerate(prefixes, start=1):
+            block = items[k * n : (k + 1) * n]
             for spec, (name, tensor) in zip(layout.params, block):
                 if name != prefix + spec.name:
                     raise StateMismatchError(
@@ -132,9 +152,8 @@ class Layout:
 
     def state_keys(self) -> list[str]:
         keys = [s.name for s in self.params]
-        if self.optimizer == "zo-adam":
-            keys += [EXP_AVG_PREFIX + s.name for s in self.params]
-            keys += [EXP_AVG_SQ_PREFIX + s.name for s in self.params]
+        for prefix in moment_prefixes(self.optimizer):
+            keys += [prefix + s.name for s in self.params]
         return keys
 
     def describe(self) -> list[dict]:
@@ -146,9 +165,10 @@ class Layout:
 
     def fingerprint(self, config: ZOConfig) -> int:
         """64-bit id of (layout, replay-relevant config); records carry it."""
-        doc = {
-            "layout": [[s.name, list(s.shape), s.dtype, s.decay] for s in self.params],
-            "config": config.model_dump(mode="json", exclude={"lr", "eps"}),
-        }
+        dumped = config.model_dump(mode="json", exclude={"lr", "eps"})
+        for key, default in NEW_CONFIG_DEFAULTS.items():
+            if dumped.get(key) == default:
+                del dumped[key]
+        doc = {"layout": [[s.name, list(s.shape), s.dtype, s.decay] for s in self.params], "config": dumped}
         digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).digest()
         return int.from_bytes(digest[:8], "little")

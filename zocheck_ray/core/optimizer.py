@@ -3,9 +3,11 @@
     opt = ZOOptimizer(model.named_parameters(), ZOConfig(lr=1e-6, eps=1e-3))
     record = opt.step(lambda: model(**batch).loss, seed=step_seed)
 
-`step` runs perturb(+eps), loss+, perturb(-2 eps), loss-, perturb(+eps), update,
-in place, exactly as `update.py` spells the operations, and returns the
-`StepRecord` a replay needs to reproduce it.
+`step` runs perturb(+eps), loss+, perturb(-2 eps), loss-, perturb(+eps) for each of the
+q perturbations (`num_perturbations`), then the update, in place, exactly as `update.py`
+spells the operations, and returns the `StepRecord` a replay needs to reproduce it.
+ZO-SGD-Cons also evaluates the loss at the start and after each of its first two moves,
+and keeps the candidate with the lowest (its record says which).
 
 Two backends, one answer: "eager" works through each tensor in chunks (z from the
 fused numba generator on the CPU, from the eager oracle elsewhere, then one torch
@@ -18,6 +20,7 @@ tensors runs the kernels in Triton's interpreter (the tests drive the CUDA code 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Iterable
 
@@ -29,10 +32,10 @@ from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import NonFiniteError, StateMismatchError
 from zocheck_ray.core.fused import perturbation_into
 from zocheck_ray.core.generator import perturbation
-from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout, TensorSpec
-from zocheck_ray.core.record import StepRecord
+from zocheck_ray.core.layout import Layout, TensorSpec, moment_prefixes
+from zocheck_ray.core.record import CONS_ASCENT, CONS_DESCENT, CONS_START, StepRecord
 from zocheck_ray.core.scalars import StepScalars
-from zocheck_ray.core.seeds import check_seed
+from zocheck_ray.core.seeds import check_seed, perturbation_seeds
 from zocheck_ray.core.update import CHUNK_ELEMENTS, chunks, sparse_thresholds
 
 class ZOOptimizer:
@@ -61,11 +64,13 @@ class ZOOptimizer:
             if not p.is_contiguous():
                 raise StateMismatchError(f"parameter {spec.name!r} is not contiguous")
         self.fingerprint = self.layout.fingerprint(config)
-        self.exp_avg: list[torch.Tensor] = []
-        self.exp_avg_sq: list[torch.Tensor] = []
-        if config.optimizer == "zo-adam":
-            self.exp_avg = [torch.zeros(p.shape, dtype=torch.float32, device=self.device) for p in self.params]
-            self.exp_avg_sq = [torch.zeros(p.shape, dtype=torch.float32, device=self.device) for p in self.params]
+        self.buffers: list[list[torch.Tensor]] = [
+            [torch.zeros(p.shape, dtype=torch.float32, device=self.device) for p in self.params]
+            for _ in moment_prefixes(config.optimizer)]
+        """The optimizer's float32 buffers per kind (`moment_prefixes` order), one per parameter."""
+        self.exp_avg: list[torch.Tensor] = self.buffers[0] if self.buffers else []
+        """ZO-Adam's first moments, ZO-SGD-MMT's momentum (the kernels' first buffer)."""
+        self.exp_avg_sq: list[torch.Tensor] = self.buffers[1] if len(self.buffers) > 1 else []
         self.step_index = step
         self.last_losses: tuple[float, float] | None = None
         self._buffers: dict[str, torch.Tensor] = {}
@@ -82,10 +87,9 @@ class ZOOptimizer:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The canonical state (live tensors, not copies): parameters, then moments."""
         state = {s.name: p.data for s, p in zip(self.layout.params, self.params)}
-        for s, m in zip(self.layout.params, self.exp_avg):
-            state[EXP_AVG_PREFIX + s.name] = m
-        for s, v in zip(self.layout.params, self.exp_avg_sq):
-            state[EXP_AVG_SQ_PREFIX + s.name] = v
+        for prefix, block in zip(moment_prefixes(self.config.optimizer), self.buffers):
+            for s, m in zip(self.layout.params, block):
+                state[prefix + s.name] = m
         return state
 
     @torch.no_grad()
@@ -166,55 +170,122 @@ class ZOOptimizer:
              combine: Callable[[object, object], tuple[float, float]] | None = None) -> StepRecord:
         """One ZO step; `closure` returns the loss at the current parameters.
 
-        `combine(out_plus, out_minus) -> (loss_plus, loss_minus)`: with it, the closure's two
-        results are turned into the losses g is formed from, after the last perturbation (a
-        data-parallel rank gathers every rank's loss sums here, so all ranks form the same g)."""
+        `combine(out_a, out_b) -> (loss_a, loss_b)`: with it, two of the closure's results are turned
+        into the losses g (and ZO-SGD-Cons' decision) are formed from: each perturbation's pair after its
+        last perturbation (a data-parallel rank gathers every rank's loss sums here, so all ranks form
+        the same g and take the same decision)."""
         check_seed(seed)
         lr = self.config.lr if lr is None else float(lr)
         eps = self.config.eps
         if not math.isfinite(lr) or lr < 0:
             raise NonFiniteError(f"lr must be finite and >= 0, got {lr!r}")
+        optimizer = self.config.optimizer
         extras: tuple[float, ...] = ()
         masks = None
-        if self.config.optimizer == "sparse-mezo":
+        if optimizer == "sparse-mezo":
             extras = sparse_thresholds(self.params, self.config.sparsity)
             if self._stepper is None:  # packed, one bit per element (the kernels keep their own)
                 masks = {(i, a): update.pack_mask(update.sparse_mask(flat[a:b].float(), extras[i]))
                          for i, _, flat, a, b in self._walk()}
-        # Scalars as the record will carry them; g is filled in after the two losses.
-        probe = StepRecord(self.step_index, seed, 0.0, lr, eps, self.fingerprint, self.config.optimizer, extras)
+        seeds = perturbation_seeds(seed, self.config.num_perturbations)
+        # Scalars as the record will carry them; the gradients are filled in after the losses.
+        probe = StepRecord(self.step_index, seed, 0.0, lr, eps, self.fingerprint, optimizer, extras,
+                           (0.0,) * (len(seeds) - 1))
         s = StepScalars.of(probe, self.config)
-        self._perturb(seed, s.plus, masks, first=True, thresholds=extras)
-        out_plus = closure() if combine is not None else float(closure())
-        self._perturb(seed, s.minus, masks)
-        out_minus = closure() if combine is not None else float(closure())
-        self._perturb(seed, s.plus, masks)
-        loss_plus, loss_minus = (out_plus, out_minus) if combine is None else combine(out_plus, out_minus)
-        if not (math.isfinite(loss_plus) and math.isfinite(loss_minus)):
-            raise NonFiniteError(
-                f"step {self.step_index}: non-finite loss (loss+={loss_plus}, loss-={loss_minus}); "
-                "lower eps or lr, or use a wider dtype"
-            )
-        grad = (loss_plus - loss_minus) / (2.0 * eps)
-        record = StepRecord(self.step_index, seed, grad, lr, eps, self.fingerprint, self.config.optimizer, extras)
-        self._update(record, masks)
+        losses = self._losses(combine)
+        start = closure() if optimizer == "zo-sgd-cons" else None  # the start's loss, before any perturbation
+        grads, first_pair = [], None
+        for j, seed_j in enumerate(seeds):
+            self._perturb(seed_j, s.plus, masks, first=j == 0, thresholds=extras)
+            out_plus = closure()
+            self._perturb(seed_j, s.minus, masks)
+            out_minus = closure()
+            self._perturb(seed_j, s.plus, masks)
+            loss_plus, loss_minus = losses(out_plus, out_minus, "loss+", "loss-")
+            grads.append((loss_plus - loss_minus) / (2.0 * eps))
+            first_pair = first_pair or (loss_plus, loss_minus)
+        record = StepRecord(self.step_index, seed, grads[0], lr, eps, self.fingerprint, optimizer, extras,
+                            tuple(grads[1:]))
+        if optimizer == "zo-sgd-cons":
+            record = self._conservative(record, masks, closure, losses, start)
+        else:
+            self._update(record, masks)
         self.step_index += 1
-        self.last_losses = (loss_plus, loss_minus)
+        self.last_losses = first_pair
         return record
 
-    def _update(self, record: StepRecord, masks) -> None:
-        """The update after the three perturbations, in place; z is regenerated once more."""
+    def _losses(self, combine):
+        """(out_a, out_b, names) -> two finite float losses, through `combine` where there is one."""
+        def losses(out_a, out_b, name_a: str, name_b: str) -> tuple[float, float]:
+            a, b = (float(out_a), float(out_b)) if combine is None else combine(out_a, out_b)
+            if not (math.isfinite(a) and math.isfinite(b)):
+                raise NonFiniteError(
+                    f"step {self.step_index}: non-finite loss ({name_a}={a}, {name_b}={b}); "
+                    "lower eps or lr, or use a wider dtype"
+                )
+            return a, b
+        return losses
+
+    def _conservative(self, record: StepRecord, masks, closure, losses, start_out) -> StepRecord:
+        """ZO-Bench's ZO-SGD-Cons: move to the descent step (lr), evaluate; to the ascent step (-2 lr),
+        evaluate; then keep the candidate of lowest loss: back to the start (lr), to the descent step
+        (2 lr), or stay. The record's decision tells replay which moves were made."""
         s = StepScalars.of(record, self.config)
+        lr = s.moves[0]
+        self._update(record, masks, s.with_moves(lr))
+        out_descent = closure()
+        self._update(record, masks, s.with_moves(s.moves[1]))
+        out_ascent = closure()
+        start, _ = losses(start_out, start_out, "loss at the start", "loss at the start")
+        descent, ascent = losses(out_descent, out_ascent, "loss after the descent step", "loss after the ascent step")
+        # ZO-Bench's rule, ties included
+        if descent > start:
+            decision = CONS_START if start < ascent else CONS_ASCENT
+        else:
+            decision = CONS_DESCENT if descent < ascent else CONS_ASCENT
+        record = dataclasses.replace(record, decision=decision)
+        final = StepScalars.of(record, self.config).moves[2:]
+        if final:
+            self._update(record, masks, s.with_moves(*final))
+        return record
+
+    def _estimate(self, spec: TensorSpec, seeds, a: int, b: int, dtype: torch.dtype, s: StepScalars) -> torch.Tensor:
+        """The estimate a = zd_0 * G_0 (+ zd_j * G_j) of elements a..b (float32, a buffer of its own)."""
+        acc = self._scratch("estimate", b - a)
+        for j, seed_j in enumerate(seeds):
+            zd = self._z(spec, seed_j, a, b, dtype)
+            if j == 0:
+                torch.mul(zd, s.grads[0], out=acc)
+            else:
+                acc.add_(torch.mul(zd, s.grads[j], out=self._scratch("t", b - a)))
+        return acc if self.device.type == "cpu" else acc.clone()
+
+    def _update(self, record: StepRecord, masks, s: StepScalars | None = None) -> None:
+        """The update after the perturbations, in place; each z is regenerated once more.
+        `s`: the scalars with the moves to make now (ZO-SGD-Cons makes them one at a time)."""
+        s = StepScalars.of(record, self.config) if s is None else s
+        optimizer = self.config.optimizer
+        seeds = perturbation_seeds(record.seed, len(record.grads))
         if self._stepper is not None:
             self._stepper.update(record.seed, s)
             return
         state = self.state_tensors()
         for i, spec, flat, a, b in self._walk():
             chunk = flat[a:b]
-            zd = self._z(spec, record.seed, a, b, chunk.dtype)
-            if masks is None and self.device.type == "cpu" and self.config.optimizer == "zo-sgd":
-                self._sgd_in_place(chunk, zd, s, spec.decay)
+            if masks is None and self.device.type == "cpu" and optimizer == "zo-sgd" and len(seeds) == 1:
+                self._sgd_in_place(chunk, self._z(spec, record.seed, a, b, chunk.dtype), s, spec.decay)
                 continue
             mask = update.unpack_mask(masks[(i, a)], b - a) if masks is not None else None
-            chunk.copy_(update.update_chunk(state, spec.name, a, b, chunk.float(), zd, s, spec.decay, chunk.dtype,
-                                            self.config.optimizer, mask))
+            if self.device.type == "cpu":
+                est = self._estimate(spec, seeds, a, b, chunk.dtype, s)
+                chunk.copy_(update.update_chunk(state, spec.name, a, b, chunk.float(), [est], _unit(s), spec.decay,
+                                                chunk.dtype, optimizer, mask))
+            else:
+                zds = [self._z(spec, seed_j, a, b, chunk.dtype) for seed_j in seeds]
+                chunk.copy_(update.update_chunk(state, spec.name, a, b, chunk.float(), zds, s, spec.decay,
+                                                chunk.dtype, optimizer, mask))
+
+
+def _unit(s: StepScalars) -> StepScalars:
+    """`s` with one unit gradient: `update_chunk` of an estimate the caller formed already (a = est * 1.0)."""
+    return dataclasses.replace(s, grads=(1.0,))

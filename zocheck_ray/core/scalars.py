@@ -6,6 +6,7 @@ from here, so all three multiply by the very same float32 values.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ import numpy as np
 
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import NonFiniteError
-from zocheck_ray.core.record import StepRecord
+from zocheck_ray.core.record import CONS_ASCENT, CONS_DESCENT, CONS_START, StepRecord
 
 
 def f32(x: float) -> float:
@@ -50,6 +51,13 @@ class StepScalars:
     """1 / (1 - beta1**t), t = step + 1."""
     bias_correction2: float = 0.0
     adam_eps: float = 0.0
+    momentum: float = 0.0
+    """ZO-SGD-MMT's momentum."""
+    grads: tuple[float, ...] = ()
+    """Per perturbation j, g_j / q (q = 1: `grad`): the estimate is sum_j r(z_j) * grads[j], in order."""
+    moves: tuple[float, ...] = ()
+    """ZO-SGD-Cons: the factors of the update's moves, in order (lr, -2 lr, then lr or 2 lr, as the record's
+    decision says); `lr` for every other optimizer."""
 
     @classmethod
     def of(cls, record: StepRecord, config: ZOConfig) -> "StepScalars":
@@ -64,14 +72,26 @@ class StepScalars:
                 bias_correction2=f32(1.0 / (1.0 - int_power(b2, t))),
                 adam_eps=f32(config.adam_eps),
             )
+        if config.optimizer == "zo-sgd-mmt":
+            extra["momentum"] = f32(config.momentum)
+        q = len(record.grads)
+        moves = (f32(record.lr),)
+        if config.optimizer == "zo-sgd-cons":
+            last = {CONS_START: (f32(record.lr),), CONS_DESCENT: (f32(2.0 * record.lr),), CONS_ASCENT: ()}
+            moves = (f32(record.lr), f32(-2.0 * record.lr), *last[record.decision])
         scalars = cls(
             plus=f32(record.eps), minus=f32(-2.0 * record.eps),
-            grad=f32(record.projected_grad), lr=f32(record.lr),
-            weight_decay=f32(config.weight_decay), **extra,
+            grad=f32(record.projected_grad / q), lr=f32(record.lr),
+            weight_decay=f32(config.weight_decay), grads=tuple(f32(g / q) for g in record.grads), moves=moves,
+            **extra,
         )
         for name in cls.__slots__:
-            if not math.isfinite(getattr(scalars, name)):
-                raise NonFiniteError(
-                    f"step {record.step}: {name} overflows float32 ({getattr(scalars, name)!r})"
-                )
+            values = getattr(scalars, name)
+            for value in values if isinstance(values, tuple) else (values,):
+                if not math.isfinite(value):
+                    raise NonFiniteError(f"step {record.step}: {name} overflows float32 ({value!r})")
         return scalars
+
+    def with_moves(self, *moves: float) -> "StepScalars":
+        """The same step with other update moves (the trainer takes ZO-SGD-Cons' moves one at a time)."""
+        return dataclasses.replace(self, moves=tuple(moves))

@@ -7,6 +7,8 @@ travels in the step's `StepRecord`.
 
 from __future__ import annotations
 
+import hashlib
+
 SEED_MAX = 2**64 - 1
 MASK32 = 0xFFFFFFFF
 """The low 32-bit word of a seed, or of a counter: `x & MASK32`."""
@@ -17,3 +19,19 @@ def check_seed(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     return seed
+
+
+def perturbation_seeds(seed: int, count: int) -> tuple[int, ...]:
+    """The seeds of a step's `count` perturbations (n-SPSA): the step's own seed first, then
+    SHA-256 of (seed, j) for j = 1 .. count-1. A pure function of the step's seed, which the
+    record carries, so a replay derives the same ones.
+
+    >>> perturbation_seeds(7, 1)
+    (7,)
+    """
+    check_seed(seed)
+    out = [seed]
+    for j in range(1, count):
+        digest = hashlib.sha256(f"zo-perturbation:{seed}:{j}".encode()).digest()
+        out.append(int.from_bytes(digest[:8], "little"))
+    return tuple(out)

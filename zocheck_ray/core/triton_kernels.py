@@ -34,8 +34,8 @@ import torch
 
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import StateMismatchError
-from zocheck_ray.core.seeds import MASK32, check_seed
-from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX
+from zocheck_ray.core.seeds import MASK32, check_seed, perturbation_seeds
+from zocheck_ray.core.layout import moment_prefixes
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.reference import replay_reference
 from zocheck_ray.core.scalars import StepScalars
@@ -43,7 +43,7 @@ from zocheck_ray.core.validation import check_replay
 
 # Codes shared with _triton_src.py.
 PHASE_Z, PHASE_PERTURB, PHASE_UPDATE, PHASE_STEP = 0, 1, 2, 3
-OPT_CODES = {"zo-sgd": 0, "zo-adam": 1, "sparse-mezo": 2}
+OPT_CODES = {"zo-sgd": 0, "zo-adam": 1, "sparse-mezo": 2, "zo-sgd-sign": 3, "zo-sgd-mmt": 4, "zo-sgd-cons": 5}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MASK_NONE, MASK_MAKE, MASK_READ, MASK_REGISTERS = 0, 1, 2, 3
 
@@ -171,7 +171,7 @@ class Plan:
                params: Sequence[torch.Tensor] = (), exp_avg: Sequence[torch.Tensor] = (),
                exp_avg_sq: Sequence[torch.Tensor] = (), mask_mode: int = MASK_NONE, mask: torch.Tensor | None = None,
                thresholds: torch.Tensor | None = None, z: torch.Tensor | None = None, c_a: float = 0.0,
-               c_b: float = 0.0, s: StepScalars | None = None) -> None:
+               c_b: float = 0.0, s: StepScalars | None = None, multi: "MultiTables | None" = None) -> None:
         if self.programs == 0:
             return
         check_seed(seed)
@@ -186,11 +186,41 @@ class Plan:
             self._no_thresholds if thresholds is None else thresholds, self.prog_first, self.tensors, self.rows,
             self._dummy_u8 if mask is None else mask, self._dummy_f32 if z is None else z,
             (seed & MASK32) | _KEY_TAG, (seed >> 32) | _KEY_TAG, c_a, c_b, *scal,
+            *(multi.arguments() if multi is not None else (self.offsets, self._dummy_f32, self._dummy_f32, 0.0)),
             PHASE=phase, OPT=OPT_CODES[optimizer], DTYPE=DTYPE_CODES[dtype], GAUSSIAN=gaussian, MASK=mask_mode,
-            B4=self.b4, SEARCH=self.search, num_warps=NUM_WARPS, enable_fp_fusion=ENABLE_FP_FUSION,
+            B4=self.b4, SEARCH=self.search, MULTI=multi is not None, Q=multi.q if multi is not None else 1,
+            N_MOVES=multi.n_moves if multi is not None else 0, num_warps=NUM_WARPS, enable_fp_fusion=ENABLE_FP_FUSION,
         )
         if _fault_hook is not None:
             _fault_hook(phase, [z] if phase == PHASE_Z else [*params, *exp_avg, *exp_avg_sq])
+
+
+def multi_step(config: ZOConfig) -> bool:
+    """Whether `config`'s update runs the kernel's MULTI path (q > 1, or an optimizer beyond the first three)."""
+    return config.num_perturbations > 1 or config.optimizer not in ("zo-sgd", "zo-adam", "sparse-mezo")
+
+
+@dataclass(frozen=True)
+class MultiTables:
+    """The MULTI path's tables on the device: each perturbation's key words and G_j, the moves."""
+
+    keys: torch.Tensor
+    grads: torch.Tensor
+    moves: torch.Tensor
+    q: int
+    n_moves: int
+    momentum: float
+
+    @classmethod
+    def of(cls, seed: int, s: StepScalars, device: torch.device) -> "MultiTables":
+        seeds = perturbation_seeds(seed, len(s.grads))
+        keys = torch.tensor([w for sj in seeds for w in (sj & MASK32, sj >> 32)], dtype=torch.int64, device=device)
+        grads = torch.tensor(s.grads, dtype=torch.float32, device=device)
+        moves = torch.tensor(list(s.moves) or [0.0], dtype=torch.float32, device=device)
+        return cls(keys, grads, moves, len(seeds), len(s.moves), s.momentum)
+
+    def arguments(self) -> tuple:
+        return self.keys, self.grads, self.moves, self.momentum
 
 
 def perturbation_triton(seed: int, offset: int, numel: int, kind: str = "gaussian", device="cuda") -> torch.Tensor:
@@ -231,6 +261,7 @@ class KernelStepper:
             self.groups.append((dtype, members, plan, [params[i] for i in members],
                                 [exp_avg[i] for i in members] if exp_avg else [],
                                 [exp_avg_sq[i] for i in members] if exp_avg_sq else [], mask))
+        self.multi = multi_step(config)
 
     def _thresholds(self, members, thresholds):
         if self.config.optimizer != "sparse-mezo":
@@ -247,21 +278,25 @@ class KernelStepper:
                         thresholds=self._thresholds(members, thresholds) if first else None, c_a=c)
 
     def update(self, seed: int, s: StepScalars) -> None:
-        """The optimizer's update after the three perturbations (Sparse-MeZO: on the masked elements)."""
+        """The optimizer's update after the perturbations (Sparse-MeZO: on the masked elements); `seed` is
+        the step's (its q perturbations' seeds follow from it), `s.moves` the moves to make."""
         sparse = self.config.optimizer == "sparse-mezo"
+        multi = MultiTables.of(seed, s, self.device) if self.multi else None
         for dtype, _, plan, params, exp_avg, exp_avg_sq, mask in self.groups:
             plan.launch(PHASE_UPDATE, seed=seed, optimizer=self.config.optimizer, dtype=dtype,
                         gaussian=self.gaussian, params=params, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
-                        mask_mode=MASK_READ if sparse else MASK_NONE, mask=mask, s=s)
+                        mask_mode=MASK_READ if sparse else MASK_NONE, mask=mask, s=s, multi=multi)
 
     def replay_step(self, record: StepRecord, s: StepScalars) -> None:
         """A whole step (three perturbations and the update) in one pass over each tensor."""
         sparse = self.config.optimizer == "sparse-mezo"
+        multi = MultiTables.of(record.seed, s, self.device) if self.multi else None
         for dtype, members, plan, params, exp_avg, exp_avg_sq, _ in self.groups:
             plan.launch(PHASE_STEP, seed=record.seed, optimizer=self.config.optimizer, dtype=dtype,
                         gaussian=self.gaussian, params=params, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
                         mask_mode=MASK_REGISTERS if sparse else MASK_NONE,
-                        thresholds=self._thresholds(members, record.extras), c_a=s.plus, c_b=s.minus, s=s)
+                        thresholds=self._thresholds(members, record.extras), c_a=s.plus, c_b=s.minus, s=s,
+                        multi=multi)
 
 
 def replay_triton(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
@@ -277,11 +312,10 @@ def replay_triton(state: dict[str, torch.Tensor], records: Sequence[StepRecord],
     for spec, p in zip(layout.params, params):
         if not p.is_contiguous():
             raise StateMismatchError(f"state[{spec.name!r}] is not contiguous")
-    adam = config.optimizer == "zo-adam"
+    blocks = [[state[prefix + s.name] for s in layout.params] for prefix in moment_prefixes(config.optimizer)]
     stepper = KernelStepper(
         [Segment(s.offset, s.numel, s.decay) for s in layout.params], params,
-        [state[EXP_AVG_PREFIX + s.name] for s in layout.params] if adam else [],
-        [state[EXP_AVG_SQ_PREFIX + s.name] for s in layout.params] if adam else [], config)
+        blocks[0] if blocks else [], blocks[1] if len(blocks) > 1 else [], config)
     for record, s in zip(records, all_scalars):
         stepper.replay_step(record, s)
     return state

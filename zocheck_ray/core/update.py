@@ -6,15 +6,28 @@ bf16/fp16; for float32 the rounding is the identity. No fused forms
 (`add_(alpha=)`, `addcmul`, `lerp`) are used: each statement is one kernel, so no
 compiler can contract a multiply and an add into an FMA.
 
-    perturb(c):  t = r(zd * c);  p = r(p + t)             c = +eps, -2 eps, +eps
-    zo-sgd:      u = r(zd * g);  [u = r(u + r(p * wd))];  p = r(p - r(u * lr))
-    zo-adam:     gz = zd * g;  m = m*b1 + gz*(1-b1);  v = v*b2 + (gz*gz)*(1-b2)
+A step of q perturbations (q = 1 unless `num_perturbations` says otherwise) with seeds
+s_0 .. s_{q-1} (`seeds.perturbation_seeds`) and projected gradients g_0 .. g_{q-1}:
+
+    perturb:     for j = 0 .. q-1, for c = +eps, -2 eps, +eps:  t = r(zd_j * c);  p = r(p + t)
+    estimate:    a = zd_0 * G_0;  a = a + zd_j * G_j for j = 1 .. q-1        (float32, G_j = f32(g_j / q))
+    zo-sgd:      u = r(a);  [u = r(u + r(p * wd))];  p = r(p - r(u * lr))
+    zo-adam:     m = m*b1 + a*(1-b1);  v = v*b2 + (a*a)*(1-b2)
                  u = (m*bc1) / (sqrt(v*bc2) + eps_a)     (sqrt correctly rounded);  [u = u + p*wd]   (float32)
                  p = r(p - r(u * lr))
     sparse-mezo: zo-sgd on elements with |p_start| <= threshold, others untouched
+    zo-sgd-sign: u = sgn(a) = (a > 0) - (a < 0)  (exact: -1, 0 or 1);  [u = r(u + r(p * wd))];  p = r(p - r(u * lr))
+    zo-sgd-mmt:  m = m*mu + a;  u = m;  [u = u + p*wd]   (float32);  p = r(p - r(u * lr))
+    zo-sgd-cons: for each move c of the record's decision (lr, -2 lr, then lr to go back to the start,
+                 2 lr to the descent step, or none to stay at the ascent step):
+                 u = r(a);  [u = r(u + r(p * wd))];  p = r(p - r(u * c))
 
-where zd = r(z) is the perturbation rounded to the parameter dtype and the
-bracketed decay terms apply only to decayed tensors when wd > 0.
+where zd_j = r(z_j) is perturbation j rounded to the parameter dtype and the
+bracketed decay terms apply only to decayed tensors when wd > 0. With q = 1, a = zd * g:
+the sequences of ZO-SGD, ZO-Adam and Sparse-MeZO are the ones they always had.
+ZO-SGD-Cons is ZO-Bench's: the trainer evaluates the loss at the start, after the first move
+(the descent step) and after the second (the ascent step), and its record's decision says
+which it kept, so replay runs the same moves without a forward pass.
 """
 
 from __future__ import annotations
@@ -24,7 +37,7 @@ import math
 import numpy as np
 import torch
 
-from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX
+from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MOMENTUM_PREFIX, moment_prefixes
 from zocheck_ray.core.scalars import StepScalars
 
 
@@ -52,11 +65,30 @@ def perturb(p: torch.Tensor, zd: torch.Tensor, c: float, dtype: torch.dtype, mas
     return out if mask is None else torch.where(mask, out, p)
 
 
-def sgd_update(p, zd, s: StepScalars, decay: bool, dtype, mask=None) -> torch.Tensor:
-    u = _round(zd * s.grad, dtype)
+def estimate(zds: list[torch.Tensor], s: StepScalars) -> torch.Tensor:
+    """a = zd_0 * G_0 (+ zd_j * G_j, in order), float32: the step's gradient estimate, per element."""
+    a = zds[0] * s.grads[0]
+    for zd, g in zip(zds[1:], s.grads[1:]):
+        a = a + zd * g
+    return a
+
+
+def sign(a: torch.Tensor) -> torch.Tensor:
+    """(a > 0) - (a < 0): -1, 0 or 1 (0 for NaN), exactly."""
+    return (a > 0).to(torch.float32) - (a < 0).to(torch.float32)
+
+
+def sgd_move(p, a, c: float, s: StepScalars, decay: bool, dtype, sign_of: bool = False) -> torch.Tensor:
+    """u = r(a) (or sgn(a));  [u = r(u + r(p * wd))];  p = r(p - r(u * c))."""
+    u = sign(a) if sign_of else _round(a, dtype)
     if decay and s.weight_decay > 0:
         u = _round(u + _round(p * s.weight_decay, dtype), dtype)
-    out = _round(p - _round(u * s.lr, dtype), dtype)
+    return _round(p - _round(u * c, dtype), dtype)
+
+
+def sgd_update(p, zd, s: StepScalars, decay: bool, dtype, mask=None) -> torch.Tensor:
+    """ZO-SGD's update of one perturbation (the trainer's fast path): u = r(zd * g) ..."""
+    out = sgd_move(p, zd * s.grad, s.lr, s, decay, dtype)
     return out if mask is None else torch.where(mask, out, p)
 
 
@@ -67,15 +99,23 @@ def correctly_rounded_sqrt(x: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(x.to(torch.float64)).to(torch.float32)
 
 
-def adam_update(p, m, v, zd, s: StepScalars, decay: bool, dtype):
-    """Returns the new (p, m, v); m and v are float32."""
-    gz = zd * s.grad
-    m = m * s.beta1 + gz * s.one_minus_beta1
-    v = v * s.beta2 + (gz * gz) * s.one_minus_beta2
+def adam_update(p, m, v, a, s: StepScalars, decay: bool, dtype):
+    """Returns the new (p, m, v); m and v are float32; `a` is the estimate."""
+    m = m * s.beta1 + a * s.one_minus_beta1
+    v = v * s.beta2 + (a * a) * s.one_minus_beta2
     u = (m * s.bias_correction1) / (correctly_rounded_sqrt(v * s.bias_correction2) + s.adam_eps)
     if decay and s.weight_decay > 0:
         u = u + p * s.weight_decay
     return _round(p - _round(u * s.lr, dtype), dtype), m, v
+
+
+def momentum_update(p, m, a, s: StepScalars, decay: bool, dtype):
+    """Returns the new (p, m); m is float32."""
+    m = m * s.momentum + a
+    u = m
+    if decay and s.weight_decay > 0:
+        u = u + p * s.weight_decay
+    return _round(p - _round(u * s.lr, dtype), dtype), m
 
 
 def sparse_thresholds(params: list[torch.Tensor], sparsity: float) -> tuple[float, ...]:
@@ -124,15 +164,47 @@ def unpack_mask_torch(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return ((packed[:, None] >> shifts) & 1).view(-1)[:numel].bool()
 
 
-def update_chunk(state: dict[str, torch.Tensor], name: str, a: int, b: int, p: torch.Tensor, zd: torch.Tensor,
+def perturb_all(p: torch.Tensor, zds: list[torch.Tensor], s: StepScalars, dtype, mask=None) -> torch.Tensor:
+    """The step's 3q perturbations: +eps, -2 eps, +eps with each zd_j in turn."""
+    for zd in zds:
+        for c in (s.plus, s.minus, s.plus):
+            p = perturb(p, zd, c, dtype, mask)
+    return p
+
+
+def update_chunk(state: dict[str, torch.Tensor], name: str, a: int, b: int, p: torch.Tensor, zds: list[torch.Tensor],
                  s: StepScalars, decay: bool, dtype: torch.dtype, optimizer: str, mask=None) -> torch.Tensor:
     """The update of elements a..b of parameter `name` (p: their float32 values after the
-    perturbations); ZO-Adam moments are updated in `state` in place. Returns the new p."""
-    if optimizer != "zo-adam":
-        return sgd_update(p, zd, s, decay, dtype, mask)
-    m = state[EXP_AVG_PREFIX + name].view(-1)[a:b]
-    v = state[EXP_AVG_SQ_PREFIX + name].view(-1)[a:b]
-    p, m_new, v_new = adam_update(p, m, v, zd, s, decay, dtype)
-    m.copy_(m_new)
-    v.copy_(v_new)
-    return p
+    perturbations; zds: each perturbation's zd_j); optimizer buffers are updated in `state` in
+    place. Returns the new p."""
+    est = estimate(zds, s)
+    if optimizer == "zo-adam":
+        m = state[EXP_AVG_PREFIX + name].view(-1)[a:b]
+        v = state[EXP_AVG_SQ_PREFIX + name].view(-1)[a:b]
+        p, m_new, v_new = adam_update(p, m, v, est, s, decay, dtype)
+        m.copy_(m_new)
+        v.copy_(v_new)
+        return p
+    if optimizer == "zo-sgd-mmt":
+        m = state[MOMENTUM_PREFIX + name].view(-1)[a:b]
+        p, m_new = momentum_update(p, m, est, s, decay, dtype)
+        m.copy_(m_new)
+        return p
+    out = p
+    for c in s.moves:  # one move, or ZO-SGD-Cons' two or three
+        out = sgd_move(out, est, c, s, decay, dtype, sign_of=optimizer == "zo-sgd-sign")
+    return out if mask is None else torch.where(mask, out, p)
+
+
+def step_tensor(p: torch.Tensor, buffers: list[torch.Tensor], zds: list[torch.Tensor], s: StepScalars, decay: bool,
+                optimizer: str, threshold: float | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One whole step on one stored tensor `p` (any dtype) with the optimizer's float32 `buffers` (in
+    `moment_prefixes` order): (new p, new buffers). The oracle the kernels' tests and the start-up
+    guard compare with, at any global offset (the caller generates zd_j there)."""
+    dtype = p.dtype
+    x = p.reshape(-1).float()
+    mask = sparse_mask(x, threshold) if optimizer == "sparse-mezo" else None
+    x = perturb_all(x, zds, s, dtype, mask)
+    state = {prefix + "t": b.reshape(-1).clone() for prefix, b in zip(moment_prefixes(optimizer), buffers)}
+    x = update_chunk(state, "t", 0, x.numel(), x, zds, s, decay, dtype, optimizer, mask)
+    return x.to(dtype).view(p.shape), [t.view(b.shape) for t, b in zip(state.values(), buffers)]

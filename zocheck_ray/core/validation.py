@@ -57,6 +57,11 @@ def check_replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], 
                 f"step {record.step} carries {len(record.extras)} extras, {config.optimizer} on this state "
                 f"needs {expected_extras}"
             )
+        if len(record.grads) != config.num_perturbations:
+            raise StateMismatchError(
+                f"step {record.step} carries {len(record.grads)} projected gradient(s), the config's "
+                f"num_perturbations is {config.num_perturbations}"
+            )
         for field in ("projected_grad", "lr", "eps"):
             if not math.isfinite(getattr(record, field)):
                 raise NonFiniteError(f"step {record.step}: {field} is not finite")

@@ -101,11 +101,14 @@ def write_model_dir(url: str, result, digest: str, source: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from zocheck_ray.storage.fs import open_storage
-    from zocheck_ray.storage.hf_layout import HF_CONFIG_FILE, MODEL_INDEX_FILE, file_layout, model_index
+    from zocheck_ray.storage.hf_layout import (
+        ADAPTER_CONFIG_FILE, ADAPTER_KIND, HF_CONFIG_FILE, MODEL_INDEX_FILE, file_layout, model_index,
+    )
     from zocheck_ray.storage.tensorfile import write_tensors
 
     storage = open_storage(url, create=True)
-    layout = file_layout(result.state)
+    adapter = result.meta.adapter_config
+    layout = file_layout(result.state, ADAPTER_KIND if adapter is not None else "model")
     with ThreadPoolExecutor(2) as pool:
         futures = []
         for name, shard in layout.items():
@@ -117,6 +120,8 @@ def write_model_dir(url: str, result, digest: str, source: str) -> None:
         storage.write_atomic(MODEL_INDEX_FILE, index)
     if result.meta.hf_config is not None:
         storage.write_atomic(HF_CONFIG_FILE, json.dumps(result.meta.hf_config, indent=2, sort_keys=True).encode())
+    if adapter is not None:  # a peft adapter directory: PeftModel.from_pretrained(base, url) loads it
+        storage.write_atomic(ADAPTER_CONFIG_FILE, json.dumps(adapter, indent=2, sort_keys=True).encode())
     summary = {
         "step": result.step, "state_hash": digest, "storage": source,
         "snapshot_step": result.snapshot.step, "records_replayed": result.records_replayed,

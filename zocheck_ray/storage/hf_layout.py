@@ -26,6 +26,10 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 MODEL_INDEX_FILE = "model.safetensors.index.json"
 HF_CONFIG_FILE = "config.json"
 """The Hugging Face model config, when there is one: with it `from_pretrained` loads the directory."""
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+"""A peft adapter's config: with it (and `adapter_model.safetensors`) `PeftModel.from_pretrained` loads the directory."""
+ADAPTER_KIND = "adapter_model"
+"""The parameters' file of an adapter, `adapter_model.safetensors`, where a model's is `model.safetensors`."""
 
 
 def shard_file_names(kind: str, count: int) -> list[str]:
@@ -35,10 +39,11 @@ def shard_file_names(kind: str, count: int) -> list[str]:
     return [f"{kind}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def file_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """File name -> the tensors it holds, model shards first: the canonical encoding of `core.hashing`."""
+def file_layout(tensors: Mapping[str, torch.Tensor], model_kind: str = "model") -> dict[str, dict[str, torch.Tensor]]:
+    """File name -> the tensors it holds, model shards first: the canonical encoding of `core.hashing`.
+    `model_kind`: `ADAPTER_KIND` names the parameters' file the way peft does."""
     layout: dict[str, dict[str, torch.Tensor]] = {}
-    for kind, part in zip(("model", "optimizer"), split_state(tensors)):
+    for kind, part in zip((model_kind, "optimizer"), split_state(tensors)):
         parts = shards(part)
         layout.update(zip(shard_file_names(kind, len(parts)), parts))
     return layout
@@ -46,7 +51,7 @@ def file_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torc
 
 def model_index(layout: Mapping[str, Mapping[str, torch.Tensor]]) -> bytes | None:
     """`model.safetensors.index.json`, with which `from_pretrained` loads sharded weights (None: not sharded)."""
-    model = {name: shard for name, shard in layout.items() if name.startswith("model")}
+    model = {name: shard for name, shard in layout.items() if name.startswith("model")}  # adapters: no index
     if len(model) < 2:
         return None
     weight_map = {t: name for name, shard in model.items() for t in shard}

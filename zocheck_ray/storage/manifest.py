@@ -30,6 +30,9 @@ class SnapshotMeta(BaseModel):
     """The ZO optimizer config (`ZOConfig.model_dump(mode="json")`): how to replay the log onto it."""
     hf_config: dict[str, Any] | None = None
     """A Hugging Face model config, written as `config.json` so `from_pretrained` loads the directory."""
+    adapter_config: dict[str, Any] | None = None
+    """A peft adapter config, written as `adapter_config.json`; the parameters are then written as
+    `adapter_model.safetensors`, so `PeftModel.from_pretrained(base, directory)` loads the directory."""
     user: dict[str, Any] = Field(default_factory=dict)
     """Any other JSON metadata."""
 

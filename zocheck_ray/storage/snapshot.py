@@ -40,7 +40,9 @@ from zocheck_ray.core import state_hash as compute_state_hash
 from zocheck_ray.core.hashing import OPTIMIZER_PREFIX, combine_file_digests, dtype_name
 from zocheck_ray.storage.errors import CorruptSnapshotError, SnapshotNotFoundError, StorageError
 from zocheck_ray.storage.fs import PROBE_PREFIX, TMP_MARK, Storage, file_size, open_storage
-from zocheck_ray.storage.hf_layout import HF_CONFIG_FILE, MODEL_INDEX_FILE, file_layout, model_index
+from zocheck_ray.storage.hf_layout import (
+    ADAPTER_CONFIG_FILE, ADAPTER_KIND, HF_CONFIG_FILE, MODEL_INDEX_FILE, file_layout, model_index,
+)
 from zocheck_ray.storage.lease import Lease, check_lease_for, require_lease
 from zocheck_ray.storage.manifest import FileEntry, Manifest, SnapshotMeta, TensorEntry
 from zocheck_ray.storage.tensorfile import CHUNK_BYTES, DTYPE_BY_NAME, read_tensors, write_tensors
@@ -280,7 +282,7 @@ class SnapshotStore:
 
         Each shard is hashed from tensor memory beside the writes (hashlib releases the GIL),
         several at once; the state hash follows from their digests, so the state is hashed once."""
-        layout = file_layout(tensors)
+        layout = file_layout(tensors, ADAPTER_KIND if meta.adapter_config is not None else "model")
         files: dict[str, FileEntry] = {}
         pool = self._hash_pool()
         pending: dict[str, Future] = {}
@@ -291,6 +293,8 @@ class SnapshotStore:
             extras = {}
             if meta.hf_config is not None:
                 extras[HF_CONFIG_FILE] = json.dumps(meta.hf_config, indent=2, sort_keys=True).encode()
+            if meta.adapter_config is not None:
+                extras[ADAPTER_CONFIG_FILE] = json.dumps(meta.adapter_config, indent=2, sort_keys=True).encode()
             if (index := model_index(layout)) is not None:
                 extras[MODEL_INDEX_FILE] = index
             for name, data in extras.items():
@@ -339,8 +343,8 @@ class SnapshotStore:
                 raise CorruptSnapshotError(f"{url} is missing from a committed snapshot", url) from exc
             if digest.sha256 != entry.sha256 or digest.size != entry.size:
                 raise CorruptSnapshotError(f"{url} fails its SHA-256 check (the file is damaged)", url)
-        hf_config = None
-        for name in (HF_CONFIG_FILE, MODEL_INDEX_FILE):
+        hf_config = adapter_config = None
+        for name in (HF_CONFIG_FILE, MODEL_INDEX_FILE, ADAPTER_CONFIG_FILE):
             if name not in manifest.files:
                 continue
             rel = f"{directory}/{name}"
@@ -350,11 +354,13 @@ class SnapshotStore:
                 raise CorruptSnapshotError(f"{url} fails its SHA-256 check (the file is damaged)", url)
             if name == HF_CONFIG_FILE:
                 hf_config = json.loads(data)
+            if name == ADAPTER_CONFIG_FILE:
+                adapter_config = json.loads(data)
         if _state_hash_of_files(manifest.tensors, manifest.files) != manifest.state_hash:
             url = self.storage.url_of(f"{directory}/{MANIFEST_FILE}")
             raise CorruptSnapshotError(f"the tensors of {info.url} do not hash to the state_hash in {url}", url)
         meta = SnapshotMeta(run_id=manifest.run_id, zo_config=manifest.zo_config, hf_config=hf_config,
-                            user=manifest.user)
+                            adapter_config=adapter_config, user=manifest.user)
         return tensors, meta
 
     def check(self, which: SnapshotInfo | int) -> SnapshotInfo:

@@ -8,14 +8,18 @@ from __future__ import annotations
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, state_hash
 from zocheck_ray.workload.data import step_seed
-from zocheck_ray.workload.models import build_model, trainable_parameters
-from zocheck_ray.workload.tasks import build_task
+from zocheck_ray.workload.adapters import build_trainable
+from zocheck_ray.workload.builder import build_task
+
+
+def _model_and_optimizer(job: JobConfig):
+    built = build_trainable(job.model, job.dtype, job.run_seed, job.peft)
+    return built.model, ZOOptimizer(built.parameters, job.zo)
 
 
 def uninterrupted_hashes(job: JobConfig) -> dict[int, str]:
     """The run that would have happened: a plain loop, no Ray, no failures."""
-    model = build_model(job.model, job.dtype, seed=job.run_seed)
-    opt = ZOOptimizer(trainable_parameters(model), job.zo)
+    model, opt = _model_and_optimizer(job)
     task = build_task(job.task, job.model)
     hashes = {0: state_hash(opt.state_tensors())}
     for t in range(job.steps):
@@ -28,8 +32,7 @@ def uninterrupted_data_parallel_hashes(job: JobConfig) -> dict[int, str]:
     """The k-rank run that would have happened, as one plain loop: each step evaluates the k slices of its
     batch in rank order and forms the losses from their (sum, count) pairs added in rank order in float64."""
     k = job.trainers
-    model = build_model(job.model, job.dtype, seed=job.run_seed)
-    opt = ZOOptimizer(trainable_parameters(model), job.zo)
+    model, opt = _model_and_optimizer(job)
     task = build_task(job.task, job.model)
 
     def losses(plus, minus):
@@ -41,7 +44,7 @@ def uninterrupted_data_parallel_hashes(job: JobConfig) -> dict[int, str]:
 
     hashes = {0: state_hash(opt.state_tensors())}
     for t in range(job.steps):
-        slices = [task.batch_slice(t, r, k) for r in range(k)]
-        opt.step(lambda: [task.loss_sum(model, b) for b in slices], seed=step_seed(job.run_seed, t), combine=losses)
+        slices = [task.slice_closure(model, t, r, k) for r in range(k)]
+        opt.step(lambda: [closure() for closure in slices], seed=step_seed(job.run_seed, t), combine=losses)
         hashes[t + 1] = state_hash(opt.state_tensors())
     return hashes

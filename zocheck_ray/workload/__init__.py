@@ -8,6 +8,7 @@
     task.evaluate(model)                             # {"accuracy": ..., "loss": ...} on held-out rows
 """
 
+from zocheck_ray.workload.builder import build_task
 from zocheck_ray.workload.datafiles import SHIPPED_SST2, Row, read_rows
 from zocheck_ray.workload.errors import (
     DataFileError,
@@ -32,7 +33,6 @@ from zocheck_ray.workload.tasks import (
     PromptClassificationTask,
     SequenceClassificationTask,
     Task,
-    build_task,
     split_rows,
 )
 from zocheck_ray.workload.tokenization import ByteTokenizer, HFTokenizer, load_tokenizer

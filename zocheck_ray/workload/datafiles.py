@@ -1,6 +1,12 @@
-"""Reading task rows from JSONL or CSV files, with errors that name the file and line.
+"""Reading task rows from JSONL, CSV or Parquet files or a `datasets` folder, with errors that name the
+file and line.
 
     rows = read_rows("train.jsonl", text_field="sentence", label_field="label")
+    records = read_records("rte/train.parquet")          # every field of every row (MeZO's tasks)
+    records = read_records("rte_saved/", split="train")  # a folder written by `save_to_disk`
+
+Parquet files and `save_to_disk` folders are read with `datasets` from local disk only (never
+downloaded); a row's "line" is then its 1-based index in the file or split.
 
 JSONL: one JSON object per line (blank lines are skipped); the text field must be a
 non-empty string and the label an integer or a string. CSV: a header row naming
@@ -23,8 +29,8 @@ from zocheck_ray.workload.errors import DataFileError, DataFormatError
 SHIPPED_SST2 = Path(__file__).resolve().parent / "data" / "sst2_small.jsonl"
 """The shipped sentiment dataset: 480 short movie-review sentences, labels 0 (negative) and 1 (positive)."""
 
-DataFormat = Literal["auto", "jsonl", "csv"]
-_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv"}
+DataFormat = Literal["auto", "jsonl", "csv", "parquet", "dataset"]
+_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 
 
 @dataclass(frozen=True)
@@ -37,15 +43,83 @@ class Row:
     line: int
 
 
-def data_format(path: str | Path, declared: DataFormat = "auto") -> Literal["jsonl", "csv"]:
-    """The format of `path`: `declared`, or by suffix (.jsonl/.ndjson/.json, .csv) when `auto`."""
+def data_format(path: str | Path, declared: DataFormat = "auto") -> Literal["jsonl", "csv", "parquet", "dataset"]:
+    """The format of `path`: `declared`, or when `auto` by suffix (.jsonl/.ndjson/.json, .csv, .parquet) or,
+    for a directory, a `datasets` folder written by `save_to_disk`."""
     if declared != "auto":
         return declared
+    if Path(path).is_dir():
+        return "dataset"
     suffix = Path(path).suffix.lower()
     if suffix not in _SUFFIXES:
         raise DataFileError(f"cannot tell the format of data file {path} from its suffix {suffix!r}; "
-                            "name it .jsonl or .csv, or set task.data_format")
+                            "name it .jsonl, .csv or .parquet, give a save_to_disk folder, or set task.data_format")
     return _SUFFIXES[suffix]  # type: ignore[return-value]
+
+
+def read_records(path: str | Path, fmt: DataFormat = "auto", split: str = "train") -> list[tuple[int, dict]]:
+    """(line, record) of every row of a JSONL or Parquet file, or of split `split` of a `save_to_disk` folder
+    (a lone `Dataset` has no splits). Records are dicts of the row's fields as the file holds them."""
+    path = Path(path)
+    kind = data_format(path, fmt)
+    if kind == "csv":
+        raise DataFileError(f"data file {path}: this task reads structured rows; give JSONL, Parquet or a "
+                            "save_to_disk folder")
+    if kind == "jsonl":
+        text = _read_text(path)
+        out = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataFormatError(str(path), number, f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
+            if not isinstance(record, dict):
+                raise DataFormatError(str(path), number, f"expected a JSON object, got {type(record).__name__}")
+            out.append((number, record))
+    else:
+        out = [(i + 1, dict(r)) for i, r in enumerate(_read_table(path, kind, split))]
+    if not out:
+        raise DataFileError(f"data file {path} holds no rows" + (f" in split {split!r}" if kind == "dataset" else ""))
+    return out
+
+
+def has_split(path: str | Path, split: str, fmt: DataFormat = "auto") -> bool:
+    """Whether `path` is a `save_to_disk` folder of several splits, one of them `split`."""
+    if data_format(path, fmt) != "dataset":
+        return False
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception:
+        return False
+    return isinstance(loaded, datasets.DatasetDict) and split in loaded
+
+
+def _read_table(path: Path, kind: str, split: str):
+    """A Parquet file or a `save_to_disk` folder as a `datasets.Dataset` (local files only)."""
+    import datasets
+
+    if kind == "parquet":
+        if not path.is_file():
+            raise DataFileError(f"data file {path} does not exist (or is not a file)")
+        try:
+            return datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+        except Exception as exc:
+            raise DataFileError(f"data file {path} is not a readable Parquet file: {exc}") from exc
+    if not path.is_dir():
+        raise DataFileError(f"data folder {path} does not exist (a save_to_disk folder is a directory)")
+    try:
+        loaded = datasets.load_from_disk(str(path), keep_in_memory=True)
+    except Exception as exc:
+        raise DataFileError(f"{path} is not a folder written by datasets' save_to_disk: {exc}") from exc
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DataFileError(f"{path} has splits {sorted(loaded)}, not {split!r}; set task.split / task.eval_split")
+        return loaded[split]
+    return loaded
 
 
 def _read_text(path: Path) -> str:
@@ -129,10 +203,21 @@ def _csv_rows(path: str, text: str, text_field: str, label_field: str | None) ->
 
 
 def read_rows(path: str | Path, text_field: str = "sentence", label_field: str | None = "label",
-              fmt: DataFormat = "auto") -> list[Row]:
-    """All rows of a JSONL or CSV file; `label_field=None` reads text only (language modelling)."""
+              fmt: DataFormat = "auto", split: str = "train") -> list[Row]:
+    """All rows of a JSONL, CSV or Parquet file or a `save_to_disk` folder (its split `split`);
+    `label_field=None` reads text only (language modelling)."""
     path = Path(path)
     kind = data_format(path, fmt)
+    if kind in ("parquet", "dataset"):
+        rows = []
+        for number, record in read_records(path, kind, split):
+            for field in (text_field, label_field):
+                if field is not None and field not in record:
+                    raise DataFormatError(str(path), number, f"missing field {field!r} (the row has {sorted(record)}); "
+                                                             "set task.text_field / task.label_field")
+            label = None if label_field is None else _check_label(str(path), number, label_field, record[label_field])
+            rows.append(Row(_check_text(str(path), number, text_field, record[text_field]), label, str(path), number))
+        return rows
     text = _read_text(path)
     reader = _jsonl_rows if kind == "jsonl" else _csv_rows
     rows = reader(str(path), text, text_field, label_field)

@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from zocheck_ray.workload.datafiles import DataFormat
 from zocheck_ray.workload.tokenization import TokenizerChoice
 
-TaskKind = Literal["sst2", "lm", "classification"]
+TaskKind = Literal["sst2", "lm", "classification", "rte", "cb", "boolq", "wsc", "wic", "multirc", "copa", "squad"]
+MEZO_KINDS = ("rte", "cb", "boolq", "wsc", "wic", "multirc", "copa", "squad")
+"""MeZO's tasks beyond SST-2: their fields, prompt templates and verbalizers are MeZO's (`workload/mezo_tasks.py`)."""
 
 
 class TaskConfig(BaseModel):
@@ -26,13 +28,26 @@ class TaskConfig(BaseModel):
     kind: TaskKind = "sst2"
     """`sst2`: a causal LM scores each verbalizer word after the prompt (MeZO's prompt-based
     classification); `lm`: next-token loss on the text; `classification`: an encoder's
-    classification head on the text."""
+    classification head on the text; MeZO's `rte`, `cb`, `boolq`, `wsc`, `wic`, `multirc`, `copa`
+    (prompt-based classification with MeZO's templates and verbalizers, accuracy) and `squad`
+    (the answer's tokens after MeZO's prompt; F1 and exact match of greedy answers), read from the
+    SuperGLUE / SQuAD fields of local files."""
     data_path: str | None = None
-    """Training rows, a JSONL or CSV file; None uses the shipped SST-2 style dataset."""
+    """Training rows: a JSONL, CSV or Parquet file, or a folder written by `datasets`' `save_to_disk`;
+    None uses the shipped SST-2 style dataset (`sst2`, `lm`, `classification` only)."""
     eval_path: str | None = None
-    """Held-out rows in their own file; None holds out `eval_size` rows of `data_path` (see `split_rows`)."""
+    """Held-out rows in their own file (or folder); None takes the `eval_split` of a `save_to_disk` folder that
+    has one, else holds out `eval_size` rows of `data_path` (see `split_rows`)."""
     data_format: DataFormat = "auto"
-    """`jsonl`, `csv`, or `auto` (by the file's suffix)."""
+    """`jsonl`, `csv`, `parquet`, `dataset` (a `save_to_disk` folder), or `auto` (by the suffix; a folder is a
+    `dataset`)."""
+    split: str = "train"
+    """The training split of a `save_to_disk` folder holding several (a `DatasetDict`)."""
+    eval_split: str = "validation"
+    """The held-out split of such a folder, used when `eval_path` is None and the folder has it."""
+    k_shot: int | None = Field(None, ge=1)
+    """MeZO's k-shot sampling: train on k examples per class (`squad`: k in all), drawn with `data_seed`
+    (e.g. 16 or 512); None trains on every row."""
     text_field: str = Field("sentence", min_length=1)
     """The field (JSONL) or column (CSV) holding the text."""
     label_field: str = Field("label", min_length=1)
@@ -54,6 +69,11 @@ class TaskConfig(BaseModel):
     """Held-out rows evaluated by `Task.evaluate` (at most this many from `eval_path`)."""
     eval_interval: int = Field(50, ge=1)
     """Steps between held-out evaluations in the progress output (the trainer also evaluates at the end)."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Gradient accumulation for small devices: rows per forward pass of a training step (None: the whole
+    batch, or a data-parallel rank's slice, at once). The step's loss at each perturbation is then the
+    sum of the micro-batches' loss sums over the sum of their counts, added in order in float64, so the
+    same step gives the same projected gradient on every device and after every recovery."""
     eval_batch_size: int = Field(64, ge=1)
     """Rows per forward pass during evaluation (memory only; the metrics do not depend on it)."""
     tokenizer: TokenizerChoice = "auto"
@@ -90,6 +110,16 @@ class TaskConfig(BaseModel):
                 raise ValueError(f"verbalizer words must be non-empty for kind 'sst2', got {self.verbalizer}")
             if len(set(words)) != len(words):
                 raise ValueError(f"verbalizer words must differ for kind 'sst2', got {self.verbalizer}")
+        return self
+
+    @model_validator(mode="after")
+    def _mezo_data(self) -> "TaskConfig":
+        if self.kind in MEZO_KINDS and self.data_path is None:
+            raise ValueError(f"task kind {self.kind!r} reads its rows from task.data_path (JSONL, Parquet or a "
+                             "save_to_disk folder with MeZO's fields); nothing is downloaded")
+        if self.kind == "lm" and self.k_shot is not None:
+            raise ValueError("task.k_shot samples k rows per class, and kind 'lm' has no classes; unset k_shot (or "
+                             "choose a classification kind)")
         return self
 
     @property

@@ -1,6 +1,6 @@
 """Tasks: the batches, loss and held-out metrics a ZO trainer needs, built before any model.
 
-    task = build_task(TaskConfig(), "tiny-opt")            # checks data, labels, model fit
+    task = build_task(TaskConfig(), "tiny-opt")            # checks data, labels, model fit (builder.py)
     model = build_model("tiny-opt")
     opt = ZOOptimizer(trainable_parameters(model), ZOConfig(lr=1e-3))
     for t in range(steps):
@@ -24,7 +24,8 @@ Kinds:
 
 Batches are padded on the right to the longest sequence of the batch; padding is
 masked from attention and loss. Every error about the data, the labels or the
-model's fit is raised by `build_task`, before training starts.
+model's fit is raised by `build_task` (`builder.py`), before training starts. MeZO's SuperGLUE
+and SQuAD tasks (`rte`, ..., `squad`) are in `mezo_tasks.py`.
 """
 
 from __future__ import annotations
@@ -39,14 +40,13 @@ import torch
 import torch.nn.functional as F
 
 from zocheck_ray.workload.data import batch_indices
-from zocheck_ray.workload.datafiles import SHIPPED_SST2, Row, read_rows
-from zocheck_ray.workload.errors import DataFormatError, LabelError, TaskModelMismatchError, WorkloadError
-from zocheck_ray.workload.models import model_config_dict, model_directory, model_kind
+from zocheck_ray.workload.datafiles import Row
+from zocheck_ray.workload.errors import TaskModelMismatchError, WorkloadError
 from zocheck_ray.workload.task_config import TaskConfig
-from zocheck_ray.workload.tokenization import TextTokenizer, load_tokenizer
+from zocheck_ray.workload.tokenization import TextTokenizer
 
 __all__ = ["Task", "PromptClassificationTask", "LanguageModelingTask", "SequenceClassificationTask",
-           "TaskConfig", "build_task", "split_rows"]
+           "TaskConfig", "candidate_examples", "split_prompt", "split_rows"]
 
 IGNORE = -100
 """Target id that contributes no loss (padding, prompt tokens)."""
@@ -120,12 +120,36 @@ class Task(ABC):
         rows = batch_indices(self.config.data_seed, step, self.config.batch_size, self.n_train)
         return _to(self._collate([self.train_examples[i] for i in rows]), device)
 
+    def _micro_batches(self, rows: list[int], device) -> list[dict[str, torch.Tensor]]:
+        """The rows' examples in `micro_batch_size` pieces, in order, each collated (padded) on its own."""
+        size = self.config.micro_batch_size
+        return [_to(self._collate([self.train_examples[i] for i in rows[a:a + size]]), device)
+                for a in range(0, len(rows), size)]
+
+    def _accumulated(self, model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        """(sum of the micro-batches' loss sums, sum of their counts), added in order in float64."""
+        total = count = 0.0
+        for batch in batches:
+            s, c = self._loss_sum(model, batch)
+            total += float(s)
+            count += float(c)
+        return total, count
+
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The scalar training loss of `model` on `batch` (float32)."""
         return self._loss(model, _to(batch, _device_of(model)))
 
-    def closure(self, model: torch.nn.Module, step: int) -> Callable[[], torch.Tensor]:
-        """`ZOOptimizer.step`'s closure for step `step`: one batch, evaluated at each perturbation."""
+    def closure(self, model: torch.nn.Module, step: int) -> Callable[[], torch.Tensor | float]:
+        """`ZOOptimizer.step`'s closure for step `step`: one batch, evaluated at each perturbation (in
+        `micro_batch_size` pieces when set: their accumulated mean, a float)."""
+        if self.config.micro_batch_size is not None:
+            rows = batch_indices(self.config.data_seed, step, self.config.batch_size, self.n_train)
+            batches = self._micro_batches(rows, _device_of(model))
+
+            def accumulated() -> float:
+                total, count = self._accumulated(model, batches)
+                return total / count
+            return accumulated
         batch = self.batch(step, _device_of(model))
         return lambda: self._loss(model, batch)
 
@@ -145,7 +169,15 @@ class Task(ABC):
 
     def slice_closure(self, model: torch.nn.Module, step: int, rank: int,
                       ranks: int) -> Callable[[], tuple[float, float]]:
-        """A data-parallel rank's closure: (loss sum, count) on its slice of step `step`'s batch."""
+        """A data-parallel rank's closure: (loss sum, count) on its slice of step `step`'s batch (in
+        `micro_batch_size` pieces when set, accumulated in float64)."""
+        if self.config.micro_batch_size is not None:
+            if self.config.batch_size % ranks:
+                raise WorkloadError(f"task.batch_size={self.config.batch_size} does not divide among {ranks} ranks")
+            rows = batch_indices(self.config.data_seed, step, self.config.batch_size, self.n_train)
+            size = len(rows) // ranks
+            batches = self._micro_batches(rows[rank * size:(rank + 1) * size], _device_of(model))
+            return lambda: self._accumulated(model, batches)
         batch = self.batch_slice(step, rank, ranks, _device_of(model))
         return lambda: self.loss_sum(model, batch)
 
@@ -300,18 +332,10 @@ class LanguageModelingTask(Task):
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
 
 
-# ---------------------------------------------------------------- building a task
+# ---------------------------------------------------------------- examples
 
 
-def _class_index(config: TaskConfig, row: Row) -> int:
-    labels = config.labels
-    try:
-        return labels.index(str(row.label))
-    except ValueError:
-        raise LabelError(row.path, row.line, row.label, labels) from None
-
-
-def _split_prompt(prompt: list[int], whole: list[int]) -> tuple[list[int], list[int]]:
+def split_prompt(prompt: list[int], whole: list[int]) -> tuple[list[int], list[int]]:
     # Tokenise prompt and prompt+word, and take what follows the shared prefix as the word's
     # tokens (as lm-evaluation-harness does): robust to tokenizers that merge across the boundary.
     n = 0
@@ -329,91 +353,26 @@ def _shared_prefix(options: list[list[int]]) -> int:
     return n
 
 
-def _prompt_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list[Row]) -> list[PromptExample]:
-    prompts = [config.template.format(text=r.text) for r in rows]
+def candidate_examples(config: TaskConfig, tokenizer: TextTokenizer, prompts: list[str],
+                       options: list[Sequence[str]], labels: list[int], what: str = "candidate") -> list[PromptExample]:
+    """Prompt-classification examples: each prompt followed by each of its candidates' texts (class order),
+    the candidates' tokens taken as what follows the prompt's (`split_prompt`)."""
     prompt_ids = tokenizer.encode(prompts)
-    per_word = [tokenizer.encode([p + " " + word for p in prompts]) for word in config.verbalizer.values()]
+    width = max(len(o) for o in options)
+    per_option = [tokenizer.encode([p + (o[k] if k < len(o) else "") for p, o in zip(prompts, options)])
+                  for k in range(width)]
     examples = []
-    for i, row in enumerate(rows):
-        options = []
-        for word, encoded in zip(config.verbalizer.values(), per_word):
-            prefix, option = _split_prompt(prompt_ids[i], encoded[i])
+    for i, label in enumerate(labels):
+        encoded_options = []
+        for k, text in enumerate(options[i]):
+            prefix, option = split_prompt(prompt_ids[i], per_option[k][i])
             if not option or len(option) >= config.max_length:
                 raise TaskModelMismatchError(
-                    f"verbalizer word {word!r} takes {len(option)} tokens with {tokenizer.describe()}, which leaves "
+                    f"{what} {text.strip()!r} takes {len(option)} tokens with {tokenizer.describe()}, which leaves "
                     f"no room for the prompt within task.max_length={config.max_length}; raise max_length or "
                     "choose shorter words")
-            options.append(option)
-        shared = _shared_prefix(options)
-        examples.append(PromptExample(prefix + options[0][:shared], [o[shared:] for o in options],
-                                      _class_index(config, row)))
+            encoded_options.append(option)
+        shared = _shared_prefix(encoded_options)
+        examples.append(PromptExample(prefix + encoded_options[0][:shared], [o[shared:] for o in encoded_options],
+                                      label))
     return examples
-
-
-def _text_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list[Row], labelled: bool) -> list[TextExample]:
-    encoded = tokenizer.encode([r.text for r in rows], max_length=config.max_length)
-    examples = []
-    for row, ids in zip(rows, encoded):
-        if not labelled and len(ids) < 2:
-            raise DataFormatError(row.path, row.line, f"the text encodes to {len(ids)} token(s) with "
-                                                      f"{tokenizer.describe()}; language modelling needs at least 2")
-        examples.append(TextExample(ids, _class_index(config, row) if labelled else -1))
-    return examples
-
-
-def _check_fit(config: TaskConfig, name: str, kind: str, hf: dict, tokenizer: TextTokenizer) -> None:
-    arch = ", ".join(hf.get("architectures") or [hf.get("model_type", "?")])
-    if config.kind in ("sst2", "lm") and kind != "causal-lm":
-        raise TaskModelMismatchError(
-            f"task kind {config.kind!r} needs a causal LM, but model {name!r} is an encoder with a classification "
-            f"head ({arch}); use task kind 'classification', or a causal LM such as tiny-opt, tiny-llama, tiny-qwen3")
-    if config.kind == "classification":
-        if kind != "sequence-classification":
-            raise TaskModelMismatchError(
-                f"task kind 'classification' needs a model with a classification head, but model {name!r} is a "
-                f"causal LM ({arch}); use task kind 'sst2' to classify with the LM's verbalizer scores, or an "
-                "encoder such as tiny-bert or minilm")
-        n_labels = len(hf.get("id2label") or {}) or 2
-        if n_labels != len(config.verbalizer):
-            raise TaskModelMismatchError(
-                f"model {name!r} has {n_labels} output classes but task.verbalizer has {len(config.verbalizer)} "
-                f"labels {config.labels}; build the model with overrides={{'num_labels': {len(config.verbalizer)}}}")
-    vocab = int(hf["vocab_size"])
-    if tokenizer.vocab_size > vocab:
-        raise TaskModelMismatchError(f"the tokenizer ({tokenizer.describe()}) has {tokenizer.vocab_size} ids but "
-                                     f"model {name!r} embeds only vocab_size={vocab}; use the model's own tokenizer")
-    positions = hf.get("max_position_embeddings")
-    if positions is not None and config.max_length > int(positions):
-        raise TaskModelMismatchError(f"task.max_length={config.max_length} exceeds model {name!r}'s "
-                                     f"max_position_embeddings={positions}; lower task.max_length")
-
-
-def build_task(config: TaskConfig, model: str, overrides: dict | None = None,
-               tokenizer: TextTokenizer | None = None) -> Task:
-    """The task `config` for model `model` (a name `build_model` accepts, with the same `overrides`).
-
-    Reads and checks every row, the labels and the model's fit without building the
-    model, so bad input fails here, before training starts. `tokenizer` replaces
-    the one `config.tokenizer` selects.
-    """
-    kind = model_kind(model, overrides)
-    hf = model_config_dict(model, overrides)
-    if tokenizer is None:
-        tokenizer = load_tokenizer(model_directory(model), int(hf["vocab_size"]), config.tokenizer)
-    _check_fit(config, model, kind, hf, tokenizer)
-
-    label_field = None if config.kind == "lm" else config.label_field
-    rows = read_rows(config.data_path or SHIPPED_SST2, config.text_field, label_field, config.data_format)
-    if config.eval_path is None:
-        train, held_out = split_rows(rows, config.eval_size)
-    else:
-        train = rows
-        held_out = read_rows(config.eval_path, config.text_field, label_field, config.data_format)[:config.eval_size]
-
-    if config.kind == "sst2":
-        return PromptClassificationTask(config, tokenizer, _prompt_examples(config, tokenizer, train),
-                                        _prompt_examples(config, tokenizer, held_out))
-    labelled = config.kind == "classification"
-    cls = SequenceClassificationTask if labelled else LanguageModelingTask
-    return cls(config, tokenizer, _text_examples(config, tokenizer, train, labelled),
-               _text_examples(config, tokenizer, held_out, labelled))

@@ -57,6 +57,10 @@ class ByteTokenizer:
     def describe(self) -> str:
         return f"byte-level (vocab {self.vocab_size})"
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of generated ids (exact when vocab_size >= 258; a folded id reads as its lowest byte)."""
+        return bytes((i - 2) % 256 for i in ids if i >= 2).decode("utf-8", errors="replace")
+
 
 class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local directory (no network)."""
@@ -79,6 +83,9 @@ class HFTokenizer:
 
     def describe(self) -> str:
         return f"{type(self.tokenizer).__name__} from {self.directory}"
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
 def has_tokenizer(directory: str | Path | None) -> bool:

@@ -1,0 +1,155 @@
+"""A job's trainer and shadow in this process, through software and host failures, without Ray.
+
+    result = run_in_process(job, software=[3, 6, 9], host=[11])
+    assert all(h == expected[step] for step, seen in result.step_hashes.items() for h in seen)
+
+The same `Trainer` and `Shadow` a Ray run puts in two processes, joined by `InProcessLink` instead of
+Ray's calls, so a test can take a whole matrix of methods (optimizer x adapter x dtype) through every
+recovery path in seconds; the Ray tests take a few of them through real process deaths.
+
+- A software failure: the trainer stops before running the step (`DieBefore`, a `TrainerHooks`) and
+  is dropped as a dying process is, the records it had not sent lost (`Trainer.close(hand_over=False)`).
+  A new trainer recovers from the shadow's in-memory image plus the records after it, and trains again
+  the steps it lost.
+- A host failure, at the end of the segment that reaches the step: the trainer is dropped the same way
+  and the shadow stops (what its persistence stage had written stays, as on a lost node whose last
+  write landed). A new shadow rebuilds from durable storage (the newest durable snapshot plus the durable
+  log after it, replayed), then a new trainer recovers from it.
+
+Every step's state hash each trainer reported is kept (a step trained again reports twice), with the
+recoveries and the shadow's final replica, to compare with `uninterrupted_hashes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zocheck_ray.actors.hooks import NO_HOOKS
+from zocheck_ray.actors.messages import RecoveryInfo, ShadowMetrics, TrainerProgress
+from zocheck_ray.actors.publisher import StateOffer, poll_answered
+from zocheck_ray.actors.shadow import Shadow
+from zocheck_ray.actors.trainer import Trainer
+from zocheck_ray.config import JobConfig
+
+
+class InjectedDeath(RuntimeError):
+    """The trainer died before running a step (an injected software failure, in process)."""
+
+
+class DieBefore:
+    """`TrainerHooks`: raise `InjectedDeath` before each of `steps`, once each (a restarted trainer that
+    is handed the same hooks trains the step)."""
+
+    steps_hooked = True
+
+    def __init__(self, steps):
+        self.pending = set(steps)
+
+    def before_step(self, rank: int, step: int) -> None:
+        if step in self.pending:
+            self.pending.discard(step)
+            raise InjectedDeath(f"injected software failure before step {step}")
+
+    def after_restore(self) -> None:
+        pass
+
+
+class InProcessLink:
+    """`ShadowLink` over a `Shadow` in this process (a `TrainerActor` has it over Ray); pushes are answered
+    at once.
+
+    A reader in another process maps the lent image with its own descriptor, which outlives the shadow
+    replacing it; here the image is copied on the shadow's replay thread instead, the only thread that
+    replaces images, so no snapshot can free it mid-copy."""
+
+    def __init__(self, shadow: Shadow):
+        self.shadow = shadow
+
+    def borrow_image(self):
+        return self.shadow.replay.call(self._copy_of_image)
+
+    def _copy_of_image(self) -> StateOffer | None:
+        image, records = self.shadow.recovery_view()
+        if image is None:
+            return None
+        source = "durable" if self.shadow.replay.source == "durable" else "memory"
+        state = {name: tensor.clone() for name, tensor in image.tensors().items()}
+        return StateOffer(state, image.step, records, source, adapter=self.shadow.adapter)
+
+    def initialize(self, state, step, adapter=None):
+        self.shadow.initialize(step, state, adapter=adapter)
+
+    def write_state(self, state):
+        raise NotImplementedError("an in-process run takes no resync (keep max_lag_steps above the run's steps)")
+
+    def push(self, data, trainer_step=None):
+        return self.shadow.push(data, trainer_step)
+
+    poll = staticmethod(poll_answered)
+
+
+@dataclass
+class InProcessRun:
+    """What `run_in_process` saw."""
+
+    step_hashes: dict[int, list[str]] = field(default_factory=dict)
+    """Every state hash a trainer reported after each step (a step trained again appears more than once)."""
+    recoveries: list[RecoveryInfo] = field(default_factory=list)
+    """Each replacement trainer's recovery (source `memory` after a software failure, `durable` after a host
+    failure), in order."""
+    evaluations: dict[int, dict[str, float]] = field(default_factory=dict)
+    final_hash: str | None = None
+    shadow: tuple[int, str] | None = None
+    """The shadow's replica (step, state hash) after the last step was drained."""
+    metrics: ShadowMetrics | None = None
+    """The last shadow's metrics after the drain."""
+
+    def absorb(self, progress: TrainerProgress) -> None:
+        for step, digest in progress.step_hashes.items():
+            self.step_hashes.setdefault(step, []).append(digest)
+        self.evaluations.update(progress.evaluations)
+
+
+def run_in_process(job: JobConfig, software=(), host=(), drain_timeout: float = 120.0,
+                   first_shadow_hooks=NO_HOOKS) -> InProcessRun:
+    """Train `job` to its last step in this process with software failures before the steps `software`
+    and host failures after the steps `host` (see the module docstring); returns what it saw."""
+    hooks, pending_host = DieBefore(software), sorted(host)
+    result = InProcessRun()
+    shadow = Shadow(job, hooks=first_shadow_hooks)
+    trainer = Trainer(job, InProcessLink(shadow), hooks=hooks)
+    try:
+        while trainer.step < job.steps:
+            target = min(trainer.step + job.log_interval, job.steps, *[h for h in pending_host if h > trainer.step])
+            try:
+                result.absorb(trainer.run(target))
+            except InjectedDeath:
+                result.absorb(trainer.progress())
+                trainer = _replace(trainer, job, shadow, hooks, result)
+                continue
+            if pending_host and trainer.step == pending_host[0]:
+                pending_host.pop(0)
+                trainer.close(hand_over=False)
+                shadow.close()
+                shadow = Shadow(job)  # rebuilt from durable storage
+                trainer = _replace(None, job, shadow, hooks, result)
+        result.final_hash = trainer.state_hash()[1]
+        trainer.close()
+        result.metrics = shadow.drain(job.steps, timeout=drain_timeout)
+        result.shadow = shadow.replica_hash()
+        return result
+    finally:
+        trainer.close()
+        shadow.close()
+
+
+def _replace(dead: Trainer | None, job: JobConfig, shadow: Shadow, hooks: DieBefore,
+             result: InProcessRun) -> Trainer:
+    if dead is not None:
+        dead.close(hand_over=False)
+    trainer = Trainer(job, InProcessLink(shadow), hooks=hooks)
+    result.recoveries.append(trainer.recovery)
+    return trainer
+
+
+__all__ = ["DieBefore", "InProcessLink", "InProcessRun", "InjectedDeath", "run_in_process"]

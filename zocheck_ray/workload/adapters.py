@@ -1,0 +1,174 @@
+"""Parameter-efficient ZO: a model wrapped with `peft`'s own classes, and what the run keeps of it.
+
+    model = build_model("tiny-opt", "fp32", seed=0)
+    identity = base_identity(model)                          # SHA-256 of the frozen base's weights
+    wrapped = wrap_model(model, PeftSettings(method="lora", r=8), seed=0)
+    params = adapter_parameters(wrapped)                     # what ZO perturbs and updates, peft's names
+
+With a job's `peft:` section the trainable set is the adapter's parameters only (LoRA's A and B
+matrices, prefix tuning's virtual-token embeddings, and on a classification model the head peft
+trains beside them), in `named_parameters()` order and under the names `PeftModel.save_pretrained`
+gives them. So the trainer perturbs and updates only them, and the shadow's replica, its images,
+the snapshots and the step log's fingerprints hold only them: the shadow's memory and a snapshot's
+size scale with the adapter, not with the model. A snapshot of such a run is a peft adapter
+directory (`adapter_config.json`, `adapter_model.safetensors`): `PeftModel.from_pretrained(base,
+snapshot_dir)` loads it on top of the base.
+
+The frozen base does not travel with the state: every trainer builds it (from the model directory,
+or from the seed) and a recovering one loads it too, then takes the adapter from the shadow's image.
+The run records the SHA-256 of the base's weights (`base_identity`) with its first image; a trainer
+whose base hashes otherwise is refused (`BaseModelMismatchError`) before it takes a step.
+
+Adapters are initialised from the run's seed (peft draws from torch's global generator: it is
+forked and seeded), and kept in peft's dtype: LoRA and prefix weights are float32 over a bf16 or
+fp16 base, as `get_peft_model` and `PeftModel.from_pretrained` make them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from zocheck_ray.core.hashing import state_hash
+from zocheck_ray.workload.errors import WorkloadError
+
+PROMPT_EMBEDDINGS = "prompt_embeddings"
+"""What peft saves a prompt-learning adapter's virtual-token embeddings as."""
+
+
+class BaseModelMismatchError(WorkloadError):
+    """A trainer's frozen base model is not the one the run's adapter was trained on."""
+
+
+class PeftSettings(BaseModel):
+    """A job's `peft:` section: the adapter `peft` wraps the model with (ZO then trains it alone)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["lora", "prefix"] = "lora"
+    """`lora` (low-rank adapters on `target_modules`) or `prefix` (prefix tuning: `num_virtual_tokens`
+    trained key/value vectors per layer, no reparameterisation)."""
+    r: int = Field(8, ge=1)
+    """LoRA rank."""
+    lora_alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator (the update is scaled by lora_alpha / r)."""
+    target_modules: list[str] | None = None
+    """LoRA: the module names (or name suffixes) to adapt; None takes peft's default for the architecture
+    (e.g. q_proj and v_proj)."""
+    num_virtual_tokens: int = Field(16, ge=1)
+    """Prefix tuning: trained virtual tokens per layer."""
+
+    def config(self, task_type: str):
+        """The `peft` config object (`LoraConfig` or `PrefixTuningConfig`) for `task_type`."""
+        from peft import LoraConfig, PrefixTuningConfig
+
+        if self.method == "lora":
+            return LoraConfig(task_type=task_type, r=self.r, lora_alpha=self.lora_alpha, lora_dropout=0.0,
+                              target_modules=self.target_modules)
+        return PrefixTuningConfig(task_type=task_type, num_virtual_tokens=self.num_virtual_tokens,
+                                  prefix_projection=False)
+
+
+def check_adapter(settings: PeftSettings, name: str) -> None:
+    """Raise `WorkloadError` where `settings` cannot wrap model `name`: a LoRA target module it lacks. The
+    model is built on the meta device (no memory, no weights) to read its module names."""
+    if settings.method != "lora" or not settings.target_modules:
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from zocheck_ray.workload.models import model_config_dict, model_kind
+
+    doc = model_config_dict(name)
+    config = AutoConfig.for_model(**doc)
+    cls = AutoModelForSequenceClassification if model_kind(name) == "sequence-classification" else AutoModelForCausalLM
+    with torch.device("meta"):
+        names = [n for n, _ in cls.from_config(config).named_modules()]
+    for target in settings.target_modules:
+        if not any(n == target or n.endswith("." + target) for n in names):
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n})
+            raise WorkloadError(f"peft.target_modules names {target!r}, which model {name!r} does not have; "
+                                f"its modules include {leaves[:40]}")
+
+
+def base_identity(model: torch.nn.Module) -> str:
+    """SHA-256 of the base model's weights: `state_hash` of its parameters in `named_parameters()` order
+    (tied weights once), taken before it is wrapped."""
+    return state_hash({name: p.detach() for name, p in model.named_parameters()})
+
+
+def wrap_model(model: torch.nn.Module, settings: PeftSettings, seed: int, task_type: str = "CAUSAL_LM"):
+    """`model` wrapped by `peft.get_peft_model` with `settings`, the adapter initialised from `seed`."""
+    from peft import get_peft_model
+
+    try:
+        config = settings.config(task_type)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            wrapped = get_peft_model(model, config)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise WorkloadError(f"peft cannot wrap this model with {settings.model_dump()}: {exc}; "
+                            "set peft.target_modules to module names the model has") from exc
+    wrapped.eval()
+    return wrapped
+
+
+def adapter_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
+    """The adapter's trainable parameters in `named_parameters()` order, under the names
+    `get_peft_model_state_dict` (and so `save_pretrained`) gives them."""
+    from peft import get_peft_model_state_dict
+
+    saved = get_peft_model_state_dict(model)
+    by_storage = {t.data_ptr(): name for name, t in saved.items() if t.numel()}
+    out = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        key = by_storage.get(param.data_ptr())
+        if key is None and name.startswith("prompt_encoder.") and PROMPT_EMBEDDINGS in saved \
+                and tuple(saved[PROMPT_EMBEDDINGS].shape) == tuple(param.shape):
+            key = PROMPT_EMBEDDINGS  # saved as the embedding of tokens 0..n-1: the weight itself
+        if key is None:
+            raise WorkloadError(f"the adapter's parameter {name!r} is not among what peft saves "
+                                f"({sorted(saved)}); this adapter kind cannot be checkpointed")
+        out.append((key, param))
+    if not out:
+        raise WorkloadError("the peft model has no trainable parameters")
+    return out
+
+
+def adapter_config(model) -> dict:
+    """The adapter's config as `adapter_config.json` holds it."""
+    import json
+
+    config = model.peft_config["default"]
+    doc = config.to_dict()
+    return json.loads(json.dumps(doc, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+
+
+class TrainableModel:
+    """A job's model as a trainer holds it: the module, the parameters ZO trains (in canonical order, under
+    their canonical names) and, with an adapter, what identifies the frozen base and the adapter."""
+
+    def __init__(self, model: torch.nn.Module, parameters: list[tuple[str, torch.nn.Parameter]],
+                 base_hash: str | None = None, adapter_config: dict | None = None):
+        self.model, self.parameters, self.base_hash, self.adapter_config = model, parameters, base_hash, adapter_config
+
+
+def build_trainable(name: str, dtype: str, seed: int, peft: PeftSettings | None = None,
+                    device: str | torch.device = "cpu", weights: str = "load") -> TrainableModel:
+    """The model a trainer trains: `build_model(...)` and all its `requires_grad` parameters, or, with
+    `peft`, the base (always with its weights: they never come from an image) wrapped with the adapter,
+    whose parameters alone are trained. `weights="none"`: a skeleton where the image fills every
+    trained parameter (full fine-tuning only; an adapter's base is loaded regardless)."""
+    from zocheck_ray.workload.models import build_model, model_kind, trainable_parameters
+
+    if peft is None:
+        model = build_model(name, dtype, seed=seed, device=device, weights=weights)
+        return TrainableModel(model, trainable_parameters(model))
+    base = build_model(name, dtype, seed=seed, device=device, weights="load")
+    base_hash = base_identity(base)
+    task_type = "SEQ_CLS" if model_kind(name) == "sequence-classification" else "CAUSAL_LM"
+    wrapped = wrap_model(base, peft, seed, task_type)
+    return TrainableModel(wrapped, adapter_parameters(wrapped), base_hash, adapter_config(wrapped))
