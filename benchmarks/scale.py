@@ -46,6 +46,7 @@ import uuid
 from pathlib import Path
 
 from benchmarks.common import machine, print_table, write_json
+from zocheck_ray.core.update import CHUNK_ELEMENTS
 
 SIZES = {  # OPT shapes: (hidden, layers, vocabulary); OPT's tokenizer has 50272 tokens
     "tiny-opt": (32, 2, 128), "14M": (256, 2, 50272), "125M": (768, 12, 50272), "270M": (1024, 17, 50272),
@@ -334,8 +335,11 @@ def _row(size, dtype, params, copy_gbps, fresh_gbps, hot, cold, base, footprints
     hashes = {summary.final_state_hash, summary.shadow_state_hash, cold["summary"].final_state_hash,
               cold["summary"].shadow_state_hash, base["final_state_hash"]}
 
+    working = params >= 2 * CHUNK_ELEMENTS  # a model this small never fills the trainer's chunk buffers
+
     def over(role: str, value: int) -> float:  # a multiple of the state, over the role's fixed baseline
-        return (value - footprints.get(f"{role}_{dtype}", footprints[role])) / state
+        baseline = footprints.get(f"{role}_{dtype}", footprints[role]) if working else footprints[role]
+        return (value - baseline) / state
 
     return {
         "size": size, "dtype": dtype, "params": params, "state_bytes": state, "state_gb": state / 1e9,
@@ -418,15 +422,15 @@ def scale_benchmark(sizes: list[str] | None = None, dtypes: tuple[str, ...] = ("
 
 
 def targets(rows: list[dict]) -> dict:
-    """The targets, checked on the rows (the memory ones from 100M parameters up, where the state, not the
-    process's own fixed memory, is what is measured)."""
+    """The targets, checked on the rows (the memory and bandwidth ones from 100M parameters up, where the
+    state, not the process's own fixed memory or a call's fixed cost, is what is measured)."""
     large = [r for r in rows if r["params"] >= 100_000_000] or rows
     biggest = max(rows, key=lambda r: r["state_bytes"])
     return {
         "shadow_peak_at_most_2.1x": all(r["shadow_peak_x"] <= 2.1 for r in large),
         "trainer_peak_at_most_1.2x": all(r["trainer_peak_x"] <= 1.2 for r in large),
-        "snapshot_and_restore_at_least_half_a_copy": all(
-            (r["snapshot_fraction"] or 0) >= 0.5 and (r["restore_fraction"] or 0) >= 0.5 for r in rows),
+        "snapshot_and_restore_at_least_half_a_copy": all(  # a tiny state's copy times measure calls, not bytes
+            (r["snapshot_fraction"] or 0) >= 0.5 and (r["restore_fraction"] or 0) >= 0.5 for r in large),
         "standby_recovery_within_1s_plus_copy": all(
             r["recovery_standby_seconds"] <= 1.0 + r["state_bytes"] / (r["copy_gbps"] * 1e9) for r in rows),
         "5x_faster_than_async_checkpoint_at_largest": biggest["speedup_standby"] >= 5.0,
