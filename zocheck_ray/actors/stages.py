@@ -385,7 +385,11 @@ class ProfileScratch:
             per_element = t.element_size() + 4 * len(moments)  # moments are float32
             row = max(1, t[0].numel()) if t.dim() else 1
             rows = t.shape[0] if t.dim() else 1
-            keep = min(rows, max(1, (limit - taken) // (per_element * row)))
+            keep = min(rows, (limit - taken) // (per_element * row))
+            if keep == 0:
+                if params:
+                    break  # the limit holds: not one more row
+                keep = 1  # a state whose first row is over the limit is timed on that row
             params[name] = (t[:keep] if t.dim() else t).clone()
             taken += params[name].numel() * per_element
             elements += params[name].numel()
