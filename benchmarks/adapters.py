@@ -16,7 +16,7 @@ is durable. Per run:
   and that over the state's bytes;
 - the peak a run with the startup profile adds to it while the profile lasts: the profile times
   replays on a scratch copy of the state's leading tensors (`actors.stages.ProfileScratch`: 1/32 of
-  the state, 64 MiB at most); the runs here set `snapshot_interval`,
+  the state, within [64 KiB, 64 MiB]); the runs here set `snapshot_interval`,
   so they take no profile;
 - the base model's bytes, for scale.
 

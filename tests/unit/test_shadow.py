@@ -95,16 +95,17 @@ def test_image_layout_round_trips_every_dtype_through_shared_memory():
     assert all(torch.equal(back[k], state[k]) and back[k].dtype == state[k].dtype for k in state)
 
 
-def test_the_profiles_scratch_is_a_thirty_second_of_the_state_at_every_size():
-    from zocheck_ray.actors.stages import SCRATCH_BYTES, ProfileScratch, scratch_limit
+def test_the_profiles_scratch_is_a_thirty_second_of_the_state_within_its_bounds():
+    from zocheck_ray.actors.stages import SCRATCH_BYTES, SCRATCH_MIN, ProfileScratch, scratch_limit
     from zocheck_ray.core import ZOConfig
 
-    assert scratch_limit(1 << 20) == 32 << 10 and scratch_limit(1 << 40) == SCRATCH_BYTES
+    assert scratch_limit(1 << 20) == SCRATCH_MIN and scratch_limit(1 << 40) == SCRATCH_BYTES
+    assert scratch_limit(4 << 20) == 128 << 10
     assert scratch_limit(256 << 20) == 8 << 20
     replica = {"a.weight": torch.empty(1024, 32 << 10), "b.weight": torch.empty(1024, 32 << 10)}  # 256 MiB
     scratch = ProfileScratch(replica, ZOConfig())
     assert scratch.bytes == 8 << 20 and scratch.fraction == 1 / 32
-    adapter = {"lora_A": torch.zeros(8, 768), "lora_B": torch.zeros(768, 8)}  # 48 kB: 1/32 is 1.5 kB
+    adapter = {"lora_A": torch.zeros(64, 4096), "lora_B": torch.zeros(4096, 64)}  # 2 MiB: 1/32 is 64 KiB
     small = ProfileScratch(adapter, ZOConfig())
-    assert 0 < small.bytes <= 1536 + 768 * 4  # whole rows of the first tensor: at least one
-    assert small.fraction < 0.1
+    assert small.bytes == SCRATCH_MIN and small.fraction == 1 / 32  # whole rows, within the limit
+    assert ProfileScratch({"w": torch.zeros(1000, 10)}, ZOConfig()).fraction == 1.0  # 40 kB: all of it

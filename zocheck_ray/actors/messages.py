@@ -260,7 +260,7 @@ class ShadowMetrics(BaseModel):
     """Bytes the shadow holds for its image (the newest snapshot, which persistence reads in place; an intake
     being written takes its place): one copy of the state."""
     scratch_bytes: int = 0
-    """Bytes of the startup profile's scratch copy (1/32 of the state, 64 MiB at most; none after the profile)."""
+    """Bytes of the startup profile's scratch copy (1/32 of the state within [64 KiB, 64 MiB]; none after the profile)."""
     held_bytes: int = 0
     """replica_bytes + image_bytes + scratch_bytes: the shadow's state-sized memory now."""
     peak_held_bytes: int = 0

@@ -355,15 +355,19 @@ class ReplayStage:
 SCRATCH_BYTES = 64 << 20
 """The most the startup profile copies of the replica to time replays on (bounded, not state-sized)."""
 SCRATCH_SHARE = 32
-"""Nor more than 1/32 of the state (the budget is two copies of the state: the scratch stays within 3% of one,
-at every size: a LoRA adapter of 1 MB too). On a state this small the timing's fixed cost is scaled up with
-the bytes, so the profile overestimates its replay: harmless, as such a replay is far below any trainer step."""
+"""Nor more than 1/32 of the state (the budget is two copies of the state: the scratch stays within 3% of one
+from 2 MiB of state up; a 1 MB LoRA adapter's is 6%)."""
+
+
+SCRATCH_MIN = 64 << 10
+"""But 64 KiB at least (or all of a smaller state): a replay's fixed cost, scaled up with the bytes, would
+otherwise swamp the profile of a small state (a 100 kB model's replay estimated 6x its steady state)."""
 
 
 def scratch_limit(state_bytes: int) -> int:
-    """The profile's scratch bytes for a state of `state_bytes`: 1/32 of it, 64 MiB at most (and one row of
-    the first tensor at least, whatever this says: `ProfileScratch`)."""
-    return min(SCRATCH_BYTES, state_bytes // SCRATCH_SHARE)
+    """The profile's scratch bytes for a state of `state_bytes`: 1/32 of it, within [64 KiB, 64 MiB] (and one
+    row of the first tensor at least, whatever this says: `ProfileScratch`)."""
+    return min(SCRATCH_BYTES, max(SCRATCH_MIN, state_bytes // SCRATCH_SHARE))
 
 
 class ProfileScratch:

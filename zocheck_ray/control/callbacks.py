@@ -124,7 +124,7 @@ class ProgressPrinter(RunCallback):
         held_out = (f"  held-out {metric} {progress.evaluations[evaluated][metric]:.4f}"
                     if evaluated is not None else "")
         self.say(f"  step {progress.step:5d}  loss {progress.loss:.4f}  lag {m.lag_steps:3d}  "
-                 f"snapshot {m.snapshot_step}  durable {m.durable_step}{held_out}")
+                 f"snapshot {_step_or_dash(m.snapshot_step)}  durable {_step_or_dash(m.durable_step)}{held_out}")
 
     def on_decision(self, run, failure, decision):
         if decision.action.value == "fail":
@@ -255,3 +255,8 @@ class SegmentFunction(RunCallback):
 
     def on_segment(self, run, segment):
         self.fn(segment.progress, segment.metrics)
+
+
+def _step_or_dash(step: int | None) -> str:
+    """A step for a progress line: `-` before there is one (no snapshot taken yet, nothing durable yet)."""
+    return "-" if step is None else str(step)
