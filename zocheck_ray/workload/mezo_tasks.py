@@ -31,7 +31,7 @@ from zocheck_ray.workload.errors import DataFormatError, LabelError, WorkloadErr
 from zocheck_ray.workload.sampling import k_shot, row_rank
 from zocheck_ray.workload.task_config import TaskConfig
 from zocheck_ray.workload.tasks import (
-    IGNORE, PromptClassificationTask, Task, _pad, _target_log_probs, candidate_examples, split_prompt,
+    IGNORE, PromptClassificationTask, TokenLossTask, _pad, candidate_examples, split_prompt,
 )
 from zocheck_ray.workload.tokenization import TextTokenizer
 
@@ -242,7 +242,7 @@ def f1_score(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-class SquadTask(Task):
+class SquadTask(TokenLossTask):
     """`squad`: the loss is the mean next-token cross-entropy of the answer's tokens after the prompt;
     evaluation decodes greedily (`max_answer_tokens`, up to a newline) and scores F1 and exact match."""
 
@@ -262,21 +262,6 @@ class SquadTask(Task):
         for r, (a, b) in enumerate(spans):
             targets[r, a - 1:b - 1] = ids[r, a:b]
         return {"input_ids": ids, "attention_mask": mask, "targets": targets}
-
-    def _nll(self, model, batch):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return -_target_log_probs(logits, batch["targets"]).sum(), (batch["targets"] != IGNORE).sum()
-
-    def _loss(self, model, batch):
-        total, count = self._nll(model, batch)
-        return total / count
-
-    def _loss_sum(self, model, batch):
-        return self._nll(model, batch)
-
-    def _eval_sums(self, model, batch):
-        total, count = self._nll(model, batch)
-        return {"nll": float(total), "tokens": float(count)}
 
     def _finish(self, sums):
         return {"loss": sums["nll"] / sums["tokens"]}

@@ -300,17 +300,9 @@ class SequenceClassificationTask(Task):
     _finish = staticmethod(_classification_finish)
 
 
-class LanguageModelingTask(Task):
-    """`lm`: next-token cross-entropy over each text's tokens (padding excluded)."""
-
-    metric = "loss"
-    higher_is_better = False
-
-    def _collate(self, examples: list[TextExample]) -> dict[str, torch.Tensor]:
-        ids, mask = _pad([ex.ids for ex in examples], self.tokenizer.pad_id)
-        targets = torch.full(ids.shape, IGNORE, dtype=torch.long)
-        targets[:, :-1] = torch.where(mask[:, 1:] == 1, ids[:, 1:], IGNORE)
-        return {"input_ids": ids, "attention_mask": mask, "targets": targets}
+class TokenLossTask(Task):
+    """A task whose loss is the mean cross-entropy of its batches' `targets` tokens (IGNORE elsewhere), and whose
+    evaluation sums that loss's numerator and denominator (`nll`, `tokens`) over the held-out batches."""
 
     def _nll(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -326,6 +318,19 @@ class LanguageModelingTask(Task):
     def _eval_sums(self, model, batch):
         total, count = self._nll(model, batch)
         return {"nll": float(total), "tokens": float(count)}
+
+
+class LanguageModelingTask(TokenLossTask):
+    """`lm`: next-token cross-entropy over each text's tokens (padding excluded)."""
+
+    metric = "loss"
+    higher_is_better = False
+
+    def _collate(self, examples: list[TextExample]) -> dict[str, torch.Tensor]:
+        ids, mask = _pad([ex.ids for ex in examples], self.tokenizer.pad_id)
+        targets = torch.full(ids.shape, IGNORE, dtype=torch.long)
+        targets[:, :-1] = torch.where(mask[:, 1:] == 1, ids[:, 1:], IGNORE)
+        return {"input_ids": ids, "attention_mask": mask, "targets": targets}
 
     def _finish(self, sums):
         loss = sums["nll"] / sums["tokens"]
