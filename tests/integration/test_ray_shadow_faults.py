@@ -6,9 +6,10 @@ a durable image at the last step) or with a clear error; none hangs, none passes
 
 import os
 import re
-import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -75,14 +76,90 @@ def test_an_s3_endpoint_stopped_and_restarted_mid_run_ends_durable_and_exact(tmp
 
 
 class PausableS3:
-    """A moto S3 server in a process of its own, so SIGSTOP pauses it: connections are accepted, never answered."""
+    """A moto S3 server in a process of its own, reached through a proxy that can pause it: while paused,
+    connections are accepted and nothing is answered (the server never sees what they send). `resume()`
+    resets every connection the pause held, as a partition that ends with resets does: a request sent
+    while paused never reaches the server, so nothing written after the pause becomes durable later
+    (a paused server process would run every request it had buffered once it went on, even those of a
+    process killed meanwhile)."""
 
     def __init__(self):
-        self.port = free_port()
-        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self._upstream = free_port()
         self.process = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"),
-                                         "-H", "127.0.0.1", "-p", str(self.port)],
+                                         "-H", "127.0.0.1", "-p", str(self._upstream)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)
+        self.port = self._listener.getsockname()[1]
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self._lock = threading.Lock()
+        self._paused = self._closed = False
+        self._pairs: list[list[socket.socket]] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def pause(self) -> None:
+        with self._lock:
+            self._paused = True
+
+    def resume(self) -> None:
+        """Reset what the pause held (open connections, and those waiting to be accepted), then serve again."""
+        with self._lock:
+            for pair in self._pairs:
+                for sock in pair:
+                    _close(sock)
+            self._pairs = []
+            self._listener.setblocking(False)
+            try:
+                while True:
+                    _close(self._listener.accept()[0])
+            except (BlockingIOError, OSError):
+                pass
+            self._listener.settimeout(0.05)
+            self._paused = False
+
+    def _accept(self) -> None:
+        while not self._closed:
+            if self._paused:
+                time.sleep(0.01)
+                continue
+            try:
+                client, _ = self._listener.accept()
+            except (TimeoutError, BlockingIOError, OSError):
+                continue
+            with self._lock:
+                if self._paused:  # accepted as the pause began: it is held with the rest
+                    self._pairs.append([client])
+                    continue
+                try:
+                    upstream = socket.create_connection(("127.0.0.1", self._upstream))
+                except OSError:
+                    _close(client)
+                    continue
+                pair = [client, upstream]
+                self._pairs.append(pair)
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst, pair), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, pair: list) -> None:
+        src.settimeout(0.05)
+        try:
+            while not self._closed:
+                if self._paused:
+                    time.sleep(0.01)
+                    continue
+                try:
+                    data = src.recv(1 << 16)
+                except TimeoutError:
+                    continue
+                while self._paused and pair in self._pairs:  # read as the pause began: held, then dropped
+                    time.sleep(0.01)
+                if not data or pair not in self._pairs:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in pair:
+            _close(sock)
 
     def options(self) -> dict:
         return {"endpoint_url": self.endpoint_url, "key": "testing", "secret": "testing",
@@ -98,9 +175,18 @@ class PausableS3:
         return "zocheck-paused"
 
     def close(self):
-        self.process.send_signal(signal.SIGCONT)
+        self._closed = True
+        self.resume()
+        _close(self._listener)
         self.process.kill()
         self.process.wait()
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass
 
 
 def _answers(fs) -> bool:
@@ -120,7 +206,7 @@ def test_a_paused_s3_endpoint_never_holds_up_ingest_and_durability_catches_up(tm
 
         def pause(progress, metrics):
             if "paused_at" not in seen and progress.step >= 12:
-                server.process.send_signal(signal.SIGSTOP)
+                server.pause()
                 seen["paused_at"] = progress.step
             elif "paused_at" in seen and "resumed" not in seen and progress.step >= seen["paused_at"] + 12:
                 # The shadow keeps receiving while storage hangs: the segment's last push (sent as the
@@ -131,7 +217,7 @@ def test_a_paused_s3_endpoint_never_holds_up_ingest_and_durability_catches_up(tm
                 latest = ray.get(shadow.metrics.remote())
                 seen["received"] = latest.received_step
                 seen["undurable"] = latest.undurable_steps
-                server.process.send_signal(signal.SIGCONT)
+                server.resume()
                 seen["resumed"] = True
 
         summary = run(job, progress=None, on_segment=pause)
@@ -207,7 +293,7 @@ class TrainerThenShadow(RunCallback):
     def on_segment(self, run, segment):
         if not self.paused and self.pause_at and segment.progress.step >= self.pause_at[0]:
             self.pause_at.pop(0)
-            self.server.process.send_signal(signal.SIGSTOP)
+            self.server.pause()
             self.paused = True
         elif self.paused and not self.trainer_recovered:
             assert wait_until(lambda: self.image_not_durable(run), timeout=180)
@@ -215,7 +301,7 @@ class TrainerThenShadow(RunCallback):
             pid = ray.get(run.shadow.pid.remote())
             ray.kill(run.shadow, no_restart=False)  # Ray restarts it from durable storage
             assert wait_until(lambda: gone(pid), timeout=120)
-            self.server.process.send_signal(signal.SIGCONT)
+            self.server.resume()
             self.paused = self.trainer_recovered = False
             self.shadow_killed_at.append(segment.progress.step)
             if self.and_wait.pop(0):
