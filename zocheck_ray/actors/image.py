@@ -12,9 +12,10 @@ it cannot hold itself to its budget of two copies of the state. A memfd is freed
 when its last holder closes it. It is handed over without serialisation:
 
 - a trainer on the same node opens the shadow's memfd through `/proc/<pid>/fd/<n>`
-  (`ImageHandle.path`) and copies it into its own tensors one window (`WINDOW_BYTES`) at a
-  time (`transfer`), so the image is never resident in the trainer: its memory is its model
-  plus one window, and a copy runs near the machine's copy bandwidth;
+  (`ImageHandle.path`) and reads it into its own tensors (`transfer`: `preadv` straight into
+  their memory, a window (`WINDOW_BYTES`) per call, windows spread over threads), so the image
+  is never resident in the trainer: its memory is its model, and the restore runs near the
+  machine's copy bandwidth. A CUDA trainer maps one window at a time into pinned staging;
 - the same windows carry a trainer's state the other way, into an intake buffer the shadow
   hands out (a fresh run's initial state, a resync);
 - an image handed to a trainer is lent: the shadow never writes it again, and a trainer
@@ -43,7 +44,19 @@ from zocheck_ray.core.layout import DTYPE_BY_NAME, DTYPES
 ALIGN = 64
 """Every tensor starts on a 64-byte boundary, so views of any dtype are aligned."""
 WINDOW_BYTES = 64 << 20
-"""What a transfer maps of an image at a time: the reader's whole resident share of it."""
+"""What a transfer copies of an image per call (and maps, into a CUDA trainer's staging)."""
+TRANSFER_THREADS_MAX = 8
+"""A copy at memory bandwidth: more threads than this add nothing on the machines we know."""
+
+
+def transfer_threads() -> int:
+    """Threads for a restore or an intake: every CPU this process may run on, up to `TRANSFER_THREADS_MAX`.
+    A trainer that restores or hands over its state does nothing else meanwhile, whatever CPUs it reserved."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(TRANSFER_THREADS_MAX, cpus))
 
 
 @dataclass(frozen=True)
@@ -260,6 +273,9 @@ def transfer(fd: int, layout: ImageLayout, tensors: Mapping[str, torch.Tensor], 
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if direction == "to_image" else 0)
 
     def one(start: int) -> None:
+        if plan.staging is None:  # host tensors: the kernel copies between the buffer and them, nothing mapped
+            plan.copy_direct(fd, start, direction)
+            return
         region = mmap.mmap(fd, plan.length(start), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot,
                            offset=start)
         try:
@@ -314,6 +330,22 @@ class WindowPlan:
                 self.staging.upload(source, target)
             else:
                 target.copy_(source)
+
+    def copy_direct(self, fd: int, start: int, direction: Direction) -> None:
+        """Window `start` between the buffer `fd` and host tensors, by `preadv`/`pwritev` straight into or out of
+        the tensors' memory: one kernel copy, without mapping the window (mapping and unmapping it cost more
+        than the copy: page-table entries set up, then torn down with a TLB flush on every thread)."""
+        for name, at, a, b in self.pieces[start]:
+            view = memoryview(self.targets[name][a:b].numpy())
+            offset, done = start + at, 0
+            while done < len(view):
+                if direction == "from_image":
+                    n = os.preadv(fd, [view[done:]], offset + done)
+                else:
+                    n = os.pwritev(fd, [view[done:]], offset + done)
+                if n <= 0:
+                    raise ImageGoneError(f"the image ended at byte {offset + done} of {self.nbytes}")
+                done += n
 
     def finish(self) -> None:
         """Wait for the copies in flight (CUDA: the last staged windows' host-to-device copies)."""

@@ -22,7 +22,7 @@ import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from zocheck_ray.actors.image import (
-    ImageGoneError, ImageHandle, ImageLayout, WindowPlan, open_image, transfer,
+    ImageGoneError, ImageHandle, ImageLayout, WindowPlan, open_image, transfer, transfer_threads,
 )
 from zocheck_ray.actors.hooks import NO_HOOKS
 from zocheck_ray.actors.messages import (
@@ -375,7 +375,7 @@ class TrainerActor:
             cpus = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
             numba.set_num_threads(min(cpus, numba.config.NUMBA_NUM_THREADS))
             torch.set_num_threads(cpus)
-        self.trainer = Trainer(self.job, RayShadowLink(self.job.run_id, threads=max(1, torch.get_num_threads())),
+        self.trainer = Trainer(self.job, RayShadowLink(self.job.run_id, threads=transfer_threads()),
                                device=device, hooks=hooks or NO_HOOKS, rank=rank, waits=waits,
                                incarnation=self.incarnation)
         settle_heap()

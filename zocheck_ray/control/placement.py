@@ -115,7 +115,10 @@ class Placement:
         return PlacementGroupSchedulingStrategy(place[0], placement_group_bundle_index=place[1])
 
     def start(self):
-        """The shadow, then the trainer ranks; returns (the shadow, the trainer of each rank)."""
+        """The shadow and the trainer ranks, started side by side (a trainer's process imports and builds its
+        model while the shadow's starts; its first call to the shadow waits for it); returns (the shadow, the
+        trainer of each rank) once the shadow is up. A shadow that cannot start raises its own error, and
+        no trainer is left behind."""
         for group in self.groups or [self._given]:
             ray.get(group.ready(), timeout=120)
         job = self.job
@@ -123,13 +126,18 @@ class Placement:
             name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=job.shadow_cpus,
             max_restarts=job.max_restarts, max_task_retries=-1, scheduling_strategy=self._strategy(self._shadow_place),
         ).remote(self._payload, self.hooks)
-        ray.get(shadow.ready.remote())
         share = STANDBY_GPU_SHARE if job.standby and self.gpus else 0
         trainers = [TrainerActor.options(
             name=trainer_name(job.run_id, rank), namespace=NAMESPACE, num_cpus=1,
             num_gpus=self.gpus - (share if rank == 0 else 0), max_restarts=job.max_restarts,
             scheduling_strategy=self._strategy(place),
         ).remote(self._payload, self.hooks, rank) for rank, place in enumerate(self._rank_places)]
+        try:
+            ray.get(shadow.ready.remote())
+        except BaseException:
+            for actor in [*trainers, shadow]:
+                ray.kill(actor, no_restart=True)
+            raise
         return shadow, trainers
 
     def start_standby(self):
