@@ -3,7 +3,8 @@
 A single trainer is a group of one; data parallel is a group of k ranks whose gloo process
 group the group forms. The group owns its actors and knows three things:
 
-- `run(target)`: every rank trains to `target`; a rank that dies, or a gather that breaks,
+- `run(target)`: every rank trains to `target`; a rank that dies (seen in the GCS's actor
+  table at once, not after Ray's wait for the death's details), or a gather that breaks,
   comes back as a `Failure` (the step boundary every rank had reached);
 - `recover(failure)`: the survivors hand the shadow the records it lacks; each lost rank is
   replaced, by the warm standby when there is one (promoted at once: the failed call already
@@ -28,6 +29,10 @@ from zocheck_ray.actors.ray_actors import actor_entry, actor_state, call_when_al
 from zocheck_ray.actors.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.policy import Failure
+
+
+DEATH_POLL_SECONDS = 0.1
+"""How often a segment's wait asks the GCS whether a rank's process died (one small query per rank)."""
 
 
 @dataclass
@@ -129,17 +134,8 @@ class TrainerGroup:
 
     def run(self, target: int, step: int) -> tuple[dict[int, TrainerProgress], Failure | None]:
         """Every rank trains from `step` to `target`; (progress by rank, the failure if a rank was lost)."""
-        refs = [rank.run.remote(target, self.durable_next) for rank in self.ranks]
-        results, lost = {}, []
-        for r, ref in enumerate(refs):
-            try:
-                results[r] = ray.get(ref)
-            except RayActorError:
-                lost.append(r)
-            except RayTaskError as exc:  # the call reached the rank's restarted process (its node was lost)
-                if not isinstance(exc.cause, RejoinRequiredError):
-                    raise
-                lost.append(r)
+        refs = {r: rank.run.remote(target, self.durable_next) for r, rank in enumerate(self.ranks)}
+        results, lost = self._gather(refs)
         self.times.add(results, self.k)
         interrupted = [r for r, p in results.items() if p.interrupted is not None]
         if lost or interrupted:
@@ -147,6 +143,37 @@ class TrainerGroup:
             return results, Failure("trainer_lost", at, f"ranks lost {lost}, interrupted {interrupted}",
                                     ranks=tuple(lost))
         return results, None
+
+    def _gather(self, pending: dict[int, ray.ObjectRef]) -> tuple[dict[int, TrainerProgress], list[int]]:
+        """The ranks' results, and the ranks lost. A rank whose process died is lost as soon as the GCS says so
+        (tens of milliseconds): its call itself fails only after Ray's wait for the death's details (1 s and
+        more), which every software failure would otherwise add to its recovery."""
+        results, lost = {}, []
+        while pending:
+            done, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=DEATH_POLL_SECONDS)
+            for r, ref in list(pending.items()):
+                if ref in done:
+                    del pending[r]
+                    try:
+                        results[r] = ray.get(ref)
+                    except RayActorError:
+                        lost.append(r)
+                    except RayTaskError as exc:  # the call reached the rank's restarted process (its node was lost)
+                        if not isinstance(exc.cause, RejoinRequiredError):
+                            raise
+                        lost.append(r)
+                elif self._died(self.ranks[r]):  # its call cannot succeed any more
+                    del pending[r]
+                    lost.append(r)
+        return results, sorted(lost)
+
+    def _died(self, actor) -> bool:
+        """Whether the GCS says `actor`'s process died since the group last noted its restarts: it is
+        restarting or dead, or (a restart can take less than a poll) it was restarted already."""
+        entry = actor_entry(actor)
+        noted = self._restarts.get(actor._actor_id.hex())
+        return entry.get("State") in ("RESTARTING", "DEAD") or (
+            noted is not None and entry.get("NumRestarts", noted) > noted)
 
     # ------------------------------------------------------------------ recovering
 
