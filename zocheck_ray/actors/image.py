@@ -264,16 +264,17 @@ def transfer(fd: int, layout: ImageLayout, tensors: Mapping[str, torch.Tensor], 
     """Copy between the image in `fd` and `tensors` (any device, `layout`'s order), a window at a time.
 
     `from_image` fills the tensors (a restore); `to_image` writes them into the buffer (an
-    intake). Windows are mapped one by one and unmapped when copied, so the caller's resident
-    memory grows by at most `threads` windows. Restores into CUDA tensors go through two pinned
-    staging windows, host-to-device copies overlapped with the next window's staging
+    intake). Host tensors are read or written by the kernel (`WindowPlan.copy_direct`), nothing
+    mapped; for CUDA tensors windows are mapped one by one and unmapped when copied, so the
+    caller's resident memory grows by at most `threads` windows, and restores go through two
+    pinned staging windows, host-to-device copies overlapped with the next window's staging
     (`staged`: force the staging on or off; on the CPU it is the same code, without pinning).
     """
     plan = WindowPlan(layout, tensors, window, staged)
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if direction == "to_image" else 0)
 
     def one(start: int) -> None:
-        if plan.staging is None:  # host tensors: the kernel copies between the buffer and them, nothing mapped
+        if plan.direct:
             plan.copy_direct(fd, start, direction)
             return
         region = mmap.mmap(fd, plan.length(start), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot,
@@ -307,6 +308,8 @@ class WindowPlan:
         self.targets = {name: byte_view(t) for name, t in tensors.items()}
         cuda = any(t.is_cuda for t in self.targets.values())
         self.staging = _Staging(self.window, pinned=cuda) if (cuda if staged is None else staged) else None
+        self.direct = not cuda and self.staging is None
+        """Host tensors, unstaged: `copy_direct` moves their bytes with `preadv`/`pwritev`."""
         self.pieces: dict[int, list[tuple[str, int, int, int]]] = {s: [] for s in self.starts}
         for name, offset, size in layout.spans():  # (name, where in the window, first, end byte of the tensor)
             a, end = 0, size

@@ -68,6 +68,15 @@ def actor_state(actor) -> str | None:
     return actor_entry(actor).get("State")
 
 
+def died_since(actor, restarts: int | None) -> bool:
+    """Whether the GCS says `actor`'s process died since it had `restarts` restarts: it is restarting or dead,
+    or (a restart can be quicker than a caller's poll) it was restarted already. False where the table
+    cannot be read."""
+    entry = actor_entry(actor)
+    return entry.get("State") in ("RESTARTING", "DEAD") or (
+        restarts is not None and entry.get("NumRestarts", restarts) > restarts)
+
+
 def wait_until_restarted(actor, restarts: int | None, timeout: float = 300.0) -> None:
     """Return once the GCS reports `actor` alive after more than `restarts` restarts (or dead, or after
     `timeout`): a call then reaches the new process at once. With `restarts` unknown, or the table

@@ -25,7 +25,9 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from zocheck_ray.actors.messages import RecoveryInfo, TrainerProgress, TrainerTimes
-from zocheck_ray.actors.ray_actors import actor_entry, actor_state, call_when_alive, wait_until_restarted
+from zocheck_ray.actors.ray_actors import (
+    actor_entry, actor_state, call_when_alive, died_since, wait_until_restarted,
+)
 from zocheck_ray.actors.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.policy import Failure
@@ -162,18 +164,10 @@ class TrainerGroup:
                         if not isinstance(exc.cause, RejoinRequiredError):
                             raise
                         lost.append(r)
-                elif self._died(self.ranks[r]):  # its call cannot succeed any more
-                    del pending[r]
+                elif died_since(self.ranks[r], self._restarts.get(self.ranks[r]._actor_id.hex())):
+                    del pending[r]  # its call cannot succeed any more
                     lost.append(r)
         return results, sorted(lost)
-
-    def _died(self, actor) -> bool:
-        """Whether the GCS says `actor`'s process died since the group last noted its restarts: it is
-        restarting or dead, or (a restart can take less than a poll) it was restarted already."""
-        entry = actor_entry(actor)
-        noted = self._restarts.get(actor._actor_id.hex())
-        return entry.get("State") in ("RESTARTING", "DEAD") or (
-            noted is not None and entry.get("NumRestarts", noted) > noted)
 
     # ------------------------------------------------------------------ recovering
 
