@@ -34,12 +34,18 @@ PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 # ones it meets first.
 COMPILE_KERNELS := $(PY) -c "from zocheck_ray.core.fused import compile_kernels; compile_kernels()"
 
+# The package's bytecode, written once: every Ray worker imports zocheck_ray, and where the environment sets
+# PYTHONDONTWRITEBYTECODE no process writes its .pyc files, so each one would compile the sources again.
+COMPILE_BYTECODE := $(PY) -m compileall -q zocheck_ray benchmarks
+
 test: $(STAMP)
+	$(COMPILE_BYTECODE)
 	$(COMPILE_KERNELS)
 	$(PYTEST) tests
 
 # Everything but the tests marked slow (Ray clusters, benchmarks, long exactness runs).
 test-quick: $(STAMP)
+	$(COMPILE_BYTECODE)
 	$(COMPILE_KERNELS)
 	$(PYTEST) -m "not slow" tests
 

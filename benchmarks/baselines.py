@@ -169,8 +169,9 @@ class DurableLink:
         self._next = latest.step + len(records)
         return StateOffer(tensors, latest.step, records, "initial" if latest.step == 0 else "checkpoint")
 
-    def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
-        """A fresh run: the initial state is written once, before the first step."""
+    def initialize(self, state: dict[str, torch.Tensor], step: int, adapter=None, model_config=None) -> None:
+        """A fresh run: the initial state is written once, before the first step (with the baseline's own
+        metadata: the trainer's adapter and model config are not recorded)."""
         self.store.save(step, state, self.meta)
         self._open_log(step)
         self._next = step
@@ -207,8 +208,8 @@ class InProcessShadowLink:
         return StateOffer(image.tensors(), image.step, records, "memory",
                           release=lambda: self.shadow.give_back(image.token), adapter=self.shadow.adapter)
 
-    def initialize(self, state: dict[str, torch.Tensor], step: int, adapter=None) -> None:
-        self.shadow.initialize(step, state, adapter=adapter)
+    def initialize(self, state: dict[str, torch.Tensor], step: int, adapter=None, model_config=None) -> None:
+        self.shadow.initialize(step, state, adapter=adapter, model_config=model_config)
 
     def push(self, data: bytes, trainer_step: int | None = None) -> PushReply:
         return self.shadow.push(data, trainer_step)
@@ -234,8 +235,8 @@ class ShadowActorLink:
     def borrow_image(self):
         return self.link.borrow_image()
 
-    def initialize(self, state: dict[str, torch.Tensor], step: int) -> None:
-        self.link.initialize(state, step)
+    def initialize(self, state: dict[str, torch.Tensor], step: int, adapter=None, model_config=None) -> None:
+        self.link.initialize(state, step, adapter, model_config)
 
     def push(self, data: bytes, trainer_step: int | None = None):
         return self.link.push(data, trainer_step)

@@ -109,3 +109,66 @@ def test_the_profiles_scratch_is_a_thirty_second_of_the_state_within_its_bounds(
     small = ProfileScratch(adapter, ZOConfig())
     assert small.bytes == SCRATCH_MIN and small.fraction == 1 / 32  # whole rows, within the limit
     assert ProfileScratch({"w": torch.zeros(1000, 10)}, ZOConfig()).fraction == 1.0  # 40 kB: all of it
+
+
+SHADOW_WITHOUT_TRANSFORMERS = """
+import json, sys
+from safetensors.torch import load_file
+from zocheck_ray.actors.shadow import Shadow
+from zocheck_ray.config import JobConfig
+
+job = JobConfig.model_validate_json(open(sys.argv[1]).read())
+loaded = load_file(sys.argv[2])
+initial = {name: loaded[name] for name in json.loads(open(sys.argv[6]).read())}  # the optimizer's order
+data = open(sys.argv[3], "rb").read()
+cut = int(sys.argv[4])
+config = json.loads(open(sys.argv[5]).read())
+first = Shadow(job)
+first.initialize(0, initial, model_config=config)
+first.push(data[:cut])
+first.drain(6)  # a snapshot of step 6, durable
+first.close()
+second = Shadow(job)  # rebuilt from durable storage: the config comes from the durable snapshot
+second.push(data[cut:])
+second.drain(10)
+second.close()
+print(json.dumps({"transformers": sorted(m for m in sys.modules if m.split(".")[0] == "transformers")}))
+"""
+
+
+def test_the_shadow_never_imports_transformers_its_snapshots_carry_the_trainers_model_config(job, tmp_path):
+    """A shadow's process holds the replica, not the model: the config its snapshots carry comes from the first
+    trainer or from the durable snapshot it rebuilds from (transformers' import costs a shadow start seconds
+    and its process hundreds of MB). Its snapshots stay Hugging Face model directories."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    from support import REPO
+    from zocheck_ray.storage import snapshot_dir
+    from zocheck_ray.workload.models import model_config_dict
+
+    initial, _,  records = trained(job, 10)
+    paths = {name: tmp_path / name for name in ("job.json", "initial.safetensors", "records.bin", "config.json",
+                                                     "order.json")}
+    paths["job.json"].write_text(job.model_dump_json())
+    save_file(initial, paths["initial.safetensors"])
+    paths["order.json"].write_text(json.dumps(list(initial)))
+    data = [r.to_bytes() for r in records]
+    paths["records.bin"].write_bytes(b"".join(data))
+    config = model_config_dict(job.model)
+    paths["config.json"].write_text(json.dumps(config))
+    args = [str(paths["job.json"]), str(paths["initial.safetensors"]), str(paths["records.bin"]),
+            str(sum(map(len, data[:6]))), str(paths["config.json"]), str(paths["order.json"])]
+    out = subprocess.run([sys.executable, "-c", SHADOW_WITHOUT_TRANSFORMERS, *args],
+                         capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {"transformers": []}
+    # the rebuilt shadow's (the first one's were collected: retention keeps two); were the first one's
+    # without the config, the rebuilt shadow would have had to build it, and import transformers
+    written = json.loads((tmp_path / job.run_id / snapshot_dir(10) / "config.json").read_text())
+    assert written == json.loads(json.dumps(config))  # (id2label: JSON keys are strings)

@@ -47,9 +47,9 @@ class ShadowLink(Protocol):
         """The shadow's newest image, opened for reading (`.step`, `.layout`, `.records`, `.source`,
         `.copy_into(tensors)`, `.release()`, `.adapter`: the run's `AdapterIdentity` or None), or None when
         the shadow has none (a fresh run)."""
-    def initialize(self, state: dict[str, torch.Tensor], step: int, adapter=None) -> None:
+    def initialize(self, state: dict[str, torch.Tensor], step: int, adapter=None, model_config=None) -> None:
         """Hand the shadow the initial state (written into its intake; no copy kept here) and, for a
-        parameter-efficient run, its `AdapterIdentity`."""
+        parameter-efficient run, its `AdapterIdentity`, for a full one its model's Hugging Face config."""
     def write_state(self, state: dict[str, torch.Tensor]) -> None:
         """Write `state` into the shadow's intake (a resync follows)."""
     def push(self, data: bytes, trainer_step: int) -> object:

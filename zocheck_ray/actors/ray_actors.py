@@ -180,8 +180,8 @@ class ShadowActor:
         return ImageHandle.of(buffer, layout, token="intake", step=None, node_id=self.node_id)
 
     @ray.method(concurrency_group="control")
-    def initialize(self, step: int, adapter: AdapterIdentity | None = None) -> None:
-        self.shadow.initialize(step, adapter=adapter)
+    def initialize(self, step: int, adapter: AdapterIdentity | None = None, model_config: dict | None = None) -> None:
+        self.shadow.initialize(step, adapter=adapter, model_config=model_config)
 
     @ray.method(concurrency_group="control")
     def resync(self, step: int, wait_seconds: float = 60.0) -> None:
@@ -313,9 +313,10 @@ class RayShadowLink:
         finally:
             os.close(fd)
 
-    def initialize(self, state: dict[str, torch.Tensor], step: int, adapter: AdapterIdentity | None = None) -> None:
+    def initialize(self, state: dict[str, torch.Tensor], step: int, adapter: AdapterIdentity | None = None,
+                   model_config: dict | None = None) -> None:
         self.write_state(state)
-        call_when_alive(lambda: self.actor.initialize.remote(step, adapter))
+        call_when_alive(lambda: self.actor.initialize.remote(step, adapter, model_config))
 
     def push(self, data: bytes, trainer_step: int):
         return self.actor.push.remote(data, trainer_step)

@@ -71,6 +71,9 @@ class Shadow:
         self.regime = "unknown"
         self.adapter: AdapterIdentity | None = None
         """A parameter-efficient run's base and adapter: from its first trainer, or its durable snapshot."""
+        self.model_config: dict | None = None
+        """The model's Hugging Face config, which every snapshot of a full run carries: from the first trainer,
+        or the durable snapshot (so the shadow's process never imports transformers to build it)."""
         warm = threading.Thread(target=warm_up, args=(TORCH_DTYPES[job.dtype], job.zo), name="zocheck-warm-up")
         warm.start()  # the replay kernel loads while storage is read; profiles then time the kernel, not its load
         self.ledger = RecordLedger(0, on_accept=lambda: self.replay.wake())
@@ -86,7 +89,7 @@ class Shadow:
             self.lease.start_heartbeat()
             store = _with_retries(lambda: SnapshotStore(job.run_url, job.storage_options, lease=self.lease),
                                   f"opening the snapshot store {job.run_url}")
-            self.persist = PersistStage(self.ledger, job, store, self.lease, self._snapshot_meta(), nice=nice)
+            self.persist = PersistStage(self.ledger, job, store, self.lease, self._snapshot_meta, nice=nice)
             self._durable_rebuild(store)
         warm.join()
         self.replay.start()
@@ -94,11 +97,14 @@ class Shadow:
             self.persist.start()
 
     def _snapshot_meta(self) -> dict:
-        """What every snapshot carries besides the tensors. A parameter-efficient run's snapshot is a peft
-        adapter directory (its config, not the base model's) and records the base's hash."""
+        """What the next snapshot carries besides the tensors (asked by persistence at each save). A
+        parameter-efficient run's snapshot is a peft adapter directory (its config, not the base model's) and
+        records the base's hash."""
         meta = {"run_id": self.job.run_id, "zo_config": self.job.zo.model_dump(mode="json")}
         if self.job.peft is None:
-            meta["hf_config"] = model_config_dict(self.job.model)
+            if self.model_config is None:  # a caller that gave none (the trainers of a run give theirs)
+                self.model_config = model_config_dict(self.job.model)
+            meta["hf_config"] = self.model_config
         elif self.adapter is not None:
             meta["adapter_config"] = self.adapter.adapter_config
             meta["user"] = {ADAPTER_KEY: self.adapter.model_dump(mode="json")}
@@ -125,7 +131,8 @@ class Shadow:
         recorded = result.meta.user.get(ADAPTER_KEY)
         if recorded is not None:
             self.adapter = AdapterIdentity.model_validate(recorded)
-            self.persist.describe(self._snapshot_meta())
+        if result.meta.hf_config is not None:
+            self.model_config = result.meta.hf_config
         self.replay.commit_intake(result.step, "durable")
         self.persist.durable_step = result.snapshot.step
         logger.info("shadow rebuilt from durable storage at step %d (%d records replayed)", result.step,
@@ -142,14 +149,15 @@ class Shadow:
         self.replay.call(self.replay.abort_intake)
 
     def initialize(self, step: int, state: dict[str, torch.Tensor] | None = None, timeout: float = 300.0,
-                   adapter: AdapterIdentity | None = None) -> None:
+                   adapter: AdapterIdentity | None = None, model_config: dict | None = None) -> None:
         """A fresh run: the trainer's initial state at `step` (written into the intake, or given here),
         made durable before training starts; `adapter`: a parameter-efficient run's base and adapter,
-        recorded in every snapshot."""
+        `model_config`: the model's Hugging Face config (as `model_config_dict` gives it; built here when
+        not given), both recorded in every snapshot."""
         if adapter is not None:
             self.adapter = adapter
-            if self.persist is not None:
-                self.persist.describe(self._snapshot_meta())
+        if model_config is not None:
+            self.model_config = model_config
         if state is not None:
             self._fill_intake(state)
         self.replay.call(lambda: self.replay.commit_intake(step, "fresh"))

@@ -422,16 +422,17 @@ def _longer(backoff: float) -> float:
 class PersistStage:
     """Owns the snapshot store and the step log: makes records and images durable, whatever the store does."""
 
-    def __init__(self, ledger: RecordLedger, job: JobConfig, store: SnapshotStore, lease: Lease, meta: dict,
-                 nice: int = 0):
-        """`nice`: the niceness of the persistence thread and of the workers it starts (see `priority.py`)."""
+    def __init__(self, ledger: RecordLedger, job: JobConfig, store: SnapshotStore, lease: Lease,
+                 meta: Callable[[], dict], nice: int = 0):
+        """`meta`: what the next snapshot carries besides its tensors (asked once per save: a parameter-efficient
+        run learns its adapter, a run its model's config, from its first trainer). `nice`: the niceness of the
+        persistence thread and of the workers it starts (see `priority.py`)."""
         self.ledger = ledger
         self._nice = nice
         self.job = job
         self.store = store
         self.lease = lease
         self._meta = meta
-        """What every snapshot carries besides its tensors; replaced whole by `describe`."""
         self.log: StepLog | None = None
         self._log_generation = -1
         self._log_next = 0
@@ -453,12 +454,6 @@ class PersistStage:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="zocheck-persist", daemon=True)
-
-    def describe(self, meta: dict) -> None:
-        """The metadata of the snapshots saved from now on (a parameter-efficient run learns its adapter's
-        config and base from its first trainer). One reference, replaced whole: the saving thread reads it
-        once per save."""
-        self._meta = dict(meta)
 
     def start(self) -> None:
         self._thread.start()
@@ -599,7 +594,7 @@ class PersistStage:
         self.persist_in_flight = True
         started = time.perf_counter()
         try:
-            self.store.save(image.step, image.tensors(), self._meta)
+            self.store.save(image.step, image.tensors(), self._meta())
         finally:
             self.ledger.unpin(image)
             self.persist_in_flight = False

@@ -45,7 +45,7 @@ from zocheck_ray.core.fused import warm_up
 from zocheck_ray.core.triton_kernels import replay_on_device
 from zocheck_ray.workload.data import step_seed
 from zocheck_ray.workload.adapters import BaseModelMismatchError, build_trainable
-from zocheck_ray.workload.models import TORCH_DTYPES
+from zocheck_ray.workload.models import TORCH_DTYPES, model_config_dict
 from zocheck_ray.workload.builder import build_task
 
 logger = logging.getLogger(__name__)
@@ -187,8 +187,8 @@ class Trainer:
                 raise RuntimeError(f"rank {self.rank} must restore its state from the shadow, which holds no image "
                                    "(a shadow that was never initialized, or lost its image)")
             if self.rank == 0:  # the other ranks build the same initial state from run_seed
-                if self.adapter is None:
-                    self.shadow.initialize(self.opt.state_tensors(), 0)
+                if self.adapter is None:  # the config the snapshots carry: transformers is loaded here already
+                    self.shadow.initialize(self.opt.state_tensors(), 0, model_config=model_config_dict(self.job.model))
                 else:
                     self.shadow.initialize(self.opt.state_tensors(), 0, adapter=self.adapter)
             return RecoveryInfo(incarnation=self.incarnation, step=0, source="fresh"), []

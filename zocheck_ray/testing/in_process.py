@@ -76,8 +76,8 @@ class InProcessLink:
         state = {name: tensor.clone() for name, tensor in image.tensors().items()}
         return StateOffer(state, image.step, records, source, adapter=self.shadow.adapter)
 
-    def initialize(self, state, step, adapter=None):
-        self.shadow.initialize(step, state, adapter=adapter)
+    def initialize(self, state, step, adapter=None, model_config=None):
+        self.shadow.initialize(step, state, adapter=adapter, model_config=model_config)
 
     def write_state(self, state):
         raise NotImplementedError("an in-process run takes no resync (keep max_lag_steps above the run's steps)")
