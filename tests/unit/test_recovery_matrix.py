@@ -57,3 +57,25 @@ def test_three_software_failures_and_a_host_failure_end_exact(tmp_path, corpus, 
     assert max(r.replayed_records for r in run.recoveries) >= 3  # the trainer replayed what the shadow had not
     assert run.final_hash == expected[STEPS] and run.shadow == (STEPS, expected[STEPS])
     assert run.metrics.replay_error is None and run.metrics.persist_error is None
+
+
+
+def test_a_reference_is_computed_once_for_what_it_depends_on(tmp_path, corpus, monkeypatch):
+    """The uninterrupted run is computed once per process for the fields it reads: another run id or storage
+    reuses it, another learning rate does not, and a job reading a data file is computed each time."""
+    from zocheck_ray.testing import reference
+
+    built = []
+    real = reference._model_and_optimizer
+    monkeypatch.setattr(reference, "_model_and_optimizer", lambda job: built.append(job.run_id) or real(job))
+    task = dict(batch_size=2, max_length=16, eval_size=4)
+    first = JobConfig(steps=2, storage=str(tmp_path / "a"), run_id="ref-a", task=task, zo=dict(lr=1e-3))
+    again = first.model_copy(update={"storage": str(tmp_path / "b"), "run_id": "ref-b"})
+    other_lr = JobConfig(steps=2, storage=str(tmp_path / "a"), run_id="ref-c", task=task, zo=dict(lr=2e-3))
+    hashes = uninterrupted_hashes(first)
+    assert uninterrupted_hashes(again) == hashes and built == ["ref-a"]
+    assert uninterrupted_hashes(other_lr)[2] != hashes[2] and built == ["ref-a", "ref-c"]
+    reads_a_file = job_for(tmp_path, corpus, "zo-sgd", "full", "fp32").model_copy(update={"steps": 1})
+    uninterrupted_hashes(reads_a_file)
+    uninterrupted_hashes(reads_a_file)
+    assert built[2:] == [reads_a_file.run_id] * 2

@@ -1,9 +1,15 @@
 """The runs a recovered run must equal: plain, uninterrupted ZO loops, without Ray and without failures.
 
-Every recovered run is compared with one of these at every step (`state_hash`, bit for bit).
+Every recovered run is compared with one of these at every step (`state_hash`, bit for bit). A process
+computes each reference once: the runs of a test module mostly share one job (their run ids and storage
+differ, which the hashes do not depend on).
 """
 
 from __future__ import annotations
+
+import functools
+import json
+from typing import Callable
 
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, state_hash
@@ -17,6 +23,28 @@ def _model_and_optimizer(job: JobConfig):
     return built.model, ZOOptimizer(built.parameters, job.zo)
 
 
+def _computed_once(fn: Callable[[JobConfig], dict[int, str]]):
+    """`fn`'s hashes for the job, computed once per process for what they depend on (the fields `fn` reads).
+    A job that reads files (a model directory, data files) is computed each time: they may have changed."""
+    memo: dict[str, dict[int, str]] = {}
+
+    @functools.wraps(fn)
+    def wrapper(job: JobConfig) -> dict[int, str]:
+        fields = job.model_dump(mode="json", include={"model", "dtype", "run_seed", "peft", "zo", "task", "steps",
+                                                      "trainers"})
+        from zocheck_ray.workload.models import SMALL_MODELS
+
+        if job.model not in SMALL_MODELS or job.task.data_path is not None or job.task.eval_path is not None:
+            return fn(job)
+        key = json.dumps(fields, sort_keys=True)
+        if key not in memo:
+            memo[key] = fn(job)
+        return dict(memo[key])
+
+    return wrapper
+
+
+@_computed_once
 def uninterrupted_hashes(job: JobConfig) -> dict[int, str]:
     """The run that would have happened: a plain loop, no Ray, no failures."""
     model, opt = _model_and_optimizer(job)
@@ -28,6 +56,7 @@ def uninterrupted_hashes(job: JobConfig) -> dict[int, str]:
     return hashes
 
 
+@_computed_once
 def uninterrupted_data_parallel_hashes(job: JobConfig) -> dict[int, str]:
     """The k-rank run that would have happened, as one plain loop: each step evaluates the k slices of its
     batch in rank order and forms the losses from their (sum, count) pairs added in rank order in float64."""
