@@ -91,23 +91,16 @@ def test_two_ranks_lose_rank_0_and_equal_the_plain_loop(tmp_path):
     assert summary.collective_seconds_per_step is not None and summary.collective_seconds_per_step > 0
 
 
-def test_several_perturbations_and_micro_batches_compose_with_the_ranks(tmp_path):
-    """n-SPSA (q = 2: two all-gathers a step) and gradient accumulation (each rank's slice of 3 rows in
-    micro-batches of 2 and 1), ZO-SGD-Cons (its decision formed from gathered losses too), rank 1 lost."""
-    job = dp_job(tmp_path, optimizer="zo-sgd-cons", zo=dict(optimizer="zo-sgd-cons", lr=2e-3, eps=1e-3,
-                                                             num_perturbations=2),
-                 task=dict(batch_size=6, max_length=32, eval_size=16, eval_interval=10, micro_batch_size=2))
-    summary = run(job, fail_at=[11], fail_rank=1, progress=None)
-    (recovery,) = summary.recoveries
-    assert recovery.rank == 1 and recovery.failed_at_step == 11
-    assert_replicas_exact(summary, job)
-
-
 def test_the_cli_kills_rank_1_and_the_run_stays_exact(tmp_path, capsys):
+    """Several perturbations and micro-batches compose with the ranks: n-SPSA (q = 2: two all-gathers a step)
+    and gradient accumulation (each rank's slice of 3 rows in micro-batches of 2 and 1), ZO-SGD-Cons (its
+    decision formed from gathered losses too); `zocheck-ray train --fail-rank 1` loses rank 1."""
     from zocheck_ray.cli import main
     from zocheck_ray.control import RunSummary
 
-    job = dp_job(tmp_path / "runs")
+    job = dp_job(tmp_path / "runs", optimizer="zo-sgd-cons", zo=dict(optimizer="zo-sgd-cons", lr=2e-3, eps=1e-3,
+                                                                      num_perturbations=2),
+                 task=dict(batch_size=6, max_length=32, eval_size=16, eval_interval=10, micro_batch_size=2))
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job.model_dump(mode="json")))
     out = tmp_path / "summary.json"
@@ -119,7 +112,7 @@ def test_the_cli_kills_rank_1_and_the_run_stays_exact(tmp_path, capsys):
     assert doc["verification"]["verified"]
     doc.pop("verification")
     summary = RunSummary.model_validate(doc)
-    assert [r.rank for r in summary.recoveries] == [1]
+    assert [(r.rank, r.failed_at_step) for r in summary.recoveries] == [(1, 13)]
     assert_replicas_exact(summary, job, verify=False)  # `--verify` did
 
 

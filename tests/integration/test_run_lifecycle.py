@@ -58,24 +58,9 @@ def test_extending_a_finished_run_works_at_once_with_a_profile_or_without_one(tm
     assert_exact(extended, expected, steps=longer.steps)
 
 
-def test_a_finished_run_has_released_its_lease_and_run_again_says_what_is_durable_and_which_kernels(tmp_path):
-    job = job_for(tmp_path, steps=12)
-    run(job, progress=None)
-    lease = lease_of(job)
-    assert lease is not None and lease.released  # the next writer, on any cluster, takes it at once
-    again = run(job, progress=None)
-    assert again.resumed_from_step == 12 and again.steps == 12
-    assert again.final_state_hash == again.shadow_state_hash == uninterrupted_hashes(job)[12]
-    table = dict(result_table(again))
-    assert table["durable"].startswith("snapshot 12, log through step 11;")
-    assert table["trainer kernels"] == f"{again.kernel.device}: {again.kernel.backend}"
-    assert table["resumed"] == "from the durable image at step 12; 0 steps trained after it"
-    assert table["shadow replay per step"] == "- (nothing replayed)"
-    assert "held-out before" in table and not any("step 0" in key for key in table)
-    assert not any("None" in value for value in table.values()), table
-
-
-def test_a_second_job_with_a_running_jobs_run_id_is_refused_before_any_actor(tmp_path):
+def test_a_second_job_is_refused_while_a_run_runs_and_the_finished_run_released_its_lease_and_runs_again(tmp_path):
+    """While a run runs, a second job with its run id is refused before any actor starts; once the run has
+    finished, its lease is released and running it again says what is durable and which kernels ran."""
     job = job_for(tmp_path, steps=12)
     refusals = []
 
@@ -94,6 +79,19 @@ def test_a_second_job_with_a_running_jobs_run_id_is_refused_before_any_actor(tmp
     assert f"run {job.run_id!r} is already running on this Ray cluster" in message
     assert shadow_name(job.run_id) in message and "ALIVE" in message  # the holder, named
     assert "stop that job" in message and "another run_id" in message  # what to do
+
+    lease = lease_of(job)
+    assert lease is not None and lease.released  # the next writer, on any cluster, takes it at once
+    again = run(job, progress=None)
+    assert again.resumed_from_step == 12 and again.steps == 12
+    assert again.final_state_hash == again.shadow_state_hash == uninterrupted_hashes(job)[12]
+    table = dict(result_table(again))
+    assert table["durable"].startswith("snapshot 12, log through step 11;")
+    assert table["trainer kernels"] == f"{again.kernel.device}: {again.kernel.backend}"
+    assert table["resumed"] == "from the durable image at step 12; 0 steps trained after it"
+    assert table["shadow replay per step"] == "- (nothing replayed)"
+    assert "held-out before" in table and not any("step 0" in key for key in table)
+    assert not any("None" in value for value in table.values()), table
 
 
 def test_a_placement_group_left_by_a_starting_job_is_named_not_a_raw_ray_error(tmp_path):
