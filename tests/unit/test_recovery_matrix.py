@@ -59,7 +59,6 @@ def test_three_software_failures_and_a_host_failure_end_exact(tmp_path, corpus, 
     assert run.metrics.replay_error is None and run.metrics.persist_error is None
 
 
-
 def test_a_reference_is_computed_once_for_what_it_depends_on(tmp_path, corpus, monkeypatch):
     """The uninterrupted run is computed once per process for the fields it reads: another run id or storage
     reuses it, another learning rate does not, and a job reading a data file is computed each time."""

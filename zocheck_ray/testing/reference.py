@@ -16,6 +16,7 @@ from zocheck_ray.core import ZOOptimizer, state_hash
 from zocheck_ray.workload.data import step_seed
 from zocheck_ray.workload.adapters import build_trainable
 from zocheck_ray.workload.builder import build_task
+from zocheck_ray.workload.models import SMALL_MODELS
 
 
 def _model_and_optimizer(job: JobConfig):
@@ -30,13 +31,10 @@ def _computed_once(fn: Callable[[JobConfig], dict[int, str]]):
 
     @functools.wraps(fn)
     def wrapper(job: JobConfig) -> dict[int, str]:
-        fields = job.model_dump(mode="json", include={"model", "dtype", "run_seed", "peft", "zo", "task", "steps",
-                                                      "trainers"})
-        from zocheck_ray.workload.models import SMALL_MODELS
-
         if job.model not in SMALL_MODELS or job.task.data_path is not None or job.task.eval_path is not None:
             return fn(job)
-        key = json.dumps(fields, sort_keys=True)
+        key = json.dumps(job.model_dump(mode="json", include={"model", "dtype", "run_seed", "peft", "zo", "task",
+                                                              "steps", "trainers"}), sort_keys=True)
         if key not in memo:
             memo[key] = fn(job)
         return dict(memo[key])
