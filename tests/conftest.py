@@ -164,17 +164,23 @@ def free_port() -> int:
 
 
 def processes_naming(marker: str) -> list[int]:
-    """Processes whose command line names `marker` (a Ray cluster's temp dir: its own processes)."""
-    found = []
+    """Processes whose command line or environment names `marker` (a Ray cluster's temp dir, or a variable
+    set only for it: its own processes, those that retitle themselves (`ray::DashboardAgent`) and those
+    that outlive their parent included)."""
+    found, needle = [], marker.encode()
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
             with open(f"/proc/{name}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(name))
+                named = needle in f.read()
+            if not named:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    named = needle in f.read()
         except OSError:
-            pass
+            continue
+        if named:
+            found.append(int(name))
     return found
 
 

@@ -69,7 +69,8 @@ def head():
     # token authentication with a token of this cluster's own (Ray 2.60 enables it by default)
     env = {**os.environ, "PATH": os.pathsep.join([str(python3.parent), "/usr/local/bin", "/usr/bin", "/bin"]),
            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": "", "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_SECONDS)}
+           "PYTHONPATH": "", "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_SECONDS),
+           "ZOCHECK_TEST_CLUSTER": temp_dir}  # every process of this cluster inherits it: how the fixture stops them
     for name in ("RAY_ADDRESS", "VIRTUAL_ENV"):
         env.pop(name, None)
     flags = ["--port", "--dashboard-port", "--ray-client-server-port", "--node-manager-port", "--object-manager-port",

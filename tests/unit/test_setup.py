@@ -8,11 +8,13 @@ tests check the environment they run in (CI runs them in a fresh clone's `.venv`
 from __future__ import annotations
 
 import importlib.metadata as md
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,13 +177,7 @@ def test_free_ports_are_distinct():
         assert len(set(ports)) == 9 and all(0 < p < 65536 for p in ports)
 
 
-def test_compiled_kernels_are_only_loaded_afterwards():
-    # `make test` compiles every kernel once, before the tests; a process started afterwards (a test's,
-    # a Ray actor's) finds each in numba's cache, whatever dtype, optimizer or batch it replays
-    from zocheck_ray.core.fused import compile_kernels
-
-    compile_kernels()
-    code = """
+_LOAD_EVERY_KERNEL = """
 import torch
 from zocheck_ray.core import ZOConfig, fused
 fused.load_kernels(fused.KERNELS)
@@ -190,10 +186,65 @@ for optimizer in ("zo-sgd", "zo-adam", "sparse-mezo"):
         for steps in (1, 3):
             fused.warm_up(dtype, ZOConfig(optimizer=optimizer), steps=steps)
 kernels = [k for k in vars(fused).values() if hasattr(k, "stats") and hasattr(k, "py_func")]
-print(len(fused.KERNELS), sum(sum(k.stats.cache_hits.values()) for k in kernels),
+print(fused.__file__, len(fused.KERNELS), sum(sum(k.stats.cache_hits.values()) for k in kernels),
       sum(sum(k.stats.cache_misses.values()) for k in kernels))
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+
+
+def load_every_kernel(**run) -> tuple[str, int, int, int]:
+    """(fused.py's path, kernels, cache hits, cache misses) of a new process that replays with every kernel."""
+    done = subprocess.run([sys.executable, "-c", _LOAD_EVERY_KERNEL], capture_output=True, text=True, timeout=600,
+                          **run)
     assert done.returncode == 0, done.stderr
-    kernels, hits, misses = map(int, done.stdout.split())
-    assert hits == kernels and misses == 0, done.stdout  # each loaded once, none compiled
+    path, kernels, hits, misses = done.stdout.split()
+    return path, int(kernels), int(hits), int(misses)
+
+
+def test_compiled_kernels_are_only_loaded_afterwards():
+    # `make test` compiles every kernel once, before the tests; a process started afterwards (a test's,
+    # a Ray actor's) finds each in numba's cache, whatever dtype, optimizer or batch it replays
+    from zocheck_ray.core.fused import compile_kernels
+
+    compile_kernels()
+    _, kernels, hits, misses = load_every_kernel()
+    assert hits == kernels and misses == 0  # each loaded once, none compiled
+
+
+def test_a_copy_of_the_package_elsewhere_loads_the_kernels_compiled_for_the_same_sources(tmp_path):
+    # `ray job submit --working-dir .` unpacks the sources to a new directory for every upload: its processes
+    # find the kernels compiled from the same file content anywhere on the machine, not only beside it
+
+    from zocheck_ray.core import kernel_cache
+    from zocheck_ray.core.fused import compile_kernels
+
+    compile_kernels()
+    upload = tmp_path / "working_dir_files" / "_ray_pkg_0123"
+    shutil.copytree(REPO / "zocheck_ray", upload / "zocheck_ray", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(upload)}
+    path, kernels, hits, misses = load_every_kernel(cwd=upload, env=env)
+    assert path == str(upload / "zocheck_ray" / "core" / "fused.py")  # the copy ran, not the checkout
+    assert hits == kernels and misses == 0
+    assert not (upload / "zocheck_ray" / "core" / "__pycache__").exists() or not any(
+        p.suffix in (".nbi", ".nbc") for p in (upload / "zocheck_ray" / "core" / "__pycache__").iterdir())
+    digest = kernel_cache.source_digest(str(upload / "zocheck_ray" / "core" / "fused.py"))
+    assert any(p.name.endswith(".nbc") for p in (Path(kernel_cache.cache_root()) / f"fused-{digest[:16]}").iterdir())
+
+
+@pytest.mark.parametrize("where", ["ZOCHECK_KERNEL_CACHE", "unwritable", "NUMBA_CACHE_DIR"])
+def test_where_the_kernels_are_cached(tmp_path, where):
+    (tmp_path / "a-file").write_text("")
+    env = {k: v for k, v in os.environ.items() if k not in ("ZOCHECK_KERNEL_CACHE", "NUMBA_CACHE_DIR")}
+    env["ZOCHECK_KERNEL_CACHE"] = str(tmp_path / ("a-file/kernels" if where == "unwritable" else "kernels"))
+    if where == "NUMBA_CACHE_DIR":
+        env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
+    code = "from zocheck_ray.core import fused; print(fused._kernel_f32._cache.cache_path, fused.__file__)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    cache, source = done.stdout.split()
+    cache, source = Path(cache), Path(source)
+    if where == "ZOCHECK_KERNEL_CACHE":  # the user's choice, one directory per content of fused.py
+        assert cache.parent == tmp_path / "kernels" and cache.name.startswith("fused-")
+    elif where == "unwritable":  # numba's own, beside the source
+        assert cache == source.parent / "__pycache__"
+    else:  # numba's setting wins
+        assert cache.is_relative_to(tmp_path / "numba")
