@@ -16,7 +16,7 @@ PACKAGE = Path(zocheck_ray.__file__).parent
 CORE_LAYERS = (
     ("the specification", {"config", "errors", "layout", "record", "scalars", "seeds", "hashing"}),
     ("the reference implementation", {"generator", "update", "reference", "validation"}),
-    ("the kernels", {"fused", "triton_kernels", "_triton_src"}),
+    ("the kernels", {"kernel_cache", "fused", "triton_kernels", "_triton_src"}),
     ("the guard", {"kernel_guard"}),
     ("backend selection and the optimizer", {"backend", "optimizer", "__init__"}),
 )
