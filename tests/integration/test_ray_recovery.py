@@ -9,6 +9,7 @@ plain, uninterrupted ZO loop over the same model, seeds and batches.
 import contextlib
 import io
 import os
+import tempfile
 
 import pytest
 import ray
@@ -30,9 +31,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 # the replay is proven exact for every optimizer x dtype x perturbation in test_core_exactness.py. ZO-Adam in
 # bf16: the most state (two moments) and the dtype whose rounding the replay must repeat. fp32 ZO-SGD and
 # Sparse-MeZO (its records carry thresholds) meet Ray's restarts in the other tests of this module.
-def test_three_software_failures_recover_exactly(tmp_path):
+def test_three_software_failures_recover_exactly(tmp_path, monkeypatch):
     job = job_for(tmp_path, "zo-adam", "bf16")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
+    os.mkdir(tmp_path / "temp")
     summary = run(job, fail_at=[5, 17, 30], progress=None)
+    assert os.listdir(tmp_path / "temp") == []  # the injection's markers went with the run
     assert [r.failed_at_step for r in summary.recoveries] == [5, 17, 30]
     assert all(r.image_source == "memory" for r in summary.recoveries)
     for r in summary.recoveries:

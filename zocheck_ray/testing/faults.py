@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 import time
 from typing import Callable, Literal
@@ -132,13 +133,20 @@ def run_with_faults(job: JobConfig, fail_at: list[int] | None = None, fail_mode:
     node instead), `shadow` the shadow. `faults`: more to inject (a slow replay, a death mid-recovery)."""
     failures = _checked(job, fail_at, fail_mode, fail_rank)
     faults = faults or NO_FAULTS
+    markers = None
     if failures and fail_mode == "software":
-        faults = faults.model_copy(update={"die_at": {fail_rank: failures},
-                                           "marker_dir": tempfile.mkdtemp(prefix="zocheck-faults-")})
+        # where each rank notes the failures it has been dealt, so that its restarted process does not die
+        # again at the same step; the run's own, removed when it ends
+        markers = tempfile.mkdtemp(prefix="zocheck-faults-")
+        faults = faults.model_copy(update={"die_at": {fail_rank: failures}, "marker_dir": markers})
     say = progress or (lambda line: None)
     injector = [FailAt(failures, fail_mode, fail_rank, kill_node, say)] if failures else []
-    return launch(job, progress, [*injector, *callbacks], on_segment, placement_group, first_bundle,
-                  hooks=faults if faults != NO_FAULTS else None)
+    try:
+        return launch(job, progress, [*injector, *callbacks], on_segment, placement_group, first_bundle,
+                      hooks=faults if faults != NO_FAULTS else None)
+    finally:
+        if markers is not None:
+            shutil.rmtree(markers, ignore_errors=True)
 
 
 def _checked(job: JobConfig, fail_at: list[int] | None, fail_mode: str, fail_rank: int) -> list[int]:
