@@ -81,6 +81,10 @@ def pytest_addoption(parser):
     parser.addoption("--max-unmarked-seconds", type=float, default=None, metavar="S",
                      help="fail when a test not marked slow takes more than S seconds (setup and teardown "
                           "included); measure on a warm numba cache")
+    parser.addoption("--exit-ceiling-seconds", type=float, default=30.0, metavar="S",
+                     help="how long the processes the tests started may take to exit once the session ends "
+                          "(a bound for a loaded machine); those left then are named and stopped, and the "
+                          "session fails")
 
 
 class UnmarkedSeconds:
@@ -108,10 +112,52 @@ class UnmarkedSeconds:
                 terminalreporter.write_line(f"{seconds:8.2f} s  {node}  (mark it slow, or its slow fixture)")
 
 
+# Nothing a test starts outlives the session: every process started under it (the test processes, Ray's
+# raylets, workers and agents, drivers of the command line) inherits SESSION_ENV from the outermost pytest
+# process, which, once the session ends, names those still running, stops them and fails the session. (A
+# Ray agent that retitles itself outlived its cluster once, keeping half a core busy for the rest of a run.)
+
+SESSION_ENV = "ZOCHECK_TEST_SESSION"
+
+
+class LeftBehind:
+    """Stops and names the processes of this session that outlived it, and fails it."""
+
+    def __init__(self, marker: str, ceiling: float):
+        self.marker = f"{SESSION_ENV}={marker}"
+        self.ceiling = ceiling
+        self.left: dict[int, str] = {}
+
+    @pytest.hookimpl(trylast=True)  # after xdist has stopped its workers
+    def pytest_sessionfinish(self, session, exitstatus):
+        deadline = time.monotonic() + self.ceiling
+        while (left := processes_naming(self.marker)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in left:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    self.left[pid] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+            except OSError:
+                continue
+        stop_processes_naming(self.marker)
+        if self.left and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
+        if self.left:
+            terminalreporter.section("processes the tests started and left running (stopped now)", red=True)
+            for pid, command in sorted(self.left.items()):
+                terminalreporter.write_line(f"{pid:8d}  {command}")
+
+
 def pytest_configure(config):
     limit = config.getoption("max_unmarked_seconds")
     if limit is not None and not hasattr(config, "workerinput"):  # judged where every test's report arrives
         config.pluginmanager.register(UnmarkedSeconds(limit), "unmarked-seconds")
+    if SESSION_ENV not in os.environ:  # the outermost session (not an xdist worker, nor a session a test runs)
+        os.environ[SESSION_ENV] = uuid.uuid4().hex
+        ceiling = config.getoption("exit_ceiling_seconds")
+        config.pluginmanager.register(LeftBehind(os.environ[SESSION_ENV], ceiling), "left-behind")
 
 
 # ------------------------------------------------------------------------------------------ Ray

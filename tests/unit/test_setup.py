@@ -248,3 +248,27 @@ def test_where_the_kernels_are_cached(tmp_path, where):
         assert cache == source.parent / "__pycache__"
     else:  # numba's setting wins
         assert cache.is_relative_to(tmp_path / "numba")
+
+
+LEAVES_A_PROCESS = """
+import subprocess
+
+def test_starts_a_process_and_forgets_it():
+    subprocess.Popen(["sleep", "600"])
+"""
+
+
+def test_a_process_a_test_leaves_running_fails_the_session_and_is_stopped(pytester, monkeypatch):
+    from conftest import SESSION_ENV, processes_naming
+
+    pytester.makeconftest((REPO / "tests" / "conftest.py").read_text())
+    pytester.makepyfile(test_case=LEAVES_A_PROCESS)
+    monkeypatch.delenv(SESSION_ENV)  # the session below is an outermost one, with a marker of its own
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--exit-ceiling-seconds", "0.5")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(passed=1)
+    section = result.outlines.index(next(line for line in result.outlines if "left running" in line))
+    named = [line.split() for line in result.outlines[section + 1:] if line.strip()][0]
+    assert named[1:] == ["sleep", "600"]  # its pid and command line
+    assert not os.path.exists(f"/proc/{named[0]}") or "sleep" not in Path(f"/proc/{named[0]}/cmdline").read_text()
+    assert not processes_naming("sleep\0600")
