@@ -258,13 +258,14 @@ def test_starts_a_process_and_forgets_it():
 """
 
 
-def test_a_process_a_test_leaves_running_fails_the_session_and_is_stopped(pytester, monkeypatch):
+def test_a_process_a_test_leaves_running_is_named_and_stopped_and_fails_the_session_when_asked(pytester, monkeypatch):
     from conftest import SESSION_ENV, processes_naming
 
     pytester.makeconftest((REPO / "tests" / "conftest.py").read_text())
     pytester.makepyfile(test_case=LEAVES_A_PROCESS)
     monkeypatch.delenv(SESSION_ENV)  # the session below is an outermost one, with a marker of its own
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--exit-ceiling-seconds", "0.5")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--exit-ceiling-seconds", "0.5",
+                                           "--fail-on-left-behind")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.assert_outcomes(passed=1)
     section = result.outlines.index(next(line for line in result.outlines if "left running" in line))
@@ -272,3 +273,6 @@ def test_a_process_a_test_leaves_running_fails_the_session_and_is_stopped(pytest
     assert named[1:] == ["sleep", "600"]  # its pid and command line
     assert not os.path.exists(f"/proc/{named[0]}") or "sleep" not in Path(f"/proc/{named[0]}/cmdline").read_text()
     assert not processes_naming("sleep\0600")
+    reported = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--exit-ceiling-seconds", "0.5")
+    assert reported.ret == pytest.ExitCode.OK  # without the option: named and stopped, not failed
+    assert any("left running" in line for line in reported.outlines) and not processes_naming("sleep\0600")
