@@ -236,6 +236,12 @@ def processes_naming(marker: str) -> list[int]:
     return found
 
 
+CLUSTER_ENV = "ZOCHECK_TEST_CLUSTER"
+"""Set, to its temp dir, in the environment of a cluster a test starts with `ray start`: every process of it
+inherits it (Ray does not hand its RAY_ variables on to the agents a raylet starts, which retitle themselves),
+so `stop_processes_naming(temp_dir)` finds them all."""
+
+
 def stop_processes_naming(marker: str, ceiling: float = 30.0) -> None:
     """Stop the processes whose command line or environment names `marker`: a cluster a test started, and only
     that one (never a blanket `ray stop`, which stops every Ray instance of this user on the machine). Each

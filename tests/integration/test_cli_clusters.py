@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_ports, processes_naming, stop_processes_naming
+from conftest import CLUSTER_ENV, free_ports, processes_naming, stop_processes_naming
 from support import REPO, wait_until
 
 pytestmark = pytest.mark.slow  # a `ray start --head` node, train drivers and their local instances
@@ -39,10 +39,8 @@ def clean_env(ray_tmp: str, **extra: str) -> dict:
     """This environment without any Ray address or token, its Ray temp dir (where `ray start` records
     its cluster) `ray_tmp`, and `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    # ZOCHECK_TEST_CLUSTER: how its processes are found to be stopped (Ray does not hand its RAY_ variables on to
-    # the agents a raylet starts, which retitle themselves)
     return {**env, "RAY_TMPDIR": ray_tmp, "TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0",
-            "PYTHONPATH": str(REPO), "ZOCHECK_TEST_CLUSTER": ray_tmp, **extra}
+            "PYTHONPATH": str(REPO), CLUSTER_ENV: ray_tmp, **extra}
 
 
 def cli(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

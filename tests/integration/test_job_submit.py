@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_ports, stop_processes_naming
+from conftest import CLUSTER_ENV, free_ports, stop_processes_naming
 from support import REPO
 
 pytestmark = pytest.mark.slow  # a `ray start --head` node and a submitted job
@@ -70,7 +70,7 @@ def head():
     env = {**os.environ, "PATH": os.pathsep.join([str(python3.parent), "/usr/local/bin", "/usr/bin", "/bin"]),
            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": "", "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_SECONDS),
-           "ZOCHECK_TEST_CLUSTER": temp_dir}  # every process of this cluster inherits it: how the fixture stops them
+           CLUSTER_ENV: temp_dir}
     for name in ("RAY_ADDRESS", "VIRTUAL_ENV"):
         env.pop(name, None)
     flags = ["--port", "--dashboard-port", "--ray-client-server-port", "--node-manager-port", "--object-manager-port",
