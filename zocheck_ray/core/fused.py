@@ -111,7 +111,7 @@ def _bf16_value(bits):
 
 
 # The float16 conversions are left to LLVM to inline (numba's IR inlining of their selects into
-# every site of `_run` made each fp16 kernel take 33 s to compile, against 6.5 s now, at the same
+# every site of the kernels made each fp16 kernel take 33 s to compile, against 6.5 s now, at the same
 # replay speed: `bench replay --dtype fp16`, 5M parameters, 9.97 vs 9.91 ms per batched step).
 @njit(inline="never")
 def _f16_bits(x):
@@ -603,86 +603,131 @@ def _chunk_staged(param, m, v, n, offset, tensor, decay, opt, gaussian, multi, k
 
 
 @njit(inline="always")
-def _run(param_ptrs, m_ptrs, v_ptrs, offsets, decays, plan, opt, gaussian, steps, keys0, keys1, c_plus, c_minus, grads,
-         lrs, bc1s, bc2s, thresholds, consts, storage_dtype, itemsize, load, store, rnd, rnd_full, chunk_fn, scratch,
-         workers, longest):
-    """Each of `workers` threads takes a contiguous run of chunks and its own scratch
-    (for the `longest` chunk), allocated once.
+def _work(w, param_ptrs, m_ptrs, v_ptrs, offsets, decays, plan, opt, gaussian, steps, keys0, keys1, c_plus, c_minus,
+          grads, lrs, bc1s, bc2s, thresholds, consts, shape, storage_dtype, itemsize, load, store, rnd, rnd_full,
+          chunk_fn, scratch):
+    """Worker `w` of `workers`: a contiguous run of chunks, with its own scratch (for the `longest` chunk),
+    allocated once. `plan` is (chunk_tensor, chunk_start, chunk_len), `steps` (q, moves, n_moves) and `shape`
+    (workers, longest): a call of more than 30 arguments reaches numba as *args, which it cannot inline.
 
-    `chunk_fn` is `_chunk_in_place` or `_chunk_staged` (which needs `scratch` elements of
-    float32 scratch): each kernel compiles the one it uses, which keeps compilation short.
-    `plan` is (chunk_tensor, chunk_start, chunk_len); `steps` (q, moves, n_moves)."""
+    `chunk_fn` is `_chunk_in_place` or `_chunk_staged` (which needs `scratch` elements of float32
+    scratch): each kernel compiles the one it uses, which keeps compilation short."""
     chunk_tensor, chunk_start, chunk_len = plan
     q, moves, n_moves = steps
+    workers, longest = shape
     chunks = chunk_tensor.shape[0]
-    for w in prange(workers):
-        p_scratch = np.empty(scratch, np.float32)
-        z = np.empty(longest + 8, np.float32)
-        pairs = 2 * (longest // 4 + 2)
-        wa = np.empty(pairs, np.uint32)
-        wb = np.empty(pairs, np.uint32)
-        radius = np.empty(pairs, np.float32)
-        general = q > 1
-        multi = (q, moves, n_moves, np.empty(longest if general else 0, np.float32),
-                 np.empty(longest if general else 0, np.bool_))
-        last = (w + 1) * chunks // workers
-        for c in range(w * chunks // workers, last):
-            t = chunk_tensor[c]
-            s = chunk_start[c]
-            n = chunk_len[c]
-            param = numba.carray(_as_voidptr(param_ptrs[t] + s * itemsize), n, storage_dtype)
-            if opt == OPT_ADAM:
-                m = numba.carray(_as_voidptr(m_ptrs[t] + s * 4), n, np.float32)
-                v = numba.carray(_as_voidptr(v_ptrs[t] + s * 4), n, np.float32)
-            elif opt == OPT_MMT:
-                m = numba.carray(_as_voidptr(m_ptrs[t] + s * 4), n, np.float32)
-                v = m
-            else:
-                m = numba.carray(_as_voidptr(param_ptrs[t]), 0, np.float32)
-                v = m
-            chunk_fn(param, m, v, n, offsets[t] + s, t, decays[t], opt, gaussian, multi, keys0, keys1, c_plus, c_minus,
-                     grads, lrs, bc1s, bc2s, thresholds, consts, p_scratch, z, wa, wb, radius, load, store,
-                     rnd, rnd_full, _round_f32)
+    p_scratch = np.empty(scratch, np.float32)
+    z = np.empty(longest + 8, np.float32)
+    pairs = 2 * (longest // 4 + 2)
+    wa = np.empty(pairs, np.uint32)
+    wb = np.empty(pairs, np.uint32)
+    radius = np.empty(pairs, np.float32)
+    general = q > 1
+    multi = (q, moves, n_moves, np.empty(longest if general else 0, np.float32),
+             np.empty(longest if general else 0, np.bool_))
+    last = (w + 1) * chunks // workers
+    for c in range(w * chunks // workers, last):
+        t = chunk_tensor[c]
+        s = chunk_start[c]
+        n = chunk_len[c]
+        param = numba.carray(_as_voidptr(param_ptrs[t] + s * itemsize), n, storage_dtype)
+        if opt == OPT_ADAM:
+            m = numba.carray(_as_voidptr(m_ptrs[t] + s * 4), n, np.float32)
+            v = numba.carray(_as_voidptr(v_ptrs[t] + s * 4), n, np.float32)
+        elif opt == OPT_MMT:
+            m = numba.carray(_as_voidptr(m_ptrs[t] + s * 4), n, np.float32)
+            v = m
+        else:
+            m = numba.carray(_as_voidptr(param_ptrs[t]), 0, np.float32)
+            v = m
+        chunk_fn(param, m, v, n, offsets[t] + s, t, decays[t], opt, gaussian, multi, keys0, keys1, c_plus, c_minus,
+                 grads, lrs, bc1s, bc2s, thresholds, consts, p_scratch, z, wa, wb, radius, load, store,
+                 rnd, rnd_full, _round_f32)
 
 
-# One compiled kernel per storage dtype and chunk path (in place or staged); each is a plain
-# module-level function so numba can cache it on disk (first compilation takes tens of seconds).
+# One worker and one kernel per storage dtype and chunk path (in place or staged). The worker is a function of
+# its own, called from the kernel's parallel loop: numba's parallel passes (fusion, gufunc lowering) then work on
+# a loop of one call rather than on the whole inlined body, which halves the compilation of every kernel (float32
+# 44 -> 20 s, bf16 60-71 -> 35 s, the same replay speed: `bench replay`). The worker takes arrays and numbers
+# only: a function passed through the parallel loop would make the kernel uncacheable (a dynamic global), and
+# its loop index is cast to int64 so numba compiles the worker once, not again for the gufunc's unsigned index.
+# Each kernel is a plain module-level function so numba can cache it on disk.
 _KERNEL_OPTIONS = dict(parallel=True, cache=True, error_model="numpy", nogil=True)
 
 
-@njit(**_KERNEL_OPTIONS)
-def _kernel_f32(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con,
-                wk, lg):
-    _run(pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-         np.float32, np.int64(4), _load_f32, _store_f32, _round_f32, _round_f32, _chunk_in_place, 0, wk, lg)
+@njit(inline="never")
+def _work_f32(w, pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk,
+              lg):
+    _work(w, pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+          (wk, lg), np.float32, np.int64(4), _load_f32, _store_f32, _round_f32, _round_f32, _chunk_in_place, 0)
+
+
+@njit(inline="never")
+def _work_bf16(w, pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk,
+               lg):
+    _work(w, pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+          (wk, lg), np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, _chunk_staged, lg)
+
+
+@njit(inline="never")
+def _work_bf16_step(w, pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm,
+                    con, wk, lg):
+    _work(w, pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+          (wk, lg), np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, _chunk_in_place, 0)
+
+
+@njit(inline="never")
+def _work_f16(w, pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk,
+              lg):
+    _work(w, pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+          (wk, lg), np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, _chunk_staged, lg)
+
+
+@njit(inline="never")
+def _work_f16_step(w, pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con,
+                   wk, lg):
+    _work(w, pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+          (wk, lg), np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, _chunk_in_place, 0)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_bf16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con,
-                 wk, lg):
-    _run(pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-         np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, _chunk_staged, lg, wk, lg)
+def _kernel_f32(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk,
+                lg):
+    for w in prange(wk):
+        _work_f32(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv,
+                  nm, con, wk, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_bf16_step(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm,
-                      con, wk, lg):
-    _run(pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-         np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, _chunk_in_place, 0, wk, lg)
+def _kernel_bf16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk,
+                 lg):
+    for w in prange(wk):
+        _work_bf16(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr,
+                   mv, nm, con, wk, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_f16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con,
-                 wk, lg):
-    _run(pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-         np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, _chunk_staged, lg, wk, lg)
+def _kernel_bf16_step(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con,
+                      wk, lg):
+    for w in prange(wk):
+        _work_bf16_step(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2,
+                        thr, mv, nm, con, wk, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_f16_step(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm,
-                     con, wk, lg):
-    _run(pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-         np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, _chunk_in_place, 0, wk, lg)
+def _kernel_f16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk,
+                lg):
+    for w in prange(wk):
+        _work_f16(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv,
+                  nm, con, wk, lg)
+
+
+@njit(**_KERNEL_OPTIONS)
+def _kernel_f16_step(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con,
+                     wk, lg):
+    for w in prange(wk):
+        _work_f16_step(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2,
+                       thr, mv, nm, con, wk, lg)
 
 
 _KERNELS = {torch.float32: _kernel_f32, torch.bfloat16: _kernel_bf16, torch.float16: _kernel_f16}
