@@ -210,6 +210,21 @@ def test_compiled_kernels_are_only_loaded_afterwards():
     assert hits == kernels and misses == 0  # each loaded once, none compiled
 
 
+@pytest.mark.parametrize("workers", [1, 2, 3, 6])
+def test_compile_kernels_gives_its_processes_equal_shares_and_the_generator_first(workers):
+    from zocheck_ray.core.fused import COMPILE_CPU_SECONDS, KERNELS, split_kernels
+
+    shares = split_kernels(workers)
+    assert sorted(n for share in shares for n in share) == sorted(KERNELS)  # each kernel once
+    assert len(shares) == workers
+    seconds = [sum(COMPILE_CPU_SECONDS[n] for n in share) for share in shares]
+    # no process waits on another for longer than the longest single kernel takes
+    assert max(seconds) - min(seconds) <= max(COMPILE_CPU_SECONDS.values())
+    # the generator leads its share: the others' warm-ups (replay first) then find it compiled
+    (generator,) = [share for share in shares if "perturbation" in share]
+    assert generator[0] == "perturbation"
+
+
 def test_a_copy_of_the_package_elsewhere_loads_the_kernels_compiled_for_the_same_sources(tmp_path):
     # `ray job submit --working-dir .` unpacks the sources to a new directory for every upload: its processes
     # find the kernels compiled from the same file content anywhere on the machine, not only beside it

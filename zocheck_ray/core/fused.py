@@ -804,8 +804,8 @@ def warm_up(dtype: torch.dtype, config: ZOConfig, steps: int = 1) -> None:
     """Load (or compile) the kernels a trainer and a replay use for `dtype` and `config`: the
     generator, and `replay` of `steps` steps on four elements (one step and a batch take different
     kernels for bf16/fp16). The first step or replay in a process otherwise pays for it (about 0.15 s
-    from numba's cache)."""
-    perturbation_into(np.empty(4, dtype=np.float32), 0, 0, config.perturbation)
+    from numba's cache). The replay first: where `compile_kernels` compiles the generator in another
+    process meanwhile, this one then finds it in the cache."""
     name = "warm_up.weight"
     state = {name: torch.zeros(4, dtype=dtype)}
     for prefix in moment_prefixes(config.optimizer):
@@ -816,6 +816,7 @@ def warm_up(dtype: torch.dtype, config: ZOConfig, steps: int = 1) -> None:
     records = [StepRecord(t, t, 0.0, config.lr, config.eps, fingerprint, config.optimizer, extras, more)
                for t in range(steps)]
     replay(state, records, config, threads=1)
+    perturbation_into(np.empty(4, dtype=np.float32), 0, 0, config.perturbation)
 
 
 KERNELS = {"perturbation": None, "float32": (torch.float32, 1), "bfloat16 step": (torch.bfloat16, 1),
@@ -823,6 +824,10 @@ KERNELS = {"perturbation": None, "float32": (torch.float32, 1), "bfloat16 step":
            "float16 batch": (torch.float16, 2)}
 """Every kernel numba compiles for `perturbation_cpu` and `replay` (dtype, steps that take it): one
 compilation each per cache, whatever the optimizer, perturbation or thread count."""
+COMPILE_CPU_SECONDS = {"perturbation": 5.5, "float32": 19, "bfloat16 step": 29, "bfloat16 batch": 30,
+                       "float16 step": 22, "float16 batch": 29}
+"""What compiling each kernel of `KERNELS` took on one core here (a replay's without the generator, which
+`warm_up` loads after it): only `compile_kernels` reads it, to give its processes equal shares."""
 
 
 def load_kernels(names) -> None:
@@ -851,15 +856,23 @@ def compile_kernels(processes: int | None = None) -> None:
     import subprocess
     import sys
 
-    names = list(KERNELS)
-    workers = max(1, min(processes or os.cpu_count() or 1, len(names)))
+    workers = max(1, min(processes or os.cpu_count() or 1, len(KERNELS)))
     children = [subprocess.Popen([sys.executable, "-c", "import sys; from zocheck_ray.core.fused import load_kernels; "
-                                  "load_kernels(sys.argv[1:])", *names[i::workers]],
+                                  "load_kernels(sys.argv[1:])", *names],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                for i in range(workers)]
+                for names in split_kernels(workers)]
     failed = [err for child in children if (err := child.communicate()[1]) and child.returncode]
     if failed:
         raise RuntimeError("compiling the numba kernels failed:\n" + "\n".join(failed))
+
+
+def split_kernels(workers: int) -> list[list[str]]:
+    """`KERNELS` in `workers` lists of about equal compile time (the longest first, each to the list with
+    the least so far); the generator leads its list, so the others' `warm_up`s find it compiled."""
+    shares: list[list[str]] = [[] for _ in range(workers)]
+    for name in sorted(KERNELS, key=lambda n: -COMPILE_CPU_SECONDS[n]):
+        min(shares, key=lambda share: sum(COMPILE_CPU_SECONDS[n] for n in share)).append(name)
+    return [sorted(share, key=lambda n: KERNELS[n] is not None) for share in shares if share]
 
 
 def default_threads() -> int:
