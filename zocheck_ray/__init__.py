@@ -5,40 +5,32 @@ The public API is re-exported here; `zocheck_ray.core` runs without Ray.
 
 import sys
 
-try:
-    from zocheck_ray.core import (
-        CorruptRecordError,
-        IncompleteRecordError,
-        Layout,
-        NonFiniteError,
-        RecordSequenceError,
-        StateMismatchError,
-        StepRecord,
-        ZOCheckError,
-        ZOConfig,
-        ZOOptimizer,
-        perturbation,
-        replay,
-        replay_reference,
-        state_hash,
-    )
-except ModuleNotFoundError as missing:
-    # `python3 -m zocheck_ray ...` run by a Python without the dependencies (a `ray job submit` entrypoint on a
-    # node whose Ray runs from an environment not on PATH): hand over to the Python that runs Ray there.
-    if sys.argv[:1] == ["-m"]:  # only while `python -m` imports this package
+_CORE = ("CorruptRecordError", "IncompleteRecordError", "Layout", "NonFiniteError", "RecordSequenceError",
+         "StateMismatchError", "StepRecord", "ZOCheckError", "ZOConfig", "ZOOptimizer", "perturbation", "replay",
+         "replay_reference", "state_hash")
+
+if sys.argv[:1] == ["-m"]:  # only while `python -m zocheck_ray[.module]` imports this package
+    try:
+        import zocheck_ray.core  # noqa: F401
+    except ModuleNotFoundError as missing:
+        # run by a Python without the dependencies (a `ray job submit` entrypoint on a node whose Ray runs from
+        # an environment not on PATH): hand over to the Python that runs Ray there.
         from zocheck_ray._interpreter import hand_over_to_ray_python
 
         hand_over_to_ray_python(missing)
-    raise
+        raise
 
 __version__ = "0.1.0"
 
 _ON_FIRST_USE = {
+    **dict.fromkeys(_CORE, "zocheck_ray.core"),
     "run": "zocheck_ray.control", "RunSummary": "zocheck_ray.control", "RunFailedError": "zocheck_ray.control",
     "RunCallback": "zocheck_ray.control", "JobConfig": "zocheck_ray.config", "load_job_config": "zocheck_ray.config",
     "JobConfigError": "zocheck_ray.config", "RunStopped": "zocheck_ray.control",
 }
-"""The Ray-dependent public names, loaded on first use so that `zocheck_ray.core` runs where Ray is absent."""
+"""The public names, loaded on first use: `zocheck_ray.core` runs where Ray is absent, and a process that imports
+one module of the package (a Ray worker loading `TrainerActor`'s) loads neither torch nor Ray's control code
+until it uses them."""
 
 __all__ = [
     "run", "JobConfig", "load_job_config", "RunSummary", "RunCallback", "JobConfigError", "RunFailedError",

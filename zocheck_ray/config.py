@@ -114,7 +114,8 @@ class JobConfig(BaseModel):
     steady, with its imports done and its model's skeleton allocated (on the CPU, its pages touched: one more
     copy of the state in host memory; on a GPU, a sliver of rank 0's GPU and no device memory until it is
     needed). A lost trainer is replaced by it at once, without waiting for Ray to restart the process; the
-    process Ray restarts becomes the next standby."""
+    process Ray restarts becomes the next standby, and builds only once the promotion is done (its set-up
+    would take cores and memory bandwidth from it)."""
     placement: Literal["pack", "spread"] = "pack"
     """Where the ranks go: `pack` puts every rank and the shadow on one node (STRICT_PACK); `spread` keeps
     rank 0 with the shadow and lets the other ranks go to any node."""

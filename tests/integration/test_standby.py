@@ -14,7 +14,7 @@ import transformers
 
 from reference_runs import assert_exact, job_for, uninterrupted_hashes
 from support import wait_until
-from zocheck_ray.actors.ray_actors import actor_state
+from zocheck_ray.actors.ray_actors import actor_entry, actor_state
 from zocheck_ray.control import RunCallback
 from zocheck_ray.testing import FaultInjection
 from zocheck_ray.testing import run_with_faults as run
@@ -24,20 +24,33 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]  # conftes
 
 
 class StandbyReady(RunCallback):
-    """Holds the run after each segment until its standby process is up: the failures that follow then
-    meet a standby (the promotion is what is under test, not how fast a process starts)."""
+    """Holds the run after each segment until its standby process is up and built (a process Ray restarted
+    builds when the controller asks it: asked here as the controller does, not a segment later): the failures
+    that follow then meet a ready standby (the promotion is what is under test, not how fast a process starts)."""
 
     def __init__(self, kill_at: int | None = None):
         self.kill_at, self.killed = kill_at, None
+        self.next_built: list[str | None] = []
+        """At the end of each promotion: which call had built the next standby (the lost process Ray restarts)."""
+        self.promoted_built: list[str | None] = []
+        """... and the standby it promoted."""
 
     def on_segment(self, run, segment):
         if self.kill_at is not None and self.killed is None and segment.progress.step >= self.kill_at:
             assert wait_until(lambda: run.group.standby is not None and actor_state(run.group.standby) == "ALIVE",
                               timeout=300)
             self.killed = ray.get(run.group.standby.pid.remote())
+            restarts = actor_entry(run.group.standby).get("NumRestarts", 0)
             ray.kill(run.group.standby, no_restart=False)  # Ray restarts it: a standby again, once it is up
+            assert wait_until(lambda: actor_entry(run.group.standby).get("NumRestarts", 0) > restarts, timeout=300)
         assert wait_until(lambda: run.group.standby is not None and actor_state(run.group.standby) == "ALIVE",
                           timeout=300)
+        assert wait_until(run.group.prepare_standby, timeout=300)
+
+    def on_recovery(self, run, recovery):
+        if recovery.replaced_by == "standby":  # (a call to a restarting process waits for it to be up)
+            self.next_built.append(ray.get(run.group.standby.readiness.remote()))
+            self.promoted_built.append(ray.get(run.group.ranks[0].readiness.remote()))
 
 
 def test_a_lost_trainer_is_replaced_by_the_standby_and_the_restarted_process_stands_by_next(tmp_path):
@@ -48,6 +61,11 @@ def test_a_lost_trainer_is_replaced_by_the_standby_and_the_restarted_process_sta
     ready = StandbyReady(kill_at=6)
     summary = run(job, fail_at=[13, 25], progress=None, callbacks=[ready])
     assert ready.killed is not None
+    # The process Ray restarted after each loss had built nothing when the promotion was done (in its constructor
+    # it would have taken the node's cores from it); the controller asked it to once it was up, before it was
+    # promoted in turn (the first standby, killed and restarted by Ray, the same way).
+    assert ready.next_built == [None, None]
+    assert ready.promoted_built == ["prepare", "prepare"]
     first, second = summary.recoveries
     for r in (first, second):
         assert r.replaced_by == "standby" and r.image_source == "memory"
@@ -64,6 +82,18 @@ def test_a_standby_lost_during_its_promotion_ends_exact(tmp_path):
     assert marker.exists()  # the promoted standby died with the image copied, its records not replayed
     assert summary.recoveries and summary.recoveries[-1].recovered_step <= 13
     assert_exact(summary, uninterrupted_hashes(job))
+
+
+def test_the_trainers_actor_module_loads_neither_torch_nor_the_model_libraries():
+    # what a process Ray restarts imports before its constructor runs (see `trainer_process.py`)
+    import subprocess
+    import sys
+
+    code = ("import sys, zocheck_ray.actors.trainer_process; "
+            "print(sorted(m for m in ('torch', 'transformers', 'numba', 'zocheck_ray.core') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]"]
 
 
 @pytest.fixture(scope="module")

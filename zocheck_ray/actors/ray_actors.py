@@ -7,6 +7,7 @@ shadow's shared memory (`actors/image.py`): a trainer on the shadow's node opens
 image and copies it in windows; a trainer elsewhere streams the same windows through
 Ray. A trainer failure finds the image alive; a shadow failure is repaired from durable
 storage plus the trainer's re-sent records; a node loss from the durable snapshot and log.
+`TrainerActor` lives in `trainer_process.py`, which imports nothing but Ray (see there).
 """
 
 from __future__ import annotations
@@ -15,22 +16,19 @@ import gc
 import logging
 import os
 import time
-import uuid
 
 import ray
 import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from zocheck_ray.actors.image import (
-    ImageGoneError, ImageHandle, ImageLayout, WindowPlan, open_image, transfer, transfer_threads,
+    ImageGoneError, ImageHandle, ImageLayout, WindowPlan, open_image, transfer,
 )
 from zocheck_ray.actors.hooks import NO_HOOKS
 from zocheck_ray.actors.messages import (
-    AdapterIdentity, KernelInfo, PublisherStats, PushReply, RecoveryInfo, RecoveryOffer, ShadowMetrics, TrainerProgress,
-    TrainerTimes, numeric_fields,
+    AdapterIdentity, PushReply, RecoveryOffer, ShadowMetrics, TrainerTimes, numeric_fields,
 )
 from zocheck_ray.actors.shadow import Shadow
-from zocheck_ray.actors.trainer import Trainer
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord
 from zocheck_ray.core.record import decode_records
@@ -364,73 +362,3 @@ class OfferedImage:
             self.actor.give_back.remote(self.handle.token)
         except Exception:  # a shadow that is gone needs nothing back
             pass
-
-
-@ray.remote
-class TrainerActor:
-    """Runs the ZO loop on its GPU (or the CPU) as one rank of the run, or waits as its standby.
-
-    Created as a rank, it recovers (or starts fresh) in its constructor. Restarted by Ray, or created
-    as the standby, it builds its model's skeleton and waits for the controller's `rejoin`."""
-
-    def __init__(self, job: dict, hooks=None, rank: int = 0, standby: bool = False):
-        logging.basicConfig(level=logging.INFO)
-        self.job = JobConfig.model_validate(job)
-        device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
-        self.incarnation = uuid.uuid4().hex  # tells a restarted trainer from the one before
-        waits = standby or ray.get_runtime_context().was_current_actor_reconstructed
-        if self.job.trainers > 1:  # k ranks on a node share its cores: each uses the CPUs it reserved
-            import numba
-
-            cpus = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
-            numba.set_num_threads(min(cpus, numba.config.NUMBA_NUM_THREADS))
-            torch.set_num_threads(cpus)
-        self.trainer = Trainer(self.job, RayShadowLink(self.job.run_id, threads=transfer_threads()),
-                               device=device, hooks=hooks or NO_HOOKS, rank=rank, waits=waits,
-                               incarnation=self.incarnation)
-        settle_heap()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    @ray.method(max_task_retries=-1)  # a query: sent while Ray restarts the actor, it waits for the new one
-    def recovery(self) -> RecoveryInfo:
-        return self.trainer.recovery
-
-    def run(self, until_step: int, durable_next: int | None = None) -> TrainerProgress:
-        return self.trainer.run(until_step, durable_next)
-
-    def group_address(self, loopback: bool = False) -> tuple[str, int]:
-        """Rank 0: open the ranks' rendezvous on this node's address (127.0.0.1 with `loopback`: every rank
-        is on this node) and return it with the port it listens on."""
-        address = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-        return address, self.trainer.group.listen(address)
-
-    def join_group(self, address: str, port: int) -> float:
-        return self.trainer.join_group(address, port)
-
-    def deliver(self) -> int:
-        return self.trainer.deliver()
-
-    def rejoin(self, step: int | None, rank: int | None = None) -> RecoveryInfo:
-        return self.trainer.rejoin(step, rank)
-
-    def export_to_shadow(self) -> int:
-        """Write the state into the shadow's intake (a resync); returns its step."""
-        return self.trainer.export_to_shadow()
-
-    def resynced(self, step: int) -> None:
-        self.trainer.publisher.clear_gap(step)
-
-    def state_hash(self) -> tuple[int, str]:
-        return self.trainer.state_hash()
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def publisher_stats(self) -> PublisherStats:
-        return self.trainer.publisher.stats()
-
-    def kernel(self) -> KernelInfo:
-        """Which implementation updates the weights (see `Trainer.kernel`)."""
-        return self.trainer.kernel()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from zocheck_ray.actors.messages import RecoveryInfo, TrainerProgress, TrainerTimes
 from zocheck_ray.actors.ray_actors import (
@@ -90,6 +90,11 @@ class TrainerGroup:
         self._start_standby = start_standby
         self.standby = None
         """The waiting process a lost rank is replaced by (None: no standby, or not started yet)."""
+        self._preparing = None
+        """The standby's `prepare` call in flight."""
+        self._prepared: tuple[str, int] | None = None
+        """(actor id, restarts) of the standby process last asked to prepare (asking one that built in its
+        constructor, as a standby created as such does, costs a call)."""
         self.durable_next: int | None = None
         """Every record before this step is durable (the holding ranks drop them)."""
         self._restarts: dict[str, int] = {}
@@ -122,9 +127,37 @@ class TrainerGroup:
                           for actor in self.all_actors() if (entry := actor_entry(actor))}
 
     def start_standby(self) -> None:
-        """Start the warm standby (once the run is steady); it builds its skeleton while training goes on."""
-        if self._start_standby is not None and self.standby is None:
+        """Start the warm standby (once the run is steady); it builds its skeleton while training goes on.
+        Called after every segment: a standby process Ray restarted is asked to build (`prepare_standby`)."""
+        if self._start_standby is None:
+            return
+        if self.standby is None:
             self.standby = self._start_standby()
+            return
+        self.prepare_standby()
+
+    def prepare_standby(self) -> bool:
+        """Ask the standby's process to build its model where it waits to (a process Ray restarted: the one lost
+        before a promotion, or a standby that died; see `trainer_process.py`), once per process and once it is
+        up; True once the process asked has built it."""
+        if self.standby is None:
+            return False
+        if self._preparing is not None:
+            if not ray.wait([self._preparing], timeout=0)[0]:
+                return False  # still building
+            try:
+                ray.get(self._preparing)
+            except RayError:  # its process was lost meanwhile: the one Ray restarts is asked in turn
+                self._prepared = None
+            self._preparing = None
+        entry = actor_entry(self.standby)
+        if entry.get("State") != "ALIVE":
+            return False
+        incarnation = (self.standby._actor_id.hex(), entry.get("NumRestarts", 0))
+        if incarnation != self._prepared:
+            self._preparing, self._prepared = self.standby.prepare.remote(), incarnation
+            return False
+        return True
 
     def form(self) -> None:
         """(Re-)form the ranks' gloo process group: rank 0 offers a fresh port, every rank joins (over

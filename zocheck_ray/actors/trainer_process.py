@@ -1,0 +1,142 @@
+"""`TrainerActor`: the trainer's Ray actor, in a module that imports nothing but Ray.
+
+Ray loads an actor's module in its process before the constructor runs. Where a run has a warm
+standby and a trainer dies, the controller promotes the standby (its restore and replay run at
+memory and compute speed on the node's cores) while Ray restarts the lost process, which becomes
+the next standby. That process's set-up is as much work as the promotion's: importing torch and the
+model's libraries (several CPU seconds), allocating a skeleton of the state's size and touching
+its pages (a copy's worth of memory traffic). Overlapping the promotion, it would take cores and
+memory bandwidth from it: on two cores, one busy process beside a 540M-parameter promotion made the
+recovery 1.5 s instead of 0.8 s (`benchmarks/scale.py`'s standby run with that process stopped).
+
+So this module imports neither torch nor the model's libraries, and such a restarted process
+(`was_current_actor_reconstructed` in a run with `standby: true`) defers its set-up: its constructor
+only keeps its arguments, and the controller asks it to `prepare` once it is up after the promotion
+(`TrainerGroup.prepare_standby`); a call that needs the trainer before that prepares it (a promotion
+of it waits for it). Every other process, a rank or the first standby, prepares in its constructor.
+What stays in the promotion's window is Ray's own start of the process (the interpreter and Ray's
+import): at 540M parameters on two cores that alone outlasts the promotion, so the deferral shows
+from the sizes whose promotion takes longer than it (about 1B parameters and up here).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from typing import TYPE_CHECKING, Literal
+
+import ray
+
+if TYPE_CHECKING:
+    from zocheck_ray.actors.messages import KernelInfo, PublisherStats, RecoveryInfo, TrainerProgress
+    from zocheck_ray.actors.trainer import Trainer
+
+Prepared = Literal["constructor", "prepare", "first use"]
+
+
+@ray.remote
+class TrainerActor:
+    """Runs the ZO loop on its GPU (or the CPU) as one rank of the run, or waits as its standby.
+
+    Created as a rank, it recovers (or starts fresh) in its constructor. Restarted by Ray, or created
+    as the standby, it builds its model's skeleton and waits for the controller's `rejoin`; restarted
+    where the run has a standby, it builds only when asked (`prepare`, see the module)."""
+
+    def __init__(self, job: dict, hooks=None, rank: int = 0, standby: bool = False):
+        logging.basicConfig(level=logging.INFO)
+        self.incarnation = uuid.uuid4().hex  # tells a restarted trainer from the one before
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self._args = (job, hooks, rank, standby or restarted)
+        self._trainer: Trainer | None = None
+        self.prepared_by: Prepared | None = None
+        """Which call built the trainer (None: not yet)."""
+        if not (restarted and job.get("standby")):
+            self._prepare("constructor")
+
+    def _prepare(self, by: Prepared) -> None:
+        if self._trainer is not None:
+            return
+        import torch
+
+        from zocheck_ray.actors.hooks import NO_HOOKS
+        from zocheck_ray.actors.image import transfer_threads
+        from zocheck_ray.actors.ray_actors import RayShadowLink, settle_heap
+        from zocheck_ray.actors.trainer import Trainer
+        from zocheck_ray.config import JobConfig
+
+        job, hooks, rank, waits = self._args
+        job = JobConfig.model_validate(job)
+        device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
+        if job.trainers > 1:  # k ranks on a node share its cores: each uses the CPUs it reserved
+            import numba
+
+            cpus = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+            numba.set_num_threads(min(cpus, numba.config.NUMBA_NUM_THREADS))
+            torch.set_num_threads(cpus)
+        self._trainer = Trainer(job, RayShadowLink(job.run_id, threads=transfer_threads()), device=device,
+                                hooks=hooks or NO_HOOKS, rank=rank, waits=waits, incarnation=self.incarnation)
+        self.prepared_by = by
+        settle_heap()
+
+    @property
+    def trainer(self) -> Trainer:
+        self._prepare("first use")
+        return self._trainer
+
+    @ray.method(max_task_retries=-1)  # sent while Ray restarts the process, it waits for the new one
+    def prepare(self) -> Prepared:
+        """Build the trainer now, if it is not built (a restarted process the controller made the standby);
+        returns which call built it."""
+        self._prepare("prepare")
+        return self.prepared_by
+
+    @ray.method(max_task_retries=-1)
+    def readiness(self) -> Prepared | None:
+        """Which call built the trainer, or None while it waits to be asked (builds nothing)."""
+        return self.prepared_by
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    @ray.method(max_task_retries=-1)  # a query: sent while Ray restarts the actor, it waits for the new one
+    def recovery(self) -> RecoveryInfo:
+        return self.trainer.recovery
+
+    def run(self, until_step: int, durable_next: int | None = None) -> TrainerProgress:
+        return self.trainer.run(until_step, durable_next)
+
+    def group_address(self, loopback: bool = False) -> tuple[str, int]:
+        """Rank 0: open the ranks' rendezvous on this node's address (127.0.0.1 with `loopback`: every rank
+        is on this node) and return it with the port it listens on."""
+        address = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        return address, self.trainer.group.listen(address)
+
+    def join_group(self, address: str, port: int) -> float:
+        return self.trainer.join_group(address, port)
+
+    def deliver(self) -> int:
+        return self.trainer.deliver()
+
+    def rejoin(self, step: int | None, rank: int | None = None) -> RecoveryInfo:
+        return self.trainer.rejoin(step, rank)
+
+    def export_to_shadow(self) -> int:
+        """Write the state into the shadow's intake (a resync); returns its step."""
+        return self.trainer.export_to_shadow()
+
+    def resynced(self, step: int) -> None:
+        self.trainer.publisher.clear_gap(step)
+
+    def state_hash(self) -> tuple[int, str]:
+        return self.trainer.state_hash()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def publisher_stats(self) -> PublisherStats:
+        return self.trainer.publisher.stats()
+
+    def kernel(self) -> KernelInfo:
+        """Which implementation updates the weights (see `Trainer.kernel`)."""
+        return self.trainer.kernel()
