@@ -16,6 +16,7 @@ group the group forms. The group owns its actors and knows three things:
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from zocheck_ray.actors.ray_actors import (
 from zocheck_ray.actors.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.policy import Failure
+
+logger = logging.getLogger(__name__)
 
 
 DEATH_POLL_SECONDS = 0.1
@@ -147,8 +150,12 @@ class TrainerGroup:
                 return False  # still building
             try:
                 ray.get(self._preparing)
-            except RayError:  # its process was lost meanwhile: the one Ray restarts is asked in turn
+            except RayActorError:  # its process was lost meanwhile: the one Ray restarts is asked in turn
                 self._prepared = None
+            except RayError as exc:  # its build failed: not asked again (a promotion meets the error)
+                logger.warning("the standby could not build its model: %s", str(exc).splitlines()[0])
+                self._preparing = None
+                return False
             self._preparing = None
         entry = actor_entry(self.standby)
         if entry.get("State") != "ALIVE":
