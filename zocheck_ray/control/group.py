@@ -98,6 +98,8 @@ class TrainerGroup:
         self._prepared: tuple[str, int] | None = None
         """(actor id, restarts) of the standby process last asked to prepare (asking one that built in its
         constructor, as a standby created as such does, costs a call)."""
+        self._built: tuple[str, int] | None = None
+        """... and of the last one whose `prepare` succeeded."""
         self.durable_next: int | None = None
         """Every record before this step is durable (the holding ranks drop them)."""
         self._restarts: dict[str, int] = {}
@@ -148,15 +150,14 @@ class TrainerGroup:
         if self._preparing is not None:
             if not ray.wait([self._preparing], timeout=0)[0]:
                 return False  # still building
+            done, self._preparing = self._preparing, None
             try:
-                ray.get(self._preparing)
+                ray.get(done)
+                self._built = self._prepared
             except RayActorError:  # its process was lost meanwhile: the one Ray restarts is asked in turn
                 self._prepared = None
             except RayError as exc:  # its build failed: not asked again (a promotion meets the error)
                 logger.warning("the standby could not build its model: %s", str(exc).splitlines()[0])
-                self._preparing = None
-                return False
-            self._preparing = None
         entry = actor_entry(self.standby)
         if entry.get("State") != "ALIVE":
             return False
@@ -164,7 +165,7 @@ class TrainerGroup:
         if incarnation != self._prepared:
             self._preparing, self._prepared = self.standby.prepare.remote(), incarnation
             return False
-        return True
+        return incarnation == self._built
 
     def form(self) -> None:
         """(Re-)form the ranks' gloo process group: rank 0 offers a fresh port, every rank joins (over
