@@ -46,7 +46,10 @@ store = SnapshotStore(root, keep=2)
 print("ready", flush=True)
 while True:
     store.save(step, make(step))
-    print("committed", step, flush=True)
+    # one write: with PYTHONUNBUFFERED, print's pieces are written one by one, and a kill between them
+    # would leave "committed" without its step
+    sys.stdout.write(f"committed {step}\\n")
+    sys.stdout.flush()
     step += 1
 """
 
@@ -79,7 +82,7 @@ def test_sigkill_during_saves_never_exposes_a_torn_snapshot(tmp_path):
         proc.kill()
         proc.wait()
         lines += proc.stdout.read().splitlines()
-        printed = [int(line.split()[1]) for line in lines if line.startswith("committed")]
+        printed = [int(line.split()[1]) for line in lines if line.startswith("committed ")]
         proc.stdout.close()
         last_printed = max([last_printed, *printed])
         kills_after_commit += bool(printed)

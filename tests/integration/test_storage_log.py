@@ -245,7 +245,8 @@ while True:
     log.append(StepRecord(step=step, seed=step + 1, projected_grad=0.5, lr=1e-3, eps=1e-3, fingerprint=7))
     if step % 5 == 4:
         log.flush()
-        print("durable", step, flush=True)
+        sys.stdout.write(f"durable {step}\\n")  # one write: print's pieces may be split by the kill
+        sys.stdout.flush()
     step += 1
 """
 
@@ -258,11 +259,11 @@ def test_a_killed_appender_loses_nothing_flushed_and_the_log_continues(tmp_path)
     proc = subprocess.Popen([sys.executable, str(script), url], stdout=subprocess.PIPE, text=True, env=env)
     while True:
         line = proc.stdout.readline()
-        if line.startswith("durable") and int(line.split()[1]) >= 300:
+        if line.startswith("durable ") and int(line.split()[1]) >= 300:
             break
     proc.kill()
     proc.wait()
-    durable = max(int(l.split()[1]) for l in [line, *proc.stdout.read().splitlines()] if l.startswith("durable"))
+    durable = max(int(l.split()[1]) for l in [line, *proc.stdout.read().splitlines()] if l.startswith("durable "))
     proc.stdout.close()
 
     got = read_log(url, -1)
