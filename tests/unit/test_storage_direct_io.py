@@ -10,7 +10,9 @@ import errno
 import os
 
 import pytest
+import torch
 
+from zocheck_ray.storage import SnapshotStore
 from zocheck_ray.storage import localfile as storage_fs
 from zocheck_ray.storage.fs import open_storage
 from zocheck_ray.storage.localfile import DIRECT_ALIGN, DIRECT_BUFFER_BYTES
@@ -68,3 +70,45 @@ def test_a_direct_file_ends_at_its_flush(tmp_path):
         f.write(b"more")
     f.close()
     assert f.closed and path.read_bytes() == b"abc"
+
+
+def _count_fresh_sets(monkeypatch) -> list[bool]:
+    """Each staging set a file takes: True where it was fresh memory, False where an idle set was reused."""
+    fresh: list[bool] = []
+    take = storage_fs._take_staging_buffers
+
+    def counted():
+        fresh.append(not storage_fs._free_staging)
+        return take()
+
+    monkeypatch.setattr(storage_fs, "_take_staging_buffers", counted)
+    return fresh
+
+
+def _write_direct(path, tmp_path) -> None:
+    direct = getattr(os, "O_DIRECT", 0) if _direct_io_works(tmp_path) else 0  # the class works on any fd
+    f = storage_fs._DirectFile(os.open(path, os.O_WRONLY | os.O_CREAT | direct, 0o644))
+    f.write(b"x" * (DIRECT_BUFFER_BYTES + 5000))
+    f.close()
+
+
+def test_staging_buffers_pass_between_the_files_of_a_scope_and_go_at_its_end(tmp_path, monkeypatch):
+    fresh = _count_fresh_sets(monkeypatch)
+    for name in ("a", "b"):  # outside a scope a file's buffers go with it: nothing stays resident
+        _write_direct(tmp_path / name, tmp_path)
+        assert storage_fs._free_staging == []
+    assert fresh == [True, True]
+    with storage_fs.staging_reuse():
+        for name in ("c", "d", "e"):
+            _write_direct(tmp_path / name, tmp_path)
+            assert len(storage_fs._free_staging) == 1  # kept for the scope's next file
+    assert fresh[2:] == [True, False, False] and storage_fs._free_staging == []
+
+
+def test_a_saved_snapshot_leaves_no_staging_memory_behind(tmp_path, monkeypatch):
+    fresh = _count_fresh_sets(monkeypatch)
+    store = SnapshotStore(str(tmp_path / "run"))
+    store.save(0, {"model.w": torch.ones(1 << 20), "optimizer.exp_avg.model.w": torch.ones(1 << 20)})
+    assert storage_fs._free_staging == []
+    if _direct_io_works(tmp_path):  # a model file and an optimizer file, through one set of buffers
+        assert len(fresh) >= 2 and fresh.count(True) == 1

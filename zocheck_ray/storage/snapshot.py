@@ -44,6 +44,7 @@ from zocheck_ray.storage.hf_layout import (
     ADAPTER_CONFIG_FILE, ADAPTER_KIND, HF_CONFIG_FILE, MODEL_INDEX_FILE, file_layout, model_index,
 )
 from zocheck_ray.storage.lease import Lease, check_lease_for, require_lease
+from zocheck_ray.storage.localfile import staging_reuse
 from zocheck_ray.storage.manifest import FileEntry, Manifest, SnapshotMeta, TensorEntry
 from zocheck_ray.storage.tensorfile import CHUNK_BYTES, DTYPE_BY_NAME, read_tensors, write_tensors
 
@@ -235,7 +236,8 @@ class SnapshotStore:
         if leftovers:
             self.storage.remove_tree(directory)  # a save that never committed (or a damaged manifest)
         try:
-            info = self._write_and_commit(step, directory, entries, tensors, meta, state_hash)
+            with staging_reuse():  # the files' staging buffers pass from one file to the next, and go after
+                info = self._write_and_commit(step, directory, entries, tensors, meta, state_hash)
         except BaseException:
             self._remove_torn(directory)
             raise
