@@ -14,9 +14,10 @@ temporary directory: nothing is downloaded) and dtype, side by side in one run:
   accounting (`peak_held_bytes`) and from /proc (VmHWM), its steady resident memory (the
   median of /proc samples over the run's second half), the trainer's peak (every trainer
   process, the standby's included), each as a multiple of the state over the process's fixed
-  baseline (a process that imported the same modules; for the trainer, one that also ran a ZO
-  step of the dtype on two of the optimizer's 4M-element chunks: its fixed working buffers,
-  about 0.1 GB, the same at every model size); the snapshot's and the
+  baseline (a process that imported the same modules and loaded the dtype's replay kernels, the
+  same at every model size: for a bf16 shadow about 30 MB more than for fp32; for the trainer, one
+  that also ran a ZO step of the dtype on two of the optimizer's 4M-element chunks: its fixed
+  working buffers, about 0.1 GB, the same at every model size); the snapshot's and the
   restore's GB/s; the recovery (failure seen -> every rank restored, ready for its next
   step) and its phases;
 - the same run without the standby (Ray restarts the trainer's process);
@@ -193,12 +194,14 @@ class MemorySampler:
 
 def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
     """The fixed baseline of each role's process: what a process that imported the same modules holds
-    (`shadow`, `trainer`: idle), and a trainer's after one ZO step of `dtype` on a state of two of the
-    optimizer's chunks (`trainer_<dtype>`: its chunk-sized working buffers, the same at every model size)."""
+    (`shadow`, `trainer`: idle), a shadow's that also loaded the replay kernels of `dtype` (`shadow_<dtype>`:
+    their code, the same at every model size), and a trainer's after one ZO step of `dtype` on a state of
+    two of the optimizer's chunks (`trainer_<dtype>`: its chunk-sized working buffers, the same at every
+    model size)."""
     import ray
 
     @ray.remote(num_cpus=0, max_calls=1)  # a fresh worker each: VmHWM is the process's own peak
-    def shadow_like() -> int:
+    def shadow_like(dtype: str | None) -> int:
         import torch
 
         from zocheck_ray.actors.shadow import Shadow  # noqa: F401  (the shadow's modules)
@@ -206,6 +209,9 @@ def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
         from zocheck_ray.core import ZOConfig
 
         warm_up(torch.float32, ZOConfig())
+        if dtype is not None and dtype != "fp32":  # a bf16/fp16 replica's kernels: a step's and a batch's
+            for steps in (1, 2):
+                warm_up(torch.bfloat16 if dtype == "bf16" else torch.float16, ZOConfig(), steps=steps)
         return read_status(os.getpid()).get("VmHWM", 0)
 
     @ray.remote(num_cpus=0, max_calls=1)
@@ -226,9 +232,12 @@ def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
             ZOOptimizer([("weight", weight)], ZOConfig()).step(lambda: weight.float().sum(), seed=0)
         return read_status(os.getpid()).get("VmHWM", 0)
 
-    shadow, trainer, *steps = ray.get([shadow_like.remote(), trainer_like.remote(None),
-                                       *(trainer_like.remote(d) for d in dtypes)])
-    return {"shadow": shadow, "trainer": trainer, **{f"trainer_{d}": v for d, v in zip(dtypes, steps)}}
+    shadow, trainer, *per_dtype = ray.get([shadow_like.remote(None), trainer_like.remote(None),
+                                           *(trainer_like.remote(d) for d in dtypes),
+                                           *(shadow_like.remote(d) for d in dtypes)])
+    steps, kernels = per_dtype[:len(dtypes)], per_dtype[len(dtypes):]
+    return {"shadow": shadow, "trainer": trainer, **{f"trainer_{d}": v for d, v in zip(dtypes, steps)},
+            **{f"shadow_{d}": v for d, v in zip(dtypes, kernels)}}
 
 
 # ---------------------------------------------------------------------------------------- runs
@@ -338,7 +347,9 @@ def _row(size, dtype, params, copy_gbps, fresh_gbps, hot, cold, base, footprints
     working = params >= 2 * CHUNK_ELEMENTS  # a model this small never fills the trainer's chunk buffers
 
     def over(role: str, value: int) -> float:  # a multiple of the state, over the role's fixed baseline
-        baseline = footprints.get(f"{role}_{dtype}", footprints[role]) if working else footprints[role]
+        # the shadow's holds the dtype's kernels at every size; the trainer's, its chunk buffers where filled
+        per_dtype = f"{role}_{dtype}" in footprints and (role == "shadow" or working)
+        baseline = footprints[f"{role}_{dtype}"] if per_dtype else footprints[role]
         return (value - baseline) / state
 
     return {
