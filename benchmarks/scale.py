@@ -209,7 +209,7 @@ def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
         from zocheck_ray.core import ZOConfig
 
         warm_up(torch.float32, ZOConfig())
-        if dtype is not None and dtype != "fp32":  # a bf16/fp16 replica's kernels: a step's and a batch's
+        if dtype is not None:  # a bf16/fp16 replica's kernels: a step's and a batch's
             for steps in (1, 2):
                 warm_up(torch.bfloat16 if dtype == "bf16" else torch.float16, ZOConfig(), steps=steps)
         return read_status(os.getpid()).get("VmHWM", 0)
@@ -232,12 +232,13 @@ def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
             ZOOptimizer([("weight", weight)], ZOConfig()).step(lambda: weight.float().sum(), seed=0)
         return read_status(os.getpid()).get("VmHWM", 0)
 
+    halves = [d for d in dtypes if d != "fp32"]  # an fp32 shadow loads no kernel beyond the idle one's
     shadow, trainer, *per_dtype = ray.get([shadow_like.remote(None), trainer_like.remote(None),
                                            *(trainer_like.remote(d) for d in dtypes),
-                                           *(shadow_like.remote(d) for d in dtypes)])
-    steps, kernels = per_dtype[:len(dtypes)], per_dtype[len(dtypes):]
+                                           *(shadow_like.remote(d) for d in halves)])
+    steps, kernels = per_dtype[:len(dtypes)], dict(zip(halves, per_dtype[len(dtypes):]))
     return {"shadow": shadow, "trainer": trainer, **{f"trainer_{d}": v for d, v in zip(dtypes, steps)},
-            **{f"shadow_{d}": v for d, v in zip(dtypes, kernels)}}
+            **{f"shadow_{d}": kernels.get(d, shadow) for d in dtypes}}
 
 
 # ---------------------------------------------------------------------------------------- runs

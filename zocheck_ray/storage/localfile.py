@@ -90,11 +90,11 @@ def staging_reuse() -> Iterator[None]:
     try:
         yield
     finally:
+        idle: list[list[mmap.mmap]] = []
         with _staging_lock:
             _reuse_scopes -= 1
-            idle = _free_staging[:] if _reuse_scopes == 0 else []
-            if _reuse_scopes == 0:
-                _free_staging.clear()
+            if not _reuse_scopes:
+                idle, _free_staging[:] = _free_staging[:], []
         for buffers in idle:
             for b in buffers:
                 b.close()
