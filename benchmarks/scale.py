@@ -14,10 +14,13 @@ temporary directory: nothing is downloaded) and dtype, side by side in one run:
   accounting (`peak_held_bytes`) and from /proc (VmHWM), its steady resident memory (the
   median of /proc samples over the run's second half), the trainer's peak (every trainer
   process, the standby's included), each as a multiple of the state over the process's fixed
-  baseline (a process that imported the same modules and loaded the dtype's replay kernels, the
-  same at every model size: for a bf16 shadow about 30 MB more than for fp32; for the trainer, one
-  that also ran a ZO step of the dtype on two of the optimizer's 4M-element chunks: its fixed
-  working buffers, about 0.1 GB, the same at every model size); the snapshot's and the
+  baseline: the shadow's own (`ShadowMetrics.baseline_bytes`: its resident memory once its
+  constructor had imported, loaded its kernels and opened its storage, before any state arrived), and beside it
+  (`shadow_peak_over_idle_x`) an idle process's that imported the same modules and loaded the
+  dtype's replay kernels (the same at every model size, for a bf16 shadow about 30 MB more than
+  for fp32, but a separate process: its own allocations vary by tens of MB between runs); for
+  the trainer, one that also ran a ZO step of the dtype on two of the optimizer's 4M-element
+  chunks (its fixed working buffers, about 0.1 GB, the same at every model size); the snapshot's and the
   restore's GB/s; the recovery (failure seen -> every rank restored, ready for its next
   step) and its phases;
 - the same run without the standby (Ray restarts the trainer's process);
@@ -347,18 +350,24 @@ def _row(size, dtype, params, copy_gbps, fresh_gbps, hot, cold, base, footprints
 
     working = params >= 2 * CHUNK_ELEMENTS  # a model this small never fills the trainer's chunk buffers
 
-    def over(role: str, value: int) -> float:  # a multiple of the state, over the role's fixed baseline
-        # the shadow's holds the dtype's kernels at every size; the trainer's, its chunk buffers where filled
-        per_dtype = f"{role}_{dtype}" in footprints and (role == "shadow" or working)
-        baseline = footprints[f"{role}_{dtype}"] if per_dtype else footprints[role]
+    def over(role: str, value: int, baseline: int | None = None) -> float:  # a multiple of the state, over the
+        # role's fixed baseline: given (the shadow's own), or an idle process's. The shadow's holds the dtype's
+        # kernels at every size; the trainer's, its chunk buffers where filled
+        if baseline is None:
+            per_dtype = f"{role}_{dtype}" in footprints and (role == "shadow" or working)
+            baseline = footprints[f"{role}_{dtype}"] if per_dtype else footprints[role]
         return (value - baseline) / state
+
+    own = summary.metrics.baseline_bytes  # the shadow's memory before its state arrived, read in its own process
 
     return {
         "size": size, "dtype": dtype, "params": params, "state_bytes": state, "state_gb": state / 1e9,
         "copy_gbps": copy_gbps, "fresh_copy_gbps": fresh_gbps,
         "shadow_accounted_peak_x": hot["accounted_peak"] / state,
-        "shadow_peak_x": over("shadow", sampler.peak("shadow")),
-        "shadow_steady_x": over("shadow", sampler.steady("shadow")),
+        "shadow_peak_x": over("shadow", sampler.peak("shadow"), own),
+        "shadow_steady_x": over("shadow", sampler.steady("shadow"), own),
+        "shadow_peak_over_idle_x": over("shadow", sampler.peak("shadow")),
+        "shadow_baseline_bytes": own,
         "trainer_peak_x": over("trainer", sampler.peak("trainer")),
         "shadow_peak_bytes": sampler.peak("shadow"), "trainer_peak_bytes": sampler.peak("trainer"),
         "snapshot_gbps": hot["snapshot_gbps"], "restore_gbps": hot["restore_gbps"],

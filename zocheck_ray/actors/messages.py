@@ -265,6 +265,10 @@ class ShadowMetrics(BaseModel):
     """replica_bytes + image_bytes + scratch_bytes: the shadow's state-sized memory now."""
     peak_held_bytes: int = 0
     """The most `held_bytes` has been in this shadow process: by design 2x `state_bytes` plus the scratch."""
+    baseline_bytes: int | None = None
+    """The process's resident memory before any state arrived (`VmRSS` once its constructor is done: its
+    imports, replay kernels, storage clients): what its memory beyond `held_bytes` is measured over. None
+    where the state came first (a shadow rebuilt from storage) or /proc is missing."""
     snapshots_deferred: int = 0
     """Snapshot boundaries passed while the image was being persisted (the next boundary takes it: a second
     image would break the memory budget)."""

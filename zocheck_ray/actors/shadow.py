@@ -92,6 +92,7 @@ class Shadow:
             self.persist = PersistStage(self.ledger, job, store, self.lease, self._snapshot_meta, nice=nice)
             self._durable_rebuild(store)
         warm.join()
+        self.baseline_bytes = resident_bytes() if self.replay.layout is None else None
         self.replay.start()
         if self.persist is not None:
             self.persist.start()
@@ -303,6 +304,7 @@ class Shadow:
             state_bytes=replay.layout.state_bytes if replay.layout is not None else 0,
             **{f"{purpose}_bytes": n for purpose, n in replay.budget.held.items()},
             held_bytes=sum(replay.budget.held.values()), peak_held_bytes=replay.budget.peak,
+            baseline_bytes=self.baseline_bytes,
             snapshots_deferred=replay.snapshots_deferred, snapshot_error=replay.snapshot_error,
             snapshot_seconds=replay.last_copy_seconds,
             rank_seconds_per_step=self.rank_seconds_per_step,
@@ -349,3 +351,16 @@ def _with_retries(fn: Callable[[], object], what: str, seconds: float = STARTUP_
             logger.warning("%s failed, retrying in %.1f s: %s", what, backoff, exc)
             time.sleep(backoff)
             backoff = min(2 * backoff, MAX_BACKOFF_SECONDS)
+
+
+def resident_bytes(field: str = "VmRSS") -> int | None:
+    """This process's resident memory now (`VmRSS` in /proc/self/status; `VmHWM`: its peak), or None where
+    there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
