@@ -46,14 +46,9 @@ CHECKPOINT_EVERY = 7
 
 def peak_host_bytes() -> int:
     """This process's peak resident set, in bytes."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from zocheck_ray.actors.shadow import process_memory
+
+    return process_memory().get("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _gpu_peak() -> int | None:

@@ -15,12 +15,10 @@ temporary directory: nothing is downloaded) and dtype, side by side in one run:
   median of /proc samples over the run's second half), the trainer's peak (every trainer
   process, the standby's included), each as a multiple of the state over the process's fixed
   baseline: the shadow's own (`ShadowMetrics.baseline_bytes`: its resident memory once its
-  constructor had imported, loaded its kernels and opened its storage, before any state arrived), and beside it
-  (`shadow_peak_over_idle_x`) an idle process's that imported the same modules and loaded the
-  dtype's replay kernels (the same at every model size, for a bf16 shadow about 30 MB more than
-  for fp32, but a separate process: its own allocations vary by tens of MB between runs); for
-  the trainer, one that also ran a ZO step of the dtype on two of the optimizer's 4M-element
-  chunks (its fixed working buffers, about 0.1 GB, the same at every model size); the snapshot's and the
+  constructor had imported, loaded its kernels and opened its storage, before any state
+  arrived); the trainer's, a process that imported the same modules and ran a ZO step of the
+  dtype on two of the optimizer's 4M-element chunks (its fixed working buffers, about 0.1 GB,
+  the same at every model size); the snapshot's and the
   restore's GB/s; the recovery (failure seen -> every rank restored, ready for its next
   step) and its phases;
 - the same run without the standby (Ray restarts the trainer's process);
@@ -50,6 +48,7 @@ import uuid
 from pathlib import Path
 
 from benchmarks.common import machine, print_table, write_json
+from zocheck_ray.actors.shadow import process_memory
 from zocheck_ray.core.update import CHUNK_ELEMENTS
 
 SIZES = {  # OPT shapes: (hidden, layers, vocabulary); OPT's tokenizer has 50272 tokens
@@ -144,20 +143,6 @@ def _seconds(fn) -> float:
     return time.perf_counter() - started
 
 
-def read_status(pid: int) -> dict[str, int]:
-    """A process's memory from /proc (bytes): VmHWM (peak resident), VmRSS, RssAnon, RssShmem."""
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("VmHWM", "VmRSS", "RssAnon", "RssShmem"):
-                    out[key] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
-
-
 class MemorySampler:
     """Samples the /proc memory of registered processes (by role) every `period` seconds until stopped."""
 
@@ -182,7 +167,7 @@ class MemorySampler:
         while not self._stop.wait(self.period):
             now = time.perf_counter()
             for pid, role in list(self.pids.items()):
-                status = read_status(pid)
+                status = process_memory(pid)
                 if status:
                     self.samples.append((now, role, pid, status))
 
@@ -196,28 +181,13 @@ class MemorySampler:
 
 
 def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
-    """The fixed baseline of each role's process: what a process that imported the same modules holds
-    (`shadow`, `trainer`: idle), a shadow's that also loaded the replay kernels of `dtype` (`shadow_<dtype>`:
-    their code, the same at every model size), and a trainer's after one ZO step of `dtype` on a state of
-    two of the optimizer's chunks (`trainer_<dtype>`: its chunk-sized working buffers, the same at every
-    model size)."""
+    """The trainer's fixed baseline: what a process that imported its modules holds (`trainer`: idle), and
+    after one ZO step of `dtype` on a state of two of the optimizer's chunks (`trainer_<dtype>`: its
+    chunk-sized working buffers, the same at every model size). The shadow reads its own
+    (`ShadowMetrics.baseline_bytes`)."""
     import ray
 
     @ray.remote(num_cpus=0, max_calls=1)  # a fresh worker each: VmHWM is the process's own peak
-    def shadow_like(dtype: str | None) -> int:
-        import torch
-
-        from zocheck_ray.actors.shadow import Shadow  # noqa: F401  (the shadow's modules)
-        from zocheck_ray.core.fused import warm_up
-        from zocheck_ray.core import ZOConfig
-
-        warm_up(torch.float32, ZOConfig())
-        if dtype is not None:  # a bf16/fp16 replica's kernels: a step's and a batch's
-            for steps in (1, 2):
-                warm_up(torch.bfloat16 if dtype == "bf16" else torch.float16, ZOConfig(), steps=steps)
-        return read_status(os.getpid()).get("VmHWM", 0)
-
-    @ray.remote(num_cpus=0, max_calls=1)
     def trainer_like(dtype: str | None) -> int:
         import torch
 
@@ -233,15 +203,10 @@ def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
         if dtype is not None:
             weight = torch.zeros(2 * CHUNK_ELEMENTS, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
             ZOOptimizer([("weight", weight)], ZOConfig()).step(lambda: weight.float().sum(), seed=0)
-        return read_status(os.getpid()).get("VmHWM", 0)
+        return process_memory().get("VmHWM", 0)
 
-    halves = [d for d in dtypes if d != "fp32"]  # an fp32 shadow loads no kernel beyond the idle one's
-    shadow, trainer, *per_dtype = ray.get([shadow_like.remote(None), trainer_like.remote(None),
-                                           *(trainer_like.remote(d) for d in dtypes),
-                                           *(shadow_like.remote(d) for d in halves)])
-    steps, kernels = per_dtype[:len(dtypes)], dict(zip(halves, per_dtype[len(dtypes):]))
-    return {"shadow": shadow, "trainer": trainer, **{f"trainer_{d}": v for d, v in zip(dtypes, steps)},
-            **{f"shadow_{d}": kernels.get(d, shadow) for d in dtypes}}
+    trainer, *steps = ray.get([trainer_like.remote(None), *(trainer_like.remote(d) for d in dtypes)])
+    return {"trainer": trainer, **{f"trainer_{d}": v for d, v in zip(dtypes, steps)}}
 
 
 # ---------------------------------------------------------------------------------------- runs
@@ -350,25 +315,18 @@ def _row(size, dtype, params, copy_gbps, fresh_gbps, hot, cold, base, footprints
 
     working = params >= 2 * CHUNK_ELEMENTS  # a model this small never fills the trainer's chunk buffers
 
-    def over(role: str, value: int, baseline: int | None = None) -> float:  # a multiple of the state, over the
-        # role's fixed baseline: given (the shadow's own), or an idle process's. The shadow's holds the dtype's
-        # kernels at every size; the trainer's, its chunk buffers where filled
-        if baseline is None:
-            per_dtype = f"{role}_{dtype}" in footprints and (role == "shadow" or working)
-            baseline = footprints[f"{role}_{dtype}"] if per_dtype else footprints[role]
-        return (value - baseline) / state
-
     own = summary.metrics.baseline_bytes  # the shadow's memory before its state arrived, read in its own process
+    trainer = footprints[f"trainer_{dtype}"] if working else footprints["trainer"]  # its chunk buffers where filled
+
+    def over(value: int, baseline: int) -> float:  # a multiple of the state, over the process's fixed baseline
+        return (value - baseline) / state
 
     return {
         "size": size, "dtype": dtype, "params": params, "state_bytes": state, "state_gb": state / 1e9,
         "copy_gbps": copy_gbps, "fresh_copy_gbps": fresh_gbps,
         "shadow_accounted_peak_x": hot["accounted_peak"] / state,
-        "shadow_peak_x": over("shadow", sampler.peak("shadow"), own),
-        "shadow_steady_x": over("shadow", sampler.steady("shadow"), own),
-        "shadow_peak_over_idle_x": over("shadow", sampler.peak("shadow")),
-        "shadow_baseline_bytes": own,
-        "trainer_peak_x": over("trainer", sampler.peak("trainer")),
+        "shadow_peak_x": over(sampler.peak("shadow"), own), "shadow_steady_x": over(sampler.steady("shadow"), own),
+        "shadow_baseline_bytes": own, "trainer_peak_x": over(sampler.peak("trainer"), trainer),
         "shadow_peak_bytes": sampler.peak("shadow"), "trainer_peak_bytes": sampler.peak("trainer"),
         "snapshot_gbps": hot["snapshot_gbps"], "restore_gbps": hot["restore_gbps"],
         "snapshot_fraction": hot["snapshot_gbps"] / copy_gbps if hot["snapshot_gbps"] else None,
@@ -393,7 +351,7 @@ def projections(rows: list[dict], footprints: dict[str, int]) -> list[dict]:
     for name, (params, itemsize) in PAPER_JOBS.items():
         state = params * itemsize
         out.append({"job": name, "params": params, "state_bytes": state,
-                    "shadow_host_bytes": 2 * state + footprints["shadow"],
+                    "shadow_host_bytes": 2 * state + largest["shadow_baseline_bytes"],
                     "trainer_host_bytes_on_gpu": STAGING_BYTES + footprints["trainer"],
                     "recovery_seconds": max(fixed, 0.0) + state / (largest["restore_gbps"] * 1e9),
                     "basis": f"{largest['size']} {largest['dtype']}: restore {largest['restore_gbps']:.2f} GB/s, "

@@ -6,7 +6,7 @@ import torch
 
 from support import trained, wait_until
 from zocheck_ray.actors.image import ImageLayout, SharedBuffer, copy_state
-from zocheck_ray.actors.shadow import Shadow, resident_bytes
+from zocheck_ray.actors.shadow import Shadow, process_memory
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import replay, state_hash
 from zocheck_ray.workload.models import trainable_parameters
@@ -71,7 +71,7 @@ def test_a_new_shadow_over_the_same_storage_rebuilds_from_the_durable_image_and_
     first.push(b"".join(r.to_bytes() for r in records))
     assert wait_until(lambda: first.metrics().durable_step == 4 and first.metrics().durable_log_step == 6)
     # a fresh shadow read its process's resident memory before any state arrived: its memory is measured over it
-    assert 0 < first.metrics().baseline_bytes <= resident_bytes("VmHWM")
+    assert 0 < first.metrics().baseline_bytes <= process_memory()["VmHWM"]
     first.close()
     second = Shadow(job)  # as after a node loss
     try:
@@ -117,7 +117,7 @@ def test_the_profiles_scratch_is_a_thirty_second_of_the_state_within_its_bounds(
 SHADOW_WITHOUT_TRANSFORMERS = """
 import json, sys
 from safetensors.torch import load_file
-from zocheck_ray.actors.shadow import Shadow, resident_bytes
+from zocheck_ray.actors.shadow import Shadow
 from zocheck_ray.config import JobConfig
 
 job = JobConfig.model_validate_json(open(sys.argv[1]).read())

@@ -92,7 +92,7 @@ class Shadow:
             self.persist = PersistStage(self.ledger, job, store, self.lease, self._snapshot_meta, nice=nice)
             self._durable_rebuild(store)
         warm.join()
-        self.baseline_bytes = resident_bytes() if self.replay.layout is None else None
+        self.baseline_bytes = process_memory().get("VmRSS") if self.replay.layout is None else None
         self.replay.start()
         if self.persist is not None:
             self.persist.start()
@@ -353,14 +353,16 @@ def _with_retries(fn: Callable[[], object], what: str, seconds: float = STARTUP_
             backoff = min(2 * backoff, MAX_BACKOFF_SECONDS)
 
 
-def resident_bytes(field: str = "VmRSS") -> int | None:
-    """This process's resident memory now (`VmRSS` in /proc/self/status; `VmHWM`: its peak), or None where
-    there is none."""
+def process_memory(pid: int | str = "self") -> dict[str, int]:
+    """A process's memory from /proc/PID/status, in bytes: `VmHWM` (peak resident), `VmRSS` (resident now),
+    `RssAnon`, `RssShmem` (the pages it shares, a memfd image's among them); empty where there is none."""
+    out = {}
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "VmRSS", "RssAnon", "RssShmem"):
+                    out[key] = int(value.split()[0]) * 1024
     except OSError:
         pass
-    return None
+    return out
