@@ -87,14 +87,6 @@ def test_waiting_for_a_restart_ends_when_the_actor_is_alive_again(tmp_path):
     ray.kill(actor)
 
 
-def test_one_failure_before_the_first_snapshot(tmp_path):
-    job = job_for(tmp_path, snapshot_interval=1000)
-    summary = run(job, fail_at=[7], progress=None)
-    (recovery,) = summary.recoveries
-    assert recovery.image_step == 0  # the initial image
-    assert_exact(summary, uninterrupted_hashes(job))
-
-
 def test_a_lora_adapter_with_momentum_and_two_perturbations_through_both_failures(tmp_path):
     """ZO-SGD-MMT on a LoRA adapter in bf16, two perturbations a step and micro-batches: a software failure
     (the restarted trainer builds the frozen base itself and takes the adapter from the image), then a host
@@ -109,13 +101,16 @@ def test_a_lora_adapter_with_momentum_and_two_perturbations_through_both_failure
     assert_exact(summary, uninterrupted_hashes(job))
 
 
-def test_a_failure_during_recovery_itself(tmp_path):
-    job = job_for(tmp_path, optimizer="sparse-mezo")  # records that carry per-tensor thresholds
+def test_a_failure_before_the_first_snapshot_and_during_recovery_itself(tmp_path):
+    """Lost before the shadow's first snapshot (the initial image and every record since), and the first
+    recovery attempt dies too, with the image copied and its records not replayed."""
+    job = job_for(tmp_path, optimizer="sparse-mezo", snapshot_interval=1000)  # records carry per-tensor thresholds
     summary = run(job, fail_at=[13], progress=None,
                   faults=FaultInjection(crash_in_recovery_marker=str(tmp_path / "crashed")))
     assert (tmp_path / "crashed").exists()  # the first recovery attempt died
     (recovery,) = summary.recoveries
     assert recovery.failed_at_step == 13
+    assert recovery.image_step == 0 and recovery.replayed_records == recovery.recovered_step  # the initial image
     assert_exact(summary, uninterrupted_hashes(job))
 
 

@@ -73,8 +73,8 @@ def test_weight_decay_zero_takes_the_undecayed_sequence():
     assert_equal_lists(run_kernels(config, torch.bfloat16, records, "cpu", "trainer")[0], want_p, "params")
 
 
-CASES = [("zo-sgd", "bf16", "gaussian", 10), ("zo-adam", "fp32", "gaussian", 10),
-         ("sparse-mezo", "fp16", "rademacher", 10), ("zo-sgd-cons", "bf16", "gaussian", 4)]
+CASES = [("zo-sgd", "bf16", "gaussian", 5), ("zo-adam", "fp32", "gaussian", 5),
+         ("sparse-mezo", "fp16", "rademacher", 5), ("zo-sgd-cons", "bf16", "gaussian", 4)]
 """(optimizer, dtype, perturbation, steps). ZO-SGD-Sign and -MMT take the same launches as ZO-SGD and
 ZO-Adam here (their trainer path is checked against the oracle in every dtype above); ZO-SGD-Cons adds
 its moves and the decisions of a real model's losses (three forward passes a step: four steps)."""
