@@ -18,6 +18,7 @@ from zocheck_ray.actors.image import (
     transfer, transfer_threads,
 )
 from zocheck_ray.actors.ledger import NoImageError, RecordLedger
+from zocheck_ray.actors.shadow import process_memory
 from zocheck_ray.actors.stages import Image
 
 PAGE = mmap.ALLOCATIONGRANULARITY
@@ -203,14 +204,6 @@ def _own_an_image(nbytes, ready, done):
     buffer.close()
 
 
-def _peak_resident_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM in /proc/self/status")
-
-
 def test_a_reader_in_another_process_never_holds_more_than_a_window_of_the_image():
     nbytes, window = 256 << 20, 16 << 20
     ctx = multiprocessing.get_context("spawn")
@@ -223,13 +216,13 @@ def test_a_reader_in_another_process_never_holds_more_than_a_window_of_the_image
         handle = ImageHandle(pid=pid, fd=fd_number, node_id=None, token="t", step=0, names=layout.names,
                              dtypes=layout.dtypes, shapes=layout.shapes)
         out = {"w": torch.zeros(nbytes // 4)}  # faulted in now: the copy adds only mapped windows
-        before = _peak_resident_bytes()
+        before = process_memory()["VmHWM"]
         fd = open_image(handle)
         try:
             transfer(fd, layout, out, "from_image", window=window)
         finally:
             os.close(fd)
-        grown = _peak_resident_bytes() - before
+        grown = process_memory()["VmHWM"] - before
     finally:
         done.set()
         owner.join(timeout=60)
