@@ -1,0 +1,58 @@
+"""`FaultInjection`: the faults a run's trainer and shadow processes inject into themselves.
+
+It travels to those processes as a constructor argument (`actors/hooks.py`), and Ray restarts a
+process with its arguments: unpickling it imports this module, before anything else of the
+package. So it imports nothing but pydantic: a trainer process that Ray restarts where the run has
+a standby defers importing torch and the model's libraries until the promotion is over
+(`actors/trainer_process.py`), and an import of `zocheck_ray.testing` here (torch, Ray's control
+code) would bring them back into the promotion's window, on the cores it copies and replays on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class FaultInjection(BaseModel):
+    """Faults injected into the trainer and shadow processes (implements `actors.hooks`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    replay_delay_seconds: float = Field(0.0, ge=0)
+    """Extra seconds the shadow spends per replayed step (makes it lag)."""
+    replay_stalled: bool = False
+    """The shadow's replay applies no record: only resyncs move its replica (a shadow that falls behind
+    however slow the trainer is)."""
+    crash_in_recovery_marker: str | None = None
+    """A file path: the first recovering trainer that finds it missing creates it and dies mid-recovery."""
+    die_at: dict[int, list[int]] = {}
+    """Rank -> steps: the process serving that rank exits before running each step (once per step)."""
+    marker_dir: str | None = None
+    """Where each exit leaves a marker, so the restarted process does not exit at the same step again."""
+
+    @property
+    def steps_hooked(self) -> bool:
+        return bool(self.die_at)
+
+    def before_step(self, rank: int, step: int) -> None:
+        if step in self.die_at.get(rank, ()):
+            marker = os.path.join(self.marker_dir, f"rank{rank}-step{step}")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(1)  # an abrupt software failure: unsent records are lost
+
+    def after_restore(self) -> None:
+        marker = self.crash_in_recovery_marker
+        if marker and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)  # die with the image loaded and its records not yet replayed
+
+    def after_replay(self, steps: int) -> None:
+        if self.replay_delay_seconds:
+            time.sleep(self.replay_delay_seconds * steps)
+
+
+NO_FAULTS = FaultInjection()
