@@ -14,6 +14,8 @@ So this module imports neither torch nor the model's libraries, and such a resta
 only keeps its arguments, and the controller asks it to `prepare` once it is up after the promotion
 (`TrainerGroup.prepare_standby`); a call that needs the trainer before that prepares it (a promotion
 of it waits for it). Every other process, a rank or the first standby, prepares in its constructor.
+Ray unpickles the constructor's arguments before it runs: they must not import torch either (the
+faults that tests, benchmarks and `--fail-at` inject travel there: `testing/injection.py`).
 What stays in the promotion's window is Ray's own start of the process (the interpreter and Ray's
 import): at 540M parameters on two cores that alone outlasts the promotion, so the deferral shows
 from the sizes whose promotion takes longer than it (about 1B parameters and up here).
