@@ -38,7 +38,7 @@ demo: $(STAMP)
 
 # Three test processes, each taking whole files (a module shares one Ray cluster): a Ray test spends
 # part of its time waiting (for a process Ray starts, a lease, an S3 client's retry), and a third
-# process fills those waits even on two cores (the whole suite here: 662-794 s of pytest with three,
+# process fills those waits even on two cores (the whole suite here: 662-1010 s of pytest with three,
 # 855-910 s with two; the CPU it needs is the same).
 TEST_WORKERS ?= 3
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
