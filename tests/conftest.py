@@ -216,9 +216,11 @@ def free_port() -> int:
 
 
 def processes_naming(marker: str) -> list[int]:
-    """Processes whose command line or environment names `marker` (a Ray cluster's temp dir, or a variable
-    set only for it: its own processes, those that retitle themselves (`ray::DashboardAgent`) and those
-    that outlive their parent included)."""
+    """Processes whose command line, environment or open files name `marker` (a Ray cluster's temp dir, or a
+    variable set only for it: its own processes, those that retitle themselves and those that outlive their
+    parent included). A retitled Ray agent (`ray::DashboardAgent`) writes its title over its environment as
+    well, but keeps its log files under the cluster's temp dir open: left behind, it spends a core's third
+    for about two minutes retrying to report its raylet's death."""
     found, needle = [], marker.encode()
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
@@ -229,11 +231,20 @@ def processes_naming(marker: str) -> list[int]:
             if not named:
                 with open(f"/proc/{name}/environ", "rb") as f:
                     named = needle in f.read()
+            if not named:
+                named = any(marker in _link(f"/proc/{name}/fd/{fd}") for fd in os.listdir(f"/proc/{name}/fd"))
         except OSError:
             continue
         if named:
             found.append(int(name))
     return found
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # closed meanwhile
+        return ""
 
 
 CLUSTER_ENV = "ZOCHECK_TEST_CLUSTER"

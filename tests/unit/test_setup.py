@@ -289,3 +289,26 @@ def test_a_process_a_test_leaves_running_is_named_and_stopped_and_fails_the_sess
     reported = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--exit-ceiling-seconds", "0.5")
     assert reported.ret == pytest.ExitCode.OK  # without the option: named and stopped, not failed
     assert any("left running" in line for line in reported.outlines) and not processes_naming("sleep\0600")
+
+
+def test_a_process_that_names_a_cluster_only_through_its_open_files_is_found_and_stopped(tmp_path):
+    # a retitled Ray agent: its command line and environment (overwritten by its title) do not name the
+    # cluster's temp dir, the log files it holds open there do
+    from conftest import processes_naming, stop_processes_naming
+
+    marker = str(tmp_path / "cluster")
+    os.makedirs(marker)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.stdin.readline().strip(), 'w'); "
+                               "print('open', flush=True); time.sleep(600)"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={k: v for k, v in os.environ.items() if marker not in v})
+    try:
+        holder.stdin.write(os.path.join(marker, "agent.log") + "\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "open"
+        assert marker.encode() not in Path(f"/proc/{holder.pid}/cmdline").read_bytes()
+        assert processes_naming(marker) == [holder.pid]
+        stop_processes_naming(marker)
+        assert holder.wait(timeout=30) != 0 and processes_naming(marker) == []
+    finally:
+        holder.kill()
