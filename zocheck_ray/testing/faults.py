@@ -38,8 +38,6 @@ INJECTED = {
 }
 
 
-
-
 class FailAt(RunCallback):
     """Fails the run at `steps` (`mode`): software failures die by themselves (`FaultInjection.die_at`);
     host and shadow failures are dealt at the end of a segment cut at the step."""
