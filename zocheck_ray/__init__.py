@@ -41,20 +41,13 @@ __all__ = [
 """The public surface; everything else is reached through its module (`zocheck_ray.testing`, `.storage`, ...)."""
 
 
-def names_on_first_use(package: str, modules: dict[str, str]):
-    """A package's `__getattr__` and `__dir__` (PEP 562) that import `modules[name]` when `name` is first asked
-    for: the package itself imports none of them."""
-    import importlib
+def __getattr__(name: str):
+    if name in _ON_FIRST_USE:
+        import importlib
 
-    def __getattr__(name: str):
-        if name in modules:
-            return getattr(importlib.import_module(modules[name]), name)
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
-
-    def __dir__() -> list[str]:
-        return sorted(set(vars(sys.modules[package])) | set(modules))
-
-    return __getattr__, __dir__
+        return getattr(importlib.import_module(_ON_FIRST_USE[name]), name)
+    raise AttributeError(f"module 'zocheck_ray' has no attribute {name!r}")
 
 
-__getattr__, __dir__ = names_on_first_use(__name__, _ON_FIRST_USE)
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
