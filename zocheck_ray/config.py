@@ -112,8 +112,8 @@ class JobConfig(BaseModel):
     standby: bool = False
     """Keep a warm standby trainer: a second process beside rank 0 and the shadow, started once the run is
     steady, with its imports done and its model's skeleton allocated (on the CPU, its pages touched: one more
-    copy of the state in host memory; on a GPU, a sliver of rank 0's GPU and no device memory until it is
-    needed). A lost trainer is replaced by it at once, without waiting for Ray to restart the process; the
+    copy of the state in host memory, into which it copies each new image of the shadow's while it waits; on a
+    GPU, a sliver of rank 0's GPU and no device memory until it is needed). A lost trainer is replaced by it at once, without waiting for Ray to restart the process; the
     process Ray restarts becomes the next standby, and builds only once the promotion is done (its set-up
     would take cores and memory bandwidth from it)."""
     placement: Literal["pack", "spread"] = "pack"

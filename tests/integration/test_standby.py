@@ -74,6 +74,33 @@ def test_a_lost_trainer_is_replaced_by_the_standby_and_the_restarted_process_sta
     assert_exact(summary, uninterrupted_hashes(job))
 
 
+class ImageHeld(StandbyReady):
+    """A `StandbyReady` that, once the run passed `at`, has the standby copy the shadow's image in and waits
+    for it (as the controller asks after every segment, without waiting)."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at, self.held = at, None
+
+    def on_segment(self, run, segment):
+        super().on_segment(run, segment)
+        if self.held is None and segment.progress.step >= self.at:
+            self.held = ray.get(run.group.standby.preinstall.remote())
+
+
+def test_a_standby_that_holds_the_offered_image_replays_only_the_records_and_ends_exact(tmp_path):
+    # One image in the run before the failure (the initial state's, step 0): the one the standby copied in
+    # while it waited is the one the promotion is offered, whichever step the shadow has reached.
+    job = job_for(tmp_path, standby=True, optimizer="zo-adam", snapshot_interval=36)
+    held = ImageHeld(at=4)
+    summary = run(job, fail_at=[13], progress=None, callbacks=[held])
+    assert held.held == 0
+    (recovery,) = summary.recoveries
+    assert recovery.replaced_by == "standby" and recovery.preinstalled and recovery.image_step == 0
+    assert 0 < recovery.recovered_step == recovery.replayed_records <= 13
+    assert_exact(summary, uninterrupted_hashes(job))
+
+
 def test_a_standby_lost_during_its_promotion_ends_exact(tmp_path):
     job = job_for(tmp_path, standby=True, optimizer="zo-adam")
     marker = tmp_path / "crashed"

@@ -175,7 +175,10 @@ class RecoveryInfo(BaseModel):
     fetch_seconds: float | None = None
     """Asking the shadow for its image and opening it (part of restore)."""
     install_seconds: float | None = None
-    """The image's copy into the state (part of restore)."""
+    """The image's copy into the state (part of restore); about 0 where it was `preinstalled`."""
+    preinstalled: bool = False
+    """The image was in the state already: a CPU standby copies each new image while it waits
+    (`Trainer.preinstall`), so a promotion offered the same image only replays the records after it."""
     replay_seconds: float | None = None
     """Replaying the records after the image (part of restore)."""
     hash_seconds: float | None = None

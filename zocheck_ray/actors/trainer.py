@@ -8,7 +8,9 @@ replays the records on its own device and resumes at the next step; with no imag
 builds the model with its weights, starts fresh and hands the shadow its initial state.
 Restarted by Ray, or started as the run's warm standby, it builds the skeleton and waits:
 the controller tells it which rank to be and at which step (`rejoin`), and it restores
-then. On the CPU a standby also touches its skeleton's pages, so a promotion is a copy.
+then. On the CPU a standby also touches its skeleton's pages, and copies each new image of
+the shadow's into them while it waits (`preinstall`): a promotion offered that image only
+replays the records after it.
 
 The batch of step t comes from the job's task (`task.batch(t)`, a pure function of
 (task.data_seed, t)). Held-out evaluation runs every `task.eval_interval` steps, at
@@ -96,6 +98,8 @@ class Trainer:
         self.model = self.opt = None
         self._skeleton = waits or offer is not None
         """The parameters hold nothing until an image is copied into them."""
+        self._preinstalled: str | None = None
+        """The token of the shadow's image the waiting state holds (`preinstall`), None: none."""
         if not (waits and self.device.type == "cuda"):  # a waiting GPU process allocates when it is told to go
             self._build(prefault=waits)
         self.build_seconds = time.perf_counter() - started
@@ -162,6 +166,29 @@ class Trainer:
                                    publishing=self.rank == 0)
         self.torn_at = None
 
+    def preinstall(self) -> int | None:
+        """While this process waits (the standby) on the CPU: copy the shadow's newest image into the skeleton
+        now, unless it holds that image already, so that a promotion offered the same image only replays the
+        records after it. Returns the step of the image it holds (None: nothing to hold; a GPU standby, which
+        allocates its device memory only when promoted, and a process serving a rank hold nothing)."""
+        if self.publisher is not None or self.model is None or self.device.type != "cpu":
+            return None
+        offer = self.shadow.borrow_image()
+        if offer is None:
+            return None
+        token = getattr(getattr(offer, "handle", None), "token", None)
+        try:
+            if token is None:  # an image without a name (an in-process shadow's): nothing to recognise later
+                return None
+            if token != self._preinstalled:
+                self._preinstalled = None  # torn until the copy is done
+                check_base(self.job, self.adapter, getattr(offer, "adapter", None))
+                offer.copy_into(self.opt.state_tensors())
+                self._preinstalled = token
+            return offer.step
+        finally:
+            offer.release()
+
     def rejoin(self, step: int | None, rank: int | None = None) -> RecoveryInfo:
         """Be a clean replica of rank `rank` (None: this one's) at `step` (None: whatever the shadow holds);
         returns `recovery`.
@@ -193,9 +220,13 @@ class Trainer:
                     self.shadow.initialize(self.opt.state_tensors(), 0, adapter=self.adapter)
             return RecoveryInfo(incarnation=self.incarnation, step=0, source="fresh"), []
         step, records, source = offer.step, offer.records, offer.source
+        handle = getattr(offer, "handle", None)
+        preinstalled = self._preinstalled is not None and getattr(handle, "token", None) == self._preinstalled
+        self._preinstalled = None  # the state moves on from here
         try:
             check_base(self.job, self.adapter, getattr(offer, "adapter", None))
-            offer.copy_into(self.opt.state_tensors())
+            if not preinstalled:
+                offer.copy_into(self.opt.state_tensors())
         except BaseModelMismatchError:
             raise
         except ValueError as exc:  # the image is of another model or optimizer
@@ -219,6 +250,7 @@ class Trainer:
         digest = state_hash(self.opt.state_tensors()) if self.job.hash_every_step else None
         return RecoveryInfo(incarnation=self.incarnation, step=self.opt.step_index, source=source, image_step=step,
                             replayed_records=len(records), state_hash=digest, state_bytes=offer.layout.state_bytes,
+                            preinstalled=preinstalled,
                             install_seconds=loaded - began, replay_seconds=replayed - loaded,
                             hash_seconds=time.perf_counter() - replayed), records
 

@@ -123,6 +123,10 @@ class TrainerActor:
     def rejoin(self, step: int | None, rank: int | None = None) -> RecoveryInfo:
         return self.trainer.rejoin(step, rank)
 
+    def preinstall(self) -> int | None:
+        """The standby, while it waits: copy the shadow's newest image in now (see `Trainer.preinstall`)."""
+        return self._trainer.preinstall() if self._trainer is not None else None
+
     def export_to_shadow(self) -> int:
         """Write the state into the shadow's intake (a resync); returns its step."""
         return self.trainer.export_to_shadow()

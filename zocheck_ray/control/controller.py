@@ -219,7 +219,8 @@ class Controller:
             seconds=time.perf_counter() - failure.seen_at, image_source=info.source, image_step=info.image_step,
             replayed_records=info.replayed_records, rank=restored.rank,
             cause="records_lost" if failure.kind == "records_lost" else "trainer_lost",
-            replaced_by=restored.replaced_by, state_hash=info.state_hash, phases=restored.phases))
+            replaced_by=restored.replaced_by, state_hash=info.state_hash, preinstalled=info.preinstalled,
+            phases=restored.phases))
         return State.RUNNING  # a host failure restarted the shadow too: the next check counts it
 
     def _resync(self) -> State:

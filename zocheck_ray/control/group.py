@@ -100,6 +100,10 @@ class TrainerGroup:
         constructor, as a standby created as such does, costs a call)."""
         self._built: tuple[str, int] | None = None
         """... and of the last one whose `prepare` succeeded."""
+        self._preinstalling = None
+        """The standby's `preinstall` call in flight (it copies the shadow's newest image while it waits)."""
+        self.preinstalled_step: int | None = None
+        """The step of the image the standby last said it holds (None: none, or not asked yet)."""
         self.durable_next: int | None = None
         """Every record before this step is durable (the holding ranks drop them)."""
         self._restarts: dict[str, int] = {}
@@ -133,13 +137,15 @@ class TrainerGroup:
 
     def start_standby(self) -> None:
         """Start the warm standby (once the run is steady); it builds its skeleton while training goes on.
-        Called after every segment: a standby process Ray restarted is asked to build (`prepare_standby`)."""
+        Called after every segment: a standby process Ray restarted is asked to build (`prepare_standby`), a
+        built one to copy the shadow's newest image in (`_preinstall`)."""
         if self._start_standby is None:
             return
         if self.standby is None:
             self.standby = self._start_standby()
             return
-        self.prepare_standby()
+        if self.prepare_standby():
+            self._preinstall()
 
     def prepare_standby(self) -> bool:
         """Ask the standby's process to build its model where it waits to (a process Ray restarted: the one lost
@@ -164,8 +170,26 @@ class TrainerGroup:
         incarnation = (self.standby._actor_id.hex(), entry.get("NumRestarts", 0))
         if incarnation != self._prepared:
             self._preparing, self._prepared = self.standby.prepare.remote(), incarnation
+            self.preinstalled_step = None
             return False
         return incarnation == self._built
+
+    def _preinstall(self) -> None:
+        """Ask the built standby to copy the shadow's newest image in while it waits (one call in flight; a CPU
+        standby then only replays records when it is promoted, see `Trainer.preinstall`)."""
+        if self._preinstalling is not None:
+            if not ray.wait([self._preinstalling], timeout=0)[0]:
+                return
+            done, self._preinstalling = self._preinstalling, None
+            try:
+                self.preinstalled_step = ray.get(done)
+            except RayActorError:  # lost meanwhile: its successor is prepared and asked in turn
+                self.preinstalled_step = None
+            except RayError as exc:  # a promotion copies the image as a restart does
+                self.preinstalled_step = None
+                logger.warning("the standby could not copy the shadow's image in advance: %s",
+                               str(exc).splitlines()[0])
+        self._preinstalling = self.standby.preinstall.remote()
 
     def form(self) -> None:
         """(Re-)form the ranks' gloo process group: rank 0 offers a fresh port, every rank joins (over
@@ -254,6 +278,7 @@ class TrainerGroup:
         lost = self.ranks[r]
         if self.standby is not None and actor_state(self.standby) == "ALIVE":
             promoted, self.standby = self.standby, lost  # Ray restarts the lost process: the next standby
+            self._preinstalling, self.preinstalled_step = None, None
             self.ranks[r] = promoted
             return promoted, "standby", None
         while True:  # Ray restarts the lost process (a new incarnation): it waits to be told where to restore

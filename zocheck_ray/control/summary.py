@@ -39,6 +39,9 @@ class Recovery(BaseModel):
     Ray (`restart`), or nothing (`torn`: no process was lost, a broken collective left states to restore)."""
     state_hash: str | None = None
     """With `hash_every_step`: the restored state's hash."""
+    preinstalled: bool = False
+    """The promoted standby held the offered image already (it copies each new one in while it waits, on the
+    CPU): its restore replayed the records after the image and copied nothing."""
     phases: dict[str, float] = {}
     """Seconds of each part, in order: with data-parallel ranks first `deliver` (the survivors hand the
     shadow its missing records); then `standby` (promoting the standby: no wait) or `restart` (Ray restarts
