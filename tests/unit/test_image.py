@@ -253,7 +253,7 @@ def test_an_image_nobody_reads_is_reused_and_a_pinned_one_defers_the_snapshot():
     first.buffer.close()
 
 
-def test_a_borrowed_image_is_replaced_not_rewritten_until_it_is_given_back():
+def test_a_borrowed_image_defers_a_snapshot_while_it_is_read_and_is_never_rewritten_until_it_is_given_back():
     ledger = RecordLedger(0)
     ledger.claim()
     image = image_at(0)
@@ -261,7 +261,11 @@ def test_a_borrowed_image_is_replaced_not_rewritten_until_it_is_given_back():
     lent, records = ledger.recovery_view(lend=True)
     assert lent is image and records == []
     assert ledger.give_back("another-token") is False
-    assert ledger.claim() == ("replace", image)                # still borrowed: never written again
+    assert ledger.claim() == ("busy", image)  # read now: a snapshot waits for its next boundary
+    assert ledger.claim(wait=True) == ("replace", image)  # one that cannot wait: new memory, never this one
+    ledger.publish(image)
+    image.read_until = 0.0  # a borrower that has not given it back for READ_SECONDS (died reading it)
+    assert ledger.claim() == ("replace", image)  # still borrowed: never written again
     ledger.publish(image)
     ledger.recovery_view(lend=True)
     assert ledger.give_back(image.token) is True

@@ -22,6 +22,7 @@ a caller does work (replay, copies, storage I/O).
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Callable, Literal
 
@@ -33,6 +34,11 @@ REPLAY, LOG = "replay", "log"
 Claim = Literal["new", "reuse", "replace", "busy"]
 """What `claim` found: no image yet (`new` memory), an image nobody reads (`reuse` its memory),
 a borrowed one (`replace` it: never written again), or one being persisted or written (`busy`)."""
+
+
+READ_SECONDS = 30.0
+"""How long a borrowed image defers the shadow's next snapshots at most (a borrower that died never gives it
+back; then a snapshot takes new memory, as it does for an image lent longer)."""
 
 
 class NoImageError(RuntimeError):
@@ -134,12 +140,12 @@ class RecordLedger:
     def claim(self, wait: bool = False, timeout: float = 300.0) -> tuple[Claim, object]:
         """Claim the image's memory for writing; returns what was found and the image it held.
 
-        `busy` (with `wait=False`): the image is being persisted, or its memory is already claimed;
-        nothing changes. Otherwise no image is offered until `publish` (or `unclaim`)."""
+        `busy`: the image is being persisted, or its memory is already claimed, or (with `wait=False`, a
+        snapshot that can wait for the next boundary) a borrower is reading it; nothing changes. Otherwise no image is offered until `publish` (or `unclaim`)."""
         with self._lock:
             if wait and not self._lock.wait_for(lambda: not self._busy(), timeout):
                 raise TimeoutError(f"the image stayed pinned by persistence for {timeout:.0f} s")
-            if self._busy():
+            if self._busy() or (not wait and self._read_now()):
                 return "busy", self.image
             image, self.image, self._writing = self.image, None, True
             if image is None:
@@ -152,6 +158,13 @@ class RecordLedger:
             self._writing = False
             self._missing = missing
             self._lock.notify_all()
+
+    def _read_now(self) -> bool:
+        """A borrower is reading the image (lent, not given back, for at most `READ_SECONDS`): the next
+        snapshot waits for the next boundary rather than write a new buffer beside it (fresh memory, its
+        pages faulted in, and a third copy of the state on the node) while the two copies compete."""
+        image = self.image
+        return image is not None and image.lent > 0 and time.monotonic() < image.read_until
 
     def _busy(self) -> bool:
         return self._writing or (self.image is not None and self.image.pinned)
@@ -188,6 +201,7 @@ class RecordLedger:
                 raise LookupError(f"records from step {image.step} (the image's) are no longer held")
             if lend:
                 image.lent += 1
+                image.read_until = time.monotonic() + READ_SECONDS
             return image, [self._records[i] for i in range(begin, len(self._records))]
 
     def give_back(self, token: str) -> bool:

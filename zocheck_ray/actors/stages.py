@@ -48,6 +48,8 @@ class Image:
     def __init__(self, step: int, buffer: SharedBuffer, layout: ImageLayout, token: str):
         self.step, self.buffer, self.layout, self.token = step, buffer, layout, token
         self.lent = 0
+        self.read_until = 0.0
+        """While lent: until when a snapshot defers to the borrower's read (`RecordLedger.claim`)."""
         self.pinned = False
 
     def tensors(self) -> dict[str, torch.Tensor]:
