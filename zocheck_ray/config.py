@@ -113,9 +113,10 @@ class JobConfig(BaseModel):
     """Keep a warm standby trainer: a second process beside rank 0 and the shadow, started once the run is
     steady, with its imports done and its model's skeleton allocated (on the CPU, its pages touched: one more
     copy of the state in host memory, into which it copies each new image of the shadow's while it waits; on a
-    GPU, a sliver of rank 0's GPU and no device memory until it is needed). A lost trainer is replaced by it at once, without waiting for Ray to restart the process; the
-    process Ray restarts becomes the next standby, and builds only once the promotion is done (its set-up
-    would take cores and memory bandwidth from it)."""
+    GPU, a sliver of rank 0's GPU and no device memory until it is needed). A lost trainer is replaced by it
+    at once, without waiting for Ray to restart the process; the process Ray restarts becomes the next
+    standby, and builds only once the promotion is done (its set-up would take cores and memory bandwidth
+    from it)."""
     placement: Literal["pack", "spread"] = "pack"
     """Where the ranks go: `pack` puts every rank and the shadow on one node (STRICT_PACK); `spread` keeps
     rank 0 with the shadow and lets the other ranks go to any node."""

@@ -141,7 +141,8 @@ class RecordLedger:
         """Claim the image's memory for writing; returns what was found and the image it held.
 
         `busy`: the image is being persisted, or its memory is already claimed, or (with `wait=False`, a
-        snapshot that can wait for the next boundary) a borrower is reading it; nothing changes. Otherwise no image is offered until `publish` (or `unclaim`)."""
+        snapshot that can wait for the next boundary) a borrower is reading it; nothing changes. Otherwise no
+        image is offered until `publish` (or `unclaim`)."""
         with self._lock:
             if wait and not self._lock.wait_for(lambda: not self._busy(), timeout):
                 raise TimeoutError(f"the image stayed pinned by persistence for {timeout:.0f} s")

@@ -45,8 +45,8 @@ class ShadowLink(Protocol):
 
     def borrow_image(self):
         """The shadow's newest image, opened for reading (`.step`, `.layout`, `.records`, `.source`,
-        `.copy_into(tensors)`, `.release()`, `.adapter`: the run's `AdapterIdentity` or None), or None when
-        the shadow has none (a fresh run)."""
+        `.copy_into(tensors)`, `.release()`, `.adapter`: the run's `AdapterIdentity` or None, `.token`: the
+        image's name, new for every snapshot, or None), or None when the shadow has none (a fresh run)."""
     def initialize(self, state: dict[str, torch.Tensor], step: int, adapter=None, model_config=None) -> None:
         """Hand the shadow the initial state (written into its intake; no copy kept here) and, for a
         parameter-efficient run, its `AdapterIdentity`, for a full one its model's Hugging Face config."""
@@ -66,6 +66,7 @@ class StateOffer:
                  release: Callable[[], None] | None = None, adapter=None):
         self.state, self.step, self.records, self.source = state, step, records, source
         self.adapter = adapter
+        self.token = None  # a state of this process's: nothing to recognise it by later
         self.layout = ImageLayout.of(state)
         self._release = release or (lambda: None)
 

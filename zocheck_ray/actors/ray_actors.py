@@ -336,6 +336,7 @@ class OfferedImage:
 
     def __init__(self, actor, offer: RecoveryOffer, local: bool, threads: int = 1):
         self.actor, self.handle, self.threads = actor, offer.image, threads
+        self.token: str = offer.image.token
         self.step: int = offer.image.step
         self.layout = offer.image.layout
         self.records: list[StepRecord] = decode_records(offer.records)

@@ -176,15 +176,14 @@ class Trainer:
         offer = self.shadow.borrow_image()
         if offer is None:
             return None
-        token = getattr(getattr(offer, "handle", None), "token", None)
         try:
-            if token is None:  # an image without a name (an in-process shadow's): nothing to recognise later
+            if offer.token is None:  # an image without a name (an in-process shadow's): nothing to recognise later
                 return None
-            if token != self._preinstalled:
+            if offer.token != self._preinstalled:
                 self._preinstalled = None  # torn until the copy is done
                 check_base(self.job, self.adapter, getattr(offer, "adapter", None))
                 offer.copy_into(self.opt.state_tensors())
-                self._preinstalled = token
+                self._preinstalled = offer.token
             return offer.step
         finally:
             offer.release()
@@ -220,8 +219,7 @@ class Trainer:
                     self.shadow.initialize(self.opt.state_tensors(), 0, adapter=self.adapter)
             return RecoveryInfo(incarnation=self.incarnation, step=0, source="fresh"), []
         step, records, source = offer.step, offer.records, offer.source
-        handle = getattr(offer, "handle", None)
-        preinstalled = self._preinstalled is not None and getattr(handle, "token", None) == self._preinstalled
+        preinstalled = self._preinstalled is not None and offer.token == self._preinstalled
         self._preinstalled = None  # the state moves on from here
         try:
             check_base(self.job, self.adapter, getattr(offer, "adapter", None))

@@ -102,8 +102,6 @@ class TrainerGroup:
         """... and of the last one whose `prepare` succeeded."""
         self._preinstalling = None
         """The standby's `preinstall` call in flight (it copies the shadow's newest image while it waits)."""
-        self.preinstalled_step: int | None = None
-        """The step of the image the standby last said it holds (None: none, or not asked yet)."""
         self.durable_next: int | None = None
         """Every record before this step is durable (the holding ranks drop them)."""
         self._restarts: dict[str, int] = {}
@@ -154,41 +152,29 @@ class TrainerGroup:
         if self.standby is None:
             return False
         if self._preparing is not None:
-            if not ray.wait([self._preparing], timeout=0)[0]:
+            outcome = _outcome(self._preparing, "could not build its model")  # failed: not asked again
+            if outcome == "pending":
                 return False  # still building
-            done, self._preparing = self._preparing, None
-            try:
-                ray.get(done)
+            self._preparing = None
+            if outcome == "done":
                 self._built = self._prepared
-            except RayActorError:  # its process was lost meanwhile: the one Ray restarts is asked in turn
+            elif outcome == "lost":  # its process was lost meanwhile: the one Ray restarts is asked in turn
                 self._prepared = None
-            except RayError as exc:  # its build failed: not asked again (a promotion meets the error)
-                logger.warning("the standby could not build its model: %s", str(exc).splitlines()[0])
         entry = actor_entry(self.standby)
         if entry.get("State") != "ALIVE":
             return False
         incarnation = (self.standby._actor_id.hex(), entry.get("NumRestarts", 0))
         if incarnation != self._prepared:
             self._preparing, self._prepared = self.standby.prepare.remote(), incarnation
-            self.preinstalled_step = None
             return False
         return incarnation == self._built
 
     def _preinstall(self) -> None:
         """Ask the built standby to copy the shadow's newest image in while it waits (one call in flight; a CPU
         standby then only replays records when it is promoted, see `Trainer.preinstall`)."""
-        if self._preinstalling is not None:
-            if not ray.wait([self._preinstalling], timeout=0)[0]:
+        if self._preinstalling is not None:  # lost or failed: a promotion copies the image as a restart does
+            if _outcome(self._preinstalling, "could not copy the shadow's image in advance") == "pending":
                 return
-            done, self._preinstalling = self._preinstalling, None
-            try:
-                self.preinstalled_step = ray.get(done)
-            except RayActorError:  # lost meanwhile: its successor is prepared and asked in turn
-                self.preinstalled_step = None
-            except RayError as exc:  # a promotion copies the image as a restart does
-                self.preinstalled_step = None
-                logger.warning("the standby could not copy the shadow's image in advance: %s",
-                               str(exc).splitlines()[0])
         self._preinstalling = self.standby.preinstall.remote()
 
     def form(self) -> None:
@@ -278,7 +264,7 @@ class TrainerGroup:
         lost = self.ranks[r]
         if self.standby is not None and actor_state(self.standby) == "ALIVE":
             promoted, self.standby = self.standby, lost  # Ray restarts the lost process: the next standby
-            self._preinstalling, self.preinstalled_step = None, None
+            self._preinstalling = None
             self.ranks[r] = promoted
             return promoted, "standby", None
         while True:  # Ray restarts the lost process (a new incarnation): it waits to be told where to restore
@@ -332,6 +318,21 @@ class TrainerGroup:
 
     def resent_records(self) -> int:
         return ray.get(self.leader.publisher_stats.remote()).resent_records
+
+
+def _outcome(call: ray.ObjectRef, failed: str) -> str:
+    """How a call to the standby ended, without waiting: `pending`, `done`, `lost` (its process died) or
+    `failed` (it raised: logged as "the standby `failed`: ...")."""
+    if not ray.wait([call], timeout=0)[0]:
+        return "pending"
+    try:
+        ray.get(call)
+        return "done"
+    except RayActorError:
+        return "lost"
+    except RayError as exc:
+        logger.warning("the standby %s: %s", failed, str(exc).splitlines()[0])
+        return "failed"
 
 
 class _Gone(Exception):
