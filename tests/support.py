@@ -21,11 +21,12 @@ REPO = Path(__file__).resolve().parent.parent
 def wait_until(predicate, timeout: float = 120.0) -> bool:
     """Whether `predicate()` became true within `timeout` seconds: a safety net for a state that must
     come, never the thing under test (`assert wait_until(...)`)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
+    deadline, pause = time.monotonic() + timeout, 0.005
+    while not predicate():  # a predicate may ask the GCS or an actor: polled less often as the wait goes on
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.01)
+        time.sleep(pause)
+        pause = min(0.1, pause * 1.5)
     return True
 
 

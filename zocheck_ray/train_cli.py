@@ -44,6 +44,16 @@ def _fail_at(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--fail-at takes comma-separated steps or 'none', got {text!r}") from None
 
 
+def _losses_text(losses) -> str:
+    """The training loss at the end of the first and the last segment, each with its step (one segment: its own)."""
+    if not losses:
+        return "-"
+    (first_step, first), (last_step, last) = losses[0], losses[-1]
+    if first_step == last_step:
+        return f"{last:.4f} (step {last_step})"
+    return f"{first:.4f} (step {first_step}) -> {last:.4f} (step {last_step})"
+
+
 def _metrics_text(metrics: dict[str, float] | None) -> str:
     return ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) if metrics else "-"
 
@@ -68,8 +78,7 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
                  f"{summary.task.get('eval_rows')} held-out rows"),
         ("held-out before" + (f" (step {min(evaluations)})" if evaluations else ""), _metrics_text(first)),
         (f"held-out after (step {summary.steps})", _metrics_text(last)),
-        ("training loss first -> last",
-         f"{summary.losses[0][1]:.4f} -> {summary.losses[-1][1]:.4f}" if summary.losses else "-"),
+        ("training loss", _losses_text(summary.losses)),
         ("publish overhead per step",
          f"{summary.publish_us_median:.2f} us (median), trainer step {summary.trainer_seconds_per_step * 1e3:.1f} ms"
          if summary.publish_us_median is not None else "-"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import ray
@@ -94,6 +95,9 @@ def test_embedded_default_fails_recovers_verifies_and_prints_the_table(local_ray
         assert row in table, row
     assert table["steps"] == str(STEPS)
     assert "from the memory image" in table["recoveries"]
+    # the loss at the end of the first and the last segment, each named by its step
+    losses = re.fullmatch(r"(\S+) \(step (\d+)\) -> (\S+) \(step (\d+)\)", table["training loss"])
+    assert losses and int(losses[2]) < int(losses[4]) == STEPS, table["training loss"]
     assert table["durable log replay"].startswith(f"verified: {STEPS} records replayed")
 
     doc = json.loads(out.read_text())

@@ -336,7 +336,11 @@ def _box_muller(wa, wb):
     return _angle(wb, _sqrt_positive(_log_unit(_unit_uniform(wa >> _U32(9))) * _F32(-2.0)))
 
 
-@njit(inline="always")
+# The generator is called by every chunk function, and not inlined into them: numba's IR inlining copies a
+# callee's IR into each call site, and the generator's (Philox rounds, Box-Muller) was the most copied of all
+# (float32 30 -> 13 s to compile, bf16 batch 43 -> 23 s, the whole set on two cores 88 -> 52 s; a call per
+# chunk costs nothing measurable: `bench replay`, 5M parameters, fp32/bf16/fp16, the same ms per step).
+@njit(inline="never")
 def perturbation_block(key0, key1, first, count, gaussian, out, wa, wb, radius):
     """z for counters first .. first+count-1 into out[0 : 4*count]; see generator.py.
 
@@ -824,10 +828,11 @@ KERNELS = {"perturbation": None, "float32": (torch.float32, 1), "bfloat16 step":
            "float16 batch": (torch.float16, 2)}
 """Every kernel numba compiles for `perturbation_cpu` and `replay` (dtype, steps that take it): one
 compilation each per cache, whatever the optimizer, perturbation or thread count."""
-COMPILE_CPU_SECONDS = {"perturbation": 5.5, "float32": 19, "bfloat16 step": 29, "bfloat16 batch": 30,
-                       "float16 step": 22, "float16 batch": 29}
-"""What compiling each kernel of `KERNELS` took on one core here (a replay's without the generator, which
-`warm_up` loads after it): only `compile_kernels` reads it, to give its processes equal shares."""
+COMPILE_CPU_SECONDS = {"perturbation": 7, "float32": 18, "bfloat16 step": 25, "bfloat16 batch": 27,
+                       "float16 step": 20, "float16 batch": 24}
+"""What loading each kernel of `KERNELS` into an empty cache took on one core here, a process of its own each
+(its imports included; the generator's kernel loaded first): only `compile_kernels` reads it, to give its
+processes equal shares."""
 
 
 def load_kernels(names) -> None:
