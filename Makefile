@@ -36,11 +36,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/zocheck-ray train
 
-# Three test processes, each taking whole files (a module shares one Ray cluster): a Ray test spends
-# part of its time waiting (for a process Ray starts, a lease, an S3 client's retry), and a third
-# process fills those waits even on two cores (the whole suite here: 662-1010 s of pytest with three,
-# 855-910 s with two; the CPU it needs is the same).
-TEST_WORKERS ?= 3
+# Two test processes, each taking whole files (a module shares one Ray cluster). The suite is CPU-bound
+# (its Ray actors' imports and jobs): on two cores a third process only adds contention. The whole suite here,
+# the same day: 868 s of pytest and 1,589 busy CPU-s with two, 980 s and about 1,930 CPU-s with three;
+# one process, about 1,240 s.
+TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # numba's kernels are compiled first, at once, in one process per core (a fresh clone has none in its
