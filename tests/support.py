@@ -21,12 +21,13 @@ REPO = Path(__file__).resolve().parent.parent
 def wait_until(predicate, timeout: float = 120.0) -> bool:
     """Whether `predicate()` became true within `timeout` seconds: a safety net for a state that must
     come, never the thing under test (`assert wait_until(...)`)."""
-    deadline, pause = time.monotonic() + timeout, 0.005
-    while not predicate():  # a predicate may ask the GCS or an actor: polled less often as the wait goes on
+    from zocheck_ray.actors.ray_actors import pauses  # a predicate may ask the GCS or an actor: ever less often
+
+    deadline, waits = time.monotonic() + timeout, pauses(most=0.1)
+    while not predicate():
         if time.monotonic() > deadline:
             return False
-        time.sleep(pause)
-        pause = min(0.1, pause * 1.5)
+        time.sleep(next(waits))
     return True
 
 
