@@ -47,8 +47,8 @@ PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # numba's kernels are compiled first, at once, in one process per core (a fresh clone has none in its
 # cache): the tests' processes and their Ray actors then only load them, rather than each compiling the
-# ones it meets first. Set-up's bytecode is written meanwhile (the compiling processes leave a core idle a
-# quarter of the time: 52 s for both side by side on a fresh two-core machine, 17 s more one after the other).
+# ones it meets first. Set-up's bytecode is written meanwhile: the compiling processes leave a core idle part
+# of the time (both side by side take 55 s on a fresh two-core machine, one after the other 69 s).
 COMPILE_KERNELS := $(PY) -c "from zocheck_ray.core.fused import compile_kernels; compile_kernels()"
 PREPARE := $(MAKE) --no-print-directory $(BYTECODE) & $(COMPILE_KERNELS); compiled=$$?; wait $$! && exit $$compiled
 

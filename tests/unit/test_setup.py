@@ -200,12 +200,17 @@ def load_every_kernel(**run) -> tuple[str, int, int, int]:
     return path, int(kernels), int(hits), int(misses)
 
 
-def test_compiled_kernels_are_only_loaded_afterwards():
-    # `make test` compiles every kernel once, before the tests; a process started afterwards (a test's,
-    # a Ray actor's) finds each in numba's cache, whatever dtype, optimizer or batch it replays
+@pytest.fixture(scope="module")
+def compiled():
+    """Every kernel in numba's cache, as `make test` leaves it (compiled here when the module runs alone)."""
     from zocheck_ray.core.fused import compile_kernels
 
     compile_kernels()
+
+
+def test_compiled_kernels_are_only_loaded_afterwards(compiled):
+    # `make test` compiles every kernel once, before the tests; a process started afterwards (a test's,
+    # a Ray actor's) finds each in numba's cache, whatever dtype, optimizer or batch it replays
     _, kernels, hits, misses = load_every_kernel()
     assert hits == kernels and misses == 0  # each loaded once, none compiled
 
@@ -225,13 +230,11 @@ def test_compile_kernels_gives_its_processes_equal_shares_and_the_generator_firs
     assert generator[0] == "perturbation"
 
 
-def test_a_copy_of_the_package_elsewhere_loads_the_kernels_compiled_for_the_same_sources(tmp_path):
+def test_a_copy_of_the_package_elsewhere_loads_the_kernels_compiled_for_the_same_sources(tmp_path, compiled):
     # `ray job submit --working-dir .` unpacks the sources to a new directory for every upload: its processes
     # find the kernels compiled from the same file content anywhere on the machine, not only beside it
     from zocheck_ray.core import kernel_cache
-    from zocheck_ray.core.fused import compile_kernels
 
-    compile_kernels()
     upload = tmp_path / "working_dir_files" / "_ray_pkg_0123"
     shutil.copytree(REPO / "zocheck_ray", upload / "zocheck_ray", ignore=shutil.ignore_patterns("__pycache__"))
     env = {**os.environ, "PYTHONPATH": str(upload)}
