@@ -18,8 +18,9 @@ temporary directory: nothing is downloaded) and dtype, side by side in one run:
   constructor had imported, loaded its kernels and opened its storage, before any state
   arrived); the trainer's, a process that imported the same modules and ran a ZO step of the
   dtype on two of the optimizer's 4M-element chunks (its fixed working buffers, about 0.1 GB,
-  the same at every model size); the snapshot's and the
-  restore's GB/s; the recovery (failure seen -> every rank restored, ready for its next
+  the same at every model size); the snapshot's GB/s (its last copy, against the plain copy
+  into memory of the same kind: an image reused is touched memory, a new one beside an image a
+  borrower held is fresh; `snapshot_into` says which) and the restore's; the recovery (failure seen -> every rank restored, ready for its next
   step) and its phases;
 - the same run without the standby (Ray restarts the trainer's process);
 - the async-checkpoint baseline on the same job: a trainer that checkpoints every
@@ -256,6 +257,8 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool) -> dict:
             "accounted_peak": max([m.peak_held_bytes for m in metrics] + [summary.metrics.peak_held_bytes]),
             "snapshot_gbps": state / summary.metrics.snapshot_seconds / 1e9 if summary.metrics.snapshot_seconds
             else None,
+            # the last snapshot's copy wrote into a new image (beside one a borrower held): memory not yet touched
+            "snapshot_fresh": bool(summary.metrics.snapshot_into_fresh_memory),
             # a standby that held the offered image copied nothing at the recovery: no restore to time there
             "restore_gbps": state / recovery.phases["install"] / 1e9
             if recovery.phases.get("install") and not recovery.preinstalled else None}
@@ -336,7 +339,10 @@ def _row(size, dtype, params, copy_gbps, fresh_gbps, hot, cold, base, footprints
         "shadow_peak_bytes": sampler.peak("shadow"), "trainer_peak_bytes": sampler.peak("trainer"),
         "snapshot_gbps": hot["snapshot_gbps"], "restore_gbps": restore,
         "restore_measured_in": "standby" if hot["restore_gbps"] else "restart",
-        "snapshot_fraction": hot["snapshot_gbps"] / copy_gbps if hot["snapshot_gbps"] else None,
+        # against the plain copy into memory of the same kind: touched (an image reused), or fresh (a new one)
+        "snapshot_into": "fresh" if hot["snapshot_fresh"] else "touched",
+        "snapshot_fraction": hot["snapshot_gbps"] / (fresh_gbps if hot["snapshot_fresh"] else copy_gbps)
+        if hot["snapshot_gbps"] else None,
         "restore_fraction": restore / copy_gbps if restore else None,
         "restore_cold_gbps": cold["restore_gbps"],
         "restore_cold_fraction": cold["restore_gbps"] / fresh_gbps if cold["restore_gbps"] else None,

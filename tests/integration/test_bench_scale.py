@@ -31,6 +31,9 @@ def test_the_three_recoveries_of_one_job_end_in_one_state_and_are_reported(tmp_p
     assert 0 < row["shadow_baseline_bytes"] < row["shadow_peak_bytes"]
     assert row["shadow_peak_x"] == (row["shadow_peak_bytes"] - row["shadow_baseline_bytes"]) / row["state_bytes"]
     assert 0 < row["copy_gbps"] and 0 < row["snapshot_gbps"] and 0 < row["restore_gbps"]
+    # the snapshot against the plain copy into memory of its kind: an image reused (touched), or a new one
+    against = {"touched": row["copy_gbps"], "fresh": row["fresh_copy_gbps"]}[row["snapshot_into"]]
+    assert row["snapshot_fraction"] == row["snapshot_gbps"] / against
     # a standby that held the offered image copied nothing then: the restore is timed in Ray's restart instead
     assert row["restore_measured_in"] == ("restart" if row["recovery_standby_preinstalled"] else "standby")
     assert json.loads(path.read_text())["rows"][0]["exact"] is True

@@ -64,6 +64,34 @@ def test_snapshots_fall_on_multiples_of_n_and_recovery_images_are_exact(job):
         shadow.close()
 
 
+def test_the_shadow_says_whether_its_last_snapshot_copied_into_memory_in_use_or_new_memory(job):
+    """An image reused is memory already touched; one a borrower holds is never written again, so the next
+    snapshot takes new memory, its pages faulted in as the copy goes (what `bench scale` compares with the
+    plain copy of the same kind)."""
+    initial, opt, records = trained(job, 3)
+    shadow = Shadow(job)
+    try:
+        shadow.initialize(0, initial)
+        assert shadow.metrics().snapshot_into_fresh_memory is True  # the replica was built for this state
+        shadow.push(b"".join(r.to_bytes() for r in records[:2]))
+        assert shadow.replay.wait_replayed(2, timeout=60)
+        shadow.replay.snapshot_now(2)  # between boundaries (every 4): the newest image's memory is reused
+        m = shadow.metrics()
+        assert m.snapshot_into_fresh_memory is False and m.snapshot_seconds > 0
+        lent, _ = shadow.recovery_view(lend=True)  # a borrower reads the image of step 2
+        assert lent.step == 2
+        shadow.push(records[2].to_bytes())
+        assert shadow.replay.wait_replayed(3, timeout=60)
+        image = shadow.replay.snapshot_now(3)
+        assert shadow.metrics().snapshot_into_fresh_memory is True  # beside the lent image, in new memory
+        assert image.buffer is not lent.buffer
+        shadow.give_back(lent.token)
+        step, digest = shadow.replica_hash()
+        assert (step, digest) == (3, state_hash(opt.state_tensors()))
+    finally:
+        shadow.close()
+
+
 def test_a_new_shadow_over_the_same_storage_rebuilds_from_the_durable_image_and_log(job):
     initial, opt, records = trained(job, 7)
     first = Shadow(job)

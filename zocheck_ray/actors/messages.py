@@ -277,6 +277,9 @@ class ShadowMetrics(BaseModel):
     image would break the memory budget)."""
     snapshot_seconds: float | None = None
     """The last copy between the replica and an image (a snapshot, or taking in a trainer's state)."""
+    snapshot_into_fresh_memory: bool | None = None
+    """Whether that copy wrote into memory allocated for it (a new image beside one a borrower held, a rebuilt
+    replica), its pages faulted in as it went, rather than into memory already in use (an image reused)."""
     snapshot_error: str | None = None
     """Why the last snapshot could not be taken (out of memory), if it could not."""
     rank_seconds_per_step: list[float] = []

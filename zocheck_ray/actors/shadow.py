@@ -306,7 +306,7 @@ class Shadow:
             held_bytes=sum(replay.budget.held.values()), peak_held_bytes=replay.budget.peak,
             baseline_bytes=self.baseline_bytes,
             snapshots_deferred=replay.snapshots_deferred, snapshot_error=replay.snapshot_error,
-            snapshot_seconds=replay.last_copy_seconds,
+            snapshot_seconds=replay.last_copy_seconds, snapshot_into_fresh_memory=replay.last_copy_fresh,
             rank_seconds_per_step=self.rank_seconds_per_step,
             collective_seconds_per_step=self.collective_seconds_per_step, regime=self.regime, source=replay.source,
             held_out_step=self.held_out_step, held_out=self.held_out,

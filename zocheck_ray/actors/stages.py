@@ -113,6 +113,8 @@ class ReplayStage:
         self.last_copy_seconds: float | None = None
         """Seconds of the last copy between the replica and an image (a snapshot, an intake's adoption)."""
         self.last_copy_bytes = 0
+        self.last_copy_fresh: bool | None = None
+        """Whether that copy wrote into memory allocated for it (its pages faulted in as it went)."""
         self.resync_count = 0
         self.error: str | None = None
         self.last_record: StepRecord | None = None
@@ -217,7 +219,7 @@ class ReplayStage:
             logger.error(self.snapshot_error)
             return None
         self.snapshot_error = None
-        self._copy(self.layout.views(buffer.bytes), self.replica)
+        self._copy(self.layout.views(buffer.bytes), self.replica, fresh=old is None or buffer is not old.buffer)
         return self._offer(buffer, self.replayed_step)
 
     def _memory_for(self, kind: str, old: Image | None, layout: ImageLayout) -> SharedBuffer:
@@ -239,11 +241,13 @@ class ReplayStage:
         self._on_image(image)
         return image
 
-    def _copy(self, dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor]) -> None:
+    def _copy(self, dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor], fresh: bool) -> None:
+        """`fresh`: `dst` is memory allocated for this copy (a new image, a rebuilt replica), not yet touched."""
         started = time.perf_counter()
         copy_state(dst, src, threads=self.threads or 1)
         self.last_copy_seconds = time.perf_counter() - started
         self.last_copy_bytes = self.layout.nbytes
+        self.last_copy_fresh = fresh
 
     # ------------------------------------------------------------------ commands (run on the thread)
 
@@ -272,7 +276,7 @@ class ReplayStage:
             return
         buffer, self.intake, self._intake_layout = self.intake, None, None
         if self.replica is not None and buffer.nbytes == self.layout.nbytes:
-            self._copy(self.layout.views(buffer.bytes), self.replica)
+            self._copy(self.layout.views(buffer.bytes), self.replica, fresh=False)  # the trainer wrote it
             self._offer(buffer, self.replayed_step)
         else:
             buffer.close()
@@ -282,7 +286,8 @@ class ReplayStage:
     def adopt(self, buffer: SharedBuffer, layout: ImageLayout, step: int, source: str) -> Image:
         """`buffer` (claimed image memory of `layout`) holds the state at `step`: the replica becomes a copy
         of it and it becomes the newest image. A fresh, durable or resynced replica."""
-        if self.layout != layout:
+        rebuilt = self.layout != layout
+        if rebuilt:
             if self.replica is not None:
                 logger.warning("the state's layout changed: the replica is rebuilt")
             self.replica = self._replica_memory = None
@@ -298,7 +303,7 @@ class ReplayStage:
                                step, self.ledger.next_step)
                 self.ledger.reset(step)
             self.resync_count += 1
-        self._copy(self.replica, layout.views(buffer.bytes))
+        self._copy(self.replica, layout.views(buffer.bytes), fresh=rebuilt)
         self.source, self.error = source, None
         with self._progress:
             self.replayed_step = step
