@@ -20,8 +20,8 @@ temporary directory: nothing is downloaded) and dtype, side by side in one run:
   dtype on two of the optimizer's 4M-element chunks (its fixed working buffers, about 0.1 GB,
   the same at every model size); the snapshot's GB/s (its last copy, against the plain copy
   into memory of the same kind: an image reused is touched memory, a new one beside an image a
-  borrower held is fresh; `snapshot_into` says which) and the restore's; the recovery (failure seen -> every rank restored, ready for its next
-  step) and its phases;
+  borrower held is fresh; `snapshot_into` says which) and the restore's; the recovery (failure
+  seen -> every rank restored, ready for its next step) and its phases;
 - the same run without the standby (Ray restarts the trainer's process);
 - the async-checkpoint baseline on the same job: a trainer that checkpoints every
   `--every` steps to local disk, killed at the same step; Ray restarts it, it loads its

@@ -39,7 +39,8 @@ def make(step: int) -> dict[str, torch.Tensor]:
 def start_writer(root: str, step: int):
     """A writer process saving a snapshot a step from `step` on, until it is killed: a fork of this process
     (torch and the storage already imported), which writes `ready`, then `committed <step>` after each save,
-    a line in one write each, to a pipe. Returns (its pid, the pipe's reading end)."""
+    a line in one write each, to a pipe (or `error <what>` if it fails). Returns (its pid, the pipe's reading
+    end)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the writer; it never returns into the test process
@@ -52,6 +53,8 @@ def start_writer(root: str, step: int):
                 store.save(step, make(step))
                 os.write(write, f"committed {step}\n".encode())
                 step += 1
+        except BaseException as exc:  # said to the test, whose check of the next line shows it
+            os.write(write, f"error {exc!r}\n".encode())
         finally:
             os._exit(1)
     os.close(write)

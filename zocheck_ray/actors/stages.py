@@ -276,7 +276,7 @@ class ReplayStage:
             return
         buffer, self.intake, self._intake_layout = self.intake, None, None
         if self.replica is not None and buffer.nbytes == self.layout.nbytes:
-            self._copy(self.layout.views(buffer.bytes), self.replica, fresh=False)  # the trainer wrote it
+            self._copy(self.layout.views(buffer.bytes), self.replica, fresh=False)  # the intake's, not allocated for it
             self._offer(buffer, self.replayed_step)
         else:
             buffer.close()
