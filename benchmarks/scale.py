@@ -6,10 +6,11 @@
 Per model size (an OPT built from its config and saved with `save_pretrained` into a
 temporary directory: nothing is downloaded) and dtype, side by side in one run:
 
-- `state_bytes`, and the machine's plain copy bandwidth for that many bytes: into memory
-  already touched (`copy_gbps`, what a snapshot into a reused image and a restore into a
-  standby's skeleton do) and into fresh memory (`fresh_copy_gbps`, what a restore into a
-  newly built skeleton does);
+- `state_bytes`, and the machine's plain copy bandwidth for that many bytes (`copy_`, the
+  best of three): on every core (`copy_gbps`), and on each thread count a snapshot or a
+  restore ran on (`copy_gbps_by_threads`), into memory already touched (what a snapshot into a
+  reused image and a restore into a waiting process's prefaulted skeleton do) and into fresh
+  memory (`fresh_copy_gbps...`, what a snapshot into a new image does);
 - a run with the warm standby and one software failure: the shadow's peak by its own
   accounting (`peak_held_bytes`) and from /proc (VmHWM), its steady resident memory (the
   median of /proc samples over the run's second half), the trainer's peak (every trainer
@@ -18,11 +19,18 @@ temporary directory: nothing is downloaded) and dtype, side by side in one run:
   constructor had imported, loaded its kernels and opened its storage, before any state
   arrived); the trainer's, a process that imported the same modules and ran a ZO step of the
   dtype on two of the optimizer's 4M-element chunks (its fixed working buffers, about 0.1 GB,
-  the same at every model size); the snapshot's GB/s (its last copy, against the plain copy
-  into memory of the same kind: an image reused is touched memory, a new one beside an image a
-  borrower held is fresh; `snapshot_into` says which) and the restore's; the recovery (failure
-  seen -> every rank restored, ready for its next step) and its phases;
-- the same run without the standby (Ray restarts the trainer's process);
+  the same at every model size); the snapshot's GB/s (the median of the shadow's copies into a
+  reused image, `ShadowMetrics.snapshot_seconds_median`; where it took none, its last copy,
+  into memory of the kind `snapshot_into` names) and the restore's (the image's copy into the
+  state alone, the recovery's `copy` phase; the best of the runs' restores, `restore_samples_gbps`),
+  each against the plain copy on the same number of
+  threads into memory of the same kind (`snapshot_fraction`, `restore_fraction`: what the
+  path's own work costs over the copy it makes; the shadow copies on its CPUs, `shadow_cpus`,
+  a restoring trainer on every core of its process) and against the copy on every core
+  (`..._fraction_all_cores`); the recovery (failure seen -> every rank restored, ready for its
+  next step) and its phases;
+- the same run without the standby (Ray restarts the trainer's process), which loses its trainer
+  twice (`RESTART_FAILURES`);
 - the async-checkpoint baseline on the same job: a trainer that checkpoints every
   `--every` steps to local disk, killed at the same step; Ray restarts it, it loads its
   checkpoint and recomputes the steps since;
@@ -59,6 +67,10 @@ SIZES = {  # OPT shapes: (hidden, layers, vocabulary); OPT's tokenizer has 50272
 """`tiny-opt` is the built-in small model's shape (the demo's), saved as a directory like the others."""
 DEFAULT_SIZES = ["tiny-opt", "14M", "125M", "270M", "540M", "1B"]
 STEPS, FAIL_AT, SNAPSHOT_INTERVAL, LOG_INTERVAL = 12, 9, 2, 3
+RESTART_FAILURES = (5, FAIL_AT)
+"""The run without the standby loses its trainer twice: two restores into a restarted process's skeleton (a
+copy of a few hundred MB takes tens of milliseconds: one sample is at the mercy of what else the node runs then;
+the restore counted is the best of the run's samples, as the plain copy's is the best of three)."""
 TASK = {"batch_size": 1, "max_length": 16, "eval_interval": 10**9, "eval_size": 1, "eval_batch_size": 1}
 PAPER_JOBS = {"Qwen3-8B (bf16)": (8_190_735_360, 2), "OPT-13B (fp16)": (12_853_473_280, 2)}
 """The paper's jobs: (parameters, bytes per parameter)."""
@@ -125,17 +137,31 @@ def too_big(size: str, dtype: str, available: int) -> str | None:
             f"{MEMORY_HEADROOM / 2**30:.0f} GiB), {available / 2**30:.1f} GiB available")
 
 
-def copy_bandwidth(nbytes: int, repeats: int = 3) -> tuple[float, float]:
-    """(GB/s into touched memory, GB/s into fresh memory) for a plain `copy_` of `nbytes` in this process."""
+def copy_bandwidth(nbytes: int, threads: int | None = None, repeats: int = 3) -> tuple[float, float]:
+    """(GB/s into touched memory, GB/s into fresh memory) for a plain `copy_` of `nbytes` in this process, on
+    `threads` threads (None: torch's default, every core), the best of `repeats`."""
     import torch
 
-    source = torch.ones(nbytes, dtype=torch.uint8)
-    touched = torch.empty(nbytes, dtype=torch.uint8)
-    touched.copy_(source)
-    best = min(_seconds(lambda: touched.copy_(source)) for _ in range(repeats))
-    touched = None  # freed before the fresh copies allocate theirs
-    fresh = min(_seconds(lambda: torch.empty(nbytes, dtype=torch.uint8).copy_(source)) for _ in range(repeats))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        source = torch.ones(nbytes, dtype=torch.uint8)
+        touched = torch.empty(nbytes, dtype=torch.uint8)
+        touched.copy_(source)
+        best = min(_seconds(lambda: touched.copy_(source)) for _ in range(repeats))
+        touched = None  # freed before the fresh copies allocate theirs
+        fresh = min(_seconds(lambda: torch.empty(nbytes, dtype=torch.uint8).copy_(source)) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(previous)
     return nbytes / best / 1e9, nbytes / fresh / 1e9
+
+
+def copy_thread_counts(shadow_cpus: int) -> list[int]:
+    """The thread counts a snapshot (1 to the shadow's CPUs) or a restore (`transfer_threads`: this node's
+    cores, up to 8) may run on."""
+    from zocheck_ray.actors.image import transfer_threads
+
+    return sorted(set(range(1, shadow_cpus + 1)) | {transfer_threads()})
 
 
 def _seconds(fn) -> float:
@@ -213,7 +239,7 @@ def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------- runs
 
 
-def _zocheck_run(model: str, dtype: str, storage: str, standby: bool) -> dict:
+def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: tuple[int, ...] = (FAIL_AT,)) -> dict:
     import ray
 
     from zocheck_ray.actors.ray_actors import actor_state
@@ -226,6 +252,7 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool) -> dict:
                     run_id=f"scale-{uuid.uuid4().hex[:8]}", task=TASK)
     sampler = MemorySampler().start()
     metrics: list = []
+    assert job.shadow_cpus == 1, "the plain copies are measured for the default shadow_cpus"
 
     class Watch(RunCallback):
         def _pids(self, run) -> None:
@@ -248,20 +275,24 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool) -> dict:
             self._pids(run)
 
     try:
-        summary = run_with_faults(job, fail_at=[FAIL_AT], progress=None, callbacks=[Watch()])
+        summary = run_with_faults(job, fail_at=list(fail_at), progress=None, callbacks=[Watch()])
     finally:
         sampler.stop()
-    (recovery,) = summary.recoveries
-    state = summary.metrics.state_bytes
+    assert len(summary.recoveries) == len(fail_at), summary.recoveries
+    recovery = summary.recoveries[-1]  # the failure at FAIL_AT, in every run
+    final = summary.metrics
+    state = final.state_bytes
+    # the median of the shadow's copies into a reused image; where it took none, its last copy (into a new image
+    # beside one a borrower held: memory not yet touched, or a reused one)
+    median, last = final.snapshot_seconds_median, final.snapshot_seconds
+    # no copy where a standby held the offered image: nothing copied there to time
+    restores = [(state / r.phases["copy"] / 1e9, r.copy_threads) for r in summary.recoveries if r.phases.get("copy")]
     return {"summary": summary, "recovery": recovery, "sampler": sampler,
-            "accounted_peak": max([m.peak_held_bytes for m in metrics] + [summary.metrics.peak_held_bytes]),
-            "snapshot_gbps": state / summary.metrics.snapshot_seconds / 1e9 if summary.metrics.snapshot_seconds
-            else None,
-            # the last snapshot's copy wrote into a new image (beside one a borrower held): memory not yet touched
-            "snapshot_fresh": bool(summary.metrics.snapshot_into_fresh_memory),
-            # a standby that held the offered image copied nothing at the recovery: no restore to time there
-            "restore_gbps": state / recovery.phases["install"] / 1e9
-            if recovery.phases.get("install") and not recovery.preinstalled else None}
+            "accounted_peak": max([m.peak_held_bytes for m in metrics] + [final.peak_held_bytes]),
+            "snapshot_gbps": state / (median or last) / 1e9 if (median or last) else None,
+            "snapshot_fresh": median is None and bool(final.snapshot_into_fresh_memory),
+            "snapshot_threads": final.snapshot_threads,
+            "restores": restores}
 
 
 def _baseline_run(model: str, dtype: str, storage: str, every: int) -> dict:
@@ -299,20 +330,21 @@ def measure(size: str, dtype: str, root: str, every: int, footprints: dict[str, 
     try:
         say(f"  {size} {dtype}: {params:,} parameters: plain copies ...")
         itemsize = 4 if dtype == "fp32" else 2
-        copy_gbps, fresh_gbps = copy_bandwidth(params * itemsize)
+        copies = {0: copy_bandwidth(params * itemsize)}  # 0: every core (torch's default)
+        copies.update({t: copy_bandwidth(params * itemsize, t) for t in copy_thread_counts(shadow_cpus=1)})
         say(f"  {size} {dtype}: zocheck with the standby ...")
         hot = _zocheck_run(directory, dtype, storage, standby=True)
         say(f"  {size} {dtype}: zocheck without the standby ...")
-        cold = _zocheck_run(directory, dtype, storage, standby=False)
+        cold = _zocheck_run(directory, dtype, storage, standby=False, fail_at=RESTART_FAILURES)
         say(f"  {size} {dtype}: the async-checkpoint baseline ...")
         base = _baseline_run(directory, dtype, storage, every)
     finally:
         shutil.rmtree(storage, ignore_errors=True)
         shutil.rmtree(directory, ignore_errors=True)
-    return _row(size, dtype, params, copy_gbps, fresh_gbps, hot, cold, base, footprints)
+    return _row(size, dtype, params, copies, hot, cold, base, footprints)
 
 
-def _row(size, dtype, params, copy_gbps, fresh_gbps, hot, cold, base, footprints) -> dict:
+def _row(size, dtype, params, copies, hot, cold, base, footprints) -> dict:
     summary, sampler = hot["summary"], hot["sampler"]
     state = summary.metrics.state_bytes
     hashes = {summary.final_state_hash, summary.shadow_state_hash, cold["summary"].final_state_hash,
@@ -323,9 +355,20 @@ def _row(size, dtype, params, copy_gbps, fresh_gbps, hot, cold, base, footprints
     own = summary.metrics.baseline_bytes  # the shadow's memory before its state arrived, read in its own process
     trainer = footprints[f"trainer_{dtype}"] if working else footprints["trainer"]  # its chunk buffers where filled
 
-    # the restore into the standby, or where the standby held the offered image already (it copied it in while it
-    # waited: `Trainer.preinstall`) the restore into the process Ray restarted
-    restore = hot["restore_gbps"] or cold["restore_gbps"]
+    # the best restore of the run: into the standby (unless it held the offered image already: it copied it in while
+    # it waited, `Trainer.preinstall`) and into the processes Ray restarted; all into prefaulted skeletons
+    samples = [(gbps, threads, "standby") for gbps, threads in hot["restores"]] + \
+        [(gbps, threads, "restart") for gbps, threads in cold["restores"]]
+    restore, restore_threads, restored_in = max(samples, default=(None, None, None))
+    copy_gbps, fresh_gbps = copies[0]
+
+    def baseline(threads: int | None, fresh: bool = False) -> float:  # the plain copy on those threads
+        touched_gbps, fresh_copy = copies.get(threads or 0, copies[0])
+        return fresh_copy if fresh else touched_gbps
+
+    snapshot_copy = baseline(hot["snapshot_threads"], hot["snapshot_fresh"])
+    restore_copy = baseline(restore_threads)
+    cold_best = max(cold["restores"], default=(None, None))
 
     def over(value: int, baseline: int) -> float:  # a multiple of the state, over the process's fixed baseline
         return (value - baseline) / state
@@ -333,19 +376,26 @@ def _row(size, dtype, params, copy_gbps, fresh_gbps, hot, cold, base, footprints
     return {
         "size": size, "dtype": dtype, "params": params, "state_bytes": state, "state_gb": state / 1e9,
         "copy_gbps": copy_gbps, "fresh_copy_gbps": fresh_gbps,
+        "copy_gbps_by_threads": {t: c[0] for t, c in copies.items() if t},
+        "fresh_copy_gbps_by_threads": {t: c[1] for t, c in copies.items() if t},
         "shadow_accounted_peak_x": hot["accounted_peak"] / state,
         "shadow_peak_x": over(sampler.peak("shadow"), own), "shadow_steady_x": over(sampler.steady("shadow"), own),
         "shadow_baseline_bytes": own, "trainer_peak_x": over(sampler.peak("trainer"), trainer),
         "shadow_peak_bytes": sampler.peak("shadow"), "trainer_peak_bytes": sampler.peak("trainer"),
         "snapshot_gbps": hot["snapshot_gbps"], "restore_gbps": restore,
-        "restore_measured_in": "standby" if hot["restore_gbps"] else "restart",
-        # against the plain copy into memory of the same kind: touched (an image reused), or fresh (a new one)
+        "restore_measured_in": restored_in, "restore_samples_gbps": [gbps for gbps, _, _ in samples],
+        # each against the plain copy on the same threads into memory of the same kind: touched (an image reused,
+        # a prefaulted skeleton), or fresh (a new image)
         "snapshot_into": "fresh" if hot["snapshot_fresh"] else "touched",
-        "snapshot_fraction": hot["snapshot_gbps"] / (fresh_gbps if hot["snapshot_fresh"] else copy_gbps)
+        "snapshot_threads": hot["snapshot_threads"], "snapshot_copy_gbps": snapshot_copy,
+        "snapshot_fraction": hot["snapshot_gbps"] / snapshot_copy if hot["snapshot_gbps"] else None,
+        "snapshot_fraction_all_cores": hot["snapshot_gbps"] / (fresh_gbps if hot["snapshot_fresh"] else copy_gbps)
         if hot["snapshot_gbps"] else None,
-        "restore_fraction": restore / copy_gbps if restore else None,
-        "restore_cold_gbps": cold["restore_gbps"],
-        "restore_cold_fraction": cold["restore_gbps"] / fresh_gbps if cold["restore_gbps"] else None,
+        "restore_threads": restore_threads, "restore_copy_gbps": restore_copy,
+        "restore_fraction": restore / restore_copy if restore else None,
+        "restore_fraction_all_cores": restore / copy_gbps if restore else None,
+        "restore_cold_gbps": cold_best[0],
+        "restore_cold_fraction": cold_best[0] / baseline(cold_best[1]) if cold_best[0] else None,
         "recovery_standby_seconds": hot["recovery"].seconds, "recovery_standby_phases": hot["recovery"].phases,
         "recovery_standby_replaced_by": hot["recovery"].replaced_by,
         "recovery_standby_preinstalled": hot["recovery"].preinstalled,
@@ -441,7 +491,8 @@ def report(doc: dict) -> None:
         ("shadow_accounted_peak_x", "shadow own x", ".2f"), ("shadow_peak_x", "shadow peak x", ".2f"),
         ("shadow_steady_x", "steady x", ".2f"), ("trainer_peak_x", "trainer x", ".2f"),
         ("copy_gbps", "copy GB/s", ".2f"), ("snapshot_fraction", "snap/copy", ".2f"),
-        ("restore_fraction", "restore/copy", ".2f"), ("recovery_standby_seconds", "standby s", ".2f"),
+        ("snapshot_fraction_all_cores", "(all cores)", ".2f"), ("restore_fraction", "restore/copy", ".2f"),
+        ("restore_fraction_all_cores", "(all cores)", ".2f"), ("recovery_standby_seconds", "standby s", ".2f"),
         ("recovery_standby_preinstalled", "held image", ""),
         ("recovery_restart_seconds", "restart s", ".2f"), ("baseline_seconds", "async ckpt s", ".2f"),
         ("speedup_standby", "speedup", ".1f"), ("exact", "exact", "")])
@@ -491,16 +542,18 @@ def run_in_suite(out: Path, quick: bool) -> dict:
 def markdown(doc: dict) -> str:
     lines = ["# Scale\n", "Per model size and dtype, side by side (see `benchmarks/scale.py`): memory as a multiple of "
              "the state over each process's fixed baseline, snapshot and restore bandwidth as a fraction of a plain "
-             "copy measured in the same run, software-failure recovery with the standby, with Ray's restart of the "
-             "process, and the async-checkpoint baseline's.\n",
+             "copy measured in the same run on the same threads (and on every core), software-failure recovery with "
+             "the standby, with Ray's restart of the process, and the async-checkpoint baseline's.\n",
              "| size | dtype | state GB | shadow (own) x | shadow peak x | shadow steady x | trainer peak x | copy GB/s "
-             "| snapshot / copy | restore / copy | standby s | standby held the image | restart s | async checkpoint s "
-             "| speedup | exact |",
+             "| snapshot / copy (threads; all cores) | restore / copy (threads; all cores) | standby s "
+             "| standby held the image | restart s | async checkpoint s | speedup | exact |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
     for r in doc["rows"]:
         lines.append(f"| {r['size']} | {r['dtype']} | {r['state_gb']:.3f} | {r['shadow_accounted_peak_x']:.2f} | "
                      f"{r['shadow_peak_x']:.2f} | {r['shadow_steady_x']:.2f} | {r['trainer_peak_x']:.2f} | "
-                     f"{r['copy_gbps']:.2f} | {_f(r['snapshot_fraction'])} | {_f(r['restore_fraction'])} | "
+                     f"{r['copy_gbps']:.2f} | {_f(r['snapshot_fraction'])} ({r['snapshot_threads']}; "
+                     f"{_f(r['snapshot_fraction_all_cores'])}) | {_f(r['restore_fraction'])} ({r['restore_threads']}; "
+                     f"{_f(r['restore_fraction_all_cores'])}) | "
                      f"{r['recovery_standby_seconds']:.2f} | {r['recovery_standby_preinstalled']} | "
                      f"{r['recovery_restart_seconds']:.2f} | "
                      f"{r['baseline_seconds']:.2f} | {r['speedup_standby']:.1f} | {r['exact']} |")

@@ -72,18 +72,25 @@ def test_the_shadow_says_whether_its_last_snapshot_copied_into_memory_in_use_or_
     shadow = Shadow(job)
     try:
         shadow.initialize(0, initial)
-        assert shadow.metrics().snapshot_into_fresh_memory is True  # the replica was built for this state
+        m = shadow.metrics()
+        assert m.snapshot_into_fresh_memory is True  # the replica was built for this state
+        assert m.snapshot_seconds_median is None  # no copy into memory in use yet
         shadow.push(b"".join(r.to_bytes() for r in records[:2]))
         assert shadow.replay.wait_replayed(2, timeout=60)
         shadow.replay.snapshot_now(2)  # between boundaries (every 4): the newest image's memory is reused
         m = shadow.metrics()
         assert m.snapshot_into_fresh_memory is False and m.snapshot_seconds > 0
+        assert m.snapshot_threads == 1  # the replay's threads (no profile: one)
+        assert m.snapshot_seconds_median == m.snapshot_seconds  # one copy into memory in use so far
+        touched = m.snapshot_seconds
         lent, _ = shadow.recovery_view(lend=True)  # a borrower reads the image of step 2
         assert lent.step == 2
         shadow.push(records[2].to_bytes())
         assert shadow.replay.wait_replayed(3, timeout=60)
         image = shadow.replay.snapshot_now(3)
-        assert shadow.metrics().snapshot_into_fresh_memory is True  # beside the lent image, in new memory
+        m = shadow.metrics()
+        assert m.snapshot_into_fresh_memory is True  # beside the lent image, in new memory
+        assert m.snapshot_seconds_median == touched  # a copy into new memory is not one of the median's samples
         assert image.buffer is not lent.buffer
         shadow.give_back(lent.token)
         step, digest = shadow.replica_hash()

@@ -176,6 +176,11 @@ class RecoveryInfo(BaseModel):
     """Asking the shadow for its image and opening it (part of restore)."""
     install_seconds: float | None = None
     """The image's copy into the state (part of restore); about 0 where it was `preinstalled`."""
+    copy_seconds: float | None = None
+    """The copy alone within `install_seconds` (the image's bytes into the state, without checking and giving
+    back the image); None where it was `preinstalled`."""
+    copy_threads: int | None = None
+    """The threads that copy ran on (`actors.image.transfer_threads`: the process's CPUs, up to 8)."""
     preinstalled: bool = False
     """The image was in the state already: a CPU standby copies each new image while it waits
     (`Trainer.preinstall`), so a promotion offered the same image only replays the records after it."""
@@ -280,6 +285,11 @@ class ShadowMetrics(BaseModel):
     snapshot_into_fresh_memory: bool | None = None
     """Whether that copy wrote into memory allocated for it (a new image beside one a borrower held, a rebuilt
     replica), its pages faulted in as it went, rather than into memory already in use (an image reused)."""
+    snapshot_threads: int | None = None
+    """The threads that copy ran on (the replay's: the shadow's CPUs, as the startup profile chose)."""
+    snapshot_seconds_median: float | None = None
+    """The median of this process's newest snapshot copies into memory already in use (up to 32 of them):
+    steadier than the last one, which a CPU trainer's step beside it may have slowed."""
     snapshot_error: str | None = None
     """Why the last snapshot could not be taken (out of memory), if it could not."""
     rank_seconds_per_step: list[float] = []

@@ -67,6 +67,7 @@ class StateOffer:
         self.state, self.step, self.records, self.source = state, step, records, source
         self.adapter = adapter
         self.token = None  # a state of this process's: nothing to recognise it by later
+        self.threads = 1  # `copy_into`'s
         self.layout = ImageLayout.of(state)
         self._release = release or (lambda: None)
 

@@ -20,6 +20,7 @@ plain values that `metrics()` reads.
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 import uuid
@@ -286,6 +287,7 @@ class Shadow:
         image = self.ledger.image
         durable_log = persist.durable_log_step if persist else None
         failing = persist.failing_since if persist else None
+        copies = list(replay.touched_copies)  # taken at once: the replay thread appends to it meanwhile
         return ShadowMetrics(
             run_id=self.job.run_id, incarnation=self.incarnation, trainer_step=trainer, received_step=received,
             replayed_step=replayed, lag_steps=lag, lag_seconds=lag * replay.replay_ema,
@@ -307,6 +309,8 @@ class Shadow:
             baseline_bytes=self.baseline_bytes,
             snapshots_deferred=replay.snapshots_deferred, snapshot_error=replay.snapshot_error,
             snapshot_seconds=replay.last_copy_seconds, snapshot_into_fresh_memory=replay.last_copy_fresh,
+            snapshot_threads=replay.last_copy_threads,
+            snapshot_seconds_median=statistics.median(copies) if copies else None,
             rank_seconds_per_step=self.rank_seconds_per_step,
             collective_seconds_per_step=self.collective_seconds_per_step, regime=self.regime, source=replay.source,
             held_out_step=self.held_out_step, held_out=self.held_out,

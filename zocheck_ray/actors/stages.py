@@ -8,6 +8,7 @@ any storage outage, and stops for good only when another writer holds the run.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -31,6 +32,8 @@ from zocheck_ray.storage import Lease, LeaseError, LeaseHeldError, SnapshotStore
 logger = logging.getLogger(__name__)
 
 MAX_REPLAY_BATCH = 64
+COPY_HISTORY = 32
+"""How many of the newest snapshot copies `ShadowMetrics.snapshot_seconds_median` is taken over."""
 LOG_FLUSH_SECONDS = 0.05
 """The persistence stage writes the log (and looks for a new image) at least this often."""
 MAX_BACKOFF_SECONDS = 5.0
@@ -115,6 +118,10 @@ class ReplayStage:
         self.last_copy_bytes = 0
         self.last_copy_fresh: bool | None = None
         """Whether that copy wrote into memory allocated for it (its pages faulted in as it went)."""
+        self.last_copy_threads: int | None = None
+        self.touched_copies: collections.deque[float] = collections.deque(maxlen=COPY_HISTORY)
+        """Seconds of the newest copies into memory already in use (an image reused): one copy is one sample,
+        taken beside whatever else the node ran then (a CPU trainer's step); their median is the figure."""
         self.resync_count = 0
         self.error: str | None = None
         self.last_record: StepRecord | None = None
@@ -244,10 +251,13 @@ class ReplayStage:
     def _copy(self, dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor], fresh: bool) -> None:
         """`fresh`: `dst` is memory allocated for this copy (a new image, a rebuilt replica), not yet touched."""
         started = time.perf_counter()
-        copy_state(dst, src, threads=self.threads or 1)
+        threads = self.threads or 1
+        copy_state(dst, src, threads=threads)
         self.last_copy_seconds = time.perf_counter() - started
         self.last_copy_bytes = self.layout.nbytes
-        self.last_copy_fresh = fresh
+        self.last_copy_fresh, self.last_copy_threads = fresh, threads
+        if not fresh:
+            self.touched_copies.append(self.last_copy_seconds)
 
     # ------------------------------------------------------------------ commands (run on the thread)
 

@@ -221,10 +221,14 @@ class Trainer:
         step, records, source = offer.step, offer.records, offer.source
         preinstalled = self._preinstalled is not None and offer.token == self._preinstalled
         self._preinstalled = None  # the state moves on from here
+        copy_seconds = None
         try:
             check_base(self.job, self.adapter, getattr(offer, "adapter", None))
             if not preinstalled:
-                offer.copy_into(self.opt.state_tensors())
+                tensors = self.opt.state_tensors()
+                copy_began = time.perf_counter()
+                offer.copy_into(tensors)
+                copy_seconds = time.perf_counter() - copy_began
         except BaseModelMismatchError:
             raise
         except ValueError as exc:  # the image is of another model or optimizer
@@ -248,7 +252,8 @@ class Trainer:
         digest = state_hash(self.opt.state_tensors()) if self.job.hash_every_step else None
         return RecoveryInfo(incarnation=self.incarnation, step=self.opt.step_index, source=source, image_step=step,
                             replayed_records=len(records), state_hash=digest, state_bytes=offer.layout.state_bytes,
-                            preinstalled=preinstalled,
+                            preinstalled=preinstalled, copy_seconds=copy_seconds,
+                            copy_threads=offer.threads if copy_seconds is not None else None,
                             install_seconds=loaded - began, replay_seconds=replayed - loaded,
                             hash_seconds=time.perf_counter() - replayed), records
 

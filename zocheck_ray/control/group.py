@@ -356,4 +356,6 @@ def _phases(started: float, marks: list[tuple[str, float]], constructed: Recover
         phases["restore"] = restored.restore_seconds
     if restored.install_seconds is not None:
         phases["install"] = restored.install_seconds
+    if restored.copy_seconds is not None:
+        phases["copy"] = restored.copy_seconds
     return phases

@@ -42,13 +42,15 @@ class Recovery(BaseModel):
     preinstalled: bool = False
     """The promoted standby held the offered image already (it copies each new one in while it waits, on the
     CPU): its restore replayed the records after the image and copied nothing."""
+    copy_threads: int | None = None
+    """The threads the image's copy into the state ran on (phase `copy`); None where nothing was copied."""
     phases: dict[str, float] = {}
     """Seconds of each part, in order: with data-parallel ranks first `deliver` (the survivors hand the
     shadow its missing records); then `standby` (promoting the standby: no wait) or `restart` (Ray restarts
     the lost process until it answers); `rejoin` (every rank restores at the shadow's step) and, with
     several ranks, `group` (the process group formed again). `constructor` (a restarted process's set-up),
-    `restore` (image plus records into the state) and `install` (the image's copy, part of `restore`) are
-    parts of those."""
+    `restore` (image plus records into the state), `install` (taking the image in, part of `restore`) and
+    `copy` (the image's bytes into the state alone, part of `install`) are parts of those."""
 
 
 class RunSummary(BaseModel):
