@@ -39,6 +39,7 @@ def test_the_three_recoveries_of_one_job_end_in_one_state_and_are_reported(tmp_p
     assert row["snapshot_fraction"] == row["snapshot_gbps"] / row["snapshot_copy_gbps"]
     all_cores = {"touched": row["copy_gbps"], "fresh": row["fresh_copy_gbps"]}[row["snapshot_into"]]
     assert row["snapshot_fraction_all_cores"] == row["snapshot_gbps"] / all_cores
+    assert row["snapshot_with_standby_gbps"] > 0 and row["snapshot_with_standby_fraction"] > 0  # the other run's
     # a restore runs on every core of its process (up to 8), into a prefaulted skeleton
     assert row["restore_threads"] == min(8, len(os.sched_getaffinity(0)))
     assert row["restore_copy_gbps"] == row["copy_gbps_by_threads"][row["restore_threads"]]
