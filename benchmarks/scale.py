@@ -7,10 +7,11 @@ Per model size (an OPT built from its config and saved with `save_pretrained` in
 temporary directory: nothing is downloaded) and dtype, side by side in one run:
 
 - `state_bytes`, and the machine's plain copy bandwidth for that many bytes (`copy_`, the
-  best of three): on every core (`copy_gbps`), and on each thread count a snapshot or a
-  restore ran on (`copy_gbps_by_threads`), into memory already touched (what a snapshot into a
-  reused image and a restore into a waiting process's prefaulted skeleton do) and into fresh
-  memory (`fresh_copy_gbps...`, what a snapshot into a new image does);
+  best of three, measured once the runs are over): on every core (`copy_gbps`), and on each
+  thread count a snapshot or a restore ran on (`copy_gbps_by_threads`), into memory already
+  touched (what a snapshot into a reused image and a restore into a waiting process's
+  prefaulted skeleton do) and into fresh memory (`fresh_copy_gbps...`, what a snapshot into a
+  new image does);
 - a run with the warm standby and one software failure: the shadow's peak by its own
   accounting (`peak_held_bytes`) and from /proc (VmHWM), its steady resident memory (the
   median of /proc samples over the run's second half), the trainer's peak (every trainer
@@ -21,16 +22,16 @@ temporary directory: nothing is downloaded) and dtype, side by side in one run:
   dtype on two of the optimizer's 4M-element chunks (its fixed working buffers, about 0.1 GB,
   the same at every model size); the snapshot's GB/s in the run without the standby, the
   default job (the median of the shadow's copies into a reused image,
-  `ShadowMetrics.snapshot_seconds_median`; where it took none, its last copy, into memory of the
-  kind `snapshot_into` names; `snapshot_with_standby_...`: in the run with it, where a CPU
-  standby copies each new image while the trainer trains, a second reader beside the snapshot) and the restore's (the image's copy into the
-  state alone, the recovery's `copy` phase; the best of the runs' restores, `restore_samples_gbps`),
-  each against the plain copy on the same number of
-  threads into memory of the same kind (`snapshot_fraction`, `restore_fraction`: what the
-  path's own work costs over the copy it makes; the shadow copies on its CPUs, `shadow_cpus`,
-  a restoring trainer on every core of its process) and against the copy on every core
-  (`..._fraction_all_cores`); the recovery (failure seen -> every rank restored, ready for its
-  next step) and its phases;
+  `ShadowMetrics.snapshot_seconds_median`; where it took none, its last copy, into memory of
+  the kind `snapshot_into` names; `snapshot_with_standby_...`: in the run with it, where a CPU
+  standby copies each new image while the trainer trains, a second reader beside the
+  snapshot) and the restore's (the image's copy into the state alone, the recovery's `copy`
+  phase; the best of the runs' restores, `restore_samples_gbps`), each against the plain copy
+  on the same number of threads into memory of the same kind (`snapshot_fraction`,
+  `restore_fraction`: what the path's own work costs over the copy it makes; the shadow
+  copies on its CPUs, a restoring trainer on every core of its process) and against the copy
+  on every core (`..._fraction_all_cores`); the recovery (failure seen -> every rank
+  restored, ready for its next step) and its phases;
 - the same run without the standby (Ray restarts the trainer's process), which loses its trainer
   twice (`RESTART_FAILURES`);
 - the async-checkpoint baseline on the same job: a trainer that checkpoints every
@@ -158,14 +159,6 @@ def copy_bandwidth(nbytes: int, threads: int | None = None, repeats: int = 3) ->
     return nbytes / best / 1e9, nbytes / fresh / 1e9
 
 
-def copy_thread_counts(shadow_cpus: int) -> list[int]:
-    """The thread counts a snapshot (1 to the shadow's CPUs) or a restore (`transfer_threads`: this node's
-    cores, up to 8) may run on."""
-    from zocheck_ray.actors.image import transfer_threads
-
-    return sorted(set(range(1, shadow_cpus + 1)) | {transfer_threads()})
-
-
 def _seconds(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -254,7 +247,6 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: t
                     run_id=f"scale-{uuid.uuid4().hex[:8]}", task=TASK)
     sampler = MemorySampler().start()
     metrics: list = []
-    assert job.shadow_cpus == 1, "the plain copies are measured for the default shadow_cpus"
 
     class Watch(RunCallback):
         def _pids(self, run) -> None:
@@ -330,16 +322,18 @@ def measure(size: str, dtype: str, root: str, every: int, footprints: dict[str, 
     directory, params = build_directory(size, root)
     storage = os.path.join(root, f"runs-{size}-{dtype}")
     try:
-        say(f"  {size} {dtype}: {params:,} parameters: plain copies ...")
-        itemsize = 4 if dtype == "fp32" else 2
-        copies = {0: copy_bandwidth(params * itemsize)}  # 0: every core (torch's default)
-        copies.update({t: copy_bandwidth(params * itemsize, t) for t in copy_thread_counts(shadow_cpus=1)})
-        say(f"  {size} {dtype}: zocheck with the standby ...")
+        say(f"  {size} {dtype}: {params:,} parameters: zocheck with the standby ...")
         hot = _zocheck_run(directory, dtype, storage, standby=True)
         say(f"  {size} {dtype}: zocheck without the standby ...")
         cold = _zocheck_run(directory, dtype, storage, standby=False, fail_at=RESTART_FAILURES)
         say(f"  {size} {dtype}: the async-checkpoint baseline ...")
         base = _baseline_run(directory, dtype, storage, every)
+        say(f"  {size} {dtype}: plain copies ...")
+        nbytes = params * (4 if dtype == "fp32" else 2)
+        ran_on = {run["snapshot_threads"] for run in (hot, cold)} | {t for run in (hot, cold)
+                                                                      for _, t in run["restores"]}
+        copies = {0: copy_bandwidth(nbytes)}  # 0: every core (torch's default)
+        copies.update({t: copy_bandwidth(nbytes, t) for t in sorted(ran_on - {None})})
     finally:
         shutil.rmtree(storage, ignore_errors=True)
         shutil.rmtree(directory, ignore_errors=True)
@@ -364,17 +358,18 @@ def _row(size, dtype, params, copies, hot, cold, base, footprints) -> dict:
     restore, restore_threads, restored_in = max(samples, default=(None, None, None))
     copy_gbps, fresh_gbps = copies[0]
 
-    def baseline(threads: int | None, fresh: bool = False) -> float:  # the plain copy on those threads
-        touched_gbps, fresh_copy = copies.get(threads or 0, copies[0])
-        return fresh_copy if fresh else touched_gbps
+    def baseline(threads: int | None, fresh: bool = False) -> float | None:  # the plain copy on those threads
+        return copies[threads][1 if fresh else 0] if threads else None
+
+    def fraction(gbps: float | None, against: float | None) -> float | None:
+        return gbps / against if gbps and against else None
 
     # the snapshot in the default job (no standby); with the standby on a CPU node it copies each new image into its
     # skeleton while the trainer trains (`Trainer.preinstall`), a second reader of memory beside the snapshot
     snap = cold
     snapshot_copy = baseline(snap["snapshot_threads"], snap["snapshot_fresh"])
-    standby_snapshot_copy = baseline(hot["snapshot_threads"], hot["snapshot_fresh"])
     restore_copy = baseline(restore_threads)
-    cold_best = max(cold["restores"], default=(None, None))
+    cold_best, cold_threads = max(cold["restores"], default=(None, None))
 
     def over(value: int, baseline: int) -> float:  # a multiple of the state, over the process's fixed baseline
         return (value - baseline) / state
@@ -394,16 +389,15 @@ def _row(size, dtype, params, copies, hot, cold, base, footprints) -> dict:
         # a prefaulted skeleton), or fresh (a new image)
         "snapshot_into": "fresh" if snap["snapshot_fresh"] else "touched",
         "snapshot_threads": snap["snapshot_threads"], "snapshot_copy_gbps": snapshot_copy,
-        "snapshot_fraction": snap["snapshot_gbps"] / snapshot_copy if snap["snapshot_gbps"] else None,
-        "snapshot_fraction_all_cores": snap["snapshot_gbps"] / (fresh_gbps if snap["snapshot_fresh"] else copy_gbps)
-        if snap["snapshot_gbps"] else None,
+        "snapshot_fraction": fraction(snap["snapshot_gbps"], snapshot_copy),
+        "snapshot_fraction_all_cores": fraction(snap["snapshot_gbps"],
+                                                fresh_gbps if snap["snapshot_fresh"] else copy_gbps),
         "snapshot_with_standby_gbps": hot["snapshot_gbps"],
-        "snapshot_with_standby_fraction": hot["snapshot_gbps"] / standby_snapshot_copy if hot["snapshot_gbps"] else None,
+        "snapshot_with_standby_fraction": fraction(hot["snapshot_gbps"],
+                                                   baseline(hot["snapshot_threads"], hot["snapshot_fresh"])),
         "restore_threads": restore_threads, "restore_copy_gbps": restore_copy,
-        "restore_fraction": restore / restore_copy if restore else None,
-        "restore_fraction_all_cores": restore / copy_gbps if restore else None,
-        "restore_cold_gbps": cold_best[0],
-        "restore_cold_fraction": cold_best[0] / baseline(cold_best[1]) if cold_best[0] else None,
+        "restore_fraction": fraction(restore, restore_copy), "restore_fraction_all_cores": fraction(restore, copy_gbps),
+        "restore_cold_gbps": cold_best, "restore_cold_fraction": fraction(cold_best, baseline(cold_threads)),
         "recovery_standby_seconds": hot["recovery"].seconds, "recovery_standby_phases": hot["recovery"].phases,
         "recovery_standby_replaced_by": hot["recovery"].replaced_by,
         "recovery_standby_preinstalled": hot["recovery"].preinstalled,

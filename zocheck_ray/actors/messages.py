@@ -175,7 +175,8 @@ class RecoveryInfo(BaseModel):
     fetch_seconds: float | None = None
     """Asking the shadow for its image and opening it (part of restore)."""
     install_seconds: float | None = None
-    """The image's copy into the state (part of restore); about 0 where it was `preinstalled`."""
+    """Taking the image in: checking it, its copy (`copy_seconds`) and giving it back (part of restore); about 0
+    where it was `preinstalled`."""
     copy_seconds: float | None = None
     """The copy alone within `install_seconds` (the image's bytes into the state, without checking and giving
     back the image); None where it was `preinstalled`."""
