@@ -43,9 +43,11 @@ def test_three_software_failures_recover_exactly(tmp_path, monkeypatch):
         assert r.recovered_step <= r.failed_at_step
         assert r.recovered_step == (r.image_step or 0) + r.replayed_records
         # where the time went: Ray's restart of the process (its constructor: a skeleton), then the restore
-        assert r.replaced_by == "restart" and set(r.phases) == {"restart", "rejoin", "constructor", "restore", "install"}
+        assert r.replaced_by == "restart" and set(r.phases) == {"restart", "rejoin", "constructor", "restore", "install",
+                                                                  "copy"}
         assert r.phases["restart"] + r.phases["rejoin"] == pytest.approx(r.seconds, abs=0.05)
-        assert 0 < r.phases["install"] <= r.phases["restore"] <= r.phases["rejoin"]
+        assert 0 < r.phases["copy"] <= r.phases["install"] <= r.phases["restore"] <= r.phases["rejoin"]
+        assert r.copy_threads >= 1  # the image's bytes into the state, on this many threads
     assert_exact(summary, uninterrupted_hashes(job))
 
 
