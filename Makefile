@@ -16,7 +16,7 @@ WARM_BYTECODE := $(PY) -c "import torch, numba, ray, peft, datasets, s3fs, moto,
 	from transformers import OPTForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM, BertForSequenceClassification, AutoTokenizer"
 
 $(STAMP): export PIP_COMPILE = false
-.PHONY: demo test test-quick check-slow-marks bench venv clean reference
+.PHONY: demo test test-quick check-slow-marks module-seconds bench venv clean reference
 
 $(STAMP): pyproject.toml scripts/install_torch.sh scripts/install_package.sh scripts/installer.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,8 +42,10 @@ demo: $(BYTECODE)
 # (its Ray actors' imports and jobs): on two cores a third process only adds contention. The whole suite here,
 # the same day: 868 s of pytest and 1,589 busy CPU-s with two, 980 s and about 1,930 CPU-s with three;
 # one process, about 1,240 s.
+# The modules go out longest first (tests/module_seconds.py; xdist would otherwise hand out the modules with
+# the most tests first, and a long module of one test last): `make module-seconds` refreshes the figures.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # numba's kernels are compiled first, at once, in one process per core (a fresh clone has none in its
 # cache): the tests' processes and their Ray actors then only load them, rather than each compiling the
@@ -55,6 +57,12 @@ PREPARE := $(MAKE) --no-print-directory $(BYTECODE) & $(COMPILE_KERNELS); compil
 test: $(STAMP)
 	$(PREPARE)
 	$(PYTEST) tests
+
+# Each module's seconds in a whole run here, for the order above (tests/module_seconds.json).
+module-seconds: $(STAMP)
+	$(PREPARE)
+	$(PYTEST) --durations=0 --durations-min=0 tests | tee .module-seconds.log
+	$(PY) tests/module_seconds.py .module-seconds.log
 
 # Everything but the tests marked slow (Ray clusters, benchmarks, long exactness runs).
 test-quick: $(STAMP)

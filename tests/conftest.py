@@ -5,10 +5,11 @@
     tests/integration/   real Ray (local instances, multi-node `Cluster`s, `ray job submit`) and a
                          real S3 endpoint on 127.0.0.1 (moto's server, as s3fs's own suite uses)
 
-Fixtures: `local_ray` (a Ray instance of the test module's own), `s3_endpoint`, `private_s3`,
-`s3_bucket`, `root` (an empty run root on local disk and on S3), `no_matplotlib`, `small_disk` (a
-real 4 MiB filesystem to fill), `one_torch_thread` (a module of tiny models, in process). Helpers
-(`support.py`, `reference_runs.py`, `kernel_cases.py`, `normality.py`) lie beside this file,
+Fixtures: `local_ray` (the local Ray instance a test process shares among its modules),
+`without_local_ray`, `s3_endpoint`, `private_s3`, `s3_bucket`, `root` (an empty run root on local
+disk and on S3), `no_matplotlib`, `small_disk` (a real 4 MiB filesystem to fill), `one_torch_thread`
+(a module of tiny models, in process). Helpers (`support.py`, `reference_runs.py`, `kernel_cases.py`,
+`normality.py`, and `module_seconds.py`: the order the modules go out in) lie beside this file,
 which puts `tests/` on every test's path. The `slow` marker goes on the tests that take more than
 a few seconds (`pytest -m "not slow"`), set where a test or its module is defined, or by the
 fixtures it uses (`slow_fixture`: `local_ray` is one); `make check-slow-marks` names the unmarked
@@ -24,6 +25,7 @@ import socket
 import time
 import uuid
 
+import module_seconds
 import pytest
 import torch
 
@@ -61,6 +63,8 @@ def pytest_collection_modifyitems(config, items):
                                     "it belongs in tests/integration/")
         if any(_makes_slow(item, name) for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    items[:] = module_seconds.order(items, module_seconds.load())  # the longest modules first (make test)
+    _SHARED_RAY.collected(items)
 
 
 def _makes_slow(item, name: str) -> bool:
@@ -169,19 +173,90 @@ def pytest_configure(config):
 # ------------------------------------------------------------------------------------------ Ray
 
 
+LOCAL_RAY_CPUS = 3
+"""The logical CPUs of the local Ray instance where no module asks for more (`RAY_CPUS`)."""
+
+
+class SharedLocalRay:
+    """The local Ray instance a test process shares among its modules that use `local_ray`.
+
+    Starting one costs about 5 s and 7 CPU-s (its GCS, raylet and agents); a test process of `make test`
+    runs about five such modules. It starts at the first of them with the most CPUs any collected module
+    asks for (`RAY_CPUS`), lives while the modules after it need it or need no Ray at all (tests/unit/),
+    and is shut down before an integration module that starts Ray its own way (a multi-node `Cluster`, a
+    system config of its own, a `ray start` node its drivers join) and at the end of the session."""
+
+    def __init__(self):
+        self.cpus: int | None = None
+        self.modules: set[str] = set()
+        """The modules with a test that uses `local_ray`."""
+        self.most_cpus = LOCAL_RAY_CPUS
+
+    def collected(self, items) -> None:
+        for item in items:
+            if "local_ray" in getattr(item, "fixturenames", ()):
+                self.modules.add(item.nodeid.split("::")[0])
+                self.most_cpus = max(self.most_cpus, getattr(item.module, "RAY_CPUS", LOCAL_RAY_CPUS))
+
+    def start(self, cpus: int) -> None:
+        import ray
+
+        if self.cpus is not None and self.cpus >= cpus and ray.is_initialized():
+            return
+        self.stop()
+        ray.init(address="local", num_cpus=max(cpus, self.most_cpus), namespace="zocheck",
+                 include_dashboard=False, log_to_driver=False)
+        self.cpus = max(cpus, self.most_cpus)
+
+    def before(self, item) -> None:
+        """Before `item` runs: start the instance where `item` uses it (a test of its module may have stopped
+        it: `without_local_ray`), stop it where `item`'s module may start Ray its own way."""
+        module = item.nodeid.split("::")[0]
+        if "local_ray" in getattr(item, "fixturenames", ()):
+            self.start(getattr(item.module, "RAY_CPUS", LOCAL_RAY_CPUS))
+        elif self.cpus is not None and item.path.parent.name == "integration" and module not in self.modules:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.cpus is not None:
+            import ray
+
+            ray.shutdown()
+            self.cpus = None
+
+
+_SHARED_RAY = SharedLocalRay()
+
+
+@pytest.hookimpl(tryfirst=True)  # before the item's fixtures
+def pytest_runtest_setup(item):
+    _SHARED_RAY.before(item)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _SHARED_RAY.stop()
+
+
 @slow_fixture(scope="module")
 def local_ray(request):
-    """A Ray instance of the test module's own, with the module's `RAY_CPUS` logical CPUs (3 unless it
-    sets another), for all of its tests; a module whose every test needs it says
+    """The local Ray instance (`SharedLocalRay`), with at least the module's `RAY_CPUS` logical CPUs (3
+    unless it sets another), for all of its tests; a module whose every test needs it says
     `pytestmark = pytest.mark.usefixtures("local_ray")`. `address="local"` starts a new instance even
     where another `ray start` cluster runs on this machine. Multi-node clusters:
     `support.multi_node_cluster`."""
+    _SHARED_RAY.start(getattr(request.module, "RAY_CPUS", LOCAL_RAY_CPUS))
+    yield
+
+
+@pytest.fixture
+def without_local_ray():
+    """No Ray instance in this test process (the shared one is stopped): for a test that shows something
+    happens before Ray starts."""
     import ray
 
-    ray.init(address="local", num_cpus=getattr(request.module, "RAY_CPUS", 3), namespace="zocheck",
-             include_dashboard=False, log_to_driver=False)
+    _SHARED_RAY.stop()
+    assert not ray.is_initialized()
     yield
-    ray.shutdown()
 
 
 # ------------------------------------------------------------------------------------------- S3

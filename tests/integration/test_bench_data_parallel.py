@@ -10,7 +10,7 @@ from benchmarks.data_parallel import data_parallel_benchmark, markdown, round_or
 
 
 RAY_CPUS = 4
-"""Logical CPUs of the module's Ray instance (`conftest.local_ray`: a k=1 and a k=2 run, each losing a rank)."""
+"""Logical CPUs the local Ray instance has at least (`conftest.local_ray`: a k=1 and a k=2 run, each losing a rank)."""
 pytestmark = pytest.mark.usefixtures("local_ray")
 
 

@@ -19,7 +19,7 @@ from benchmarks.failures import catch_up_seconds
 from benchmarks.recovery import Scenario, check_targets, failure_steps, recovery_benchmark
 from benchmarks.recovery_comparison import ComparisonSpec
 
-# the overhead and recovery benchmarks on a Ray instance of the module's own (conftest: slow by that fixture)
+# the overhead and recovery benchmarks on the local Ray instance (conftest.local_ray: slow by that fixture)
 pytestmark = pytest.mark.usefixtures("local_ray")
 
 

@@ -21,8 +21,8 @@ from zocheck_ray.verify import verify_run
 
 
 RAY_CPUS = 5
-"""Logical CPUs of the module's Ray instance (`conftest.local_ray`)."""
-# k trainer ranks on a real Ray instance, ranks killed; local_ray: a Ray instance of its own
+"""Logical CPUs the local Ray instance has at least (`conftest.local_ray`)."""
+# k trainer ranks on a real Ray instance, ranks killed; local_ray: the local Ray instance
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
 

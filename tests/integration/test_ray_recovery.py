@@ -21,7 +21,7 @@ from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.testing import FailAt, FaultInjection
 
 
-# jobs on a real Ray instance with injected failures; local_ray: a Ray instance of its own
+# jobs on a real Ray instance with injected failures; local_ray: the local Ray instance
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
 

@@ -24,7 +24,7 @@ from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.storage import SnapshotStore, read_log
 
 
-# jobs with a killed shadow and S3 outages, then verified; local_ray: a Ray instance of its own
+# jobs with a killed shadow and S3 outages, then verified; local_ray: the local Ray instance
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
 

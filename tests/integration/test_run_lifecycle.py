@@ -16,7 +16,7 @@ from zocheck_ray.storage.fs import open_storage
 from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.train_cli import result_table
 
-pytestmark = pytest.mark.usefixtures("local_ray")  # conftest: a Ray instance of the module's own (slow)
+pytestmark = pytest.mark.usefixtures("local_ray")  # conftest: the local Ray instance (slow)
 
 
 def lease_of(job):

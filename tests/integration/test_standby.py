@@ -20,7 +20,7 @@ from zocheck_ray.testing import FaultInjection
 from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.workload.models import build_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]  # conftest: a Ray instance of its own
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]  # conftest: the local Ray instance
 
 
 class StandbyReady(RunCallback):

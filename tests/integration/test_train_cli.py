@@ -68,7 +68,7 @@ def test_moved_fields_say_where_they_live(tmp_path):
         load_job_config(config)
 
 
-def test_controller_refuses_a_bad_task_before_ray(tmp_path):
+def test_controller_refuses_a_bad_task_before_ray(tmp_path, without_local_ray):
     path = write_jsonl(tmp_path / "rows.jsonl", ROWS + [{"sentence": "so so", "label": 7}])
     job = JobConfig(task={"data_path": path, "eval_size": 2}, storage=str(tmp_path / "runs"))
     with pytest.raises(JobConfigError, match="label 7 is not in the verbalizer"):

@@ -32,7 +32,7 @@ LRS = [2e-3, 5e-3]
 
 
 RAY_CPUS = 6
-"""Logical CPUs of the module's Ray instance (`conftest.local_ray`): trials run side by side."""
+"""Logical CPUs the local Ray instance has at least (`conftest.local_ray`): trials run side by side."""
 
 
 @slow_fixture(scope="module")  # a two-trial sweep with a restored trial

@@ -315,3 +315,35 @@ def test_a_process_that_names_a_cluster_only_through_its_open_files_is_found_and
         assert holder.wait(timeout=30) != 0 and processes_naming(marker) == []
     finally:
         holder.kill()
+
+
+def test_the_modules_go_out_longest_first_and_a_module_keeps_its_tests_order(tmp_path):
+    import module_seconds
+
+    lines = ["12.50s call     tests/unit/test_b.py::test_one[x]", "0.40s setup    tests/unit/test_b.py::test_two",
+             "30.00s call     tests/integration/test_a.py::test_only", "0.00s teardown tests/unit/test_c.py::test_z",
+             "(3 durations < 0.005s hidden.)"]
+    seconds = module_seconds.parse(lines)
+    assert seconds == {"tests/unit/test_b.py": 12.9, "tests/integration/test_a.py": 30.0, "tests/unit/test_c.py": 0.0}
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    collected = [Item(n) for n in ("tests/unit/test_b.py::test_one[x]", "tests/unit/test_b.py::test_two",
+                                   "tests/unit/test_c.py::test_z", "tests/unit/test_new.py::test_n",
+                                   "tests/integration/test_a.py::test_only")]
+    ordered = [i.nodeid for i in module_seconds.order(collected, seconds)]
+    assert ordered == ["tests/integration/test_a.py::test_only", "tests/unit/test_b.py::test_one[x]",
+                       "tests/unit/test_b.py::test_two", "tests/unit/test_new.py::test_n",  # unlisted: 10 s
+                       "tests/unit/test_c.py::test_z"]
+
+
+def test_the_suite_is_collected_in_the_measured_order(request):
+    import module_seconds
+
+    seconds = module_seconds.load()
+    assert seconds["tests/integration/test_ray_recovery.py"] > seconds["tests/unit/test_docs.py"]
+    collected = list(dict.fromkeys(i.nodeid.split("::")[0] for i in request.session.items))
+    assert collected == sorted(collected, key=lambda m: -seconds.get(m, module_seconds.UNLISTED_SECONDS))
+    assert "--no-loadscope-reorder" in (REPO / "Makefile").read_text()  # else xdist reorders by test count
