@@ -281,14 +281,11 @@ def test_status_finds_a_run_on_the_local_instance_its_train_started(local_train)
     assert ray_line.string.startswith("  ray: a local instance for this run at "), "\n".join(output.lines)
     address = ray_line.string.split(" at ", 1)[1].split()[0]
 
-    deadline = time.monotonic() + BOUND_SECONDS
-    while True:  # until the trainer has run a step (the shadow exists from the run's start)
-        out = cli(local_train.env, "status", run_id, "--json")
-        if out.returncode == 0 and json.loads(out.stdout)["trainer_step"] > 0:
-            break
-        assert driver.poll() is None and time.monotonic() < deadline, out.stderr
-        time.sleep(0.5)
-    assert json.loads(out.stdout)["run_id"] == run_id
+    # once the driver printed a step line (a step is on the shadow then): each `status` is a process of its own
+    output.wait_for(r"  step +\d+ ")
+    out = cli(local_train.env, "status", run_id, "--json")
+    assert out.returncode == 0 and driver.poll() is None, out.stderr
+    assert json.loads(out.stdout)["run_id"] == run_id and json.loads(out.stdout)["trainer_step"] > 0
     # the address it printed reaches the same run
     out = cli(local_train.env, "status", run_id, "--json", "--address", address)
     assert out.returncode == 0, out.stderr

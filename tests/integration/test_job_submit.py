@@ -18,6 +18,7 @@ driver before its state is durable). A run that ends by itself and prints its su
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -119,6 +120,25 @@ def job_logs(head, submission_id: str) -> str:
     return ray_cli(head, "job", "logs", "--address", head["dashboard"], submission_id).stdout
 
 
+def wait_for_job_line(head, submission_id: str, pattern: str, after: int = -1) -> re.Match:
+    """The first line of the running job's output that matches `pattern` (and, where it names a step, of a step
+    after `after`), read from its driver's log file on this head node; fails once the job has ended without
+    one (asked every few polls: `ray job status` is a process of its own)."""
+    log = Path(head["temp_dir"]) / "session_latest" / "logs" / f"job-driver-{submission_id}.log"
+    deadline = time.monotonic() + 300  # a ceiling for a loaded machine, not a timing
+    for poll in itertools.count():
+        text = log.read_text(errors="replace") if log.exists() else ""
+        for found in re.finditer(pattern, text, re.MULTILINE):
+            step = re.match(r"  step +(\d+)", found.group(0))
+            if step is None or int(step.group(1)) > after:
+                return found
+        if poll % 10 == 9:
+            state = job_status(head, submission_id)
+            assert state in ("PENDING", "RUNNING"), f"the job ended ({state}) though only a stop ends it:\n{text}"
+        assert time.monotonic() < deadline, f"no line of the job matches {pattern!r}:\n{text}"
+        time.sleep(0.5)
+
+
 def submit(head, run_id: str, steps: int, storage: Path) -> str:
     """The README's `ray job submit` command (fewer steps, a smaller batch), without waiting."""
     submission_id = f"zocheck-{run_id}"
@@ -148,19 +168,17 @@ def test_a_submitted_job_reports_status_while_it_runs_and_ray_job_stop_leaves_it
     storage = tmp_path / "runs"
     job = submit(head, run_id, ENDLESS_STEPS, storage)
 
-    # While it runs: `zocheck-ray status RUN_ID` from another process reads its shadow's metrics.
+    # While it runs: `zocheck-ray status RUN_ID` from another process reads its shadow's metrics, once the job's
+    # progress says a step is durable (each `status` and `ray job status` is a process of its own)
+    wait_for_job_line(head, job, r"^  step +\d+ .* durable +[1-9]\d*\b")
     status, out = None, None
-    deadline = time.monotonic() + 300  # a ceiling for a loaded machine, not a timing
-    while time.monotonic() < deadline:
-        state = job_status(head, job)
-        assert state in ("PENDING", "RUNNING"), f"the job ended ({state}) though only a stop ends it:\n" + \
-            job_logs(head, job)
+    for _ in range(10):  # a rank's seconds per step come with the trainer's next report
         out = zocheck_ray_cli(head, "status", run_id, "--address", head["gcs"], "--json")
-        if out.returncode == 0:
-            status = json.loads(out.stdout)
-            if status["trainer_step"] > 0 and (status["durable_step"] or 0) > 0 and status["rank_seconds_per_step"]:
-                break
-        time.sleep(0.5)
+        assert out.returncode == 0, out.stderr[-3000:]
+        status = json.loads(out.stdout)
+        if status["rank_seconds_per_step"]:
+            break
+        wait_for_job_line(head, job, r"^  step +\d+ ", after=status["trainer_step"])
     assert status is not None, (f"zocheck-ray status never found the running job:\n{out.stderr[-3000:]}\njob logs:\n"
                                 + job_logs(head, job))
     assert status["run_id"] == run_id

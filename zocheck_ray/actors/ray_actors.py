@@ -12,7 +12,6 @@ storage plus the trainer's re-sent records; a node loss from the durable snapsho
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -24,6 +23,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from zocheck_ray.actors.image import (
     ImageGoneError, ImageHandle, ImageLayout, WindowPlan, open_image, transfer,
 )
+from zocheck_ray.actors.heap import settling_heap
 from zocheck_ray.actors.hooks import NO_HOOKS
 from zocheck_ray.actors.messages import (
     AdapterIdentity, PushReply, RecoveryOffer, ShadowMetrics, TrainerTimes, numeric_fields,
@@ -148,14 +148,6 @@ def shadow_writer(run_id: str) -> str:
     return f"shadow:{run_id}@{ray.get_runtime_context().gcs_address}"
 
 
-def settle_heap() -> None:
-    """Move what a constructor built (modules, model, kernels: alive as long as the process) out of the
-    cyclic collector's reach, so its passes walk only what the loops allocate (the shadow spent a tenth
-    of its CPU in `gc` walking start-up objects)."""
-    gc.collect()
-    gc.freeze()
-
-
 def trainer_name(run_id: str, rank: int | str = 0) -> str:
     """The process created for rank 0 keeps the single trainer's name; rank r > 0's is `...-rank{r}`, the
     standby's `...-standby`. After a promotion the controller's group knows which process serves a rank."""
@@ -172,10 +164,10 @@ class ShadowActor:
         threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         self.node_id = ray.get_runtime_context().get_node_id()
         # replay and persistence at `shadow_nice`; Ray's threads and this actor's methods keep Ray's niceness
-        self.shadow = Shadow(self.job, threads=threads, hooks=hooks or NO_HOOKS, writer=shadow_writer(self.job.run_id),
-                             nice=self.job.shadow_nice)
+        with settling_heap():
+            self.shadow = Shadow(self.job, threads=threads, hooks=hooks or NO_HOOKS,
+                                 writer=shadow_writer(self.job.run_id), nice=self.job.shadow_nice)
         self._gauges = None
-        settle_heap()
 
     @ray.method(concurrency_group="control")
     def ready(self) -> bool:

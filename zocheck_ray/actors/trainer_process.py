@@ -59,11 +59,17 @@ class TrainerActor:
     def _prepare(self, by: Prepared) -> None:
         if self._trainer is not None:
             return
+        from zocheck_ray.actors.heap import settling_heap
+
+        with settling_heap():  # the imports and the model's build: no cyclic collector passes over them
+            self._build(by)
+
+    def _build(self, by: Prepared) -> None:
         import torch
 
         from zocheck_ray.actors.hooks import NO_HOOKS
         from zocheck_ray.actors.image import transfer_threads
-        from zocheck_ray.actors.ray_actors import RayShadowLink, settle_heap
+        from zocheck_ray.actors.ray_actors import RayShadowLink
         from zocheck_ray.actors.trainer import Trainer
         from zocheck_ray.config import JobConfig
 
@@ -79,7 +85,6 @@ class TrainerActor:
         self._trainer = Trainer(job, RayShadowLink(job.run_id, threads=transfer_threads()), device=device,
                                 hooks=hooks or NO_HOOKS, rank=rank, waits=waits, incarnation=self.incarnation)
         self.prepared_by = by
-        settle_heap()
 
     @property
     def trainer(self) -> Trainer:
