@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from zocheck_ray.actors.heap import settling_heap
 from zocheck_ray.actors.messages import TrainerProgress
 from zocheck_ray.actors.publisher import PushReply, StateOffer, poll_answered
 from zocheck_ray.actors.trainer import Trainer
@@ -387,7 +388,8 @@ class StrategyActor:
     def __init__(self, job: dict, url: str, strategy: str, log_url: str | None = None, log_writable: bool = True):
         job = JobConfig.model_validate(job)
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
-        self.trainer = StrategyTrainer(job, url, Strategy.parse(strategy), device, log_url, log_writable)
+        with settling_heap():  # as zocheck's trainer starts: a like-for-like restart
+            self.trainer = StrategyTrainer(job, url, Strategy.parse(strategy), device, log_url, log_writable)
         self.pid = os.getpid()
 
     def recovery(self) -> dict:
@@ -488,7 +490,9 @@ def read_reference(url: str) -> tuple[int, str]:
 class CompositeActor:
     def __init__(self, job: dict, url: str, strategies: list[str], reference_at: int | None = None):
         job = JobConfig.model_validate(job)
-        self.trainer = CompositeTrainer(job, url, [Strategy.parse(s) for s in strategies], reference_at=reference_at)
+        with settling_heap():
+            self.trainer = CompositeTrainer(job, url, [Strategy.parse(s) for s in strategies],
+                                            reference_at=reference_at)
 
     def run(self, until_step: int, die_at_step: int | None = None) -> dict:
         progress = self.trainer.run(until_step, die_at_step)

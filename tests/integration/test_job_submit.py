@@ -171,7 +171,6 @@ def test_a_submitted_job_reports_status_while_it_runs_and_ray_job_stop_leaves_it
     # While it runs: `zocheck-ray status RUN_ID` from another process reads its shadow's metrics, once the job's
     # progress says a step is durable (each `status` and `ray job status` is a process of its own)
     wait_for_job_line(head, job, r"^  step +\d+ .* durable +[1-9]\d*\b")
-    status, out = None, None
     for _ in range(10):  # a rank's seconds per step come with the trainer's next report
         out = zocheck_ray_cli(head, "status", run_id, "--address", head["gcs"], "--json")
         assert out.returncode == 0, out.stderr[-3000:]
@@ -179,8 +178,6 @@ def test_a_submitted_job_reports_status_while_it_runs_and_ray_job_stop_leaves_it
         if status["rank_seconds_per_step"]:
             break
         wait_for_job_line(head, job, r"^  step +\d+ ", after=status["trainer_step"])
-    assert status is not None, (f"zocheck-ray status never found the running job:\n{out.stderr[-3000:]}\njob logs:\n"
-                                + job_logs(head, job))
     assert status["run_id"] == run_id
     assert status["trainer_step"] > 0 and status["durable_step"] > 0, status
     assert status["replayed_step"] <= status["received_step"] <= status["trainer_step"]
