@@ -111,10 +111,10 @@ def test_a_standby_lost_during_its_promotion_ends_exact(tmp_path):
     assert_exact(summary, uninterrupted_hashes(job))
 
 
-def test_the_trainers_actor_module_and_its_arguments_load_neither_torch_nor_the_model_libraries(tmp_path):
-    # What a process Ray restarts imports before its constructor runs (see `trainer_process.py`): the
-    # actor's module, then its constructor's arguments, unpickled as Ray hands them over (the faults
-    # injected into a run travel with them).
+def test_the_actors_modules_and_the_trainers_arguments_load_neither_torch_nor_the_model_libraries(tmp_path):
+    # What a process Ray restarts imports before its constructor runs (see `trainer_process.py` and
+    # `shadow_process.py`): the actor's module, then its constructor's arguments, unpickled as Ray hands
+    # them over (the faults injected into a run travel with them).
     import subprocess
     import sys
 
@@ -123,7 +123,7 @@ def test_the_trainers_actor_module_and_its_arguments_load_neither_torch_nor_the_
     arguments = tmp_path / "arguments.pkl"
     arguments.write_bytes(ray.cloudpickle.dumps(
         (job_for(tmp_path, standby=True).model_dump(mode="json"), FaultInjection(die_at={0: [13]}, marker_dir=str(tmp_path)))))
-    code = ("import pickle, sys, zocheck_ray.actors.trainer_process; "
+    code = ("import pickle, sys, zocheck_ray.actors.trainer_process, zocheck_ray.actors.shadow_process; "
             f"job, hooks = pickle.loads(open({str(arguments)!r}, 'rb').read()); assert hooks.die_at == {{0: [13]}}; "
             "print(sorted(m for m in ('torch', 'transformers', 'numba', 'zocheck_ray.core', 'zocheck_ray.config', "
             "'zocheck_ray.control') if m in sys.modules))")

@@ -11,7 +11,7 @@
              metrics and retried with backoff: an outage delays durability, never ends it,
              and ingest never waits for storage.
 
-`Shadow` is Ray-free (tests drive it directly); `ShadowActor` in `ray_actors.py` is its
+`Shadow` is Ray-free (tests drive it directly); `ShadowActor` in `shadow_process.py` is its
 transport. Other threads reach the replay stage only through `ReplayStage.call`, which
 runs a function on its thread between batches; each stage publishes its counters as
 plain values that `metrics()` reads.

@@ -1,6 +1,6 @@
 """The trainer: the unmodified ZO loop, publishing each step's record to the shadow.
 
-`Trainer` is Ray-free; `TrainerActor` (ray_actors.py) wraps it. A trainer process has a
+`Trainer` is Ray-free; `TrainerActor` (trainer_process.py) wraps it. A trainer process has a
 role. As a rank it recovers on construction: it asks the shadow for its newest image and
 the records after it, builds its model as a skeleton (parameters allocated, neither
 initialised nor loaded: the image overwrites every one), copies the image into it,

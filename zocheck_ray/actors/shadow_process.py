@@ -1,0 +1,162 @@
+"""`ShadowActor`: the shadow's Ray actor, in a module that imports nothing but Ray.
+
+Ray loads an actor's module in its process before the constructor runs, so what the module imports
+is set up outside the constructor. The shadow's set-up (torch, numba, the storage's libraries, about
+2 CPU-s here) runs in its constructor instead, with Python's cyclic collector paused until the heap
+settles (`actors/heap.py`), as the trainer's does (`trainer_process.py`). Everything the shadow does
+is `Shadow`'s (`actors/shadow.py`); this is its Ray face: pushes on one thread in order, everything
+else beside them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import ray
+
+if TYPE_CHECKING:
+    from zocheck_ray.actors.image import ImageHandle
+    from zocheck_ray.actors.messages import AdapterIdentity, RecoveryOffer, ShadowMetrics, TrainerTimes
+
+
+@ray.remote(num_gpus=0, concurrency_groups={"inbox": 1, "control": 4})
+class ShadowActor:
+    """CPU-only shadow (see `Shadow`): pushes on one thread in order, everything else beside them."""
+
+    def __init__(self, job: dict, hooks=None):
+        from zocheck_ray.actors.heap import settling_heap
+
+        logging.basicConfig(level=logging.INFO)
+        threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+        self.node_id = ray.get_runtime_context().get_node_id()
+        with settling_heap():  # the imports (torch, numba, storage) and the shadow's set-up
+            from zocheck_ray.actors.hooks import NO_HOOKS
+            from zocheck_ray.actors.ray_actors import shadow_writer
+            from zocheck_ray.actors.shadow import Shadow
+            from zocheck_ray.config import JobConfig
+
+            self.job = JobConfig.model_validate(job)
+            # replay and persistence at `shadow_nice`; Ray's threads and this actor's methods keep Ray's niceness
+            self.shadow = Shadow(self.job, threads=threads, hooks=hooks or NO_HOOKS,
+                                 writer=shadow_writer(self.job.run_id), nice=self.job.shadow_nice)
+        self._gauges = None
+
+    @ray.method(concurrency_group="control")
+    def ready(self) -> bool:
+        return True
+
+    @ray.method(concurrency_group="inbox")  # one at a time, in submission order
+    def push(self, data: bytes, trainer_step: int | None = None) -> tuple:
+        return tuple(self.shadow.push(data, trainer_step))
+
+    @ray.method(concurrency_group="control")
+    def open_intake(self, names: tuple, dtypes: tuple, shapes: tuple) -> ImageHandle:
+        """Memory on this node for a trainer to write its state into (see `Shadow.open_intake`)."""
+        from zocheck_ray.actors.image import ImageHandle, ImageLayout
+
+        layout = ImageLayout.from_specs(list(zip(names, dtypes, shapes)))
+        buffer = self.shadow.open_intake(layout)
+        return ImageHandle.of(buffer, layout, token="intake", step=None, node_id=self.node_id)
+
+    @ray.method(concurrency_group="control")
+    def initialize(self, step: int, adapter: AdapterIdentity | None = None, model_config: dict | None = None) -> None:
+        self.shadow.initialize(step, adapter=adapter, model_config=model_config)
+
+    @ray.method(concurrency_group="control")
+    def resync(self, step: int, wait_seconds: float = 60.0) -> None:
+        self.shadow.resync(step, wait_seconds=wait_seconds)
+
+    @ray.method(concurrency_group="control")
+    def abort_intake(self) -> None:
+        self.shadow.abort_intake()
+
+    @ray.method(concurrency_group="control")
+    def offer_image(self) -> RecoveryOffer | None:
+        """The newest image (lent until `give_back`) and the records after it; None for a fresh run."""
+        from zocheck_ray.actors.image import ImageHandle
+        from zocheck_ray.actors.messages import RecoveryOffer
+
+        image, records = self.shadow.recovery_view(lend=True)
+        if image is None:
+            return None
+        handle = ImageHandle.of(image.buffer, image.layout, token=image.token, step=image.step,
+                                node_id=self.node_id)
+        return RecoveryOffer(image=handle, records=b"".join(r.to_bytes() for r in records),
+                             source=self.shadow.replay.source, adapter=self.shadow.adapter)
+
+    @ray.method(concurrency_group="control")
+    def give_back(self, token: str) -> None:
+        self.shadow.give_back(token)
+
+    @ray.method(concurrency_group="control")
+    def image_window(self, token: str, start: int, length: int):
+        """Bytes `start..start+length` of the lent image `token`, for a reader on another node."""
+        return self.shadow.image_bytes(token, start, length)
+
+    @ray.method(concurrency_group="control")
+    def metrics(self, trainers: TrainerTimes | None = None) -> ShadowMetrics:
+        """The shadow's metrics; `trainers` (from the controller): the ranks' step times to report with them."""
+        if trainers is not None:
+            self.shadow.note_trainers(trainers)
+        m = self.shadow.metrics()
+        self._export(m)
+        return m
+
+    def _export(self, m) -> None:
+        from ray.util.metrics import Gauge
+
+        from zocheck_ray.actors.messages import numeric_fields
+
+        values = numeric_fields(m)
+        if self._gauges is None:
+            self._gauges = {n: Gauge(f"zocheck_shadow_{n}", description=f"zocheck-ray shadow {n}",
+                                     tag_keys=("run_id",)) for n in type(m).model_fields
+                            if n not in ("run_id", "incarnation", "regime", "source", "rank_seconds_per_step")
+                            and not n.endswith("_error")}
+            self._rank_gauge = Gauge("zocheck_shadow_rank_seconds_per_step", tag_keys=("run_id", "rank"),
+                                     description="zocheck-ray trainer rank's mean step seconds (last segment)")
+        for name, gauge in self._gauges.items():
+            if name in values:
+                gauge.set(values[name], tags={"run_id": m.run_id})
+        for rank, seconds in enumerate(m.rank_seconds_per_step):
+            self._rank_gauge.set(seconds, tags={"run_id": m.run_id, "rank": str(rank)})
+
+    @ray.method(concurrency_group="control")
+    def profile_replay(self, threads: int) -> float | None:
+        return self.shadow.profile_replay(threads)
+
+    @ray.method(concurrency_group="control")
+    def profile_snapshot(self) -> float:
+        return self.shadow.profile_snapshot()
+
+    @ray.method(concurrency_group="control")
+    def last_persist_seconds(self) -> float | None:
+        return self.shadow.last_persist_seconds
+
+    @ray.method(concurrency_group="control")
+    def end_profile(self, threads: int, snapshot_interval: int, regime: str = "unknown",
+                    durable_interval: int | None = None) -> None:
+        self.shadow.end_profile(threads, snapshot_interval, regime, durable_interval)
+
+    @ray.method(concurrency_group="control")
+    def replica_hash(self) -> tuple[int, str]:
+        return self.shadow.replica_hash()
+
+    @ray.method(concurrency_group="control")
+    def drain(self, step: int, timeout: float = 300.0, incarnation: str | None = None) -> ShadowMetrics:
+        """Every record before `step` replayed, the image of `step` taken and durable; returns the metrics
+        (`incarnation`: see `Shadow.drain`)."""
+        m = self.shadow.drain(step, timeout, incarnation)
+        self._export(m)
+        return m
+
+    @ray.method(concurrency_group="control")
+    def pid(self) -> int:
+        return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    def close(self) -> bool:
+        """Seal the log, stop the stages and release the run's lease; returns whether it was released."""
+        return self.shadow.close()
