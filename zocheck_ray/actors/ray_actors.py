@@ -22,7 +22,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from zocheck_ray.actors.image import ImageGoneError, ImageLayout, WindowPlan, open_image, transfer
 from zocheck_ray.actors.messages import AdapterIdentity, PushReply, RecoveryOffer
-from zocheck_ray.actors.shadow_process import ShadowActor  # noqa: F401  (in a module of its own: see there)
+from zocheck_ray.actors.shadow_process import ShadowActor, shadow_writer  # noqa: F401  (see there)
 from zocheck_ray.core import StepRecord
 from zocheck_ray.core.record import decode_records
 
@@ -133,12 +133,6 @@ def describe_actor(actor) -> str:
 
 def shadow_name(run_id: str) -> str:
     return f"zocheck-shadow-{run_id}"
-
-
-def shadow_writer(run_id: str) -> str:
-    """The shadow's name in its run's storage lease. An actor name is unique in a cluster, so a
-    holder of this name is a dead predecessor (a restart, a lost node): the new shadow reclaims it."""
-    return f"shadow:{run_id}@{ray.get_runtime_context().gcs_address}"
 
 
 def trainer_name(run_id: str, rank: int | str = 0) -> str:

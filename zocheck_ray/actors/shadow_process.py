@@ -21,6 +21,12 @@ if TYPE_CHECKING:
     from zocheck_ray.actors.messages import AdapterIdentity, RecoveryOffer, ShadowMetrics, TrainerTimes
 
 
+def shadow_writer(run_id: str) -> str:
+    """The shadow's name in its run's storage lease. An actor name is unique in a cluster, so a
+    holder of this name is a dead predecessor (a restart, a lost node): the new shadow reclaims it."""
+    return f"shadow:{run_id}@{ray.get_runtime_context().gcs_address}"
+
+
 @ray.remote(num_gpus=0, concurrency_groups={"inbox": 1, "control": 4})
 class ShadowActor:
     """CPU-only shadow (see `Shadow`): pushes on one thread in order, everything else beside them."""
@@ -33,7 +39,6 @@ class ShadowActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         with settling_heap():  # the imports (torch, numba, storage) and the shadow's set-up
             from zocheck_ray.actors.hooks import NO_HOOKS
-            from zocheck_ray.actors.ray_actors import shadow_writer
             from zocheck_ray.actors.shadow import Shadow
             from zocheck_ray.config import JobConfig
 
