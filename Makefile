@@ -41,8 +41,9 @@ demo: $(BYTECODE)
 # Two test processes, each taking whole files (the modules that use `local_ray` share one Ray instance per
 # process). The suite is CPU-bound (its Ray actors' imports and jobs): on two cores a third process only adds
 # contention. The whole suite here, the same day: 868 s of pytest and 1,589 busy CPU-s with two, 980 s and about
-# 1,930 CPU-s with three; one process, about 1,240 s. Since (2026-12-04): 757 s and 1,440 CPU-s with two, of
-# which 534 in 89 trainer processes, 183 in 54 shadows, 331 in the two test processes.
+# 1,930 CPU-s with three; one process, about 1,240 s. Since (2026-12-04): 752 s with two; where the CPU was
+# sampled, 699 s and 1,329 CPU-s, of which 509 in 89 trainer processes, 161 in 54 shadows, 286 in the two
+# test processes.
 # The modules go out longest first (tests/module_seconds.py; xdist would otherwise hand out the modules with
 # the most tests first, and a long module of one test last): `make module-seconds` refreshes the figures.
 TEST_WORKERS ?= 2

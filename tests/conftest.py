@@ -192,42 +192,41 @@ class SharedLocalRay:
     system config of its own, a `ray start` node its drivers join) and at the end of the session."""
 
     def __init__(self):
-        self.cpus: int | None = None
+        self.started = False
         self.modules: set[str] = set()
         """The modules with a test that uses `local_ray`."""
-        self.most_cpus = LOCAL_RAY_CPUS
+        self.cpus = LOCAL_RAY_CPUS
 
     def collected(self, items) -> None:
         for item in items:
             if "local_ray" in getattr(item, "fixturenames", ()):
                 self.modules.add(item.nodeid.split("::")[0])
-                self.most_cpus = max(self.most_cpus, getattr(item.module, "RAY_CPUS", LOCAL_RAY_CPUS))
+                self.cpus = max(self.cpus, getattr(item.module, "RAY_CPUS", LOCAL_RAY_CPUS))
 
-    def start(self, cpus: int) -> None:
+    def start(self) -> None:
         import ray
 
-        if self.cpus is not None and self.cpus >= cpus and ray.is_initialized():
+        if self.started and ray.is_initialized():
             return
         self.stop()
-        ray.init(address="local", num_cpus=max(cpus, self.most_cpus), namespace="zocheck",
-                 include_dashboard=False, log_to_driver=False)
-        self.cpus = max(cpus, self.most_cpus)
+        ray.init(address="local", num_cpus=self.cpus, namespace="zocheck", include_dashboard=False,
+                 log_to_driver=False)
+        self.started = True
 
     def before(self, item) -> None:
         """Before `item` runs: start the instance where `item` uses it (a test of its module may have stopped
         it: `without_local_ray`), stop it where `item`'s module may start Ray its own way."""
-        module = item.nodeid.split("::")[0]
         if "local_ray" in getattr(item, "fixturenames", ()):
-            self.start(getattr(item.module, "RAY_CPUS", LOCAL_RAY_CPUS))
-        elif self.cpus is not None and item.path.parent.name == "integration" and module not in self.modules:
+            self.start()
+        elif item.path.parent.name == "integration" and item.nodeid.split("::")[0] not in self.modules:
             self.stop()
 
     def stop(self) -> None:
-        if self.cpus is not None:
+        if self.started:
             import ray
 
             ray.shutdown()
-            self.cpus = None
+            self.started = False
 
 
 _SHARED_RAY = SharedLocalRay()
@@ -243,13 +242,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @slow_fixture(scope="module")
-def local_ray(request):
-    """The local Ray instance (`SharedLocalRay`), with at least the module's `RAY_CPUS` logical CPUs (3
-    unless it sets another), for all of its tests; a module whose every test needs it says
-    `pytestmark = pytest.mark.usefixtures("local_ray")`. `address="local"` starts a new instance even
-    where another `ray start` cluster runs on this machine. Multi-node clusters:
+def local_ray():
+    """The local Ray instance (`SharedLocalRay`, started before each test that uses it), with at least the
+    module's `RAY_CPUS` logical CPUs (3 unless it sets another), for all of its tests; a module whose every
+    test needs it says `pytestmark = pytest.mark.usefixtures("local_ray")`. `address="local"` starts a new
+    instance even where another `ray start` cluster runs on this machine. Multi-node clusters:
     `support.multi_node_cluster`."""
-    _SHARED_RAY.start(getattr(request.module, "RAY_CPUS", LOCAL_RAY_CPUS))
     yield
 
 

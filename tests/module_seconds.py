@@ -34,12 +34,9 @@ def load() -> dict[str, float]:
 
 
 def order(items: list, seconds: dict[str, float]) -> list:
-    """`items` (pytest's) with their modules longest first; the tests of a module keep their order."""
-    first_seen: dict[str, int] = {}
-    for item in items:
-        first_seen.setdefault(_module(item), len(first_seen))
-    return sorted(items, key=lambda item: (-seconds.get(_module(item), UNLISTED_SECONDS),
-                                           first_seen[_module(item)]))
+    """`items` (pytest's, each module's together) with their modules longest first; a stable sort, so the
+    tests of a module, and modules of equal seconds, keep their order."""
+    return sorted(items, key=lambda item: -seconds.get(_module(item), UNLISTED_SECONDS))
 
 
 def _module(item) -> str:

@@ -317,7 +317,7 @@ def test_a_process_that_names_a_cluster_only_through_its_open_files_is_found_and
         holder.kill()
 
 
-def test_the_modules_go_out_longest_first_and_a_module_keeps_its_tests_order(tmp_path):
+def test_the_modules_go_out_longest_first_and_a_module_keeps_its_tests_order():
     import module_seconds
 
     lines = ["12.50s call     tests/unit/test_b.py::test_one[x]", "0.40s setup    tests/unit/test_b.py::test_two",
