@@ -33,7 +33,7 @@ temporary directory: nothing is downloaded) and dtype, side by side in one run:
   on every core (`..._fraction_all_cores`); the recovery (failure seen -> every rank
   restored, ready for its next step) and its phases;
 - the same run without the standby (Ray restarts the trainer's process), which loses its trainer
-  twice (`RESTART_FAILURES`);
+  twice by default (`RESTART_FAILURES`; `--restarts 1`: once, at the same step as the others);
 - the async-checkpoint baseline on the same job: a trainer that checkpoints every
   `--every` steps to local disk, killed at the same step; Ray restarts it, it loads its
   checkpoint and recomputes the steps since;
@@ -318,14 +318,15 @@ def _baseline_run(model: str, dtype: str, storage: str, every: int) -> dict:
             "checkpoint_step": recovered["checkpoint_step"], "final_state_hash": final_hash}
 
 
-def measure(size: str, dtype: str, root: str, every: int, footprints: dict[str, int], say=print) -> dict:
+def measure(size: str, dtype: str, root: str, every: int, footprints: dict[str, int], say=print,
+            restarts: int = len(RESTART_FAILURES)) -> dict:
     directory, params = build_directory(size, root)
     storage = os.path.join(root, f"runs-{size}-{dtype}")
     try:
         say(f"  {size} {dtype}: {params:,} parameters: zocheck with the standby ...")
         hot = _zocheck_run(directory, dtype, storage, standby=True)
         say(f"  {size} {dtype}: zocheck without the standby ...")
-        cold = _zocheck_run(directory, dtype, storage, standby=False, fail_at=RESTART_FAILURES)
+        cold = _zocheck_run(directory, dtype, storage, standby=False, fail_at=RESTART_FAILURES[-restarts:])
         say(f"  {size} {dtype}: the async-checkpoint baseline ...")
         base = _baseline_run(directory, dtype, storage, every)
         say(f"  {size} {dtype}: plain copies ...")
@@ -433,7 +434,8 @@ def projections(rows: list[dict], footprints: dict[str, int]) -> list[dict]:
 
 
 def scale_benchmark(sizes: list[str] | None = None, dtypes: tuple[str, ...] = ("fp32", "bf16"), every: int = 4,
-                    json_path: str | None = None, plot_path: str | None = None, say=print) -> dict:
+                    json_path: str | None = None, plot_path: str | None = None, say=print,
+                    restarts: int = len(RESTART_FAILURES)) -> dict:
     import ray
 
     from zocheck_ray.control.connect import connect_ray
@@ -442,6 +444,8 @@ def scale_benchmark(sizes: list[str] | None = None, dtypes: tuple[str, ...] = ("
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         raise ValueError(f"unknown sizes {unknown}; known: {list(SIZES)}")
+    if not 1 <= restarts <= len(RESTART_FAILURES):
+        raise ValueError(f"restarts must be 1 to {len(RESTART_FAILURES)}, got {restarts!r}")
     if not ray.is_initialized():
         connect_ray("local")
     root = tempfile.mkdtemp(prefix="zocheck-bench-scale-")
@@ -456,7 +460,7 @@ def scale_benchmark(sizes: list[str] | None = None, dtypes: tuple[str, ...] = ("
                     say(f"  {size} {dtype}: skipped: {reason}")
                     skipped.append({"size": size, "dtype": dtype, "reason": reason})
                     continue
-                rows.append(measure(size, dtype, root, every, footprints, say))
+                rows.append(measure(size, dtype, root, every, footprints, say, restarts))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if not rows:
@@ -596,11 +600,13 @@ def register(bench) -> None:
     p.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, choices=list(SIZES))
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--every", type=int, default=4, help="the async-checkpoint baseline's checkpoint interval")
+    p.add_argument("--restarts", type=int, default=len(RESTART_FAILURES), choices=range(1, len(RESTART_FAILURES) + 1),
+                   help="trainer failures in the run without the standby (restores sampled into a restarted process)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write the figure here (PNG; needs matplotlib)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    doc = scale_benchmark(args.sizes, tuple(args.dtypes), args.every, args.json, args.plot)
+    doc = scale_benchmark(args.sizes, tuple(args.dtypes), args.every, args.json, args.plot, restarts=args.restarts)
     return 0 if doc["targets"]["every_run_exact"] else 1

@@ -16,7 +16,9 @@ import ray
 import torch
 
 from reference_runs import SMALL_TASK, STEPS, assert_exact, job_for, uninterrupted_hashes
+from support import wait_until
 from zocheck_ray.config import JobConfigError, load_job_config
+from zocheck_ray.control import RunCallback
 from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.testing import FailAt, FaultInjection
 
@@ -103,16 +105,37 @@ def test_a_lora_adapter_with_momentum_and_two_perturbations_through_both_failure
     assert_exact(summary, uninterrupted_hashes(job))
 
 
-def test_a_failure_before_the_first_snapshot_and_during_recovery_itself(tmp_path):
-    """Lost before the shadow's first snapshot (the initial image and every record since), and the first
-    recovery attempt dies too, with the image copied and its records not replayed."""
-    job = job_for(tmp_path, optimizer="sparse-mezo", snapshot_interval=1000)  # records carry per-tensor thresholds
-    summary = run(job, fail_at=[13], progress=None,
+class PersistenceIdle(RunCallback):
+    """At the first segment's end, waits until the shadow's initial image is durable and no persist is in
+    flight: with no snapshot due before the failure, nothing pins the image's memory when the trainer asks."""
+
+    def on_segment(self, run, segment):
+        def idle():
+            m = ray.get(run.shadow.metrics.remote())
+            return m.durable_step == 0 and not m.persist_in_flight
+
+        assert wait_until(idle, timeout=180)
+
+
+@pytest.mark.parametrize("recovery_snapshot", [True, False])
+def test_a_failure_before_the_first_snapshot_and_during_recovery_itself(tmp_path, recovery_snapshot):
+    """Lost before the shadow's first snapshot, and the first recovery attempt dies too, with the image copied.
+    By default the shadow catches its replica up and snapshots it for the recovering trainer, which copies it
+    and replays nothing; without (`recovery_snapshot=False`) the trainer is offered the initial image and
+    replays every record since (the first attempt dies with them not replayed)."""
+    job = job_for(tmp_path, optimizer="sparse-mezo", snapshot_interval=1000,  # records carry per-tensor thresholds
+                  recovery_snapshot=recovery_snapshot)
+    summary = run(job, fail_at=[13], progress=None, callbacks=[PersistenceIdle()],
                   faults=FaultInjection(crash_in_recovery_marker=str(tmp_path / "crashed")))
     assert (tmp_path / "crashed").exists()  # the first recovery attempt died
     (recovery,) = summary.recoveries
-    assert recovery.failed_at_step == 13
-    assert recovery.image_step == 0 and recovery.replayed_records == recovery.recovered_step  # the initial image
+    assert recovery.failed_at_step == 13 and recovery.recovered_step > 0
+    if recovery_snapshot:  # taken once, for the first attempt: the second found the image at the replica's step
+        assert recovery.image_step == recovery.recovered_step and recovery.replayed_records == 0
+        assert summary.metrics.recovery_snapshots == 1
+    else:  # the initial image
+        assert recovery.image_step == 0 and recovery.replayed_records == recovery.recovered_step
+        assert summary.metrics.recovery_snapshots == 0
     assert_exact(summary, uninterrupted_hashes(job))
 
 

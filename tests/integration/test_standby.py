@@ -90,8 +90,9 @@ class ImageHeld(StandbyReady):
 
 def test_a_standby_that_holds_the_offered_image_replays_only_the_records_and_ends_exact(tmp_path):
     # One image in the run before the failure (the initial state's, step 0): the one the standby copied in
-    # while it waited is the one the promotion is offered, whichever step the shadow has reached.
-    job = job_for(tmp_path, standby=True, optimizer="zo-adam", snapshot_interval=36)
+    # while it waited is the one the promotion is offered, whichever step the shadow has reached (no snapshot
+    # taken for the recovery: `recovery_snapshot=False`).
+    job = job_for(tmp_path, standby=True, optimizer="zo-adam", snapshot_interval=36, recovery_snapshot=False)
     held = ImageHeld(at=4)
     summary = run(job, fail_at=[13], progress=None, callbacks=[held])
     assert held.held == 0
@@ -106,7 +107,7 @@ def test_a_standby_lost_during_its_promotion_ends_exact(tmp_path):
     marker = tmp_path / "crashed"
     summary = run(job, fail_at=[13], progress=None, callbacks=[StandbyReady()],
                   faults=FaultInjection(crash_in_recovery_marker=str(marker)))
-    assert marker.exists()  # the promoted standby died with the image copied, its records not replayed
+    assert marker.exists()  # the promoted standby died with the image copied, any records after it not replayed
     assert summary.recoveries and summary.recoveries[-1].recovered_step <= 13
     assert_exact(summary, uninterrupted_hashes(job))
 

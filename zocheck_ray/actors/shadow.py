@@ -222,6 +222,15 @@ class Shadow:
         the image from another process; it is not written again until `give_back`."""
         return self.ledger.recovery_view(lend=lend)
 
+    def offer(self, fresh: bool) -> tuple[Image | None, list[StepRecord]]:
+        """What a trainer recovers from: `recovery_view(lend=True)`. `fresh` (a recovering trainer on the CPU,
+        `JobConfig.recovery_snapshot`): first a snapshot of the replica, where it has replayed every record
+        received since the newest image and that image's memory is free (`ReplayStage.snapshot_caught_up`):
+        the trainer then copies the state and replays nothing."""
+        if fresh:
+            self.replay.call(self.replay.snapshot_caught_up)
+        return self.recovery_view(lend=True)
+
     def image_bytes(self, token: str, start: int, length: int):
         """A copy of bytes `start..start+length` of the offered image `token` (for a reader that cannot
         open it: another node); raises `ImageGoneError` once a newer image has replaced it."""
@@ -307,7 +316,8 @@ class Shadow:
             **{f"{purpose}_bytes": n for purpose, n in replay.budget.held.items()},
             held_bytes=sum(replay.budget.held.values()), peak_held_bytes=replay.budget.peak,
             baseline_bytes=self.baseline_bytes,
-            snapshots_deferred=replay.snapshots_deferred, snapshot_error=replay.snapshot_error,
+            snapshots_deferred=replay.snapshots_deferred, recovery_snapshots=replay.recovery_snapshots,
+            snapshot_error=replay.snapshot_error,
             snapshot_seconds=replay.last_copy_seconds, snapshot_into_fresh_memory=replay.last_copy_fresh,
             snapshot_threads=replay.last_copy_threads,
             snapshot_seconds_median=statistics.median(copies) if copies else None,

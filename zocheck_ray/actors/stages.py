@@ -26,6 +26,7 @@ from zocheck_ray.actors.priority import background_thread
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord, ZOConfig, replay, state_hash
 from zocheck_ray.core.layout import ALL_MOMENT_PREFIXES, Layout, moment_prefixes
+from zocheck_ray.core.fused import default_threads
 from zocheck_ray.actors.hooks import ShadowHooks
 from zocheck_ray.storage import Lease, LeaseError, LeaseHeldError, SnapshotStore, StepLog, StorageError
 
@@ -112,6 +113,8 @@ class ReplayStage:
         self.snapshots_taken = 0
         self.snapshots_deferred = 0
         """Snapshots not taken at their boundary because the image was being persisted (see `_snapshot`)."""
+        self.recovery_snapshots = 0
+        """Snapshots taken for a recovering trainer (`snapshot_caught_up`), out of `snapshots_taken`."""
         self.snapshot_error: str | None = None
         self.last_copy_seconds: float | None = None
         """Seconds of the last copy between the replica and an image (a snapshot, an intake's adoption)."""
@@ -330,6 +333,31 @@ class ReplayStage:
         image = self._snapshot(wait=True)
         if image is None:
             raise StageError(self.snapshot_error or f"the snapshot of step {step} could not be taken")
+        return image
+
+    def snapshot_caught_up(self) -> Image | None:
+        """For a recovering trainer: the records received and not yet replayed are replayed here, then the
+        replica's snapshot is taken, where the newest image is older (the trainer then copies the state and
+        replays nothing: the records the shadow lagged by are fewer than those after the image, and the
+        trainer would replay those too). None where there is nothing newer to take, the replica cannot catch
+        up (its replay stopped or is held), or the image's memory is busy (being persisted, written or read:
+        a second image beside it would break the budget); the trainer is then offered the newest image and
+        the records after it. Both run on every thread the replay may use: the trainer trains no step while
+        it waits for them."""
+        threads = self.threads
+        self.threads = max(threads or 1, default_threads())
+        try:
+            while self.replayed_step < self.ledger.next_step and self._replay_batch():
+                pass  # (a batch ends at a snapshot boundary, and may take that snapshot)
+            image = self.ledger.image
+            if (self.replica is None or self.error is not None or self.replayed_step != self.ledger.next_step
+                    or image is None or image.step >= self.replayed_step):
+                return None
+            image = self._snapshot(wait=False)
+        finally:
+            self.threads = threads
+        if image is not None:
+            self.recovery_snapshots += 1
         return image
 
     def profile_replay(self, threads: int) -> float | None:

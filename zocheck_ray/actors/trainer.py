@@ -93,7 +93,7 @@ class Trainer:
         self.task = build_task(job.task, job.model)
         # Asked first: with an image to recover from, the model's weights would only be overwritten.
         asked = time.perf_counter()
-        offer = None if waits else self.shadow.borrow_image()
+        offer = None if waits else self.shadow.borrow_image(fresh=self._fresh_offer)
         self._fetch_seconds = time.perf_counter() - asked
         self.model = self.opt = None
         self._skeleton = waits or offer is not None
@@ -140,6 +140,12 @@ class Trainer:
                     tensor.zero_()
 
     @property
+    def _fresh_offer(self) -> bool:
+        """Whether a recovery asks the shadow for a snapshot of its replica (`JobConfig.recovery_snapshot`): on
+        the CPU, where replaying a record costs several copies of the state; a GPU replays on the device."""
+        return self.job.recovery_snapshot and self.device.type == "cpu"
+
+    @property
     def publish_ns(self) -> list[int]:
         """Nanoseconds each step's record took to publish on the training thread, in step order."""
         return self._publish_ns
@@ -154,7 +160,7 @@ class Trainer:
             self._build()
         if not asked:
             began = time.perf_counter()
-            offer = self.shadow.borrow_image()
+            offer = self.shadow.borrow_image(fresh=self._fresh_offer)
             self._fetch_seconds = time.perf_counter() - began
         info, held = self._recover(offer)
         parts = (self._fetch_seconds, info.install_seconds, info.replay_seconds, info.hash_seconds)
