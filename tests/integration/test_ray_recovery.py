@@ -117,25 +117,20 @@ class PersistenceIdle(RunCallback):
         assert wait_until(idle, timeout=180)
 
 
-@pytest.mark.parametrize("recovery_snapshot", [True, False])
-def test_a_failure_before_the_first_snapshot_and_during_recovery_itself(tmp_path, recovery_snapshot):
+def test_a_failure_before_the_first_snapshot_and_during_recovery_itself(tmp_path):
     """Lost before the shadow's first snapshot, and the first recovery attempt dies too, with the image copied.
-    By default the shadow catches its replica up and snapshots it for the recovering trainer, which copies it
-    and replays nothing; without (`recovery_snapshot=False`) the trainer is offered the initial image and
-    replays every record since (the first attempt dies with them not replayed)."""
-    job = job_for(tmp_path, optimizer="sparse-mezo", snapshot_interval=1000,  # records carry per-tensor thresholds
-                  recovery_snapshot=recovery_snapshot)
+    The shadow catches its replica up and snapshots it for the recovering trainer (`recovery_snapshot`), which
+    copies it and replays nothing. The path without (the initial image and every record since, the attempt
+    dying with them not replayed): test_standby's promotion tests, which turn it off."""
+    job = job_for(tmp_path, optimizer="sparse-mezo", snapshot_interval=1000)  # records carry per-tensor thresholds
     summary = run(job, fail_at=[13], progress=None, callbacks=[PersistenceIdle()],
                   faults=FaultInjection(crash_in_recovery_marker=str(tmp_path / "crashed")))
     assert (tmp_path / "crashed").exists()  # the first recovery attempt died
     (recovery,) = summary.recoveries
     assert recovery.failed_at_step == 13 and recovery.recovered_step > 0
-    if recovery_snapshot:  # taken once, for the first attempt: the second found the image at the replica's step
-        assert recovery.image_step == recovery.recovered_step and recovery.replayed_records == 0
-        assert summary.metrics.recovery_snapshots == 1
-    else:  # the initial image
-        assert recovery.image_step == 0 and recovery.replayed_records == recovery.recovered_step
-        assert summary.metrics.recovery_snapshots == 0
+    # taken once, for the first attempt: the second found the image at the replica's step
+    assert recovery.image_step == recovery.recovered_step and recovery.replayed_records == 0
+    assert summary.metrics.recovery_snapshots == 1
     assert_exact(summary, uninterrupted_hashes(job))
 
 
