@@ -118,12 +118,13 @@ class JobConfig(BaseModel):
     standby, and builds only once the promotion is done (its set-up would take cores and memory bandwidth
     from it)."""
     recovery_snapshot: bool = True
-    """A trainer that recovers on the CPU is offered a snapshot of the shadow's replica taken then (one copy of
-    the state on the shadow's threads), rather than the newest image and the records after it (each record a
-    pass of the generator over the whole state, several times a copy's work), where the replica has replayed
-    every record the shadow received and the image's memory is free (not being persisted or read: a second
-    image would break the shadow's budget). False: always the newest image and the records after it. A GPU
-    trainer replays its records on the device, faster than the shadow copies the state."""
+    """A trainer that recovers on the CPU is offered a snapshot of the shadow's replica taken then (the shadow
+    replays the records it lags by, then copies the state once), rather than the newest image and the records
+    after it (each record a pass of the generator over the whole state, several times a copy's work), where the
+    replica has replayed some of those records (it lags by fewer than the trainer would replay) and the image's
+    memory is free (not being persisted or read: a second image would break the shadow's budget). False:
+    always the newest image and the records after it. A GPU trainer replays its records on the device, faster
+    than the shadow copies the state."""
     placement: Literal["pack", "spread"] = "pack"
     """Where the ranks go: `pack` puts every rank and the shadow on one node (STRICT_PACK); `spread` keeps
     rank 0 with the shadow and lets the other ranks go to any node."""

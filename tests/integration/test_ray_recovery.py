@@ -105,16 +105,17 @@ def test_a_lora_adapter_with_momentum_and_two_perturbations_through_both_failure
     assert_exact(summary, uninterrupted_hashes(job))
 
 
-class PersistenceIdle(RunCallback):
-    """At the first segment's end, waits until the shadow's initial image is durable and no persist is in
-    flight: with no snapshot due before the failure, nothing pins the image's memory when the trainer asks."""
+class Settled(RunCallback):
+    """At each segment's end, waits until the shadow has replayed the segment's records (its replica is past the
+    initial image) and the initial image is durable with no persist in flight: with no snapshot due before the
+    failure, nothing pins the image's memory when the trainer asks for a snapshot."""
 
     def on_segment(self, run, segment):
-        def idle():
+        def settled():
             m = ray.get(run.shadow.metrics.remote())
-            return m.durable_step == 0 and not m.persist_in_flight
+            return m.replayed_step >= segment.progress.step and m.durable_step == 0 and not m.persist_in_flight
 
-        assert wait_until(idle, timeout=180)
+        assert wait_until(settled, timeout=180)
 
 
 def test_a_failure_before_the_first_snapshot_and_during_recovery_itself(tmp_path):
@@ -123,7 +124,7 @@ def test_a_failure_before_the_first_snapshot_and_during_recovery_itself(tmp_path
     copies it and replays nothing. The path without (the initial image and every record since, the attempt
     dying with them not replayed): test_standby's promotion tests, which turn it off."""
     job = job_for(tmp_path, optimizer="sparse-mezo", snapshot_interval=1000)  # records carry per-tensor thresholds
-    summary = run(job, fail_at=[13], progress=None, callbacks=[PersistenceIdle()],
+    summary = run(job, fail_at=[13], progress=None, callbacks=[Settled()],
                   faults=FaultInjection(crash_in_recovery_marker=str(tmp_path / "crashed")))
     assert (tmp_path / "crashed").exists()  # the first recovery attempt died
     (recovery,) = summary.recoveries

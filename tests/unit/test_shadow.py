@@ -102,50 +102,67 @@ def test_the_shadow_says_whether_its_last_snapshot_copied_into_memory_in_use_or_
 class HeldReplay:
     """Shadow hooks whose replay applies nothing while `replay_stalled` is True (records wait in the ledger)."""
 
-    replay_stalled = True
+    replay_stalled = False
 
     def after_replay(self, steps: int) -> None:
         pass
 
 
-def test_a_recovering_trainer_is_offered_a_snapshot_of_the_caught_up_replica_where_the_image_is_free(job):
-    """`offer(fresh=True)` (a recovering trainer on the CPU): the records the replica has not replayed are
-    replayed first, then the replica is snapshotted, and the trainer copies the state and replays nothing. Where
-    the replica cannot catch up, or persistence pins the image (a second image would break the budget), the
-    offer is the newest image and the records after it, as `offer(fresh=False)` always is."""
-    initial, opt, records = trained(job, 7)
+def test_a_recovering_trainer_is_offered_a_snapshot_of_the_caught_up_replica_where_it_saves_a_replay(job):
+    """`offer(fresh=True)` (a recovering trainer on the CPU): where the replica has replayed some of the records
+    after the newest image, it replays the rest and is snapshotted, and the trainer copies the state and replays
+    nothing. Where it has replayed none of them (the trainer would replay as many), cannot catch up, or
+    persistence pins the image (a second image would break the budget), the offer is the newest image and the
+    records after it, as `offer(fresh=False)` always is."""
+    initial, opt, records = trained(job, 6)
     hooks = HeldReplay()
     shadow = Shadow(job, hooks=hooks)
+
+    def offered(fresh: bool):
+        image, tail = shadow.offer(fresh)
+        try:
+            return image.step, [r.step for r in tail], state_hash(image.tensors())
+        finally:
+            shadow.give_back(image.token)
+
+    def idle(step: int) -> bool:
+        m = shadow.metrics()
+        return m.durable_step == step and not m.persist_in_flight
+
+    def state_after(steps: int) -> str:
+        state = {k: v.clone() for k, v in initial.items()}
+        replay(state, records[:steps], job.zo)
+        return state_hash(state)
+
     try:
         shadow.initialize(0, initial)
-        assert wait_until(lambda: shadow.metrics().durable_step == 0 and not shadow.metrics().persist_in_flight)
-        assert shadow.push(b"".join(r.to_bytes() for r in records[:3])).accepted == 3
-        for fresh in (False, True):  # not asked, and asked of a replica that cannot replay
-            image, tail = shadow.offer(fresh)
-            assert image.step == 0 and [r.step for r in tail] == [0, 1, 2]
-            shadow.give_back(image.token)
-        assert shadow.metrics().replayed_step == 0 and shadow.metrics().recovery_snapshots == 0
+        assert wait_until(lambda: idle(0))
+        shadow.push(b"".join(r.to_bytes() for r in records[:2]))
+        assert shadow.replay.wait_replayed(2, timeout=60)
+        hooks.replay_stalled = True
+        shadow.push(records[2].to_bytes())  # the replica lags one record of the three after the image
+        assert offered(False)[:2] == (0, [0, 1, 2])
+        assert offered(True)[:2] == (0, [0, 1, 2])  # its replay is held: it cannot catch up
+        assert shadow.metrics().recovery_snapshots == 0
 
-        hooks.replay_stalled = False  # the replica lags three records: caught up for the offer, then taken
-        image, tail = shadow.offer(True)
-        trainer_state = {k: v.clone() for k, v in initial.items()}
-        replay(trainer_state, records[:3], job.zo)
-        assert state_hash(image.tensors()) == state_hash(trainer_state)  # the state after step 3, bit for bit
-        shadow.give_back(image.token)
-        assert (image.step, tail) == (3, [])
+        hooks.replay_stalled = False  # caught up for the offer (if the replay thread has not done it first)
+        assert offered(True) == (3, [], state_after(3))  # the state after step 3, bit for bit
         m = shadow.metrics()
         assert m.replayed_step == 3 and m.recovery_snapshots == 1 and m.snapshots_taken == 2  # the initial one
-        image, tail = shadow.offer(True)  # the image is the replica's step already: nothing new to take
-        shadow.give_back(image.token)
-        assert (image.step, tail, shadow.metrics().recovery_snapshots) == (3, [], 1)
+        assert offered(True) == (3, [], state_after(3))  # the image is the replica's step: nothing new to take
 
+        hooks.replay_stalled = True
+        shadow.push(records[3].to_bytes())  # none of the records after the image replayed: the trainer would
+        assert offered(True)[:2] == (3, [3])  # replay as many, and a standby holding the image copies nothing
+        assert shadow.metrics().recovery_snapshots == 1
+        hooks.replay_stalled = False
+
+        assert shadow.replay.wait_replayed(4, timeout=60) and wait_until(lambda: idle(4))  # a boundary, persisted
         pinned = shadow.ledger.pin(None)  # persistence reads the image: it is not written while it does
         try:
-            shadow.push(records[3].to_bytes())
-            assert shadow.replay.wait_replayed(4, timeout=60)
-            image, tail = shadow.offer(True)
-            shadow.give_back(image.token)
-            assert image.step == 3 and [r.step for r in tail] == [3]
+            shadow.push(records[4].to_bytes())
+            assert shadow.replay.wait_replayed(5, timeout=60)
+            assert offered(True)[:2] == (4, [4])
             assert shadow.metrics().recovery_snapshots == 1
         finally:
             shadow.ledger.unpin(pinned)

@@ -224,9 +224,9 @@ class Shadow:
 
     def offer(self, fresh: bool) -> tuple[Image | None, list[StepRecord]]:
         """What a trainer recovers from: `recovery_view(lend=True)`. `fresh` (a recovering trainer on the CPU,
-        `JobConfig.recovery_snapshot`): first a snapshot of the replica, where it has replayed every record
-        received since the newest image and that image's memory is free (`ReplayStage.snapshot_caught_up`):
-        the trainer then copies the state and replays nothing."""
+        `JobConfig.recovery_snapshot`): first a snapshot of the replica, caught up with the records received,
+        where it had replayed some of those after the newest image and that image's memory is free
+        (`ReplayStage.snapshot_caught_up`): the trainer then copies the state and replays nothing."""
         if fresh:
             self.replay.call(self.replay.snapshot_caught_up)
         return self.recovery_view(lend=True)

@@ -337,13 +337,17 @@ class ReplayStage:
 
     def snapshot_caught_up(self) -> Image | None:
         """For a recovering trainer: the records received and not yet replayed are replayed here, then the
-        replica's snapshot is taken, where the newest image is older (the trainer then copies the state and
-        replays nothing: the records the shadow lagged by are fewer than those after the image, and the
-        trainer would replay those too). None where there is nothing newer to take, the replica cannot catch
-        up (its replay stopped or is held), or the image's memory is busy (being persisted, written or read:
-        a second image beside it would break the budget); the trainer is then offered the newest image and
-        the records after it. Both run on every thread the replay may use: the trainer trains no step while
-        it waits for them."""
+        replica's snapshot is taken (the trainer then copies the state and replays nothing), where the replica
+        has replayed some of the records after the newest image: it lags by fewer records than the trainer
+        would replay, and each record saved costs several copies of the state. None where it has replayed none
+        of them (the trainer would replay as many, and copy nothing where a standby holds that image already),
+        there is nothing newer to take, the replica cannot catch up (its replay stopped or is held), or the
+        image's memory is busy (being persisted, written or read: a second image beside it would break the
+        budget); the trainer is then offered the newest image and the records after it. Both run on every
+        thread the replay may use: the trainer trains no step while it waits for them."""
+        image = self.ledger.image
+        if image is None or self.replayed_step <= image.step:
+            return None
         threads = self.threads
         self.threads = max(threads or 1, default_threads())
         try:
