@@ -36,6 +36,9 @@ def test_the_block_runs_without_the_collector_and_leaves_its_survivors_frozen_an
 
 def test_a_block_that_raises_still_settles_and_a_paused_collector_stays_paused(collector):
     gc.disable()
+    frozen = gc.get_freeze_count()
+    kept = []
     with pytest.raises(RuntimeError), settling_heap():
+        kept.append(Cycle())  # alive after the block: frozen though the block raised
         raise RuntimeError("a constructor failed")
-    assert not gc.isenabled() and gc.get_freeze_count() > 0
+    assert not gc.isenabled() and gc.get_freeze_count() > frozen and gc.is_tracked(kept[0])

@@ -282,8 +282,9 @@ class ShadowMetrics(BaseModel):
     """Snapshot boundaries passed while the image was being persisted (the next boundary takes it: a second
     image would break the memory budget)."""
     recovery_snapshots: int = 0
-    """Snapshots taken for a recovering trainer (`JobConfig.recovery_snapshot`: the replica had replayed every
-    record, so the trainer copied the state and replayed none), out of `snapshots_taken`."""
+    """Snapshots taken for a recovering trainer (`JobConfig.recovery_snapshot`: the shadow caught its replica up
+    with the records it held and copied it, so the trainer copied the state and replayed none), out of
+    `snapshots_taken`."""
     snapshot_seconds: float | None = None
     """The last copy between the replica and an image (a snapshot, or taking in a trainer's state)."""
     snapshot_into_fresh_memory: bool | None = None
