@@ -156,7 +156,7 @@ class DurableLink:
             self.log = StepLog(self.log_url, self.job.storage_options, seal_records=self.job.log_seal_records,
                                resume_step=resume_step, lease=self.lease)
 
-    def borrow_image(self, fresh: bool = False):  # a checkpoint: nothing fresher to take
+    def borrow_image(self, fresh: bool = False, held: str | None = None):  # a checkpoint: nothing fresher to take
         started = time.perf_counter()
         latest = self.store.latest()
         if latest is None:
@@ -202,8 +202,8 @@ class InProcessShadowLink:
     def __init__(self, shadow):
         self.shadow = shadow
 
-    def borrow_image(self, fresh: bool = False):
-        image, records = self.shadow.offer(fresh)
+    def borrow_image(self, fresh: bool = False, held: str | None = None):
+        image, records = self.shadow.offer(fresh, held)
         if image is None:
             return None
         return StateOffer(image.tensors(), image.step, records, "memory",
@@ -233,8 +233,8 @@ class ShadowActorLink:
         ray.get(self.actor.ready.remote())
         self.link = RayShadowLink(job.run_id)
 
-    def borrow_image(self, fresh: bool = False):
-        return self.link.borrow_image(fresh)
+    def borrow_image(self, fresh: bool = False, held: str | None = None):
+        return self.link.borrow_image(fresh, held)
 
     def initialize(self, state: dict[str, torch.Tensor], step: int, adapter=None, model_config=None) -> None:
         self.link.initialize(state, step, adapter, model_config)

@@ -122,7 +122,9 @@ class JobConfig(BaseModel):
     replays the records it lags by, then copies the state once), rather than the newest image and the records
     after it (each record a pass of the generator over the whole state, several times a copy's work), where the
     replica has replayed some of those records (it lags by fewer than the trainer would replay) and the image's
-    memory is free (not being persisted or read: a second image would break the shadow's budget). False:
+    memory is free (not being persisted or read: a second image would break the shadow's budget); for a
+    promoted standby that holds the newest image already, only where the replica has no record left to replay
+    (else the standby replays the records after the image at once, at its own priority). False:
     always the newest image and the records after it. A GPU trainer replays its records on the device, faster
     than the shadow copies the state."""
     placement: Literal["pack", "spread"] = "pack"

@@ -113,13 +113,14 @@ def test_a_recovering_trainer_is_offered_a_snapshot_of_the_caught_up_replica_whe
     after the newest image, it replays the rest and is snapshotted, and the trainer copies the state and replays
     nothing. Where it has replayed none of them (the trainer would replay as many), cannot catch up, or
     persistence pins the image (a second image would break the budget), the offer is the newest image and the
-    records after it, as `offer(fresh=False)` always is."""
-    initial, opt, records = trained(job, 6)
+    records after it, as `offer(fresh=False)` always is. So it is for a standby that holds the newest image
+    (`held`) while the replica has records still to replay: the standby replays them at once."""
+    initial, opt, records = trained(job, 8)
     hooks = HeldReplay()
     shadow = Shadow(job, hooks=hooks)
 
-    def offered(fresh: bool):
-        image, tail = shadow.offer(fresh)
+    def offered(fresh: bool, held: str | None = None):
+        image, tail = shadow.offer(fresh, held)
         try:
             return image.step, [r.step for r in tail], state_hash(image.tensors())
         finally:
@@ -166,6 +167,27 @@ def test_a_recovering_trainer_is_offered_a_snapshot_of_the_caught_up_replica_whe
             assert shadow.metrics().recovery_snapshots == 1
         finally:
             shadow.ledger.unpin(pinned)
+
+        catch_ups = []  # the shadow's calls for a caught-up snapshot, counted
+        snapshot_caught_up = shadow.replay.snapshot_caught_up
+        shadow.replay.snapshot_caught_up = lambda: catch_ups.append(1) or snapshot_caught_up()
+        held = shadow.ledger.image.token  # the image of step 4, held by a standby; the replica is caught up
+        assert offered(True, held) == (5, [], state_after(5))  # two copies, where the standby would replay one
+        assert catch_ups == [1] and shadow.metrics().recovery_snapshots == 2
+
+        shadow.push(records[5].to_bytes())
+        assert shadow.replay.wait_replayed(6, timeout=60)
+        hooks.replay_stalled = True
+        shadow.push(records[6].to_bytes())  # replayed one of the two records after the image, one waits
+        held = shadow.ledger.image.token  # the image of step 5
+        assert offered(True, held)[:2] == (5, [5, 6])  # the standby replays both: nothing asked of the replica
+        assert catch_ups == [1] and shadow.metrics().recovery_snapshots == 2
+        assert offered(True)[:2] == (5, [5, 6]) and catch_ups == [1, 1]  # a trainer holding nothing asks
+        hooks.replay_stalled = False
+        assert shadow.replay.wait_replayed(7, timeout=60)
+        assert wait_until(lambda: not shadow.metrics().persist_in_flight)  # the image's memory is free to write
+        assert offered(True, "an older image's token") == (7, [], state_after(7))
+        assert shadow.metrics().recovery_snapshots == 3
     finally:
         shadow.close()
 

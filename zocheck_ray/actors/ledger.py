@@ -153,6 +153,11 @@ class RecordLedger:
                 return "new", None
             return ("replace" if image.lent else "reuse"), image
 
+    def writable_now(self) -> bool:
+        """Whether `claim(wait=False)` would find the image's memory free now (a peek: nothing is claimed)."""
+        with self._lock:
+            return not (self._busy() or self._read_now())
+
     def unclaim(self, missing: str | None = None) -> None:
         """The claimed memory was not published; `missing`: why no image is offered now."""
         with self._lock:

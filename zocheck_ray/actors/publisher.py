@@ -43,12 +43,13 @@ PING_SECONDS = 0.25
 class ShadowLink(Protocol):
     """How the trainer reaches its shadow (a Ray actor, or an in-process one in tests)."""
 
-    def borrow_image(self, fresh: bool = False):
+    def borrow_image(self, fresh: bool = False, held: str | None = None):
         """The shadow's newest image, opened for reading (`.step`, `.layout`, `.records`, `.source`,
         `.copy_into(tensors)`, `.release()`, `.adapter`: the run's `AdapterIdentity` or None, `.token`: the
         image's name, new for every snapshot, or None), or None when the shadow has none (a fresh run).
         `fresh`: for a recovery, a snapshot of the replica where the shadow can take one now
-        (`JobConfig.recovery_snapshot`); links that cannot offer the newest image and its records."""
+        (`JobConfig.recovery_snapshot`); links that cannot offer the newest image and its records.
+        `held`: the token of the image the caller holds already (`Shadow.offer`)."""
     def initialize(self, state: dict[str, torch.Tensor], step: int, adapter=None, model_config=None) -> None:
         """Hand the shadow the initial state (written into its intake; no copy kept here) and, for a
         parameter-efficient run, its `AdapterIdentity`, for a full one its model's Hugging Face config."""

@@ -149,12 +149,13 @@ class RayShadowLink:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.threads = threads
 
-    def borrow_image(self, fresh: bool = False, timeout: float = 300.0) -> "OfferedImage | None":
+    def borrow_image(self, fresh: bool = False, held: str | None = None,
+                     timeout: float = 300.0) -> "OfferedImage | None":
         # The image may belong to a shadow that is dying right now (both processes lost), or be replaced
         # by a newer one before it is opened: ask again until an image is opened.
         deadline = time.monotonic() + timeout
         while True:
-            offer: RecoveryOffer | None = call_when_alive(lambda: self.actor.offer_image.remote(fresh))
+            offer: RecoveryOffer | None = call_when_alive(lambda: self.actor.offer_image.remote(fresh, held))
             if offer is None:
                 return None
             try:

@@ -222,14 +222,26 @@ class Shadow:
         the image from another process; it is not written again until `give_back`."""
         return self.ledger.recovery_view(lend=lend)
 
-    def offer(self, fresh: bool) -> tuple[Image | None, list[StepRecord]]:
+    def offer(self, fresh: bool, held: str | None = None) -> tuple[Image | None, list[StepRecord]]:
         """What a trainer recovers from: `recovery_view(lend=True)`. `fresh` (a recovering trainer on the CPU,
         `JobConfig.recovery_snapshot`): first a snapshot of the replica, caught up with the records received,
         where it had replayed some of those after the newest image and that image's memory is free
-        (`ReplayStage.snapshot_caught_up`): the trainer then copies the state and replays nothing."""
-        if fresh:
+        (`ReplayStage.snapshot_caught_up`): the trainer then copies the state and replays nothing.
+
+        `held`: the token of the image the trainer holds already (a CPU standby copies each new image while it
+        waits, `Trainer.preinstall`). Where that is the newest image and the replica has records still to replay,
+        no snapshot is taken: the standby replays the records after the image at once, at its own priority,
+        where the snapshot would wait for the replica's catch-up (at the shadow's low priority, beside the
+        failure's aftermath) and then cost two copies of the state (540M parameters on two cores: 2.1 s against
+        about 1.2 s)."""
+        if fresh and not (held is not None and self._lags_behind(held)):
             self.replay.call(self.replay.snapshot_caught_up)
         return self.recovery_view(lend=True)
+
+    def _lags_behind(self, token: str) -> bool:
+        """The newest image is `token` and the replica has received records it has not replayed yet."""
+        image = self.ledger.image
+        return image is not None and image.token == token and self.replay.replayed_step < self.ledger.next_step
 
     def image_bytes(self, token: str, start: int, length: int):
         """A copy of bytes `start..start+length` of the offered image `token` (for a reader that cannot

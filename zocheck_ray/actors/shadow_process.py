@@ -78,14 +78,14 @@ class ShadowActor:
         self.shadow.abort_intake()
 
     @ray.method(concurrency_group="control")
-    def offer_image(self, fresh: bool = False) -> RecoveryOffer | None:
+    def offer_image(self, fresh: bool = False, held: str | None = None) -> RecoveryOffer | None:
         """The newest image (lent until `give_back`) and the records after it; None for a fresh run.
-        `fresh`: a recovering trainer's request, a snapshot of the replica first where one can be taken now
-        (`Shadow.offer`)."""
+        `fresh`: a recovering trainer's request, a snapshot of the replica first where one can be taken now;
+        `held`: the image the trainer holds already (`Shadow.offer`)."""
         from zocheck_ray.actors.image import ImageHandle
         from zocheck_ray.actors.messages import RecoveryOffer
 
-        image, records = self.shadow.offer(fresh)
+        image, records = self.shadow.offer(fresh, held)
         if image is None:
             return None
         handle = ImageHandle.of(image.buffer, image.layout, token=image.token, step=image.step,

@@ -346,8 +346,8 @@ class ReplayStage:
         budget); the trainer is then offered the newest image and the records after it. Both run on every
         thread the replay may use: the trainer trains no step while it waits for them."""
         image = self.ledger.image
-        if image is None or self.replayed_step <= image.step:
-            return None
+        if image is None or self.replayed_step <= image.step or not self.ledger.writable_now():
+            return None  # (pinned now: no catch-up whose snapshot could not be taken)
         threads = self.threads
         self.threads = max(threads or 1, default_threads())
         try:

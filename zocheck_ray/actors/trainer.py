@@ -160,7 +160,7 @@ class Trainer:
             self._build()
         if not asked:
             began = time.perf_counter()
-            offer = self.shadow.borrow_image(fresh=self._fresh_offer)
+            offer = self.shadow.borrow_image(fresh=self._fresh_offer, held=self._preinstalled)
             self._fetch_seconds = time.perf_counter() - began
         info, held = self._recover(offer)
         parts = (self._fetch_seconds, info.install_seconds, info.replay_seconds, info.hash_seconds)
