@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from benchmarks.scale import SIZES, markdown, parameters_of, scale_benchmark, too_big
+from benchmarks.scale import FAIL_AT, SIZES, markdown, parameters_of, scale_benchmark, too_big
 
 RAY_CPUS = 3
 
@@ -23,6 +23,10 @@ def test_the_three_recoveries_of_one_job_end_in_one_state_and_are_reported(tmp_p
     (row,) = doc["rows"]
     assert row["exact"] is True and doc["targets"]["every_run_exact"] is True
     assert row["recovery_standby_replaced_by"] == "standby"
+    for run in ("standby", "restart"):  # the image each recovered from, and the records after it that it replayed
+        assert 0 < row[f"recovery_{run}_recovered_step"] <= FAIL_AT
+        assert row[f"recovery_{run}_image_step"] + row[f"recovery_{run}_replayed_records"] == \
+            row[f"recovery_{run}_recovered_step"]
     assert "standby" in row["recovery_standby_phases"] and "restart" in row["recovery_restart_phases"]
     assert row["recovery_standby_seconds"] > 0 and row["recovery_restart_seconds"] > 0 and row["baseline_seconds"] > 0
     assert row["baseline"]["checkpoint_step"] in (4, 8)  # every 4 steps, killed at 9: the write of 8 may be lost
