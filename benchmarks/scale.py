@@ -404,7 +404,8 @@ def _row(size, dtype, params, copies, hot, cold, base, footprints) -> dict:
         "recovery_standby_preinstalled": hot["recovery"].preinstalled,
         # where each recovery resumed: the image it was offered and the records after it that it replayed (none
         # after a recovery snapshot, `JobConfig.recovery_snapshot`)
-        **{f"recovery_{name}_{key}": getattr(run["recovery"], key) for name, run in (("standby", hot), ("restart", cold))
+        **{f"recovery_{name}_{key}": getattr(run["recovery"], key)
+           for name, run in (("standby", hot), ("restart", cold))
            for key in ("recovered_step", "image_step", "replayed_records")},
         "recovery_restart_seconds": cold["recovery"].seconds, "recovery_restart_phases": cold["recovery"].phases,
         "baseline_seconds": base["seconds"], "baseline": base,

@@ -66,8 +66,8 @@ class InProcessLink:
         self.shadow = shadow
 
     def borrow_image(self, fresh: bool = False, held: str | None = None):
-        """The newest image and the records after it (`fresh` and `held` are not taken up: an in-process run's recoveries
-        always replay the records, the path `JobConfig.recovery_snapshot` leaves to a lagging shadow)."""
+        """The newest image and the records after it (`fresh` and `held` are not taken up: an in-process run's
+        recoveries always replay the records, the path `JobConfig.recovery_snapshot` leaves to a lagging shadow)."""
         return self.shadow.replay.call(self._copy_of_image)
 
     def _copy_of_image(self) -> StateOffer | None:
