@@ -10,7 +10,9 @@ import pytest
 import torch
 import transformers
 
-from benchmarks.scale import FAIL_AT, SIZES, markdown, parameters_of, scale_benchmark, too_big
+from benchmarks import scale as scale_module
+from benchmarks.scale import FAIL_AT, SIZES, markdown, parameters_of, scale_benchmark, targets, too_big
+from zocheck_ray.core.errors import NonFiniteError
 
 RAY_CPUS = 3
 
@@ -60,6 +62,34 @@ def test_the_three_recoveries_of_one_job_end_in_one_state_and_are_reported(tmp_p
     assert projected["shadow_host_bytes"] > 2 * 12_853_473_280 * 2  # two copies of the fp16 state, and a baseline
     text = markdown(doc)
     assert "| tiny-opt | fp32 |" in text and "OPT-13B" in text
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_a_size_whose_run_fails_is_reported_and_the_sizes_after_it_still_run(monkeypatch):
+    measured = []
+
+    def measure(size, dtype, *args):
+        measured.append((size, dtype))
+        raise NonFiniteError("step 9: non-finite loss (loss+=nan, loss-=nan); lower eps or lr")
+
+    monkeypatch.setattr(scale_module, "measure", measure)
+    monkeypatch.setattr(scale_module, "_footprints", lambda dtypes: {"trainer": 1})
+    said = []
+    with pytest.raises(RuntimeError, match=r"no size was measured.*'size': '14M', 'dtype': 'bf16', 'error': "
+                                           r"'NonFiniteError: step 9: non-finite loss"):
+        scale_benchmark(["tiny-opt", "14M"], ("fp32", "bf16"), say=said.append)
+    assert measured == [("tiny-opt", "fp32"), ("tiny-opt", "bf16"), ("14M", "fp32"), ("14M", "bf16")]
+    assert "  tiny-opt fp32: failed: NonFiniteError: step 9: non-finite loss (loss+=nan, loss-=nan); lower eps or lr" \
+        in said
+
+
+def test_a_failed_size_fails_the_exactness_target():
+    row = {"params": 25_408, "state_bytes": 101_632, "shadow_peak_x": 2.0, "trainer_peak_x": 1.0, "copy_gbps": 1.0,
+           "snapshot_fraction": 1.0, "restore_fraction": 1.0, "recovery_standby_seconds": 0.1, "speedup_standby": 9.0,
+           "exact": True}
+    assert targets([row])["every_run_exact"] is True
+    failed = [{"size": "1B", "dtype": "bf16", "error": "NonFiniteError: step 9"}]
+    assert targets([row], failed)["every_run_exact"] is False
 
 
 def test_a_restart_count_the_benchmark_cannot_run_is_refused_before_any_work():
