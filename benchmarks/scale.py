@@ -78,7 +78,7 @@ TASK = {"batch_size": 1, "max_length": 16, "eval_interval": 10**9, "eval_size": 
 ZO = {"lr": 1e-7}
 """The jobs' optimizer settings. The models are built from configs, not pretrained, and at 1B in bf16 MeZO's
 default learning rate (1e-6) diverges: projected gradients of -35, 279, 2187, 21060 in steps 0-3, a non-finite
-loss at step 9, with or without a failure; at 1e-7 the same steps' losses stay at 0.62-0.86 (gradients -35, 29,
+loss at step 9, with or without a failure; at 1e-7 the same steps' losses stay at 0.62-0.87 (gradients -35, 29,
 3.7, -3.9). No operation's cost depends on the learning rate."""
 PAPER_JOBS = {"Qwen3-8B (bf16)": (8_190_735_360, 2), "OPT-13B (fp16)": (12_853_473_280, 2)}
 """The paper's jobs: (parameters, bytes per parameter)."""
