@@ -473,7 +473,8 @@ def scale_benchmark(sizes: list[str] | None = None, dtypes: tuple[str, ...] = ("
                 try:
                     rows.append(measure(size, dtype, root, every, footprints, say, restarts))
                 except Exception as exc:  # reported, and the sizes after it still run (an hour's rows are kept)
-                    error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+                    lines = str(exc).strip().splitlines() or [""]  # a Ray task's error ends with its cause's line
+                    error = f"{type(exc).__name__}: {lines[-1]}"
                     say(f"  {size} {dtype}: failed: {error}")
                     failed.append({"size": size, "dtype": dtype, "error": error})
     finally:
