@@ -358,7 +358,7 @@ def _row(size, dtype, params, copies, hot, cold, base, footprints) -> dict:
     trainer = footprints[f"trainer_{dtype}"] if working else footprints["trainer"]  # its chunk buffers where filled
 
     # the best restore of the run: into the standby (unless it held the offered image already: it copied it in while
-    # it waited, `Trainer.preinstall`) and into the processes Ray restarted; all into prefaulted skeletons
+    # it waited, `TrainerActor.follow`) and into the processes Ray restarted; all into prefaulted skeletons
     samples = [(gbps, threads, "standby") for gbps, threads in hot["restores"]] + \
         [(gbps, threads, "restart") for gbps, threads in cold["restores"]]
     restore, restore_threads, restored_in = max(samples, default=(None, None, None))
@@ -371,7 +371,7 @@ def _row(size, dtype, params, copies, hot, cold, base, footprints) -> dict:
         return gbps / against if gbps and against else None
 
     # the snapshot in the default job (no standby); with the standby on a CPU node it copies each new image into its
-    # skeleton while the trainer trains (`Trainer.preinstall`), a second reader of memory beside the snapshot
+    # skeleton while the trainer trains (`TrainerActor.follow`), a second reader of memory beside the snapshot
     snap = cold
     snapshot_copy = baseline(snap["snapshot_threads"], snap["snapshot_fresh"])
     restore_copy = baseline(restore_threads)

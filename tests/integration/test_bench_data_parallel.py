@@ -39,8 +39,8 @@ def test_the_benchmark_pairs_k1_and_k2_side_by_side(tmp_path):
         assert 13 <= first < last < 40 and r["exact"]
         assert r["steps_per_second"] > 0 and r["samples_per_step"] == 2 * r["trainers"]
     assert {r["recovered_rank"] for r in two} == {1} and {r["recovered_rank"] for r in one} == {0}
-    assert set(one[0]["recovery_phases"]) == {"restart", "rejoin", "constructor", "restore", "install",
-                                                     "copy"}
+    assert set(one[0]["recovery_phases"]) == {"restart", "rejoin", "constructor", "restore", "waited", "fetch",
+                                                     "install", "copy", "replay", "hash"}
     assert {"deliver", "restart", "rejoin", "group", "constructor"} <= set(two[0]["recovery_phases"])
     assert doc["recovery_seconds"] == {"k1": median(r["recovery_seconds"] for r in one),
                                        "k2": median(r["recovery_seconds"] for r in two)}

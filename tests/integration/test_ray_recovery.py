@@ -45,10 +45,13 @@ def test_three_software_failures_recover_exactly(tmp_path, monkeypatch):
         assert r.recovered_step <= r.failed_at_step
         assert r.recovered_step == (r.image_step or 0) + r.replayed_records
         # where the time went: Ray's restart of the process (its constructor: a skeleton), then the restore
-        assert r.replaced_by == "restart" and set(r.phases) == {"restart", "rejoin", "constructor", "restore", "install",
-                                                                  "copy"}
+        assert r.replaced_by == "restart" and set(r.phases) == {"restart", "rejoin", "constructor", "restore", "waited",
+                                                                  "fetch", "install", "copy", "replay", "hash"}
         assert r.phases["restart"] + r.phases["rejoin"] == pytest.approx(r.seconds, abs=0.05)
         assert 0 < r.phases["copy"] <= r.phases["install"] <= r.phases["restore"] <= r.phases["rejoin"]
+        parts = ("fetch", "install", "replay", "hash")  # the restore's parts, as the process timed them
+        assert sum(r.phases[p] for p in parts) == pytest.approx(r.phases["restore"], abs=1e-6)
+        assert r.phases["restore"] + r.phases["waited"] <= r.phases["rejoin"] + 1e-6  # the rest: building, if any
         assert r.copy_threads >= 1  # the image's bytes into the state, on this many threads
     assert_exact(summary, uninterrupted_hashes(job))
 

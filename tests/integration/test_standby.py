@@ -53,14 +53,33 @@ class StandbyReady(RunCallback):
             self.promoted_built.append(ray.get(run.group.ranks[0].readiness.remote()))
 
 
+class FollowsImages(StandbyReady):
+    """A `StandbyReady` that, at the end of the first segment to begin at `at` or later, waits until the shadow
+    offers an image of a later step than the segment's first and the standby holds it: the standby copies each
+    new image in as the shadow makes it (`TrainerActor.follow`), not only the newest one of a segment's start."""
+
+    def __init__(self, at: int, **kw):
+        super().__init__(**kw)
+        self.at, self.followed = at, None
+
+    def on_segment(self, run, segment):
+        super().on_segment(run, segment)
+        if self.followed is None and segment.start >= self.at:
+            newest = lambda: ray.get(run.shadow.metrics.remote()).snapshot_step  # noqa: E731
+            assert wait_until(lambda: (newest() or 0) > segment.start, timeout=300)
+            assert wait_until(lambda: ray.get(run.group.standby.held_image.remote()) == newest(), timeout=300), \
+                (segment.start, newest(), ray.get(run.group.standby.held_image.remote()))
+            self.followed = (segment.start, newest())
+
+
 def test_a_lost_trainer_is_replaced_by_the_standby_and_the_restarted_process_stands_by_next(tmp_path):
     """The standby dies first, before any promotion (Ray restarts it: a standby again); then two trainers
     are lost, each replaced by the standby of the moment: the restarted one, then the process Ray restarted
-    after the first loss."""
+    after the first loss, which meanwhile held each new image of the shadow's."""
     job = job_for(tmp_path, standby=True)
-    ready = StandbyReady(kill_at=6)
+    ready = FollowsImages(at=18, kill_at=6)
     summary = run(job, fail_at=[13, 25], progress=None, callbacks=[ready])
-    assert ready.killed is not None
+    assert ready.killed is not None and ready.followed is not None
     # The process Ray restarted after each loss had built nothing when the promotion was done (in its constructor
     # it would have taken the node's cores from it); the controller asked it to once it was up, before it was
     # promoted in turn (the first standby, killed and restarted by Ray, the same way).

@@ -292,6 +292,25 @@ def test_a_recovery_waits_for_the_image_being_written_and_gets_the_new_one():
     new.buffer.close()
 
 
+def test_a_standby_waiting_for_a_newer_image_wakes_when_one_is_published_and_not_for_the_one_it_holds():
+    ledger = RecordLedger(0)
+    assert ledger.wait_newer(None, timeout=0) is None  # nothing offered yet
+    ledger.claim()
+    first = image_at(0)
+    ledger.publish(first)
+    assert ledger.wait_newer(None, timeout=0) == 0 and ledger.wait_newer("img-0", timeout=0) is None
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(ledger.wait_newer("img-0", timeout=60)))
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive() and not got  # the image it holds is still the newest
+    assert ledger.claim() == ("reuse", first)
+    ledger.publish(Image(6, first.buffer, first.layout, token="img-6"))
+    waiter.join(timeout=60)
+    assert got == [6]
+    first.buffer.close()
+
+
 def test_an_initialized_shadow_without_an_image_says_why_instead_of_offering_a_fresh_start():
     ledger = RecordLedger(0)
     assert ledger.recovery_view() == (None, [])  # never initialized: a fresh run

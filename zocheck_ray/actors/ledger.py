@@ -210,6 +210,14 @@ class RecordLedger:
                 image.read_until = time.monotonic() + READ_SECONDS
             return image, [self._records[i] for i in range(begin, len(self._records))]
 
+    def wait_newer(self, token: str | None, timeout: float) -> int | None:
+        """Wait until an image other than `token` is offered (written and published); its step, or None where
+        none was within `timeout` seconds."""
+        with self._lock:
+            if self._lock.wait_for(lambda: self.image is not None and self.image.token != token, timeout):
+                return self.image.step
+            return None
+
     def give_back(self, token: str) -> bool:
         """A borrower is done with the image named `token`; True when it was the offered image."""
         with self._lock:

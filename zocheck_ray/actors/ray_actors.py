@@ -166,6 +166,10 @@ class RayShadowLink:
                     raise
                 time.sleep(0.05)
 
+    def newer_image(self, token: str | None, timeout: float) -> int | None:
+        """Wait (at most `timeout` s) until the shadow offers an image other than `token`; its step, or None."""
+        return ray.get(self.actor.newer_image.remote(token, timeout))
+
     def write_state(self, state: dict[str, torch.Tensor]) -> None:
         """Write `state` into the shadow's intake (it must be on this node: rank 0 shares the shadow's)."""
         layout = ImageLayout.of(state)

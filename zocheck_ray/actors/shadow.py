@@ -238,6 +238,10 @@ class Shadow:
             self.replay.call(self.replay.snapshot_caught_up)
         return self.recovery_view(lend=True)
 
+    def newer_image(self, token: str | None, timeout: float) -> int | None:
+        """Wait (at most `timeout` s) until an image other than `token` is offered; its step, or None."""
+        return self.ledger.wait_newer(token, timeout)
+
     def _lags_behind(self, token: str) -> bool:
         """The newest image is `token` and the replica has received records it has not replayed yet."""
         image = self.ledger.image

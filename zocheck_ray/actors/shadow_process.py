@@ -27,7 +27,7 @@ def shadow_writer(run_id: str) -> str:
     return f"shadow:{run_id}@{ray.get_runtime_context().gcs_address}"
 
 
-@ray.remote(num_gpus=0, concurrency_groups={"inbox": 1, "control": 4})
+@ray.remote(num_gpus=0, concurrency_groups={"inbox": 1, "control": 4, "watch": 2})
 class ShadowActor:
     """CPU-only shadow (see `Shadow`): pushes on one thread in order, everything else beside them."""
 
@@ -92,6 +92,12 @@ class ShadowActor:
                                 node_id=self.node_id)
         return RecoveryOffer(image=handle, records=b"".join(r.to_bytes() for r in records),
                              source=self.shadow.replay.source, adapter=self.shadow.adapter)
+
+    @ray.method(concurrency_group="watch")  # long waits, on threads of their own
+    def newer_image(self, token: str | None, timeout: float) -> int | None:
+        """Wait (at most `timeout` s) until the shadow offers an image other than `token`; its step, or None.
+        A standby follows the shadow's images this way (`TrainerActor.follow`)."""
+        return self.shadow.newer_image(token, timeout)
 
     @ray.method(concurrency_group="control")
     def give_back(self, token: str) -> None:

@@ -100,6 +100,8 @@ class Trainer:
         """The parameters hold nothing until an image is copied into them."""
         self._preinstalled: str | None = None
         """The token of the shadow's image the waiting state holds (`preinstall`), None: none."""
+        self._held_step: int | None = None
+        """... and that image's step."""
         if not (waits and self.device.type == "cuda"):  # a waiting GPU process allocates when it is told to go
             self._build(prefault=waits)
         self.build_seconds = time.perf_counter() - started
@@ -172,12 +174,22 @@ class Trainer:
                                    publishing=self.rank == 0)
         self.torn_at = None
 
+    @property
+    def holds_images(self) -> bool:
+        """Whether `preinstall` copies images in: a waiting process (no rank yet) on the CPU, built."""
+        return self.publisher is None and self.model is not None and self.device.type == "cpu"
+
+    @property
+    def held_image(self) -> tuple[str, int] | None:
+        """The token and step of the shadow's image the waiting state holds (`preinstall`); None: none."""
+        return (self._preinstalled, self._held_step) if self._preinstalled is not None else None
+
     def preinstall(self) -> int | None:
         """While this process waits (the standby) on the CPU: copy the shadow's newest image into the skeleton
         now, unless it holds that image already, so that a promotion offered the same image only replays the
         records after it. Returns the step of the image it holds (None: nothing to hold; a GPU standby, which
         allocates its device memory only when promoted, and a process serving a rank hold nothing)."""
-        if self.publisher is not None or self.model is None or self.device.type != "cpu":
+        if not self.holds_images:
             return None
         offer = self.shadow.borrow_image()
         if offer is None:
@@ -189,7 +201,7 @@ class Trainer:
                 self._preinstalled = None  # torn until the copy is done
                 check_base(self.job, self.adapter, getattr(offer, "adapter", None))
                 offer.copy_into(self.opt.state_tensors())
-                self._preinstalled = offer.token
+                self._preinstalled, self._held_step = offer.token, offer.step
             return offer.step
         finally:
             offer.release()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from typing import TYPE_CHECKING, Literal
 
@@ -37,13 +38,22 @@ if TYPE_CHECKING:
 Prepared = Literal["constructor", "prepare", "first use"]
 
 
-@ray.remote
+FOLLOW_WAIT_SECONDS = 2.0
+"""How long one wait of `TrainerActor.follow` for the shadow's next image lasts (it ends within this once the
+standby is promoted)."""
+
+
+@ray.remote(concurrency_groups={"standby": 1})
 class TrainerActor:
     """Runs the ZO loop on its GPU (or the CPU) as one rank of the run, or waits as its standby.
 
     Created as a rank, it recovers (or starts fresh) in its constructor. Restarted by Ray, or created
     as the standby, it builds its model's skeleton and waits for the controller's `rejoin`; restarted
-    where the run has a standby, it builds only when asked (`prepare`, see the module)."""
+    where the run has a standby, it builds only when asked (`prepare`, see the module).
+
+    Every method runs on one thread, in order, except `follow` (a CPU standby copying each new image of
+    the shadow's in while it waits), on a thread of its own: a promotion (`rejoin`) does not queue behind
+    it, and waits only for the copy in progress, if any (it holds `_state` while it copies)."""
 
     def __init__(self, job: dict, hooks=None, rank: int = 0, standby: bool = False):
         logging.basicConfig(level=logging.INFO)
@@ -53,6 +63,10 @@ class TrainerActor:
         self._trainer: Trainer | None = None
         self.prepared_by: Prepared | None = None
         """Which call built the trainer (None: not yet)."""
+        self._state = threading.Lock()
+        """Held while the state is written: a copy of `follow`'s, and a `rejoin`."""
+        self._rejoined = threading.Event()
+        """Set by `rejoin`: a `follow` in progress ends."""
         if not (restarted and job.get("standby")):
             self._prepare("constructor")
 
@@ -126,11 +140,44 @@ class TrainerActor:
         return self.trainer.deliver()
 
     def rejoin(self, step: int | None, rank: int | None = None) -> RecoveryInfo:
-        return self.trainer.rejoin(step, rank)
+        self._rejoined.set()
+        with self._state:  # a copy of `follow`'s in progress ends first (the image it copies may be the one offered)
+            return self.trainer.rejoin(step, rank)
 
     def preinstall(self) -> int | None:
         """The standby, while it waits: copy the shadow's newest image in now (see `Trainer.preinstall`)."""
-        return self._trainer.preinstall() if self._trainer is not None else None
+        with self._state:
+            return self._trainer.preinstall() if self._trainer is not None else None
+
+    @ray.method(concurrency_group="standby")
+    def follow(self) -> int:
+        """The standby, while it waits on the CPU: copy each image the shadow offers in as soon as it is made
+        (`Trainer.preinstall`), until it is promoted (`rejoin`), so that a promotion finds the newest image
+        held (and replays only the records after it) whenever the failure comes, not only where the controller
+        asked between two of its segments. Returns how many images it copied (it ends at once where there is
+        nothing to hold: not built yet, a GPU standby, a process serving a rank)."""
+        copied, trainer, offered = 0, self._trainer, None
+        while trainer is not None:
+            with self._state:
+                if self._rejoined.is_set() or not trainer.holds_images:
+                    return copied
+                before = trainer.held_image
+                trainer.preinstall()
+                held = trainer.held_image
+            if held is None and offered is not None:
+                return copied  # an image was offered that cannot be held (one without a name): nothing to follow
+            copied += held is not None and held != before
+            try:  # the next image (the wait is the shadow's: no CPU here), or the end of the wait
+                offered = trainer.shadow.newer_image(held[0] if held else None, FOLLOW_WAIT_SECONDS)
+            except ray.exceptions.RayError:  # the shadow is lost or restarting: the controller asks again later
+                return copied
+        return copied
+
+    @ray.method(max_task_retries=-1)
+    def held_image(self) -> int | None:
+        """The step of the shadow's image the standby holds (`follow`, `preinstall`); None: none."""
+        held = self._trainer.held_image if self._trainer is not None else None
+        return held[1] if held is not None else None
 
     def export_to_shadow(self) -> int:
         """Write the state into the shadow's intake (a resync); returns its step."""

@@ -100,8 +100,8 @@ class TrainerGroup:
         constructor, as a standby created as such does, costs a call)."""
         self._built: tuple[str, int] | None = None
         """... and of the last one whose `prepare` succeeded."""
-        self._preinstalling = None
-        """The standby's `preinstall` call in flight (it copies the shadow's newest image while it waits)."""
+        self._following = None
+        """The standby's `follow` call in flight (it copies each new image of the shadow's in while it waits)."""
         self.durable_next: int | None = None
         """Every record before this step is durable (the holding ranks drop them)."""
         self._restarts: dict[str, int] = {}
@@ -136,14 +136,14 @@ class TrainerGroup:
     def start_standby(self) -> None:
         """Start the warm standby (once the run is steady); it builds its skeleton while training goes on.
         Called after every segment: a standby process Ray restarted is asked to build (`prepare_standby`), a
-        built one to copy the shadow's newest image in (`_preinstall`)."""
+        built one to follow the shadow's images (`_follow`)."""
         if self._start_standby is None:
             return
         if self.standby is None:
             self.standby = self._start_standby()
             return
         if self.prepare_standby():
-            self._preinstall()
+            self._follow()
 
     def prepare_standby(self) -> bool:
         """Ask the standby's process to build its model where it waits to (a process Ray restarted: the one lost
@@ -169,13 +169,14 @@ class TrainerGroup:
             return False
         return incarnation == self._built
 
-    def _preinstall(self) -> None:
-        """Ask the built standby to copy the shadow's newest image in while it waits (one call in flight; a CPU
-        standby then only replays records when it is promoted, see `Trainer.preinstall`)."""
-        if self._preinstalling is not None:  # lost or failed: a promotion copies the image as a restart does
-            if _outcome(self._preinstalling, "could not copy the shadow's image in advance") == "pending":
+    def _follow(self) -> None:
+        """Ask the built standby to copy each new image of the shadow's in while it waits (one call in flight,
+        asked again where it ended: its shadow restarted, or it failed; a CPU standby then only replays the
+        records after the newest image when it is promoted, see `TrainerActor.follow`)."""
+        if self._following is not None:  # lost or failed: a promotion copies the image as a restart does
+            if _outcome(self._following, "could not copy the shadow's images in advance") == "pending":
                 return
-        self._preinstalling = self.standby.preinstall.remote()
+        self._following = self.standby.follow.remote()
 
     def form(self) -> None:
         """(Re-)form the ranks' gloo process group: rank 0 offers a fresh port, every rank joins (over
@@ -264,7 +265,7 @@ class TrainerGroup:
         lost = self.ranks[r]
         if self.standby is not None and actor_state(self.standby) == "ALIVE":
             promoted, self.standby = self.standby, lost  # Ray restarts the lost process: the next standby
-            self._preinstalling = None
+            self._following = None
             self.ranks[r] = promoted
             return promoted, "standby", None
         while True:  # Ray restarts the lost process (a new incarnation): it waits to be told where to restore
@@ -354,8 +355,12 @@ def _phases(started: float, marks: list[tuple[str, float]], constructed: Recover
         phases["constructor"] = constructed.seconds
     if restored.restore_seconds is not None:
         phases["restore"] = restored.restore_seconds
-    if restored.install_seconds is not None:
-        phases["install"] = restored.install_seconds
-    if restored.copy_seconds is not None:
-        phases["copy"] = restored.copy_seconds
+        if "rejoin" in phases and restored.seconds is not None:
+            # the rejoin call's time outside the process's restore: the call's way there and back, and its wait
+            # behind a call the process was still serving (a standby's copy of a new image, `preinstall`)
+            phases["waited"] = max(phases["rejoin"] - restored.seconds, 0.0)
+    for name in ("fetch", "install", "copy", "replay", "hash"):
+        seconds = getattr(restored, f"{name}_seconds")
+        if seconds is not None:
+            phases[name] = seconds
     return phases

@@ -49,8 +49,11 @@ class Recovery(BaseModel):
     shadow its missing records); then `standby` (promoting the standby: no wait) or `restart` (Ray restarts
     the lost process until it answers); `rejoin` (every rank restores at the shadow's step) and, with
     several ranks, `group` (the process group formed again). `constructor` (a restarted process's set-up),
-    `restore` (image plus records into the state), `install` (taking the image in, part of `restore`) and
-    `copy` (the image's bytes into the state alone, part of `install`) are parts of those."""
+    `restore` (image plus records into the state, in the process that takes the rank), `waited` (the rest of
+    `rejoin`: the call's way there and back and its wait behind a call the process was serving, such as a
+    standby's copy of a new image), and the parts of `restore`: `fetch` (asking the shadow for its image and
+    opening it), `install` (taking the image in; `copy`, the image's bytes into the state, is part of it),
+    `replay` (the records after the image) and `hash` (with `hash_every_step`)."""
 
 
 class RunSummary(BaseModel):
