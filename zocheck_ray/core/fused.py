@@ -77,6 +77,16 @@ def _as_voidptr(typingctx, address):
 
 
 @intrinsic
+def _claim(typingctx, address):
+    """Atomically add one to the int64 at `address`; returns the value before (a chunk's claim)."""
+    def codegen(context, builder, signature, args):
+        pointer = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.atomic_rmw("add", pointer, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return types.int64(types.int64), codegen
+
+
+@intrinsic
 def _f32_bits(typingctx, value):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.IntType(32))
@@ -610,13 +620,17 @@ def _chunk_staged(param, m, v, n, offset, tensor, decay, opt, gaussian, multi, k
 def _work(w, param_ptrs, m_ptrs, v_ptrs, offsets, decays, plan, opt, gaussian, steps, keys0, keys1, c_plus, c_minus,
           grads, lrs, bc1s, bc2s, thresholds, consts, shape, storage_dtype, itemsize, load, store, rnd, rnd_full,
           chunk_fn, scratch):
-    """Worker `w` of `workers`: a contiguous run of chunks, with its own scratch (for the `longest` chunk),
-    allocated once. `plan` is (chunk_tensor, chunk_start, chunk_len), `steps` (q, moves, n_moves) and `shape`
-    (workers, longest): a call of more than 30 arguments reaches numba as *args, which it cannot inline.
+    """Worker `w` of `workers`, with its own scratch (for the `longest` chunk), allocated once: it claims the
+    chunks one at a time from a counter the workers share (the int64 at address `claims`), so a worker whose core
+    is shared (another process starting, the shadow replaying beside a recovery) takes fewer chunks rather than
+    hold the others up at the end, as a fixed share each would. Every chunk is computed the same way whichever
+    worker takes it: the result is the same bits. `plan` is (chunk_tensor, chunk_start, chunk_len, claims),
+    `steps` (q, moves, n_moves) and `shape` (workers, longest): a call of more than 30 arguments reaches numba as
+    *args, which it cannot inline.
 
     `chunk_fn` is `_chunk_in_place` or `_chunk_staged` (which needs `scratch` elements of float32
     scratch): each kernel compiles the one it uses, which keeps compilation short."""
-    chunk_tensor, chunk_start, chunk_len = plan
+    chunk_tensor, chunk_start, chunk_len, claims = plan
     q, moves, n_moves = steps
     workers, longest = shape
     chunks = chunk_tensor.shape[0]
@@ -629,8 +643,8 @@ def _work(w, param_ptrs, m_ptrs, v_ptrs, offsets, decays, plan, opt, gaussian, s
     general = q > 1
     multi = (q, moves, n_moves, np.empty(longest if general else 0, np.float32),
              np.empty(longest if general else 0, np.bool_))
-    last = (w + 1) * chunks // workers
-    for c in range(w * chunks // workers, last):
+    c = _claim(claims)
+    while c < chunks:
         t = chunk_tensor[c]
         s = chunk_start[c]
         n = chunk_len[c]
@@ -647,6 +661,7 @@ def _work(w, param_ptrs, m_ptrs, v_ptrs, offsets, decays, plan, opt, gaussian, s
         chunk_fn(param, m, v, n, offsets[t] + s, t, decays[t], opt, gaussian, multi, keys0, keys1, c_plus, c_minus,
                  grads, lrs, bc1s, bc2s, thresholds, consts, p_scratch, z, wa, wb, radius, load, store,
                  rnd, rnd_full, _round_f32)
+        c = _claim(claims)
 
 
 # One worker and one kernel per storage dtype and chunk path (in place or staged). The worker is a function of
@@ -660,77 +675,77 @@ _KERNEL_OPTIONS = dict(parallel=True, cache=True, error_model="numpy", nogil=Tru
 
 
 @njit(inline="never")
-def _work_f32(w, pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk,
-              lg):
-    _work(w, pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+def _work_f32(w, pp, mp, vp, off, dec, ct, cs, cl, cc,
+              opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
+    _work(w, pp, mp, vp, off, dec, (ct, cs, cl, cc), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
           (wk, lg), np.float32, np.int64(4), _load_f32, _store_f32, _round_f32, _round_f32, _chunk_in_place, 0)
 
 
 @njit(inline="never")
-def _work_bf16(w, pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk,
-               lg):
-    _work(w, pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+def _work_bf16(w, pp, mp, vp, off, dec, ct, cs, cl, cc,
+               opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
+    _work(w, pp, mp, vp, off, dec, (ct, cs, cl, cc), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
           (wk, lg), np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, _chunk_staged, lg)
 
 
 @njit(inline="never")
-def _work_bf16_step(w, pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm,
+def _work_bf16_step(w, pp, mp, vp, off, dec, ct, cs, cl, cc, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm,
                     con, wk, lg):
-    _work(w, pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+    _work(w, pp, mp, vp, off, dec, (ct, cs, cl, cc), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
           (wk, lg), np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, _chunk_in_place, 0)
 
 
 @njit(inline="never")
-def _work_f16(w, pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk,
-              lg):
-    _work(w, pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+def _work_f16(w, pp, mp, vp, off, dec, ct, cs, cl, cc,
+              opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
+    _work(w, pp, mp, vp, off, dec, (ct, cs, cl, cc), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
           (wk, lg), np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, _chunk_staged, lg)
 
 
 @njit(inline="never")
-def _work_f16_step(w, pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con,
-                   wk, lg):
-    _work(w, pp, mp, vp, off, dec, (ct, cs, cl), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+def _work_f16_step(w, pp, mp, vp, off, dec, ct, cs, cl, cc,
+                   opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
+    _work(w, pp, mp, vp, off, dec, (ct, cs, cl, cc), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
           (wk, lg), np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, _chunk_in_place, 0)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_f32(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk,
-                lg):
+def _kernel_f32(pp, mp, vp, off, dec, ct, cs, cl, cc,
+                opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
     for w in prange(wk):
-        _work_f32(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv,
-                  nm, con, wk, lg)
+        _work_f32(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, cc,
+                  opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_bf16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk,
-                 lg):
+def _kernel_bf16(pp, mp, vp, off, dec, ct, cs, cl, cc,
+                 opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
     for w in prange(wk):
-        _work_bf16(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr,
-                   mv, nm, con, wk, lg)
+        _work_bf16(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, cc,
+                   opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_bf16_step(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con,
-                      wk, lg):
+def _kernel_bf16_step(pp, mp, vp, off, dec, ct, cs, cl, cc,
+                      opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
     for w in prange(wk):
-        _work_bf16_step(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2,
-                        thr, mv, nm, con, wk, lg)
+        _work_bf16_step(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, cc,
+                        opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_f16(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk,
-                lg):
+def _kernel_f16(pp, mp, vp, off, dec, ct, cs, cl, cc,
+                opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
     for w in prange(wk):
-        _work_f16(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv,
-                  nm, con, wk, lg)
+        _work_f16(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, cc,
+                  opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
-def _kernel_f16_step(pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con,
-                     wk, lg):
+def _kernel_f16_step(pp, mp, vp, off, dec, ct, cs, cl, cc,
+                     opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
     for w in prange(wk):
-        _work_f16_step(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2,
+        _work_f16_step(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, cc, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2,
                        thr, mv, nm, con, wk, lg)
 
 
@@ -953,7 +968,9 @@ def replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config
                 if not len(lens):
                     continue
                 workers = min(threads or default_threads(), len(lens))
-                kernel(param_ptrs, m_ptrs, v_ptrs, offsets, decays, tensor_ids, starts, lens, opt, gaussian, q,
+                claims = np.zeros(1, dtype=np.int64)  # the next chunk to claim (`_work`)
+                kernel(param_ptrs, m_ptrs, v_ptrs, offsets, decays, tensor_ids, starts, lens, claims.ctypes.data,
+                       opt, gaussian, q,
                        keys0, keys1, c_plus, c_minus, grads, lrs, bc1s, bc2s, thresholds, moves, n_moves, consts,
                        workers, longest)
         finally:
