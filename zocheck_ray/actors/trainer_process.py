@@ -150,28 +150,25 @@ class TrainerActor:
             return self._trainer.preinstall() if self._trainer is not None else None
 
     @ray.method(concurrency_group="standby")
-    def follow(self) -> int:
+    def follow(self) -> None:
         """The standby, while it waits on the CPU: copy each image the shadow offers in as soon as it is made
         (`Trainer.preinstall`), until it is promoted (`rejoin`), so that a promotion finds the newest image
         held (and replays only the records after it) whenever the failure comes, not only where the controller
-        asked between two of its segments. Returns how many images it copied (it ends at once where there is
-        nothing to hold: not built yet, a GPU standby, a process serving a rank)."""
-        copied, trainer, offered = 0, self._trainer, None
+        asked between two of its segments. It ends at once where there is nothing to hold: not built yet, a GPU
+        standby, a process serving a rank."""
+        trainer, offered = self._trainer, None
         while trainer is not None:
             with self._state:
                 if self._rejoined.is_set() or not trainer.holds_images:
-                    return copied
-                before = trainer.held_image
+                    return
                 trainer.preinstall()
                 held = trainer.held_image
             if held is None and offered is not None:
-                return copied  # an image was offered that cannot be held (one without a name): nothing to follow
-            copied += held is not None and held != before
+                return  # an image was offered that cannot be held (one without a name): nothing to follow
             try:  # the next image (the wait is the shadow's: no CPU here), or the end of the wait
                 offered = trainer.shadow.newer_image(held[0] if held else None, FOLLOW_WAIT_SECONDS)
             except ray.exceptions.RayError:  # the shadow is lost or restarting: the controller asks again later
-                return copied
-        return copied
+                return
 
     @ray.method(max_task_retries=-1)
     def held_image(self) -> int | None:

@@ -357,7 +357,7 @@ def _phases(started: float, marks: list[tuple[str, float]], constructed: Recover
         phases["restore"] = restored.restore_seconds
         if "rejoin" in phases and restored.seconds is not None:
             # the rejoin call's time outside the process's restore: the call's way there and back, and its wait
-            # behind a call the process was still serving (a standby's copy of a new image, `preinstall`)
+            # behind a copy the process had begun (a standby's copy of a new image, `TrainerActor.follow`)
             phases["waited"] = max(phases["rejoin"] - restored.seconds, 0.0)
     for name in ("fetch", "install", "copy", "replay", "hash"):
         seconds = getattr(restored, f"{name}_seconds")

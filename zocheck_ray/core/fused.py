@@ -617,22 +617,20 @@ def _chunk_staged(param, m, v, n, offset, tensor, decay, opt, gaussian, multi, k
 
 
 @njit(inline="always")
-def _work(w, param_ptrs, m_ptrs, v_ptrs, offsets, decays, plan, opt, gaussian, steps, keys0, keys1, c_plus, c_minus,
-          grads, lrs, bc1s, bc2s, thresholds, consts, shape, storage_dtype, itemsize, load, store, rnd, rnd_full,
+def _work(param_ptrs, m_ptrs, v_ptrs, offsets, decays, plan, opt, gaussian, steps, keys0, keys1, c_plus, c_minus,
+          grads, lrs, bc1s, bc2s, thresholds, consts, longest, storage_dtype, itemsize, load, store, rnd, rnd_full,
           chunk_fn, scratch):
-    """Worker `w` of `workers`, with its own scratch (for the `longest` chunk), allocated once: it claims the
+    """One of the kernel's workers, with its own scratch (for the `longest` chunk), allocated once: it claims the
     chunks one at a time from a counter the workers share (the int64 at address `claims`), so a worker whose core
     is shared (another process starting, the shadow replaying beside a recovery) takes fewer chunks rather than
     hold the others up at the end, as a fixed share each would. Every chunk is computed the same way whichever
-    worker takes it: the result is the same bits. `plan` is (chunk_tensor, chunk_start, chunk_len, claims),
-    `steps` (q, moves, n_moves) and `shape` (workers, longest): a call of more than 30 arguments reaches numba as
-    *args, which it cannot inline.
+    worker takes it: the result is the same bits. `plan` is (chunk_tensor, chunk_start, chunk_len, claims) and
+    `steps` (q, moves, n_moves): a call of more than 30 arguments reaches numba as *args, which it cannot inline.
 
     `chunk_fn` is `_chunk_in_place` or `_chunk_staged` (which needs `scratch` elements of float32
     scratch): each kernel compiles the one it uses, which keeps compilation short."""
     chunk_tensor, chunk_start, chunk_len, claims = plan
     q, moves, n_moves = steps
-    workers, longest = shape
     chunks = chunk_tensor.shape[0]
     p_scratch = np.empty(scratch, np.float32)
     z = np.empty(longest + 8, np.float32)
@@ -668,85 +666,85 @@ def _work(w, param_ptrs, m_ptrs, v_ptrs, offsets, decays, plan, opt, gaussian, s
 # its own, called from the kernel's parallel loop: numba's parallel passes (fusion, gufunc lowering) then work on
 # a loop of one call rather than on the whole inlined body, which halves the compilation of every kernel (float32
 # 44 -> 20 s, bf16 60-71 -> 35 s, the same replay speed: `bench replay`). The worker takes arrays and numbers
-# only: a function passed through the parallel loop would make the kernel uncacheable (a dynamic global), and
-# its loop index is cast to int64 so numba compiles the worker once, not again for the gufunc's unsigned index.
+# only: a function passed through the parallel loop would make the kernel uncacheable (a dynamic global). The
+# loop runs `wk` workers, each claiming chunks until none is left (`_work`).
 # Each kernel is a plain module-level function so numba can cache it on disk.
 _KERNEL_OPTIONS = dict(parallel=True, cache=True, error_model="numpy", nogil=True)
 
 
 @njit(inline="never")
-def _work_f32(w, pp, mp, vp, off, dec, ct, cs, cl, cc,
-              opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
-    _work(w, pp, mp, vp, off, dec, (ct, cs, cl, cc), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-          (wk, lg), np.float32, np.int64(4), _load_f32, _store_f32, _round_f32, _round_f32, _chunk_in_place, 0)
+def _work_f32(pp, mp, vp, off, dec, ct, cs, cl, cc,
+              opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, lg):
+    _work(pp, mp, vp, off, dec, (ct, cs, cl, cc), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+          lg, np.float32, np.int64(4), _load_f32, _store_f32, _round_f32, _round_f32, _chunk_in_place, 0)
 
 
 @njit(inline="never")
-def _work_bf16(w, pp, mp, vp, off, dec, ct, cs, cl, cc,
-               opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
-    _work(w, pp, mp, vp, off, dec, (ct, cs, cl, cc), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-          (wk, lg), np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, _chunk_staged, lg)
+def _work_bf16(pp, mp, vp, off, dec, ct, cs, cl, cc,
+               opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, lg):
+    _work(pp, mp, vp, off, dec, (ct, cs, cl, cc), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+          lg, np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, _chunk_staged, lg)
 
 
 @njit(inline="never")
-def _work_bf16_step(w, pp, mp, vp, off, dec, ct, cs, cl, cc, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm,
-                    con, wk, lg):
-    _work(w, pp, mp, vp, off, dec, (ct, cs, cl, cc), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-          (wk, lg), np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, _chunk_in_place, 0)
+def _work_bf16_step(pp, mp, vp, off, dec, ct, cs, cl, cc, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm,
+                    con, lg):
+    _work(pp, mp, vp, off, dec, (ct, cs, cl, cc), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+          lg, np.uint16, np.int64(2), _load_bf16, _store_bf16, _round_bf16_inner, _round_bf16, _chunk_in_place, 0)
 
 
 @njit(inline="never")
-def _work_f16(w, pp, mp, vp, off, dec, ct, cs, cl, cc,
-              opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
-    _work(w, pp, mp, vp, off, dec, (ct, cs, cl, cc), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-          (wk, lg), np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, _chunk_staged, lg)
+def _work_f16(pp, mp, vp, off, dec, ct, cs, cl, cc,
+              opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, lg):
+    _work(pp, mp, vp, off, dec, (ct, cs, cl, cc), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+          lg, np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, _chunk_staged, lg)
 
 
 @njit(inline="never")
-def _work_f16_step(w, pp, mp, vp, off, dec, ct, cs, cl, cc,
-                   opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
-    _work(w, pp, mp, vp, off, dec, (ct, cs, cl, cc), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
-          (wk, lg), np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, _chunk_in_place, 0)
+def _work_f16_step(pp, mp, vp, off, dec, ct, cs, cl, cc,
+                   opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, lg):
+    _work(pp, mp, vp, off, dec, (ct, cs, cl, cc), opt, gau, (q, mv, nm), k0, k1, cpl, cmi, gr, lr, b1, b2, thr, con,
+          lg, np.uint16, np.int64(2), _load_f16, _store_f16, _round_f16_inner, _round_f16, _chunk_in_place, 0)
 
 
 @njit(**_KERNEL_OPTIONS)
 def _kernel_f32(pp, mp, vp, off, dec, ct, cs, cl, cc,
                 opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
-    for w in prange(wk):
-        _work_f32(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, cc,
-                  opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg)
+    for _ in prange(wk):
+        _work_f32(pp, mp, vp, off, dec, ct, cs, cl, cc,
+                  opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
 def _kernel_bf16(pp, mp, vp, off, dec, ct, cs, cl, cc,
                  opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
-    for w in prange(wk):
-        _work_bf16(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, cc,
-                   opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg)
+    for _ in prange(wk):
+        _work_bf16(pp, mp, vp, off, dec, ct, cs, cl, cc,
+                   opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
 def _kernel_bf16_step(pp, mp, vp, off, dec, ct, cs, cl, cc,
                       opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
-    for w in prange(wk):
-        _work_bf16_step(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, cc,
-                        opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg)
+    for _ in prange(wk):
+        _work_bf16_step(pp, mp, vp, off, dec, ct, cs, cl, cc,
+                        opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
 def _kernel_f16(pp, mp, vp, off, dec, ct, cs, cl, cc,
                 opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
-    for w in prange(wk):
-        _work_f16(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, cc,
-                  opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg)
+    for _ in prange(wk):
+        _work_f16(pp, mp, vp, off, dec, ct, cs, cl, cc,
+                  opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, lg)
 
 
 @njit(**_KERNEL_OPTIONS)
 def _kernel_f16_step(pp, mp, vp, off, dec, ct, cs, cl, cc,
                      opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2, thr, mv, nm, con, wk, lg):
-    for w in prange(wk):
-        _work_f16_step(np.int64(w), pp, mp, vp, off, dec, ct, cs, cl, cc, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2,
-                       thr, mv, nm, con, wk, lg)
+    for _ in prange(wk):
+        _work_f16_step(pp, mp, vp, off, dec, ct, cs, cl, cc, opt, gau, q, k0, k1, cpl, cmi, gr, lr, b1, b2,
+                       thr, mv, nm, con, lg)
 
 
 _KERNELS = {torch.float32: _kernel_f32, torch.bfloat16: _kernel_bf16, torch.float16: _kernel_f16}
