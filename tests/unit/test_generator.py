@@ -116,3 +116,24 @@ def test_elementary_functions_are_accurate():
     angle = f.double() * np.pi / 2
     assert (sin.double() - angle.sin()).abs().max() < 5e-7
     assert (cos.double() - angle.cos()).abs().max() < 5e-7
+
+
+def test_a_trainer_process_has_two_numba_threads_per_core_and_its_generator_one_per_core():
+    """A trainer process's numba pool is twice its cores (its recovery's replay claims chunks: more threads keep
+    its share of busy cores), its steps' generator splits blocks evenly over at most one thread per core; a pool
+    the environment sets is kept. Each in a fresh process: numba reads the pool's size when it is imported."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from zocheck_ray.actors.trainer_process import size_numba_pool; size_numba_pool()\n"
+            "import numba\nfrom zocheck_ray.core.fused import compute_threads, process_cores\n"
+            "steps = compute_threads(); numba.set_num_threads(1)\n"
+            "print(numba.config.NUMBA_NUM_THREADS, process_cores(), steps, compute_threads())")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_NUM_THREADS"}
+    cores = len(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(2 * cores), str(cores), str(cores), "1"]
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "NUMBA_NUM_THREADS": "1"}, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.split() == ["1", str(cores), "1", "1"]

@@ -43,7 +43,7 @@ from zocheck_ray.actors.publisher import FLUSH_SECONDS, Publisher, ShadowLink
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, replay, state_hash
 from zocheck_ray.core.errors import StateMismatchError
-from zocheck_ray.core.fused import warm_up
+from zocheck_ray.core.fused import default_threads, warm_up
 from zocheck_ray.core.triton_kernels import replay_on_device
 from zocheck_ray.workload.data import step_seed
 from zocheck_ray.workload.adapters import BaseModelMismatchError, build_trainable
@@ -257,10 +257,13 @@ class Trainer:
         self.opt.step_index = step
         self.hooks.after_restore()
         loaded = time.perf_counter()
+        replay_threads = None
         if records:
             live = self.opt.state_tensors()
             if self.device.type == "cpu":
-                replay(live, records, self.job.zo, start_step=step)
+                # on numba's whole pool: in a trainer process, more threads than cores (trainer_process.py)
+                replay_threads = default_threads()
+                replay(live, records, self.job.zo, start_step=step, threads=replay_threads)
             else:  # the fused GPU kernels where they passed the start-up guard, else the eager oracle
                 replay_on_device(live, records, self.job.zo, start_step=step, backend=self.opt.kernel_backend)
             self.opt.step_index = step + len(records)
@@ -273,7 +276,7 @@ class Trainer:
                             preinstalled=preinstalled, copy_seconds=copy_seconds,
                             copy_threads=offer.threads if copy_seconds is not None else None,
                             install_seconds=loaded - began, replay_seconds=replayed - loaded,
-                            hash_seconds=time.perf_counter() - replayed), records
+                            replay_threads=replay_threads, hash_seconds=time.perf_counter() - replayed), records
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics of the current state (recorded under the current step)."""

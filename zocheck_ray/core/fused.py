@@ -33,6 +33,7 @@ package on a machine shares the compiled kernels.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from typing import Sequence
 
@@ -789,13 +790,15 @@ SERIAL_BELOW = 4 * CHUNK_ELEMENTS
 
 
 def perturbation_into(out: np.ndarray, seed: int, offset: int, kind: str) -> None:
-    """`perturbation_cpu` into a float32 buffer of the caller's (z for offset .. offset + len(out) - 1)."""
+    """`perturbation_cpu` into a float32 buffer of the caller's (z for offset .. offset + len(out) - 1), on
+    `compute_threads()` (its blocks are split evenly among them: no more threads than cores)."""
     args = (np.uint64(seed & MASK32), np.uint64(seed >> 32), offset, kind == "gaussian", out)
-    if out.size >= SERIAL_BELOW:
+    threads = compute_threads() if out.size >= SERIAL_BELOW else 1
+    previous = numba.get_num_threads()  # thread-local
+    if threads == previous:
         _perturbation_kernel(*args)
         return
-    previous = numba.get_num_threads()  # thread-local
-    numba.set_num_threads(1)
+    numba.set_num_threads(threads)
     try:
         _perturbation_kernel(*args)
     finally:
@@ -894,7 +897,25 @@ def split_kernels(workers: int) -> list[list[str]]:
 
 
 def default_threads() -> int:
+    """numba's pool (`NUMBA_NUM_THREADS`): the threads `replay` runs on unless told. Its workers claim chunks
+    one at a time, so threads beyond the cores cost nothing where the cores are free, and keep the replay's
+    share where other processes run on them (a trainer's pool: `actors.trainer_process.size_numba_pool`)."""
     return numba.config.NUMBA_NUM_THREADS
+
+
+@functools.lru_cache(maxsize=1)
+def process_cores() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def compute_threads() -> int:
+    """Threads for a kernel that splits its work evenly among them (the trainer's generator): the calling
+    thread's numba count (`numba.set_num_threads`), at most the process's cores."""
+    return max(1, min(numba.get_num_threads(), process_cores()))
 
 
 def replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
