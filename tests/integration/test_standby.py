@@ -17,7 +17,7 @@ import transformers
 from reference_runs import assert_exact, job_for, uninterrupted_hashes
 from support import wait_until
 from zocheck_ray.actors.ray_actors import actor_entry, actor_state
-from zocheck_ray.actors.trainer_process import RECOVERY_THREADS_PER_CORE
+from zocheck_ray.actors.trainer_process import RECOVERY_THREADS
 from zocheck_ray.control import RunCallback
 from zocheck_ray.testing import FaultInjection
 from zocheck_ray.testing import run_with_faults as run
@@ -121,9 +121,9 @@ def test_a_standby_that_holds_the_offered_image_replays_only_the_records_and_end
     (recovery,) = summary.recoveries
     assert recovery.replaced_by == "standby" and recovery.preinstalled and recovery.image_step == 0
     assert 0 < recovery.recovered_step == recovery.replayed_records <= 13
-    # replayed on numba's whole pool, which a trainer process sizes at two threads per core: a neighbour on the
-    # node (the process Ray restarts, the shadow replaying the same records) takes less of the cores from it
-    pool = os.environ.get("NUMBA_NUM_THREADS") or RECOVERY_THREADS_PER_CORE * len(os.sched_getaffinity(0))
+    # replayed on numba's whole pool, which a trainer process sizes beyond its cores on a small node: a neighbour
+    # there (the process Ray restarts, the shadow replaying the same records) takes less of the cores from it
+    pool = os.environ.get("NUMBA_NUM_THREADS") or max(RECOVERY_THREADS, len(os.sched_getaffinity(0)))
     assert recovery.replay_threads == int(pool)
     assert_exact(summary, uninterrupted_hashes(job))
 

@@ -118,10 +118,13 @@ def test_elementary_functions_are_accurate():
     assert (cos.double() - angle.cos()).abs().max() < 5e-7
 
 
-def test_a_trainer_process_has_two_numba_threads_per_core_and_its_generator_one_per_core():
-    """A trainer process's numba pool is twice its cores (its recovery's replay claims chunks: more threads keep
-    its share of busy cores), its steps' generator splits blocks evenly over at most one thread per core; a pool
-    the environment sets is kept. Each in a fresh process: numba reads the pool's size when it is imported."""
+def test_a_trainer_process_has_more_numba_threads_than_cores_and_its_generator_one_per_core():
+    """A trainer process's numba pool is `RECOVERY_THREADS` or one thread per core, the more (its recovery's
+    replay claims chunks: more threads keep its share of busy cores), its steps' generator splits blocks evenly
+    over at most one thread per core; a pool the environment sets is kept. Each in a fresh process: numba reads
+    the pool's size when it is imported."""
+    from zocheck_ray.actors.trainer_process import RECOVERY_THREADS
+
     import os
     import subprocess
     import sys
@@ -133,7 +136,7 @@ def test_a_trainer_process_has_two_numba_threads_per_core_and_its_generator_one_
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_NUM_THREADS"}
     cores = len(os.sched_getaffinity(0))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == [str(2 * cores), str(cores), str(cores), "1"]
+    assert out.stdout.split() == [str(max(RECOVERY_THREADS, cores)), str(cores), str(cores), "1"]
     out = subprocess.run([sys.executable, "-c", code], env={**env, "NUMBA_NUM_THREADS": "1"}, capture_output=True,
                          text=True, check=True)
     assert out.stdout.split() == ["1", str(cores), "1", "1"]

@@ -188,8 +188,9 @@ class RecoveryInfo(BaseModel):
     replay_seconds: float | None = None
     """Replaying the records after the image (part of restore)."""
     replay_threads: int | None = None
-    """The threads that replay ran on (on the CPU: numba's pool, in a trainer process more threads than cores,
-    see `actors.trainer_process.RECOVERY_THREADS_PER_CORE`); None where no record was replayed on the CPU."""
+    """The threads that replay ran on (on the CPU: numba's pool, in a trainer process more threads than cores
+    on a small node, see `actors.trainer_process.RECOVERY_THREADS`); None where no record was replayed on the
+    CPU."""
     hash_seconds: float | None = None
     """Hashing the restored state, with `hash_every_step` (part of restore)."""
 

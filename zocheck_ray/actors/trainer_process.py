@@ -39,27 +39,29 @@ if TYPE_CHECKING:
 Prepared = Literal["constructor", "prepare", "first use"]
 
 
-RECOVERY_THREADS_PER_CORE = 2
-"""A trainer process's numba pool per core of the process (`size_numba_pool`): its recovery's replay runs on
-all of it; its steps' kernels on at most one thread per core (`core.fused.compute_threads`).
+RECOVERY_THREADS = 8
+"""A trainer process's numba pool: this many threads, or one per core where it has more cores
+(`size_numba_pool`). Its recovery's replay runs on all of them; its steps' kernels on at most one per core
+(`core.fused.compute_threads`).
 
 The replay's workers claim chunks one at a time, so threads beyond the cores cost nothing where the cores are
-free, and keep the larger share of the cores the scheduler gives more threads where other processes run on
-them. A recovery has such neighbours: a promotion, the process Ray restarts (its interpreter and imports) and
-the shadow replaying the same records. One record on 100M fp32 parameters, 2 cores: alone 0.108 s on 2
-threads, 0.106 s on 4; beside one busy process 0.175 s on 2, 0.138 s on 4."""
+free, and where other processes run on them the replay keeps the share the scheduler gives its threads against
+theirs. A recovery has such neighbours: a promotion, the process Ray restarts (its interpreter and imports) and
+the shadow replaying the same records. One record on 100M parameters, 2 cores, on 2 / 4 / 8 threads: fp32 alone
+0.109 / 0.107 / 0.107 s, beside one busy process 0.157 / 0.138 / 0.122 s; bf16 alone 0.144 / 0.146 / 0.146 s,
+beside it 0.220 / 0.176 / 0.164 s."""
 
 
 def size_numba_pool() -> None:
-    """`NUMBA_NUM_THREADS` = `RECOVERY_THREADS_PER_CORE` per CPU this process may run on, before numba is
-    imported here; where the environment sets it, or numba is already imported, nothing changes."""
+    """`NUMBA_NUM_THREADS` = the larger of `RECOVERY_THREADS` and the CPUs this process may run on, before numba
+    is imported here; where the environment sets it, or numba is already imported, nothing changes."""
     if "numba" in sys.modules or os.environ.get("NUMBA_NUM_THREADS"):
         return
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    os.environ["NUMBA_NUM_THREADS"] = str(RECOVERY_THREADS_PER_CORE * cores)
+    os.environ["NUMBA_NUM_THREADS"] = str(max(RECOVERY_THREADS, cores))
 
 
 FOLLOW_WAIT_SECONDS = 2.0

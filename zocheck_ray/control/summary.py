@@ -46,7 +46,7 @@ class Recovery(BaseModel):
     """The threads the image's copy into the state ran on (phase `copy`); None where nothing was copied."""
     replay_threads: int | None = None
     """The threads the replay of the records after the image ran on (phase `replay`; a trainer process's numba
-    pool, two per core); None where no record was replayed on the CPU."""
+    pool: 8, or one per core on a larger node); None where no record was replayed on the CPU."""
     phases: dict[str, float] = {}
     """Seconds of each part, in order: with data-parallel ranks first `deliver` (the survivors hand the
     shadow its missing records); then `standby` (promoting the standby: no wait) or `restart` (Ray restarts
