@@ -123,16 +123,16 @@ def test_a_trainer_process_has_more_numba_threads_than_cores_and_its_generator_o
     replay claims chunks: more threads keep its share of busy cores), its steps' generator splits blocks evenly
     over at most one thread per core; a pool the environment sets is kept. Each in a fresh process: numba reads
     the pool's size when it is imported."""
-    from zocheck_ray.actors.trainer_process import RECOVERY_THREADS
-
     import os
     import subprocess
     import sys
 
+    from zocheck_ray.actors.trainer_process import RECOVERY_THREADS
+
     code = ("from zocheck_ray.actors.trainer_process import size_numba_pool; size_numba_pool()\n"
-            "import numba\nfrom zocheck_ray.core.fused import compute_threads, process_cores\n"
+            "import numba\nfrom zocheck_ray.core.fused import compute_threads\nfrom zocheck_ray.cpus import process_cpus\n"
             "steps = compute_threads(); numba.set_num_threads(1)\n"
-            "print(numba.config.NUMBA_NUM_THREADS, process_cores(), steps, compute_threads())")
+            "print(numba.config.NUMBA_NUM_THREADS, process_cpus(), steps, compute_threads())")
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_NUM_THREADS"}
     cores = len(os.sched_getaffinity(0))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

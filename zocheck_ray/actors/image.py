@@ -40,6 +40,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from zocheck_ray.core.layout import DTYPE_BY_NAME, DTYPES
+from zocheck_ray.cpus import process_cpus
 
 ALIGN = 64
 """Every tensor starts on a 64-byte boundary, so views of any dtype are aligned."""
@@ -52,11 +53,7 @@ TRANSFER_THREADS_MAX = 8
 def transfer_threads() -> int:
     """Threads for a restore or an intake: every CPU this process may run on, up to `TRANSFER_THREADS_MAX`.
     A trainer that restores or hands over its state does nothing else meanwhile, whatever CPUs it reserved."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(TRANSFER_THREADS_MAX, cpus))
+    return min(TRANSFER_THREADS_MAX, process_cpus())
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Literal
 
 import ray
 
+from zocheck_ray.cpus import process_cpus
+
 if TYPE_CHECKING:
     from zocheck_ray.actors.messages import KernelInfo, PublisherStats, RecoveryInfo, TrainerProgress
     from zocheck_ray.actors.trainer import Trainer
@@ -57,11 +59,7 @@ def size_numba_pool() -> None:
     is imported here; where the environment sets it, or numba is already imported, nothing changes."""
     if "numba" in sys.modules or os.environ.get("NUMBA_NUM_THREADS"):
         return
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    os.environ["NUMBA_NUM_THREADS"] = str(max(RECOVERY_THREADS, cores))
+    os.environ["NUMBA_NUM_THREADS"] = str(max(RECOVERY_THREADS, process_cpus()))
 
 
 FOLLOW_WAIT_SECONDS = 2.0

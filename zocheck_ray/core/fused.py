@@ -33,7 +33,6 @@ package on a machine shares the compiled kernels.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from typing import Sequence
 
@@ -50,6 +49,7 @@ from zocheck_ray.core.errors import StateMismatchError
 from zocheck_ray.core import generator as G
 from zocheck_ray.core.generator import PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0, PHILOX_W1, STREAM
 from zocheck_ray.core import kernel_cache
+from zocheck_ray.cpus import process_cpus
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MOMENTUM_PREFIX, Layout, moment_prefixes
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.seeds import MASK32, check_seed, perturbation_seeds
@@ -903,19 +903,10 @@ def default_threads() -> int:
     return numba.config.NUMBA_NUM_THREADS
 
 
-@functools.lru_cache(maxsize=1)
-def process_cores() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def compute_threads() -> int:
     """Threads for a kernel that splits its work evenly among them (the trainer's generator): the calling
-    thread's numba count (`numba.set_num_threads`), at most the process's cores."""
-    return max(1, min(numba.get_num_threads(), process_cores()))
+    thread's numba count (`numba.set_num_threads`), at most the process's CPUs."""
+    return min(numba.get_num_threads(), process_cpus())
 
 
 def replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
