@@ -40,7 +40,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from zocheck_ray.core.layout import DTYPE_BY_NAME, DTYPES
-from zocheck_ray.cpus import process_cpus
+from zocheck_ray.core.cpus import process_cpus
 
 ALIGN = 64
 """Every tensor starts on a 64-byte boundary, so views of any dtype are aligned."""

@@ -32,8 +32,6 @@ from typing import TYPE_CHECKING, Literal
 
 import ray
 
-from zocheck_ray.cpus import process_cpus
-
 if TYPE_CHECKING:
     from zocheck_ray.actors.messages import KernelInfo, PublisherStats, RecoveryInfo, TrainerProgress
     from zocheck_ray.actors.trainer import Trainer
@@ -59,7 +57,11 @@ def size_numba_pool() -> None:
     is imported here; where the environment sets it, or numba is already imported, nothing changes."""
     if "numba" in sys.modules or os.environ.get("NUMBA_NUM_THREADS"):
         return
-    os.environ["NUMBA_NUM_THREADS"] = str(max(RECOVERY_THREADS, process_cpus()))
+    try:  # `core.cpus.process_cpus`, which this module cannot import: `zocheck_ray.core` loads torch
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    os.environ["NUMBA_NUM_THREADS"] = str(max(RECOVERY_THREADS, cpus))
 
 
 FOLLOW_WAIT_SECONDS = 2.0

@@ -6,7 +6,7 @@ GPU kernels (on CPU tensors, Triton's interpreter). "auto" takes the kernels on 
 have passed the start-up guard (`kernel_guard`) there, and the eager path everywhere else.
 
 This is the top of the core's layers: the specification (config, errors, layout, record,
-scalars, seeds, hashing) <- the reference implementation (generator, update, reference,
+scalars, seeds, hashing; and cpus) <- the reference implementation (generator, update, reference,
 validation) <- the kernels (fused, triton_kernels) <- the guard <- backend selection and
 the optimizer. Each imports only from the layers before it.
 """

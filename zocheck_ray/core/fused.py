@@ -49,7 +49,7 @@ from zocheck_ray.core.errors import StateMismatchError
 from zocheck_ray.core import generator as G
 from zocheck_ray.core.generator import PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0, PHILOX_W1, STREAM
 from zocheck_ray.core import kernel_cache
-from zocheck_ray.cpus import process_cpus
+from zocheck_ray.core.cpus import process_cpus
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MOMENTUM_PREFIX, Layout, moment_prefixes
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.seeds import MASK32, check_seed, perturbation_seeds

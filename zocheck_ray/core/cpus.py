@@ -1,5 +1,4 @@
-"""The CPUs this process may run on: standard library only, so that a module which must not import torch
-or numba yet (`actors.trainer_process`, before it sizes numba's pool) can ask too."""
+"""The CPUs this process may run on (standard library only)."""
 
 from __future__ import annotations
 
