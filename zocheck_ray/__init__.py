@@ -9,16 +9,22 @@ _CORE = ("CorruptRecordError", "IncompleteRecordError", "Layout", "NonFiniteErro
          "StateMismatchError", "StepRecord", "ZOCheckError", "ZOConfig", "ZOOptimizer", "perturbation", "replay",
          "replay_reference", "state_hash")
 
+_DEPENDENCIES = ("torch", "numpy", "numba", "ray", "pydantic", "yaml", "safetensors", "fsspec", "transformers")
+"""What `python -m zocheck_ray` looks for before it runs: found, not imported (the packages load their modules on
+first use: `core/lazy.py`)."""
+
 if sys.argv[:1] == ["-m"]:  # only while `python -m zocheck_ray[.module]` imports this package
-    try:
-        import zocheck_ray.core  # noqa: F401
-    except ModuleNotFoundError as missing:
+    import importlib.util
+
+    _absent = next((name for name in _DEPENDENCIES if importlib.util.find_spec(name) is None), None)
+    if _absent is not None:
         # run by a Python without the dependencies (a `ray job submit` entrypoint on a node whose Ray runs from
         # an environment not on PATH): hand over to the Python that runs Ray there.
         from zocheck_ray._interpreter import hand_over_to_ray_python
 
-        hand_over_to_ray_python(missing)
-        raise
+        _missing = ModuleNotFoundError(f"No module named {_absent!r}", name=_absent)
+        hand_over_to_ray_python(_missing)
+        raise _missing
 
 __version__ = "0.1.0"
 

@@ -20,9 +20,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from zocheck_ray.core.config import ZOConfig
-from zocheck_ray.workload.adapters import PeftSettings
+from zocheck_ray.workload.peft_settings import PeftSettings
 from zocheck_ray.workload.errors import WorkloadError
-from zocheck_ray.workload.models import model_directory
+from zocheck_ray.workload.names import model_directory
 from zocheck_ray.workload.task_config import TaskConfig
 
 

@@ -119,6 +119,15 @@ STATUS_SECONDS = 30.0
 
 
 def train(args: argparse.Namespace) -> int:
+    embedded = args.config is None
+    try:  # the job is checked before torch, Ray's control code and the model's libraries load (seconds)
+        job = load_job_config(args.config, args.set, base=EMBEDDED_DEFAULT if embedded else None,
+                              steps=args.steps, storage=args.storage)
+        check_job_environment(job)  # a relative path in a submitted job: refused before Ray starts
+    except JobConfigError as exc:
+        print(f"zocheck-ray train: {exc}", file=sys.stderr)
+        return 2
+
     import ray
 
     from zocheck_ray.control import RunFailedError
@@ -128,11 +137,7 @@ def train(args: argparse.Namespace) -> int:
     from zocheck_ray.testing import run_with_faults
     from zocheck_ray.verify import verify_run
 
-    embedded = args.config is None
     try:
-        job = load_job_config(args.config, args.set, base=EMBEDDED_DEFAULT if embedded else None,
-                              steps=args.steps, storage=args.storage)
-        check_job_environment(job)  # a relative path in a submitted job: refused before Ray starts
         fail_at = args.fail_at
         if fail_at is None:
             first_allowed = 1 if job.snapshot_interval else profile_steps(job) + 1

@@ -112,6 +112,21 @@ def test_python_m_zocheck_ray_under_a_python_without_the_dependencies_says_which
     assert "-m zocheck_ray" in out.stderr
 
 
+@pytest.mark.parametrize("arguments", [["--help"], ["train", "--set", "steps=-3"]])
+def test_the_command_line_answers_help_and_a_bad_job_without_loading_torch(arguments):
+    # the packages load their modules on first use (core/lazy.py), and `train` checks the job before the rest
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "zocheck_ray", *arguments], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    if arguments == ["--help"]:
+        assert out.returncode == 0 and "usage: zocheck-ray" in out.stdout
+    else:
+        assert out.returncode == 2 and "zocheck-ray train:" in out.stderr and "steps" in out.stderr
+    assert {"zocheck_ray.cli", "zocheck_ray.config"} <= imported
+    heavy = {"torch", "numba", "transformers", "ray"} & imported
+    assert not heavy, sorted(heavy)
+
+
 def test_the_slow_marker_selects(pytester):
     # in this process: pytest's own collection with the suite's conftest, modules already imported
     files = [str(REPO / "tests" / name) for name in ("integration/test_tune.py", "integration/test_job_submit.py",

@@ -1,11 +1,28 @@
 """The driver: the controller's state machine over a trainer group and its shadow, the failure policy,
 placement and start-up checks, and the callbacks through which a run reports (see controller.py)."""
 
-from zocheck_ray.control.callbacks import RunCallback, Segment
-from zocheck_ray.control.controller import Controller, State, run
-from zocheck_ray.control.policy import Action, Decision, Failure, FailureBudget, decide
-from zocheck_ray.control.stop import RunStopped
-from zocheck_ray.control.summary import Recovery, RunFailedError, RunSummary
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from zocheck_ray.core.lazy import on_first_use
+
+if TYPE_CHECKING:
+    from zocheck_ray.control.callbacks import RunCallback, Segment
+    from zocheck_ray.control.controller import Controller, State, run
+    from zocheck_ray.control.policy import Action, Decision, Failure, FailureBudget, decide
+    from zocheck_ray.control.stop import RunStopped
+    from zocheck_ray.control.summary import Recovery, RunFailedError, RunSummary
 
 __all__ = ["run", "Controller", "State", "RunCallback", "Segment", "Failure", "Action", "Decision", "FailureBudget",
            "decide", "Recovery", "RunSummary", "RunFailedError", "RunStopped"]
+
+__getattr__, __dir__ = on_first_use(__name__, {
+    "callbacks": ("RunCallback", "Segment"),
+    "controller": ("Controller", "State", "run"),
+    "policy": ("Action", "Decision", "Failure", "FailureBudget", "decide"),
+    "stop": ("RunStopped",),
+    "summary": ("Recovery", "RunFailedError", "RunSummary"),
+}, __all__)
+"""The names load with their modules on first use (`core/lazy.py`): `zocheck_ray.control.connect` alone (the command
+line's `status`) loads neither the controller nor torch."""

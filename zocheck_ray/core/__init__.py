@@ -6,21 +6,28 @@ errors, layout, record, scalars, seeds, hashing), the reference implementation i
 and on top backend selection and the optimizer.
 """
 
-from zocheck_ray.core.config import ZOConfig
-from zocheck_ray.core.errors import (
-    CorruptRecordError,
-    NonFiniteError,
-    RecordSequenceError,
-    StateMismatchError,
-    ZOCheckError,
-)
-from zocheck_ray.core.backend import perturbation
-from zocheck_ray.core.hashing import state_hash
-from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout, TensorSpec
-from zocheck_ray.core.optimizer import ZOOptimizer
-from zocheck_ray.core.record import IncompleteRecordError, StepRecord
-from zocheck_ray.core.reference import replay_reference
-from zocheck_ray.core.fused import replay
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from zocheck_ray.core.lazy import on_first_use
+
+if TYPE_CHECKING:
+    from zocheck_ray.core.backend import perturbation
+    from zocheck_ray.core.config import ZOConfig
+    from zocheck_ray.core.errors import (
+        CorruptRecordError,
+        NonFiniteError,
+        RecordSequenceError,
+        StateMismatchError,
+        ZOCheckError,
+    )
+    from zocheck_ray.core.fused import replay
+    from zocheck_ray.core.hashing import state_hash
+    from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, Layout, TensorSpec
+    from zocheck_ray.core.optimizer import ZOOptimizer
+    from zocheck_ray.core.record import IncompleteRecordError, StepRecord
+    from zocheck_ray.core.reference import replay_reference
 
 __all__ = [
     "ZOConfig", "ZOOptimizer", "StepRecord", "Layout", "TensorSpec", "perturbation", "state_hash",
@@ -28,3 +35,12 @@ __all__ = [
     "ZOCheckError", "StateMismatchError", "RecordSequenceError", "CorruptRecordError",
     "IncompleteRecordError", "NonFiniteError",
 ]
+
+__getattr__, __dir__ = on_first_use(__name__, {
+    "config": ("ZOConfig",), "backend": ("perturbation",), "fused": ("replay",), "hashing": ("state_hash",),
+    "errors": ("CorruptRecordError", "NonFiniteError", "RecordSequenceError", "StateMismatchError", "ZOCheckError"),
+    "layout": ("EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX", "Layout", "TensorSpec"), "optimizer": ("ZOOptimizer",),
+    "record": ("IncompleteRecordError", "StepRecord"), "reference": ("replay_reference",),
+}, __all__)
+"""The names load with their modules on first use (`core/lazy.py`): `zocheck_ray.core.errors` or `.cpus` alone
+loads neither torch nor numba."""

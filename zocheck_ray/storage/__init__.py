@@ -14,30 +14,37 @@
 Storage knows nothing of training: it handles tensors, `StepRecord`s and JSON metadata.
 """
 
-from zocheck_ray.storage.errors import (
-    CorruptLogError,
-    CorruptSnapshotError,
-    SnapshotNotFoundError,
-    StorageError,
-    StorageFullError,
-    StorageURLError,
-)
-from zocheck_ray.storage.fs import FsspecStorage, Storage, open_storage, parse_url
-from zocheck_ray.storage.lease import (
-    Lease,
-    LeaseError,
-    LeaseHeldError,
-    LeaseInfo,
-    LeaseLostError,
-    LeaseRequiredError,
-    check_no_live_writer,
-    read_lease,
-)
-from zocheck_ray.storage.recovery import RecoveredState, recover, recover_state
-from zocheck_ray.storage.audit import Audit, audit_run
-from zocheck_ray.storage.manifest import Manifest, SnapshotMeta
-from zocheck_ray.storage.snapshot import SnapshotInfo, SnapshotStore, snapshot_dir
-from zocheck_ray.storage.steplog import StepLog, read_log
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from zocheck_ray.core.lazy import on_first_use
+
+if TYPE_CHECKING:
+    from zocheck_ray.storage.errors import (
+        CorruptLogError,
+        CorruptSnapshotError,
+        SnapshotNotFoundError,
+        StorageError,
+        StorageFullError,
+        StorageURLError,
+    )
+    from zocheck_ray.storage.fs import FsspecStorage, Storage, open_storage, parse_url
+    from zocheck_ray.storage.lease import (
+        Lease,
+        LeaseError,
+        LeaseHeldError,
+        LeaseInfo,
+        LeaseLostError,
+        LeaseRequiredError,
+        check_no_live_writer,
+        read_lease,
+    )
+    from zocheck_ray.storage.recovery import RecoveredState, recover, recover_state
+    from zocheck_ray.storage.audit import Audit, audit_run
+    from zocheck_ray.storage.manifest import Manifest, SnapshotMeta
+    from zocheck_ray.storage.snapshot import SnapshotInfo, SnapshotStore, snapshot_dir
+    from zocheck_ray.storage.steplog import StepLog, read_log
 
 __all__ = [
     "SnapshotStore", "SnapshotInfo", "SnapshotMeta", "Manifest", "snapshot_dir",
@@ -47,3 +54,22 @@ __all__ = [
     "SnapshotNotFoundError",
     "Lease", "LeaseInfo", "read_lease", "check_no_live_writer", "LeaseError", "LeaseHeldError", "LeaseLostError", "LeaseRequiredError",
 ]
+
+__getattr__, __dir__ = on_first_use(__name__, {
+    "errors": (
+        "CorruptLogError", "CorruptSnapshotError", "SnapshotNotFoundError", "StorageError", "StorageFullError",
+        "StorageURLError",
+    ),
+    "fs": ("FsspecStorage", "Storage", "open_storage", "parse_url"),
+    "lease": (
+        "Lease", "LeaseError", "LeaseHeldError", "LeaseInfo", "LeaseLostError", "LeaseRequiredError",
+        "check_no_live_writer", "read_lease",
+    ),
+    "recovery": ("RecoveredState", "recover", "recover_state"),
+    "audit": ("Audit", "audit_run"),
+    "manifest": ("Manifest", "SnapshotMeta"),
+    "snapshot": ("SnapshotInfo", "SnapshotStore", "snapshot_dir"),
+    "steplog": ("StepLog", "read_log"),
+}, __all__)
+"""The names load with their modules on first use (`core/lazy.py`): the lease and the file system alone (the command
+line's `status`) load neither the snapshots nor torch."""

@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from zocheck_ray.core import ZOCheckError, state_hash
+from zocheck_ray.core.errors import ZOCheckError
 
 RECOVERY_FILE = "recovery.json"
 
@@ -50,6 +50,7 @@ def _options(args) -> dict | None:
 
 
 def run_recover(args: argparse.Namespace) -> int:
+    from zocheck_ray.core.hashing import state_hash  # torch: loaded by the commands that use it
     from zocheck_ray.storage.recovery import recover
 
     if args.threads is not None and args.threads < 1:

@@ -8,34 +8,41 @@
     task.evaluate(model)                             # {"accuracy": ..., "loss": ...} on held-out rows
 """
 
-from zocheck_ray.workload.builder import build_task
-from zocheck_ray.workload.datafiles import SHIPPED_SST2, Row, read_rows
-from zocheck_ray.workload.errors import (
-    DataFileError,
-    DataFormatError,
-    LabelError,
-    ModelNotFoundError,
-    TaskModelMismatchError,
-    WorkloadError,
-)
-from zocheck_ray.workload.models import (
-    PACKAGED_MODELS,
-    SMALL_MODELS,
-    build_model,
-    model_config_dict,
-    model_directory,
-    model_kind,
-    trainable_parameters,
-)
-from zocheck_ray.workload.task_config import TaskConfig
-from zocheck_ray.workload.tasks import (
-    LanguageModelingTask,
-    PromptClassificationTask,
-    SequenceClassificationTask,
-    Task,
-    split_rows,
-)
-from zocheck_ray.workload.tokenization import ByteTokenizer, HFTokenizer, load_tokenizer
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from zocheck_ray.core.lazy import on_first_use
+
+if TYPE_CHECKING:
+    from zocheck_ray.workload.builder import build_task
+    from zocheck_ray.workload.datafiles import SHIPPED_SST2, Row, read_rows
+    from zocheck_ray.workload.errors import (
+        DataFileError,
+        DataFormatError,
+        LabelError,
+        ModelNotFoundError,
+        TaskModelMismatchError,
+        WorkloadError,
+    )
+    from zocheck_ray.workload.models import (
+        PACKAGED_MODELS,
+        SMALL_MODELS,
+        build_model,
+        model_config_dict,
+        model_directory,
+        model_kind,
+        trainable_parameters,
+    )
+    from zocheck_ray.workload.task_config import TaskConfig
+    from zocheck_ray.workload.tasks import (
+        LanguageModelingTask,
+        PromptClassificationTask,
+        SequenceClassificationTask,
+        Task,
+        split_rows,
+    )
+    from zocheck_ray.workload.tokenization import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
     "SMALL_MODELS", "PACKAGED_MODELS", "build_model", "trainable_parameters", "model_config_dict", "model_directory",
@@ -44,3 +51,21 @@ __all__ = [
     "HFTokenizer", "load_tokenizer", "WorkloadError", "ModelNotFoundError", "DataFileError", "DataFormatError",
     "LabelError", "TaskModelMismatchError",
 ]
+
+__getattr__, __dir__ = on_first_use(__name__, {
+    "builder": ("build_task",),
+    "datafiles": ("SHIPPED_SST2", "Row", "read_rows"),
+    "errors": (
+        "DataFileError", "DataFormatError", "LabelError", "ModelNotFoundError", "TaskModelMismatchError",
+        "WorkloadError",
+    ),
+    "models": (
+        "PACKAGED_MODELS", "SMALL_MODELS", "build_model", "model_config_dict", "model_directory", "model_kind",
+        "trainable_parameters",
+    ),
+    "task_config": ("TaskConfig",),
+    "tasks": ("LanguageModelingTask", "PromptClassificationTask", "SequenceClassificationTask", "Task", "split_rows"),
+    "tokenization": ("ByteTokenizer", "HFTokenizer", "load_tokenizer"),
+}, __all__)
+"""The names load with their modules on first use (`core/lazy.py`): the job's schema (`zocheck_ray.config`: the
+task's config, the model names, the adapter's settings) loads without torch and the model's libraries."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 CORPUS = [
     "the movie was wonderful and the acting was great",
@@ -25,6 +27,8 @@ def encode(text: str, vocab_size: int) -> list[int]:
 
 
 def corpus_tensor(seq_len: int, vocab_size: int) -> torch.Tensor:
+    import torch  # here: the tokenizers (and so the job's schema) use this module without torch
+
     rows = [encode(s, vocab_size)[:seq_len] for s in CORPUS]
     return torch.tensor([r + [0] * (seq_len - len(r)) for r in rows])
 
