@@ -57,11 +57,9 @@ def size_numba_pool() -> None:
     is imported here; where the environment sets it, or numba is already imported, nothing changes."""
     if "numba" in sys.modules or os.environ.get("NUMBA_NUM_THREADS"):
         return
-    try:  # `core.cpus.process_cpus`, which this module cannot import: `zocheck_ray.core` loads torch
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    os.environ["NUMBA_NUM_THREADS"] = str(max(RECOVERY_THREADS, cpus))
+    from zocheck_ray.core.cpus import process_cpus  # the standard library only: the core's names load on first use
+
+    os.environ["NUMBA_NUM_THREADS"] = str(max(RECOVERY_THREADS, process_cpus()))
 
 
 FOLLOW_WAIT_SECONDS = 2.0
