@@ -5,6 +5,8 @@ The public API is re-exported here; `zocheck_ray.core` runs without Ray.
 
 import sys
 
+from zocheck_ray.core.lazy import on_first_use  # the standard library only: runs before the check below
+
 _CORE = ("CorruptRecordError", "IncompleteRecordError", "Layout", "NonFiniteError", "RecordSequenceError",
          "StateMismatchError", "StepRecord", "ZOCheckError", "ZOConfig", "ZOOptimizer", "perturbation", "replay",
          "replay_reference", "state_hash")
@@ -28,16 +30,6 @@ if sys.argv[:1] == ["-m"]:  # only while `python -m zocheck_ray[.module]` import
 
 __version__ = "0.1.0"
 
-_ON_FIRST_USE = {
-    **dict.fromkeys(_CORE, "zocheck_ray.core"),
-    "run": "zocheck_ray.control", "RunSummary": "zocheck_ray.control", "RunFailedError": "zocheck_ray.control",
-    "RunCallback": "zocheck_ray.control", "JobConfig": "zocheck_ray.config", "load_job_config": "zocheck_ray.config",
-    "JobConfigError": "zocheck_ray.config", "RunStopped": "zocheck_ray.control",
-}
-"""The public names, loaded on first use: `zocheck_ray.core` runs where Ray is absent, and a process that imports
-one module of the package (a Ray worker loading `TrainerActor`'s) loads neither torch nor Ray's control code
-until it uses them."""
-
 __all__ = [
     "run", "JobConfig", "load_job_config", "RunSummary", "RunCallback", "JobConfigError", "RunFailedError",
     "RunStopped", "ZOConfig", "ZOOptimizer", "StepRecord", "Layout", "perturbation", "state_hash", "replay",
@@ -47,13 +39,11 @@ __all__ = [
 """The public surface; everything else is reached through its module (`zocheck_ray.testing`, `.storage`, ...)."""
 
 
-def __getattr__(name: str):
-    if name in _ON_FIRST_USE:
-        import importlib
-
-        return getattr(importlib.import_module(_ON_FIRST_USE[name]), name)
-    raise AttributeError(f"module 'zocheck_ray' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = on_first_use(globals(), {
+    "core": _CORE,
+    "config": ("JobConfig", "load_job_config", "JobConfigError"),
+    "control": ("run", "RunSummary", "RunFailedError", "RunCallback", "RunStopped"),
+})
+"""The public names, loaded on first use: `zocheck_ray.core` runs where Ray is absent, and a process that imports
+one module of the package (a Ray worker loading `TrainerActor`'s) loads neither torch nor Ray's control code
+until it uses them."""

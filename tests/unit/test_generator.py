@@ -130,7 +130,8 @@ def test_a_trainer_process_has_more_numba_threads_than_cores_and_its_generator_o
     from zocheck_ray.actors.trainer_process import RECOVERY_THREADS
 
     code = ("from zocheck_ray.actors.trainer_process import size_numba_pool; size_numba_pool()\n"
-            "import numba\nfrom zocheck_ray.core.fused import compute_threads\nfrom zocheck_ray.core.cpus import process_cpus\n"
+            "import numba\nfrom zocheck_ray.core.fused import compute_threads\n"
+            "from zocheck_ray.core.cpus import process_cpus\n"
             "steps = compute_threads(); numba.set_num_threads(1)\n"
             "print(numba.config.NUMBA_NUM_THREADS, process_cpus(), steps, compute_threads())")
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_NUM_THREADS"}

@@ -17,12 +17,12 @@ if TYPE_CHECKING:
 __all__ = ["run", "Controller", "State", "RunCallback", "Segment", "Failure", "Action", "Decision", "FailureBudget",
            "decide", "Recovery", "RunSummary", "RunFailedError", "RunStopped"]
 
-__getattr__, __dir__ = on_first_use(__name__, {
+__getattr__, __dir__ = on_first_use(globals(), {
     "callbacks": ("RunCallback", "Segment"),
     "controller": ("Controller", "State", "run"),
     "policy": ("Action", "Decision", "Failure", "FailureBudget", "decide"),
     "stop": ("RunStopped",),
     "summary": ("Recovery", "RunFailedError", "RunSummary"),
-}, __all__)
+})
 """The names load with their modules on first use (`core/lazy.py`): `zocheck_ray.control.connect` alone (the command
 line's `status`) loads neither the controller nor torch."""

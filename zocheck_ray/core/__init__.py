@@ -36,11 +36,11 @@ __all__ = [
     "IncompleteRecordError", "NonFiniteError",
 ]
 
-__getattr__, __dir__ = on_first_use(__name__, {
+__getattr__, __dir__ = on_first_use(globals(), {
     "config": ("ZOConfig",), "backend": ("perturbation",), "fused": ("replay",), "hashing": ("state_hash",),
     "errors": ("CorruptRecordError", "NonFiniteError", "RecordSequenceError", "StateMismatchError", "ZOCheckError"),
     "layout": ("EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX", "Layout", "TensorSpec"), "optimizer": ("ZOOptimizer",),
     "record": ("IncompleteRecordError", "StepRecord"), "reference": ("replay_reference",),
-}, __all__)
+})
 """The names load with their modules on first use (`core/lazy.py`): `zocheck_ray.core.errors` or `.cpus` alone
 loads neither torch nor numba."""

@@ -12,13 +12,12 @@ import importlib
 from typing import Callable
 
 
-def on_first_use(package: str, modules: dict[str, tuple[str, ...]],
-                 public: list[str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
-    """(`__getattr__`, `__dir__`) for `package`'s `__init__`: each name of `modules` (submodule -> its names)
-    from its submodule, once; a submodule used as an attribute (`package.sub` after `import package`) is
-    imported too."""
+def on_first_use(namespace: dict, modules: dict[str, tuple[str, ...]]) -> tuple[Callable, Callable]:
+    """(`__getattr__`, `__dir__`) for the package whose `globals()` are `namespace`: each name of `modules`
+    (submodule -> its names) from its submodule, once; a submodule used as an attribute (`package.sub` after
+    `import package`) is imported too; `__dir__` adds the package's `__all__`."""
+    package = namespace["__name__"]
     home = {name: module for module, names in modules.items() for name in names}
-    namespace = importlib.import_module(package).__dict__
 
     def __getattr__(name: str):
         module = home.get(name)
@@ -34,6 +33,6 @@ def on_first_use(package: str, modules: dict[str, tuple[str, ...]],
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:
-        return sorted(set(namespace) | set(public))
+        return sorted(set(namespace) | set(namespace.get("__all__", ())))
 
     return __getattr__, __dir__

@@ -55,7 +55,7 @@ __all__ = [
     "Lease", "LeaseInfo", "read_lease", "check_no_live_writer", "LeaseError", "LeaseHeldError", "LeaseLostError", "LeaseRequiredError",
 ]
 
-__getattr__, __dir__ = on_first_use(__name__, {
+__getattr__, __dir__ = on_first_use(globals(), {
     "errors": (
         "CorruptLogError", "CorruptSnapshotError", "SnapshotNotFoundError", "StorageError", "StorageFullError",
         "StorageURLError",
@@ -70,6 +70,6 @@ __getattr__, __dir__ = on_first_use(__name__, {
     "manifest": ("Manifest", "SnapshotMeta"),
     "snapshot": ("SnapshotInfo", "SnapshotStore", "snapshot_dir"),
     "steplog": ("StepLog", "read_log"),
-}, __all__)
+})
 """The names load with their modules on first use (`core/lazy.py`): the lease and the file system alone (the command
 line's `status`) load neither the snapshots nor torch."""

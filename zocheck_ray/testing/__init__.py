@@ -7,23 +7,14 @@ Ray restarts) imports `injection.py` alone, not torch or Ray's control code (see
 
 from __future__ import annotations
 
-import importlib
+from zocheck_ray.core.lazy import on_first_use
 
-_ON_FIRST_USE = {
-    "FailAt": "faults", "run_with_faults": "faults",
-    "FaultInjection": "injection", "NO_FAULTS": "injection",
-    "InProcessRun": "in_process", "run_in_process": "in_process",
-    "uninterrupted_hashes": "reference", "uninterrupted_data_parallel_hashes": "reference",
-}
+__all__ = ["FailAt", "run_with_faults", "FaultInjection", "NO_FAULTS", "InProcessRun", "run_in_process",
+           "uninterrupted_hashes", "uninterrupted_data_parallel_hashes"]
 
-__all__ = list(_ON_FIRST_USE)
-
-
-def __getattr__(name: str):  # the root package's mechanism, which this layer may not import (docs/architecture.md)
-    if name not in _ON_FIRST_USE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_ON_FIRST_USE[name]}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = on_first_use(globals(), {
+    "faults": ("FailAt", "run_with_faults"),
+    "injection": ("FaultInjection", "NO_FAULTS"),
+    "in_process": ("InProcessRun", "run_in_process"),
+    "reference": ("uninterrupted_hashes", "uninterrupted_data_parallel_hashes"),
+})

@@ -52,7 +52,7 @@ __all__ = [
     "LabelError", "TaskModelMismatchError",
 ]
 
-__getattr__, __dir__ = on_first_use(__name__, {
+__getattr__, __dir__ = on_first_use(globals(), {
     "builder": ("build_task",),
     "datafiles": ("SHIPPED_SST2", "Row", "read_rows"),
     "errors": (
@@ -66,6 +66,6 @@ __getattr__, __dir__ = on_first_use(__name__, {
     "task_config": ("TaskConfig",),
     "tasks": ("LanguageModelingTask", "PromptClassificationTask", "SequenceClassificationTask", "Task", "split_rows"),
     "tokenization": ("ByteTokenizer", "HFTokenizer", "load_tokenizer"),
-}, __all__)
+})
 """The names load with their modules on first use (`core/lazy.py`): the job's schema (`zocheck_ray.config`: the
 task's config, the model names, the adapter's settings) loads without torch and the model's libraries."""
