@@ -474,6 +474,23 @@ def test_missing_bucket_fails_at_open(s3_endpoint):
         SnapshotStore("s3://zocheck-no-such-bucket/run", s3_endpoint.options())
 
 
+def test_s3_stores_of_one_process_parse_the_service_descriptions_once(s3_endpoint):
+    """Each store has a session of its own (its credentials, its configuration); botocore's parsed descriptions
+    of S3 and its endpoints are the process's one copy. A session s3fs is told to make (`profile`) is left to it."""
+    import s3fs
+
+    from zocheck_ray.storage.fs import _with_shared_descriptions, open_storage
+
+    bucket = s3_endpoint.new_bucket()
+    first, second = (open_storage(f"s3://{bucket}/run", s3_endpoint.options()) for _ in range(2))
+    assert first.fs.session is not second.fs.session
+    loader = first.fs.session.get_component("data_loader")
+    assert loader is second.fs.session.get_component("data_loader")
+    assert any(key[0] == "load_service_model" for key in loader._cache)  # S3's API, parsed by the first store
+    for options in ({"profile": "analytics"}, {"session": object()}):
+        assert _with_shared_descriptions(s3fs, options) == options
+
+
 def test_wrong_credentials_fail_at_open_without_showing_them(s3_endpoint, monkeypatch):
     from moto import settings
 

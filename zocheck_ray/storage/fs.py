@@ -471,7 +471,7 @@ def open_storage(url: str | os.PathLike, storage_options: dict | None = None, *,
         except ImportError as exc:  # pragma: no cover - s3fs is a dependency
             raise StorageError(f"{shown} needs s3fs: pip install s3fs") from exc
         # Separate instances so a cached listing of another instance never hides an object.
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **_with_shared_descriptions(s3fs, options))
         storage = FsspecStorage(fs, root, shown, local=False)
         _check_bucket(storage, root.split("/")[0])
     else:
@@ -481,6 +481,33 @@ def open_storage(url: str | os.PathLike, storage_options: dict | None = None, *,
     elif storage.local and not storage.exists(""):
         raise StorageError(f"{shown} does not exist")  # an object store has no empty directories to check
     return storage
+
+
+_DESCRIPTIONS: dict[str | None, object] = {}
+"""botocore's loaders of its service descriptions, by the data path they read (`AWS_DATA_PATH`): one a process,
+each keeping what it has parsed."""
+
+
+def _with_shared_descriptions(s3fs, options: dict) -> dict:
+    """`options` with a new botocore session of its own for the filesystem, whose service descriptions (the
+    endpoints' and S3's API, parsed from JSON: 0.15 CPU-s here) come from the process's one loader rather
+    than each new filesystem parsing them again: a driver, a shadow or a `verify` opens a store many times.
+    The session's credentials and configuration stay its own. Options that name a session, or pass settings
+    to the one s3fs would make (`profile`, ...), are left as they are."""
+    import inspect
+
+    from aiobotocore.session import AioSession
+
+    accepted = inspect.signature(s3fs.S3FileSystem.__init__).parameters
+    if "session" in options or any(key not in accepted for key in options):
+        return options
+    session = AioSession()
+    data_path = session.get_config_variable("data_path")  # AWS_DATA_PATH, or the AWS config file's
+    loader = _DESCRIPTIONS.get(data_path)
+    if loader is None:
+        loader = _DESCRIPTIONS.setdefault(data_path, session.get_component("data_loader"))
+    session.register_component("data_loader", loader)
+    return {**options, "session": session}
 
 
 def _check_local(storage: FsspecStorage, root: str, create: bool) -> None:
