@@ -181,7 +181,7 @@ def status(args: argparse.Namespace) -> int:
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
-    from zocheck_ray.actors.ray_actors import NAMESPACE, describe_actor, shadow_name
+    from zocheck_ray.actors.names import NAMESPACE, describe_actor, shadow_name
     from zocheck_ray.control.connect import RayConnectionError, connect_ray, recorded_address
 
     if not args.timeout > 0:

@@ -283,9 +283,13 @@ def test_status_finds_a_run_on_the_local_instance_its_train_started(local_train)
 
     # once the driver printed a step line (a step is on the shadow then): each `status` is a process of its own
     output.wait_for(r"  step +\d+ ")
-    out = cli(local_train.env, "status", run_id, "--json")
+    out = cli({**local_train.env, "PYTHONPROFILEIMPORTTIME": "1"}, "status", run_id, "--json")
     assert out.returncode == 0 and driver.poll() is None, out.stderr
     assert json.loads(out.stdout)["run_id"] == run_id and json.loads(out.stdout)["trainer_step"] > 0
+    # it reads the shadow's metrics without loading torch or the model's libraries (a second, not several)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "zocheck_ray.actors.messages" in imported
+    assert not {"torch", "transformers", "numba"} & imported, sorted({"torch", "transformers", "numba"} & imported)
     # the address it printed reaches the same run
     out = cli(local_train.env, "status", run_id, "--json", "--address", address)
     assert out.returncode == 0, out.stderr

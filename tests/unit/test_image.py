@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from zocheck_ray.actors.image import (
-    TRANSFER_THREADS_MAX, ImageGoneError, ImageHandle, ImageLayout, SharedBuffer, WindowPlan, copy_state, open_image,
-    transfer, transfer_threads,
+    TRANSFER_THREADS_MAX, ImageGoneError, ImageHandle, ImageLayout, SharedBuffer, WindowPlan, copy_state, handle_layout,
+    open_image, transfer, transfer_threads,
 )
 from zocheck_ray.actors.ledger import NoImageError, RecordLedger
 from zocheck_ray.actors.shadow import process_memory
@@ -70,7 +70,7 @@ def test_an_image_read_through_proc_in_windows_equals_its_state(window, threads)
     fd = open_image(handle)
     try:
         out = zeros_like(state)
-        transfer(fd, handle.layout, out, "from_image", threads=threads, window=window)
+        transfer(fd, handle_layout(handle), out, "from_image", threads=threads, window=window)
     finally:
         os.close(fd)
         buffer.close()

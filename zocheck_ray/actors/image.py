@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Iterator, Literal, Mapping
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
+from zocheck_ray.actors.handle import ImageHandle  # noqa: F401  (re-exported: the hand-over's message)
 from zocheck_ray.core.layout import DTYPE_BY_NAME, DTYPES
 from zocheck_ray.core.cpus import process_cpus
 
@@ -201,38 +201,9 @@ def _frombuffer(region: mmap.mmap) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------- hand-over
 
 
-class ImageHandle(BaseModel):
-    """An image (or an intake buffer) as another process reaches it: the typed message for the hand-over."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    pid: int
-    """The owning process (the shadow)."""
-    fd: int
-    """Its descriptor in the owner: `/proc/<pid>/fd/<fd>` on the owner's node."""
-    node_id: str | None
-    """The owner's Ray node (None outside Ray): a reader elsewhere streams it instead of opening it."""
-    token: str
-    """Names this buffer for `give_back` (the owner's incarnation and a serial)."""
-    step: int | None
-    """The step the image holds (None for an intake buffer, written by the reader)."""
-    names: tuple[str, ...]
-    dtypes: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-
-    @property
-    def path(self) -> str:
-        return f"/proc/{self.pid}/fd/{self.fd}"
-
-    @property
-    def layout(self) -> ImageLayout:
-        return ImageLayout.from_specs(list(zip(self.names, self.dtypes, self.shapes)))
-
-    @classmethod
-    def of(cls, buffer: SharedBuffer, layout: ImageLayout, token: str, step: int | None,
-           node_id: str | None = None) -> "ImageHandle":
-        return cls(pid=os.getpid(), fd=buffer.fd, node_id=node_id, token=token, step=step, names=layout.names,
-                   dtypes=layout.dtypes, shapes=layout.shapes)
+def handle_layout(handle: ImageHandle) -> ImageLayout:
+    """The layout of the image `handle` reaches."""
+    return ImageLayout.from_specs(list(zip(handle.names, handle.dtypes, handle.shapes)))
 
 
 class ImageGoneError(RuntimeError):
@@ -246,9 +217,10 @@ def open_image(handle: ImageHandle, write: bool = False) -> int:
     except FileNotFoundError as exc:
         raise ImageGoneError(f"the image of step {handle.step} is no longer held by process {handle.pid}") from exc
     size = os.fstat(fd).st_size
-    if size != handle.layout.nbytes:
+    layout = handle_layout(handle)
+    if size != layout.nbytes:
         os.close(fd)
-        raise ImageGoneError(f"{handle.path} holds {size} bytes, not the image's {handle.layout.nbytes}: the "
+        raise ImageGoneError(f"{handle.path} holds {size} bytes, not the image's {layout.nbytes}: the "
                              "descriptor was reused")
     return fd
 

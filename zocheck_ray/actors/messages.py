@@ -16,7 +16,7 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from zocheck_ray.actors.image import ImageHandle
+from zocheck_ray.actors.handle import ImageHandle
 
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
 

@@ -20,13 +20,14 @@ import ray
 import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from zocheck_ray.actors.image import ImageGoneError, ImageLayout, WindowPlan, open_image, transfer
+from zocheck_ray.actors.image import ImageGoneError, ImageLayout, WindowPlan, handle_layout, open_image, transfer
 from zocheck_ray.actors.messages import AdapterIdentity, PushReply, RecoveryOffer
+from zocheck_ray.actors.names import (  # noqa: F401  (the names, re-exported for the callers of this module)
+    NAMESPACE, actor_entry, actor_state, describe_actor, shadow_name, trainer_name,
+)
 from zocheck_ray.actors.shadow_process import ShadowActor, shadow_writer  # noqa: F401  (see there)
 from zocheck_ray.core import StepRecord
 from zocheck_ray.core.record import decode_records
-
-NAMESPACE = "zocheck"
 
 POLL_FIRST_SECONDS, POLL_MOST_SECONDS = 0.005, 0.05
 """The pauses between two looks at a state that is to come (`pauses`)."""
@@ -54,24 +55,6 @@ def call_when_alive(submit, timeout: float = 300.0):
             if time.monotonic() > deadline:
                 raise
             time.sleep(next(waits))
-
-
-def actor_entry(actor) -> dict:
-    """The GCS's actor table entry of `actor` (`State`, `NumRestarts`, ...), or {} where it cannot be read.
-
-    Ray has no public way to ask without the dashboard; its GCS actor table says it at once, where a task
-    sent to a restarting actor waits on Ray's death-info timer (1 s or more) before it fails."""
-    try:
-        from ray._private.state import actors
-
-        return actors(actor_id=actor._actor_id.hex()) or {}
-    except Exception:  # another Ray, or the table is unreachable: callers fall back to calling the actor
-        return {}
-
-
-def actor_state(actor) -> str | None:
-    """The GCS's state of `actor` now (`ALIVE`, `RESTARTING`, `DEAD`, ...), or None where it cannot be read."""
-    return actor_entry(actor).get("State")
 
 
 def died_since(actor, restarts: int | None) -> bool:
@@ -118,27 +101,6 @@ def wait_until_dead(actor, timeout: float = 60.0) -> bool:
             return state == "DEAD"
         time.sleep(next(waits))
     return False
-
-
-def describe_actor(actor) -> str:
-    """What the GCS's actor table says of `actor`, in words: its state (ALIVE, RESTARTING, DEAD, ...), its
-    process and its restarts; "unknown" where the table cannot be read."""
-    entry = actor_entry(actor)
-    if not entry:
-        return "unknown"
-    where = entry.get("Address") or {}
-    return (f"{entry.get('State', 'unknown')} (pid {entry.get('Pid') or '-'} on {where.get('IPAddress') or '-'}, "
-            f"{entry.get('NumRestarts', 0)} restarts)")
-
-
-def shadow_name(run_id: str) -> str:
-    return f"zocheck-shadow-{run_id}"
-
-
-def trainer_name(run_id: str, rank: int | str = 0) -> str:
-    """The process created for rank 0 keeps the single trainer's name; rank r > 0's is `...-rank{r}`, the
-    standby's `...-standby`. After a promotion the controller's group knows which process serves a rank."""
-    return f"zocheck-trainer-{run_id}" + (f"-rank{rank}" if rank else "")
 
 
 class RayShadowLink:
@@ -210,7 +172,7 @@ class OfferedImage:
         self.actor, self.handle, self.threads = actor, offer.image, threads
         self.token: str = offer.image.token
         self.step: int = offer.image.step
-        self.layout = offer.image.layout
+        self.layout = handle_layout(offer.image)
         self.records: list[StepRecord] = decode_records(offer.records)
         self.source = "durable" if offer.source == "durable" else "memory"
         self.adapter = offer.adapter

@@ -18,7 +18,7 @@ from typing import Callable
 
 import ray
 
-from zocheck_ray.actors.ray_actors import NAMESPACE
+from zocheck_ray.actors.names import NAMESPACE
 
 
 class RayConnectionError(ConnectionError):
