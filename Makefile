@@ -43,7 +43,8 @@ demo: $(BYTECODE)
 # contention. The whole suite here, the same day: 868 s of pytest and 1,589 busy CPU-s with two, 980 s and about
 # 1,930 CPU-s with three; one process, about 1,240 s. Since (2026-12-04): 752 s with two; where the CPU was
 # sampled, 699 s and 1,329 CPU-s, of which 509 in 89 trainer processes, 161 in 54 shadows, 286 in the two
-# test processes.
+# test processes. 2026-12-05, from a fresh clone: 749 s (13 min 8 s with the set-up). Most of a Ray actor's CPU
+# is its imports (torch and transformers: about 4.5 of a trainer process's 6.5 CPU-s), paid once per process.
 # The modules go out longest first (tests/module_seconds.py; xdist would otherwise hand out the modules with
 # the most tests first, and a long module of one test last): `make module-seconds` refreshes the figures.
 TEST_WORKERS ?= 2
