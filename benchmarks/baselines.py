@@ -226,7 +226,8 @@ class ShadowActorLink:
     in-process shadow's threads would contend with the training thread for the GIL)."""
 
     def __init__(self, job: JobConfig):
-        from zocheck_ray.actors.ray_actors import NAMESPACE, RayShadowLink, ShadowActor, shadow_name
+        from zocheck_ray.actors.names import NAMESPACE, shadow_name
+        from zocheck_ray.actors.ray_actors import RayShadowLink, ShadowActor
 
         self.actor = ShadowActor.options(name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=1).remote(
             job.model_dump(mode="json"))

@@ -21,7 +21,7 @@ import time
 import ray
 
 from benchmarks.baselines import Strategy, StrategyActor
-from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
+from zocheck_ray.actors.names import NAMESPACE, trainer_name
 from zocheck_ray.config import JobConfig
 from zocheck_ray.testing import run_with_faults
 

@@ -242,7 +242,7 @@ def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
 def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: tuple[int, ...] = (FAIL_AT,)) -> dict:
     import ray
 
-    from zocheck_ray.actors.ray_actors import actor_state
+    from zocheck_ray.actors.names import actor_state
     from zocheck_ray.config import JobConfig
     from zocheck_ray.control import RunCallback
     from zocheck_ray.testing import run_with_faults

@@ -57,7 +57,7 @@ def multi_node_cluster(*node_cpus: int):
     import ray
     from ray.cluster_utils import Cluster
 
-    from zocheck_ray.actors.ray_actors import NAMESPACE
+    from zocheck_ray.actors.names import NAMESPACE
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     nodes = [cluster.add_node(num_cpus=cpus) for cpus in node_cpus]

@@ -291,7 +291,7 @@ def sweep(job: JobConfig, grid: dict[str, list], *, tune_storage: str | None = N
         for value in values:
             check_task(trial_job(job.model_dump(mode="json"), {key: value}, "check"))
     if not ray.is_initialized():
-        from zocheck_ray.actors.ray_actors import NAMESPACE
+        from zocheck_ray.actors.names import NAMESPACE
 
         ray.init(namespace=NAMESPACE, log_to_driver=False)
     gpus = 1 if job.use_gpu == "yes" or (job.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1) else 0
@@ -333,7 +333,7 @@ def _grid_entry(text: str) -> tuple[str, list]:
 def tune_command(args: argparse.Namespace) -> int:
     import ray
 
-    from zocheck_ray.actors.ray_actors import NAMESPACE
+    from zocheck_ray.actors.names import NAMESPACE
 
     try:
         if args.num_cpus is not None and args.num_cpus < 1:

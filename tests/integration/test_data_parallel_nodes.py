@@ -12,7 +12,7 @@ from ray.cluster_utils import Cluster
 
 from reference_runs import job_for, uninterrupted_data_parallel_hashes
 from support import multi_node_cluster
-from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
+from zocheck_ray.actors.names import NAMESPACE, trainer_name
 from zocheck_ray.testing import run_with_faults as run
 
 pytestmark = pytest.mark.slow  # a 3-node cluster, a rank's node removed

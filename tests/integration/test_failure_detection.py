@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from support import wait_until
-from zocheck_ray.actors.ray_actors import actor_state
+from zocheck_ray.actors.names import actor_state
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.group import TrainerGroup
 

@@ -10,7 +10,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from zocheck_ray.actors.ray_actors import NAMESPACE, trainer_name
+from zocheck_ray.actors.names import NAMESPACE, trainer_name
 from zocheck_ray.config import JobConfig
 from zocheck_ray.testing import run_with_faults as run
 from reference_runs import SMALL_TASK, STEPS, assert_exact, uninterrupted_hashes

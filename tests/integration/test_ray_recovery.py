@@ -195,7 +195,7 @@ def sampled_run(tmp_path_factory):
     replay starts a team of numba workers."""
     import json
 
-    from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name, trainer_name
+    from zocheck_ray.actors.names import NAMESPACE, shadow_name, trainer_name
     from zocheck_ray.cli import main
 
     job = job_for(tmp_path_factory.mktemp("sampled"), hash_every_step=False, max_lag_steps=1000, shadow_cpus=2)
@@ -279,7 +279,7 @@ class _Unanswering:
 
 
 def test_status_of_a_shadow_that_does_not_answer_ends_with_one_line(capsys):
-    from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name
+    from zocheck_ray.actors.names import NAMESPACE, shadow_name
     from zocheck_ray.cli import main
 
     stuck = _Unanswering.options(name=shadow_name("stuck"), namespace=NAMESPACE).remote()

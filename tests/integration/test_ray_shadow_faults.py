@@ -18,7 +18,7 @@ import ray
 from conftest import free_port
 from reference_runs import STEPS, assert_exact, job_for, uninterrupted_hashes
 from support import wait_until
-from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name
+from zocheck_ray.actors.names import NAMESPACE, shadow_name
 from zocheck_ray.control import RunCallback, RunFailedError
 from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.storage import SnapshotStore, read_log

@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from reference_runs import SMALL_TASK, assert_exact, job_for, uninterrupted_hashes
-from zocheck_ray.actors.ray_actors import NAMESPACE, shadow_name
+from zocheck_ray.actors.names import NAMESPACE, shadow_name
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.control import RunFailedError
 from zocheck_ray.control.placement import Placement, profile_steps

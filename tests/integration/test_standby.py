@@ -16,7 +16,7 @@ import transformers
 
 from reference_runs import assert_exact, job_for, uninterrupted_hashes
 from support import wait_until
-from zocheck_ray.actors.ray_actors import actor_entry, actor_state
+from zocheck_ray.actors.names import actor_entry, actor_state
 from zocheck_ray.actors.trainer_process import RECOVERY_THREADS
 from zocheck_ray.control import RunCallback
 from zocheck_ray.testing import FaultInjection

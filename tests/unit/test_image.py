@@ -13,9 +13,10 @@ import threading
 import pytest
 import torch
 
+from zocheck_ray.actors.handle import ImageHandle
 from zocheck_ray.actors.image import (
-    TRANSFER_THREADS_MAX, ImageGoneError, ImageHandle, ImageLayout, SharedBuffer, WindowPlan, copy_state, handle_layout,
-    open_image, transfer, transfer_threads,
+    TRANSFER_THREADS_MAX, ImageGoneError, ImageLayout, SharedBuffer, WindowPlan, copy_state, handle_layout, open_image,
+    transfer, transfer_threads,
 )
 from zocheck_ray.actors.ledger import NoImageError, RecordLedger
 from zocheck_ray.actors.shadow import process_memory

@@ -38,7 +38,7 @@ from typing import Iterator, Literal, Mapping
 
 import torch
 
-from zocheck_ray.actors.handle import ImageHandle  # noqa: F401  (re-exported: the hand-over's message)
+from zocheck_ray.actors.handle import ImageHandle
 from zocheck_ray.core.layout import DTYPE_BY_NAME, DTYPES
 from zocheck_ray.core.cpus import process_cpus
 

@@ -22,9 +22,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from zocheck_ray.actors.image import ImageGoneError, ImageLayout, WindowPlan, handle_layout, open_image, transfer
 from zocheck_ray.actors.messages import AdapterIdentity, PushReply, RecoveryOffer
-from zocheck_ray.actors.names import (  # noqa: F401  (the names, re-exported for the callers of this module)
-    NAMESPACE, actor_entry, actor_state, describe_actor, shadow_name, trainer_name,
-)
+from zocheck_ray.actors.names import NAMESPACE, actor_entry, actor_state, shadow_name
 from zocheck_ray.actors.shadow_process import ShadowActor, shadow_writer  # noqa: F401  (see there)
 from zocheck_ray.core import StepRecord
 from zocheck_ray.core.record import decode_records

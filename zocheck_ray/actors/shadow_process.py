@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import ray
 
 if TYPE_CHECKING:
-    from zocheck_ray.actors.image import ImageHandle
+    from zocheck_ray.actors.handle import ImageHandle
     from zocheck_ray.actors.messages import AdapterIdentity, RecoveryOffer, ShadowMetrics, TrainerTimes
 
 
@@ -59,7 +59,8 @@ class ShadowActor:
     @ray.method(concurrency_group="control")
     def open_intake(self, names: tuple, dtypes: tuple, shapes: tuple) -> ImageHandle:
         """Memory on this node for a trainer to write its state into (see `Shadow.open_intake`)."""
-        from zocheck_ray.actors.image import ImageHandle, ImageLayout
+        from zocheck_ray.actors.handle import ImageHandle
+        from zocheck_ray.actors.image import ImageLayout
 
         layout = ImageLayout.from_specs(list(zip(names, dtypes, shapes)))
         buffer = self.shadow.open_intake(layout)
@@ -82,7 +83,7 @@ class ShadowActor:
         """The newest image (lent until `give_back`) and the records after it; None for a fresh run.
         `fresh`: a recovering trainer's request, a snapshot of the replica first where one can be taken now;
         `held`: the image the trainer holds already (`Shadow.offer`)."""
-        from zocheck_ray.actors.image import ImageHandle
+        from zocheck_ray.actors.handle import ImageHandle
         from zocheck_ray.actors.messages import RecoveryOffer
 
         image, records = self.shadow.offer(fresh, held)

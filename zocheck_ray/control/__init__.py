@@ -14,8 +14,6 @@ if TYPE_CHECKING:
     from zocheck_ray.control.stop import RunStopped
     from zocheck_ray.control.summary import Recovery, RunFailedError, RunSummary
 
-__all__ = ["run", "Controller", "State", "RunCallback", "Segment", "Failure", "Action", "Decision", "FailureBudget",
-           "decide", "Recovery", "RunSummary", "RunFailedError", "RunStopped"]
 
 __getattr__, __dir__ = on_first_use(globals(), {
     "callbacks": ("RunCallback", "Segment"),

@@ -26,9 +26,8 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from zocheck_ray.actors.messages import RecoveryInfo, TrainerProgress, TrainerTimes
-from zocheck_ray.actors.ray_actors import (
-    actor_entry, actor_state, call_when_alive, died_since, wait_until_restarted,
-)
+from zocheck_ray.actors.names import actor_entry, actor_state
+from zocheck_ray.actors.ray_actors import call_when_alive, died_since, wait_until_restarted
 from zocheck_ray.actors.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.policy import Failure
