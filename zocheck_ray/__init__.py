@@ -30,20 +30,12 @@ if sys.argv[:1] == ["-m"]:  # only while `python -m zocheck_ray[.module]` import
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "run", "JobConfig", "load_job_config", "RunSummary", "RunCallback", "JobConfigError", "RunFailedError",
-    "RunStopped", "ZOConfig", "ZOOptimizer", "StepRecord", "Layout", "perturbation", "state_hash", "replay",
-    "replay_reference", "ZOCheckError", "StateMismatchError", "RecordSequenceError",
-    "CorruptRecordError", "IncompleteRecordError", "NonFiniteError",
-]
-"""The public surface; everything else is reached through its module (`zocheck_ray.testing`, `.storage`, ...)."""
-
 
 __getattr__, __dir__ = on_first_use(globals(), {
     "core": _CORE,
     "config": ("JobConfig", "load_job_config", "JobConfigError"),
     "control": ("run", "RunSummary", "RunFailedError", "RunCallback", "RunStopped"),
 })
-"""The public names, loaded on first use: `zocheck_ray.core` runs where Ray is absent, and a process that imports
-one module of the package (a Ray worker loading `TrainerActor`'s) loads neither torch nor Ray's control code
-until it uses them."""
+"""The public surface (`__all__`), loaded on first use: `zocheck_ray.core` runs where Ray is absent, and a process
+that imports one module of the package (a Ray worker loading `TrainerActor`'s) loads neither torch nor Ray's control
+code until it uses them. Everything else is reached through its module (`zocheck_ray.testing`, `.storage`, ...)."""

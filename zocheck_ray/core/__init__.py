@@ -29,12 +29,6 @@ if TYPE_CHECKING:
     from zocheck_ray.core.record import IncompleteRecordError, StepRecord
     from zocheck_ray.core.reference import replay_reference
 
-__all__ = [
-    "ZOConfig", "ZOOptimizer", "StepRecord", "Layout", "TensorSpec", "perturbation", "state_hash",
-    "replay", "replay_reference", "EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX",
-    "ZOCheckError", "StateMismatchError", "RecordSequenceError", "CorruptRecordError",
-    "IncompleteRecordError", "NonFiniteError",
-]
 
 __getattr__, __dir__ = on_first_use(globals(), {
     "config": ("ZOConfig",), "backend": ("perturbation",), "fused": ("replay",), "hashing": ("state_hash",),

@@ -15,9 +15,10 @@ from typing import Callable
 def on_first_use(namespace: dict, modules: dict[str, tuple[str, ...]]) -> tuple[Callable, Callable]:
     """(`__getattr__`, `__dir__`) for the package whose `globals()` are `namespace`: each name of `modules`
     (submodule -> its names) from its submodule, once; a submodule used as an attribute (`package.sub` after
-    `import package`) is imported too; `__dir__` adds the package's `__all__`."""
+    `import package`) is imported too. Those names are the package's `__all__`, which `__dir__` adds."""
     package = namespace["__name__"]
     home = {name: module for module, names in modules.items() for name in names}
+    namespace["__all__"] = list(home)
 
     def __getattr__(name: str):
         module = home.get(name)

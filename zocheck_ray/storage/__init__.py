@@ -46,14 +46,6 @@ if TYPE_CHECKING:
     from zocheck_ray.storage.snapshot import SnapshotInfo, SnapshotStore, snapshot_dir
     from zocheck_ray.storage.steplog import StepLog, read_log
 
-__all__ = [
-    "SnapshotStore", "SnapshotInfo", "SnapshotMeta", "Manifest", "snapshot_dir",
-    "StepLog", "read_log", "recover_state", "recover", "RecoveredState", "audit_run", "Audit",
-    "Storage", "FsspecStorage", "open_storage", "parse_url",
-    "StorageError", "StorageFullError", "StorageURLError", "CorruptSnapshotError", "CorruptLogError",
-    "SnapshotNotFoundError",
-    "Lease", "LeaseInfo", "read_lease", "check_no_live_writer", "LeaseError", "LeaseHeldError", "LeaseLostError", "LeaseRequiredError",
-]
 
 __getattr__, __dir__ = on_first_use(globals(), {
     "errors": (

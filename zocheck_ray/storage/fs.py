@@ -23,6 +23,7 @@ allows it); `open_write` fsyncs them, or leaves that to `make_durable` for many 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import re
@@ -494,20 +495,22 @@ def _with_shared_descriptions(s3fs, options: dict) -> dict:
     than each new filesystem parsing them again: a driver, a shadow or a `verify` opens a store many times.
     The session's credentials and configuration stay its own. Options that name a session, or pass settings
     to the one s3fs would make (`profile`, ...), are left as they are."""
-    import inspect
-
     from aiobotocore.session import AioSession
 
-    accepted = inspect.signature(s3fs.S3FileSystem.__init__).parameters
-    if "session" in options or any(key not in accepted for key in options):
+    if "session" in options or not set(options) <= _filesystem_parameters(s3fs.S3FileSystem):
         return options
     session = AioSession()
     data_path = session.get_config_variable("data_path")  # AWS_DATA_PATH, or the AWS config file's
-    loader = _DESCRIPTIONS.get(data_path)
-    if loader is None:
-        loader = _DESCRIPTIONS.setdefault(data_path, session.get_component("data_loader"))
-    session.register_component("data_loader", loader)
+    session.register_component("data_loader", _DESCRIPTIONS.setdefault(data_path, session.get_component("data_loader")))
     return {**options, "session": session}
+
+
+@functools.cache
+def _filesystem_parameters(cls) -> frozenset[str]:
+    """The keyword arguments `cls` takes itself; the others go to the botocore session it makes."""
+    import inspect
+
+    return frozenset(inspect.signature(cls.__init__).parameters)
 
 
 def _check_local(storage: FsspecStorage, root: str, create: bool) -> None:

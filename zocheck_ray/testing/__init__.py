@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from zocheck_ray.core.lazy import on_first_use
 
-__all__ = ["FailAt", "run_with_faults", "FaultInjection", "NO_FAULTS", "InProcessRun", "run_in_process",
-           "uninterrupted_hashes", "uninterrupted_data_parallel_hashes"]
 
 __getattr__, __dir__ = on_first_use(globals(), {
     "faults": ("FailAt", "run_with_faults"),

@@ -44,13 +44,6 @@ if TYPE_CHECKING:
     )
     from zocheck_ray.workload.tokenization import ByteTokenizer, HFTokenizer, load_tokenizer
 
-__all__ = [
-    "SMALL_MODELS", "PACKAGED_MODELS", "build_model", "trainable_parameters", "model_config_dict", "model_directory",
-    "model_kind", "TaskConfig", "Task", "PromptClassificationTask", "LanguageModelingTask",
-    "SequenceClassificationTask", "build_task", "split_rows", "SHIPPED_SST2", "Row", "read_rows", "ByteTokenizer",
-    "HFTokenizer", "load_tokenizer", "WorkloadError", "ModelNotFoundError", "DataFileError", "DataFormatError",
-    "LabelError", "TaskModelMismatchError",
-]
 
 __getattr__, __dir__ = on_first_use(globals(), {
     "builder": ("build_task",),
