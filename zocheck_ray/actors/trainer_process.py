@@ -1,4 +1,4 @@
-"""`TrainerActor`: the trainer's Ray actor, in a module that imports nothing but Ray.
+"""`TrainerActor`: the trainer's Ray actor, in a module that imports nothing but Ray and the standard library.
 
 Ray loads an actor's module in its process before the constructor runs. Where a run has a warm
 standby and a trainer dies, the controller promotes the standby (its restore and replay run at
@@ -18,7 +18,10 @@ Ray unpickles the constructor's arguments before it runs: they must not import t
 faults that tests, benchmarks and `--fail-at` inject travel there: `testing/injection.py`).
 What stays in the promotion's window is Ray's own start of the process (the interpreter and Ray's
 import): at 540M parameters on two cores that alone outlasts the promotion, so the deferral shows
-from the sizes whose promotion takes longer than it (about 1B parameters and up here).
+from the sizes whose promotion takes longer than it (about 1B parameters and up here). Where the
+process is forked from the node's template (`process_template`, `actors/template.py`), torch and
+transformers are imported already when the constructor runs; `settle_threads` gives it the torch
+threads Ray's OMP_NUM_THREADS would have.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import uuid
 from typing import TYPE_CHECKING, Literal
 
 import ray
+
+from zocheck_ray.actors.template import settle_threads
 
 if TYPE_CHECKING:
     from zocheck_ray.actors.messages import KernelInfo, PublisherStats, RecoveryInfo, TrainerProgress
@@ -81,6 +86,7 @@ class TrainerActor:
 
     def __init__(self, job: dict, hooks=None, rank: int = 0, standby: bool = False):
         size_numba_pool()  # before anything imports numba in this process
+        settle_threads()  # a process forked from the node's template (actors/template.py): torch's threads
         logging.basicConfig(level=logging.INFO)
         self.incarnation = uuid.uuid4().hex  # tells a restarted trainer from the one before
         restarted = ray.get_runtime_context().was_current_actor_reconstructed

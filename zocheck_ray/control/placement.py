@@ -12,6 +12,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from zocheck_ray.actors.messages import TrainerProgress
 from zocheck_ray.actors.names import NAMESPACE, shadow_name, trainer_name
+from zocheck_ray.actors import template
 from zocheck_ray.actors.ray_actors import ShadowActor
 from zocheck_ray.actors.trainer_process import TrainerActor
 from zocheck_ray.config import JobConfig, JobConfigError
@@ -49,6 +50,24 @@ def _check_resources(job: JobConfig) -> int:
         raise JobConfigError(f"use_gpu=yes and trainers={k} need {k} GPUs "
                              f"({'on one node' if job.placement == 'pack' else 'in the cluster'}); lower trainers")
     return 1 if (job.use_gpu == "yes" or (job.use_gpu == "auto" and gpus >= 1 and placeable)) else 0
+
+
+OWN_PYTHON = ("pip", "conda", "uv", "py_executable", "container", "image_uri")
+"""Runtime-environment fields that give a job's workers a Python of their own: its trainers start without the
+process template (they would not be the interpreter and libraries the template has loaded)."""
+
+
+def trainer_runtime_env(job: JobConfig) -> dict | None:
+    """The runtime environment of the trainer's actors: through the node's process template where the job wants
+    it (`process_template`) and can have it (Linux; the job's workers run the driver's Python), else the job's.
+    The template's launcher is this interpreter running this installation's `actors/template.py`: the nodes
+    run the same image (as Ray's own workers assume of the driver's Python)."""
+    if not job.process_template or not template.available():
+        return None
+    own = ray.get_runtime_context().runtime_env or {}
+    if any(own.get(field) for field in OWN_PYTHON):
+        return None
+    return template.runtime_env()
 
 
 def group_name(run_id: str) -> str:
@@ -132,7 +151,7 @@ class Placement:
         trainers = [TrainerActor.options(
             name=trainer_name(job.run_id, rank), namespace=NAMESPACE, num_cpus=1,
             num_gpus=self.gpus - (share if rank == 0 else 0), max_restarts=job.max_restarts,
-            scheduling_strategy=self._strategy(place),
+            scheduling_strategy=self._strategy(place), runtime_env=trainer_runtime_env(job),
         ).remote(self._payload, self.hooks, rank) for rank, place in enumerate(self._rank_places)]
         try:
             ray.get(shadow.ready.remote())
@@ -149,7 +168,7 @@ class Placement:
         return TrainerActor.options(
             name=trainer_name(job.run_id, "standby"), namespace=NAMESPACE, num_cpus=0,
             num_gpus=STANDBY_GPU_SHARE if self.gpus else 0, max_restarts=job.max_restarts,
-            scheduling_strategy=self._strategy(self._rank_places[0]),
+            scheduling_strategy=self._strategy(self._rank_places[0]), runtime_env=trainer_runtime_env(job),
         ).remote(self._payload, self.hooks, 0, True)
 
     def remove(self) -> None:
