@@ -44,7 +44,9 @@ demo: $(BYTECODE)
 # 1,930 CPU-s with three; one process, about 1,240 s. Since (2026-12-04): 752 s with two; where the CPU was
 # sampled, 699 s and 1,329 CPU-s, of which 509 in 89 trainer processes, 161 in 54 shadows, 286 in the two
 # test processes. 2026-12-05, from a fresh clone: 749 s (13 min 8 s with the set-up). Most of a Ray actor's CPU
-# is its imports (torch and transformers: about 4.5 of a trainer process's 6.5 CPU-s), paid once per process.
+# was its imports (torch and transformers: about 4.5 of a trainer process's 6.5 CPU-s), paid once per process;
+# since the trainers are forked from a per-node process template that has them imported (`process_template`),
+# once per node: 604 s the same day (10 min 43 s with the set-up).
 # The modules go out longest first (tests/module_seconds.py; xdist would otherwise hand out the modules with
 # the most tests first, and a long module of one test last): `make module-seconds` refreshes the figures.
 TEST_WORKERS ?= 2
