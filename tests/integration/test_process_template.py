@@ -10,10 +10,13 @@ import sys
 import pytest
 import ray
 
+from reference_runs import assert_exact, job_for, uninterrupted_hashes
 from support import wait_until
 from zocheck_ray.actors import template
 from zocheck_ray.config import JobConfig
+from zocheck_ray.control import RunCallback
 from zocheck_ray.control.placement import trainer_runtime_env
+from zocheck_ray.testing import run_with_faults
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray"),
               pytest.mark.skipif(not template.available(), reason="process templates need Linux")]
@@ -76,3 +79,32 @@ def test_the_job_turns_the_template_off_and_a_runtime_env_with_its_own_python_do
 
     assert ray.get(inside.options(runtime_env={"env_vars": {"A": "1"}}).remote()) == template.runtime_env()
     assert ray.get(inside.options(runtime_env={"py_executable": sys.executable}).remote()) is None
+
+
+def parent_command(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        ppid = int(f.read().rpartition(")")[2].split()[1])
+    with open(f"/proc/{ppid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+class Processes(RunCallback):
+    """The pids of the trainer and the shadow at each segment's end, and the command of each one's parent."""
+
+    def __init__(self):
+        self.parents: dict[tuple[str, int], str] = {}
+
+    def on_segment(self, run, segment) -> None:
+        for role, actor in (("trainer", run.group.leader), ("shadow", run.shadow)):
+            pid = ray.get(actor.pid.remote())
+            self.parents.setdefault((role, pid), parent_command(pid))
+
+
+def test_a_run_forks_its_trainer_its_restart_and_its_shadow_from_the_template_and_ends_exact(tmp_path):
+    job = job_for(tmp_path)
+    seen = Processes()
+    summary = run_with_faults(job, fail_at=[10], progress=None, callbacks=[seen])
+    assert_exact(summary, uninterrupted_hashes(job))
+    trainers = [pid for role, pid in seen.parents if role == "trainer"]
+    assert len(trainers) == 2  # the first process and Ray's restart of it
+    assert all("template.py" in command for command in seen.parents.values()), seen.parents

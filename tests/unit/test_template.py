@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -190,3 +191,27 @@ def test_the_key_names_the_environment_the_imports_depend_on():
     assert template.template_key(base, "/py2", ["/lib"], 10) != key
     assert template.template_key(base, "/py", ["/lib", "/x"], 10) != key
     assert template.template_key(base, "/py", ["/lib"], 11) != key
+
+
+def test_a_template_serves_only_its_own_user_and_a_launcher_talks_only_to_its_own_users_template():
+    """The abstract namespace is open to every user of the host: a template refuses another user's launcher
+    (before it reads the request), and a launcher refuses a socket another user holds (it would hand over its
+    environment). Both compare the kernel's peer credentials with their user (here, another one given)."""
+    name = template.address(f"test-{os.getpid()}")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(name)
+    listener.listen(4)
+    try:
+        with pytest.raises(PermissionError, match="held by uid"):
+            template._connected(name, uid=os.getuid() + 1)
+        listener.accept()[0].close()  # that connection, closed by its launcher
+        served = template._Template(listener, os.getpid(), uid=os.getuid() + 1)
+        client = template._connected(name)
+        client.settimeout(60)  # a regression fails rather than hangs
+        served._accept()
+        answer, _ = template._receive(client)
+        assert "refused" in answer and "not the template's user" in answer["refused"]
+        assert client.recv(1) == b""  # and closed
+        client.close()
+    finally:
+        listener.close()

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from zocheck_ray.actors.template import settle_threads
+
 if TYPE_CHECKING:
     from zocheck_ray.actors.handle import ImageHandle
     from zocheck_ray.actors.messages import AdapterIdentity, RecoveryOffer, ShadowMetrics, TrainerTimes
@@ -34,6 +36,7 @@ class ShadowActor:
     def __init__(self, job: dict, hooks=None):
         from zocheck_ray.actors.heap import settling_heap
 
+        settle_threads()  # a process forked from the node's template (actors/template.py): torch's threads
         logging.basicConfig(level=logging.INFO)
         threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         self.node_id = ray.get_runtime_context().get_node_id()

@@ -1,9 +1,9 @@
-"""A per-node process template: the trainer's Ray workers are forked from a process that has torch
-and transformers imported, so that a trainer process Ray starts (a restart, the standby, a rank) is
-up in about a second instead of after several CPU seconds of imports.
+"""A per-node process template: the run's Ray workers (trainer ranks, the standby, the shadow) are
+forked from a process that has torch and transformers imported, so that a process Ray starts for
+them (a restart above all) is up in about a second instead of after several CPU seconds of imports.
 
-How. The trainer actors' runtime environment names this file as their Python (`runtime_env`), so
-Ray starts a trainer's worker as `python template.py default_worker.py ARGS...` (after its own
+How. These actors' runtime environment names this file as their Python (`runtime_env`), so
+Ray starts such a worker as `python template.py default_worker.py ARGS...` (after its own
 `setup_worker.py`). This script, the *launcher*, imports only the standard library. It asks the
 node's template, over a Unix socket in Linux's abstract namespace named by `template_key`, to fork a
 worker for it, and hands over its arguments, environment, working directory, module path and
@@ -50,7 +50,8 @@ import time  # noqa: E402
 
 PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "transformers.masking_utils",
            "transformers.activations", "transformers.generation", "safetensors.torch")
-"""What the template imports: the bulk of a trainer process's start (about 4.5 of its 5 CPU seconds here).
+"""What the template imports: the bulk of a trainer process's start (about 4.5 of its 5 CPU seconds here; a
+shadow's imports are a part of it).
 `ZOCHECK_RAY_TEMPLATE_PRELOAD` (comma-separated module names) replaces it."""
 
 PRELOAD_ENV = "ZOCHECK_RAY_TEMPLATE_PRELOAD"
@@ -183,14 +184,25 @@ def _connect(argv: list[str]) -> socket.socket | None:
     return _connected(name)  # queued until the template, done importing, accepts
 
 
-def _connected(name: str) -> socket.socket:
+def _connected(name: str, uid: int | None = None) -> socket.socket:
+    """A connection to the template at `name`, held by user `uid` (this process's)."""
+    uid = os.getuid() if uid is None else uid
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(name)
+        peer = peer_uid(conn)
+        if peer != uid:  # the launcher hands over its environment (credentials among it): to its own user only
+            raise PermissionError(f"the template's socket is held by uid {peer}, not this user's ({uid})")
     except OSError:
         conn.close()
         raise
     return conn
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket (as the kernel saw it connect)."""
+    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
 
 
 def _log_path(argv: list[str]) -> str:
@@ -272,8 +284,10 @@ def _signal(pid: int, number: int) -> None:
 
 
 class _Template:
-    def __init__(self, listener: socket.socket, raylet: int):
+    def __init__(self, listener: socket.socket, raylet: int, uid: int | None = None):
         self.listener = listener
+        self.uid = os.getuid() if uid is None else uid
+        """The only user whose launchers it serves (the abstract namespace is open to every user of the host)."""
         self.raylet = os.pidfd_open(raylet)
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, "accept")
@@ -302,6 +316,10 @@ class _Template:
         fds: list[int] = []
         try:
             conn.settimeout(10.0)
+            peer = peer_uid(conn)
+            if peer != self.uid:
+                _send(conn, {"refused": f"uid {peer} is not the template's user ({self.uid})"})
+                raise ValueError(f"refused a fork to uid {peer}")
             request, fds = _receive(conn, max_fds=3)
             if request is None or len(fds) != 3:
                 raise ValueError("an incomplete request")

@@ -58,7 +58,7 @@ process template (they would not be the interpreter and libraries the template h
 
 
 def trainer_runtime_env(job: JobConfig) -> dict | None:
-    """The runtime environment of the trainer's actors: through the node's process template where the job wants
+    """The runtime environment of the run's actors: through the node's process template where the job wants
     it (`process_template`) and can have it (Linux; the job's workers run the driver's Python), else the job's.
     The template's launcher is this interpreter running this installation's `actors/template.py`: the nodes
     run the same image (as Ray's own workers assume of the driver's Python)."""
@@ -146,6 +146,7 @@ class Placement:
         shadow = ShadowActor.options(
             name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=job.shadow_cpus,
             max_restarts=job.max_restarts, max_task_retries=-1, scheduling_strategy=self._strategy(self._shadow_place),
+            runtime_env=trainer_runtime_env(job),
         ).remote(self._payload, self.hooks)
         share = STANDBY_GPU_SHARE if job.standby and self.gpus else 0
         trainers = [TrainerActor.options(
