@@ -46,7 +46,7 @@ demo: $(BYTECODE)
 # test processes. 2026-12-05, from a fresh clone: 749 s (13 min 8 s with the set-up). Most of a Ray actor's CPU
 # was its imports (torch and transformers: about 4.5 of a trainer process's 6.5 CPU-s), paid once per process;
 # since the trainers are forked from a per-node process template that has them imported (`process_template`),
-# once per node: 604 s the same day (10 min 43 s with the set-up).
+# once per node: 604 and 626 s the same day (10 min 43 s and 11 min 7 s with the set-up).
 # The modules go out longest first (tests/module_seconds.py; xdist would otherwise hand out the modules with
 # the most tests first, and a long module of one test last): `make module-seconds` refreshes the figures.
 TEST_WORKERS ?= 2

@@ -15,7 +15,9 @@ worker whose launcher dies (a `kill -9` of the process Ray started) kills itself
 The first launcher on a node that finds no template starts one (binds the socket, detaches: its own
 session, init its parent) and waits for it instead of importing alone: the same work, once. The
 template serves until the raylet it was started for exits. Its memory (the imported libraries,
-about 0.6 GB) is shared copy-on-write with the workers it forks.
+about 0.6 GB) is shared copy-on-write with the workers it forks. In `ps` it shows the command line
+of the launcher that started it (`template.py .../default_worker.py ...`, so `ray stop` ends it too);
+it logs to `<session>/logs/zocheck-template-<pid>.log` in Ray's session directory.
 
 What is shared must not differ from what a worker would have built itself:
 - the template imports only modules (`PRELOAD`) whose state depends on nothing but the interpreter,
