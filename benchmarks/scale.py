@@ -232,7 +232,13 @@ def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
             ZOOptimizer([("weight", weight)], ZOConfig()).step(lambda: weight.float().sum(), seed=0)
         return process_memory().get("VmHWM", 0)
 
-    trainer, *steps = ray.get([trainer_like.remote(None), *(trainer_like.remote(d) for d in dtypes)])
+    from zocheck_ray.config import JobConfig
+    from zocheck_ray.control.placement import trainer_runtime_env
+
+    # started as the runs' trainers are (forked from the node's process template: its libraries' pages count in
+    # a process's resident memory as it touches them, not at once)
+    like = trainer_like.options(runtime_env=trainer_runtime_env(JobConfig()))
+    trainer, *steps = ray.get([like.remote(None), *(like.remote(d) for d in dtypes)])
     return {"trainer": trainer, **{f"trainer_{d}": v for d, v in zip(dtypes, steps)}}
 
 

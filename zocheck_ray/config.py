@@ -118,13 +118,15 @@ class JobConfig(BaseModel):
     standby, and builds only once the promotion is done (its set-up would take cores and memory bandwidth
     from it)."""
     process_template: bool = True
-    """Start the run's processes (trainer ranks, the standby, the shadow, and Ray's restarts of them) by forking
-    them from a template process on their node that has torch and transformers imported (Linux;
-    `actors/template.py`): a process Ray starts for a trainer is up in about a second instead of after several
-    CPU seconds of imports, and a restarted trainer recovers that much sooner. The template (about 0.6 GB,
-    shared copy-on-write with the processes it forks) is started by the node's first such process and ends
-    with the node's raylet. Off, or where the job's runtime environment brings its own Python (`pip`, `conda`,
-    `uv`, `py_executable`, `container`, `image_uri`), Ray starts each process itself."""
+    """Start the run's processes (the trainer ranks, the shadow, and Ray's restarts of them) by forking them from
+    a template process on their node that has torch and transformers imported (Linux; `actors/template.py`): a
+    process Ray starts for a trainer is up in about a second instead of after several CPU seconds of imports,
+    and a restarted trainer recovers that much sooner. The template (about 0.6 GB, shared copy-on-write with
+    the processes it forks) is started by the node's first such process and ends with the node's raylet. Off,
+    or where the job's runtime environment brings its own Python (`pip`, `conda`, `uv`, `py_executable`,
+    `container`, `image_uri`), Ray starts each process itself; with `standby: true` it does so for the
+    trainers (the standby replaces a lost one at once, and the template's path costs Ray a CPU second more
+    per process, taken from the promotion: `control/placement.py: trainer_runtime_env`)."""
     recovery_snapshot: bool = True
     """A trainer that recovers on the CPU is offered a snapshot of the shadow's replica taken then (the shadow
     replays the records it lags by, then copies the state once), rather than the newest image and the records

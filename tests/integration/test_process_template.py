@@ -15,7 +15,7 @@ from support import wait_until
 from zocheck_ray.actors import template
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control import RunCallback
-from zocheck_ray.control.placement import trainer_runtime_env
+from zocheck_ray.control.placement import shadow_runtime_env, trainer_runtime_env
 from zocheck_ray.testing import run_with_faults
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray"),
@@ -72,6 +72,10 @@ def _restarted(actor, seen: list) -> bool:
 
 def test_the_job_turns_the_template_off_and_a_runtime_env_with_its_own_python_does():
     assert trainer_runtime_env(JobConfig(process_template=False)) is None
+    assert shadow_runtime_env(JobConfig(process_template=False)) is None
+    # with a standby, Ray starts the trainers itself (the template's path would take a CPU second from a promotion)
+    assert trainer_runtime_env(JobConfig(standby=True)) is None
+    assert shadow_runtime_env(JobConfig(standby=True)) == template.runtime_env()
 
     @ray.remote(num_cpus=0)
     def inside():

@@ -1,6 +1,7 @@
-"""A per-node process template: the run's Ray workers (trainer ranks, the standby, the shadow) are
-forked from a process that has torch and transformers imported, so that a process Ray starts for
-them (a restart above all) is up in about a second instead of after several CPU seconds of imports.
+"""A per-node process template: the run's Ray workers (the trainer ranks and the shadow; with a
+standby, the shadow alone: `control/placement.py`) are forked from a process that has torch and
+transformers imported, so that a process Ray starts for them (a restart above all) is up in about
+a second instead of after several CPU seconds of imports.
 
 How. These actors' runtime environment names this file as their Python (`runtime_env`), so
 Ray starts such a worker as `python template.py default_worker.py ARGS...` (after its own

@@ -57,8 +57,8 @@ OWN_PYTHON = ("pip", "conda", "uv", "py_executable", "container", "image_uri")
 process template (they would not be the interpreter and libraries the template has loaded)."""
 
 
-def trainer_runtime_env(job: JobConfig) -> dict | None:
-    """The runtime environment of the run's actors: through the node's process template where the job wants
+def shadow_runtime_env(job: JobConfig) -> dict | None:
+    """The runtime environment of the run's shadow: through the node's process template where the job wants
     it (`process_template`) and can have it (Linux; the job's workers run the driver's Python), else the job's.
     The template's launcher is this interpreter running this installation's `actors/template.py`: the nodes
     run the same image (as Ray's own workers assume of the driver's Python)."""
@@ -68,6 +68,17 @@ def trainer_runtime_env(job: JobConfig) -> dict | None:
     if any(own.get(field) for field in OWN_PYTHON):
         return None
     return template.runtime_env()
+
+
+def trainer_runtime_env(job: JobConfig) -> dict | None:
+    """The runtime environment of the trainer's actors: as the shadow's (`shadow_runtime_env`), except in a run
+    with a standby. There a lost trainer is replaced by the standby while Ray restarts its process, and that
+    start must keep out of the promotion's way (`actors/trainer_process.py`): Ray's own start of a worker is its
+    interpreter and its import of Ray; through the template Ray first runs its `setup_worker.py` (another import
+    of Ray) and its runtime-environment agent, about a CPU second more. On two cores a 540M-parameter bf16
+    promotion took 2.04 s beside that start against 1.33 s beside Ray's own (`benchmarks/scale.py`'s standby
+    run, side by side)."""
+    return None if job.standby else shadow_runtime_env(job)
 
 
 def group_name(run_id: str) -> str:
@@ -146,7 +157,7 @@ class Placement:
         shadow = ShadowActor.options(
             name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=job.shadow_cpus,
             max_restarts=job.max_restarts, max_task_retries=-1, scheduling_strategy=self._strategy(self._shadow_place),
-            runtime_env=trainer_runtime_env(job),
+            runtime_env=shadow_runtime_env(job),
         ).remote(self._payload, self.hooks)
         share = STANDBY_GPU_SHARE if job.standby and self.gpus else 0
         trainers = [TrainerActor.options(
