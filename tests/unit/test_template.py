@@ -215,3 +215,15 @@ def test_a_template_serves_only_its_own_user_and_a_launcher_talks_only_to_its_ow
         client.close()
     finally:
         listener.close()
+
+
+def test_a_message_is_read_without_a_byte_of_the_next():
+    """The template's answer and the worker's exit status can arrive together: each is read on its own."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        template._send(theirs, {"pid": 7})
+        template._send(theirs, {"status": 0})
+        theirs.shutdown(socket.SHUT_WR)
+        assert template._receive(ours) == ({"pid": 7}, [])
+        assert template._receive(ours) == ({"status": 0}, [])
+        assert template._receive(ours) == (None, [])

@@ -45,6 +45,7 @@ if __name__ == "__main__":  # run as a script: this directory's modules must not
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import select  # noqa: E402
 import selectors  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
@@ -125,25 +126,23 @@ def _send(conn: socket.socket, payload: dict, fds: list[int] | None = None) -> N
 
 
 def _receive(conn: socket.socket, max_fds: int = 0) -> tuple[dict | None, list[int]]:
-    """One message (None at the end of the stream) and the descriptors that came with it."""
-    fds: list[int] = []
-    buffer = b""
-    while len(buffer) < 4:
-        chunk, got, _, _ = socket.recv_fds(conn, 65536, max_fds) if max_fds and not fds else (
-            conn.recv(65536), [], 0, None)
-        fds.extend(got)
+    """One message (None at the end of the stream) and the descriptors that came with it. It reads no byte of
+    the next one (a worker's exit can follow the template's answer at once)."""
+    first, fds, _, _ = socket.recv_fds(conn, 4, max_fds) if max_fds else (conn.recv(4), [], 0, None)
+    rest = _read(conn, 4 - len(first)) if first else None
+    body = None if rest is None else _read(conn, struct.unpack("!I", first + rest)[0])
+    return (None if body is None else json.loads(body)), fds
+
+
+def _read(conn: socket.socket, size: int) -> bytes | None:
+    """Exactly `size` bytes (None where the stream ends first)."""
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
         if not chunk:
-            return None, fds
-        buffer += chunk
-    size = struct.unpack("!I", buffer[:4])[0]
-    while len(buffer) < 4 + size:
-        chunk = conn.recv(max(65536, 4 + size - len(buffer)))
-        if not chunk:
-            return None, fds
-        buffer += chunk
-    if len(buffer) != 4 + size:
-        raise ValueError("a peer sent more than one message")
-    return json.loads(buffer[4:]), fds
+            return None
+        data += chunk
+    return data
 
 
 # ------------------------------------------------------------------------------------- launcher
@@ -152,23 +151,23 @@ def _receive(conn: socket.socket, max_fds: int = 0) -> tuple[dict | None, list[i
 def launch(argv: list[str]) -> None:
     """Start Ray's worker `argv` (default_worker.py and its arguments) through the node's template, or,
     where that fails before the fork, as Ray would have; returns never."""
-    pid = None
-    conn = None
     if available():
         try:
             conn = _connect(argv)
-            pid = _request(conn, argv) if conn is not None else None
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
             _say(f"starting this worker the usual way: {exc}")
-            pid = None
-    if pid is None:
-        if conn is not None:
-            conn.close()
-        os.execv(sys.executable, [sys.executable, *argv])
-    _follow(conn, pid)
+        else:
+            try:
+                pid = _request(conn, argv)
+            except (OSError, ValueError) as exc:
+                _say(f"starting this worker the usual way: {exc}")
+                conn.close()
+            else:
+                _follow(conn, pid)  # returns never
+    os.execv(sys.executable, [sys.executable, *argv])
 
 
-def _connect(argv: list[str]) -> socket.socket | None:
+def _connect(argv: list[str]) -> socket.socket:
     raylet = os.getppid()  # setup_worker.py, which the raylet started, execs (through bash) into this launcher
     name = address(template_key(dict(os.environ), sys.executable, sys.path, raylet))
     try:
@@ -219,7 +218,9 @@ def _start_template(listener: socket.socket, raylet: int, log_path: str) -> None
     if child:
         os.waitpid(child, 0)  # the intermediate process exits once the template is detached
         return
-    try:  # the intermediate process: a session of its own, then the template as its child, then gone
+    # The intermediate process: a session of its own, then the template as its child, then gone. (A worker the
+    # template forks leaves through here by SystemExit, as from any interpreter's __main__.)
+    try:
         os.setsid()
         if os.fork():
             os._exit(0)
@@ -228,11 +229,10 @@ def _start_template(listener: socket.socket, raylet: int, log_path: str) -> None
         _say(f"the template failed: {exc!r}")
         os._exit(1)
     os._exit(0)
-    # (A worker the template forks leaves through here by SystemExit, as from any interpreter's __main__.)
 
 
-def _request(conn: socket.socket, argv: list[str]) -> int | None:
-    """The pid of the worker the template forked, or None where it refused."""
+def _request(conn: socket.socket, argv: list[str]) -> int:
+    """The pid of the worker the template forked (OSError where it refused or is gone)."""
     path = [os.path.dirname(os.path.abspath(argv[0])), *sys.path]  # as `python default_worker.py` has it
     conn.settimeout(ANSWER_SECONDS)
     _send(conn, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "path": path}, [0, 1, 2])
@@ -257,13 +257,9 @@ def _follow(conn: socket.socket, pid: int) -> None:
         pass
     if status is None:  # the template is gone: wait for the worker itself
         try:
-            fd = os.pidfd_open(pid)
+            select.select([os.pidfd_open(pid)], [], [])  # readable once the worker has ended
         except ProcessLookupError:
-            os._exit(1)
-        with selectors.DefaultSelector() as waiter:
-            waiter.register(fd, selectors.EVENT_READ)
-            while not waiter.select():
-                pass
+            pass
         os._exit(1)  # its status went with the template
     if os.WIFSIGNALED(status):  # killed by a signal: so is its launcher, as Ray would see a worker die
         number = os.WTERMSIG(status)
