@@ -18,10 +18,12 @@ Ray unpickles the constructor's arguments before it runs: they must not import t
 faults that tests, benchmarks and `--fail-at` inject travel there: `testing/injection.py`).
 What stays in the promotion's window is Ray's own start of the process (the interpreter and Ray's
 import): at 540M parameters on two cores that alone outlasts the promotion, so the deferral shows
-from the sizes whose promotion takes longer than it (about 1B parameters and up here). Where the
-process is forked from the node's template (`process_template`, `actors/template.py`), torch and
-transformers are imported already when the constructor runs; `settle_threads` gives it the torch
-threads Ray's OMP_NUM_THREADS would have.
+from the sizes whose promotion takes longer than it (about 1B parameters and up here). For the
+same reason such a run's trainers are not forked from the node's process template (its path adds
+Ray's `setup_worker.py` and runtime-environment agent to that window: `control/placement.py:
+trainer_runtime_env`). A process that is forked from it (`process_template`, `actors/template.py`)
+has torch and transformers imported when its constructor runs; `settle_threads` gives it the
+torch threads Ray's OMP_NUM_THREADS would have.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ from ray.exceptions import RaySystemError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from zocheck_ray.actors import template
 from zocheck_ray.actors.messages import TrainerProgress
 from zocheck_ray.actors.names import NAMESPACE, shadow_name, trainer_name
-from zocheck_ray.actors import template
 from zocheck_ray.actors.ray_actors import ShadowActor
 from zocheck_ray.actors.trainer_process import TrainerActor
 from zocheck_ray.config import JobConfig, JobConfigError
@@ -53,7 +53,7 @@ def _check_resources(job: JobConfig) -> int:
 
 
 OWN_PYTHON = ("pip", "conda", "uv", "py_executable", "container", "image_uri")
-"""Runtime-environment fields that give a job's workers a Python of their own: its trainers start without the
+"""Runtime-environment fields that give a job's workers a Python of their own: its processes start without the
 process template (they would not be the interpreter and libraries the template has loaded)."""
 
 
@@ -175,12 +175,13 @@ class Placement:
 
     def start_standby(self):
         """The warm standby, beside rank 0 and the shadow: no CPU of its own (it waits), a sliver of rank 0's
-        GPU where there is one (`STANDBY_GPU_SHARE`)."""
+        GPU where there is one (`STANDBY_GPU_SHARE`); started by Ray itself, as a standby run's trainers are
+        (`trainer_runtime_env`)."""
         job = self.job
         return TrainerActor.options(
             name=trainer_name(job.run_id, "standby"), namespace=NAMESPACE, num_cpus=0,
             num_gpus=STANDBY_GPU_SHARE if self.gpus else 0, max_restarts=job.max_restarts,
-            scheduling_strategy=self._strategy(self._rank_places[0]), runtime_env=trainer_runtime_env(job),
+            scheduling_strategy=self._strategy(self._rank_places[0]),
         ).remote(self._payload, self.hooks, 0, True)
 
     def remove(self) -> None:
