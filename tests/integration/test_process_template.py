@@ -38,7 +38,10 @@ class Probe:
         return {"pid": os.getpid(), "ppid": os.getppid(), "parent": parent, **self.preloaded,
                 "forked": os.environ.get(template.FORKED_ENV), "threads": torch.get_num_threads(),
                 "omp": os.environ.get("OMP_NUM_THREADS"), "cwd": os.getcwd(), "path0": sys.path[0],
-                "restarted": ray.get_runtime_context().was_current_actor_reconstructed}
+                "restarted": ray.get_runtime_context().was_current_actor_reconstructed, "session": os.getsid(0),
+                # the scheduler's group (where the kernel groups processes by session), without its nice value
+                "autogroup": open("/proc/self/autogroup").read().split()[0] if os.path.exists("/proc/self/autogroup")
+                else None}
 
 
 def test_trainer_processes_are_forked_from_their_nodes_template_and_so_is_a_restart():
@@ -53,6 +56,8 @@ def test_trainer_processes_are_forked_from_their_nodes_template_and_so_is_a_rest
     # as a worker Ray starts itself: OMP_NUM_THREADS's threads, the directory and the worker's own path first
     assert one["threads"] == int(one["omp"]) == plain["threads"]
     assert (one["cwd"], one["path0"]) == (plain["cwd"], plain["path0"])
+    # and where the scheduler shares the CPUs by session, it shares them with Ray's other workers, not beside them
+    assert (one["session"], one["autogroup"]) == (plain["session"], plain["autogroup"])
     os.kill(one["pid"], signal.SIGKILL)
     seen: list[dict] = []
     assert wait_until(lambda: _restarted(first, seen))  # Ray's restart of the killed process

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not template.available(), reason="process templa
 RAYLET = """
 import os, subprocess, sys, time
 for run in range(int(os.environ.get("RUNS", "1"))):
-    child = subprocess.Popen(sys.argv[1:], env={**os.environ, "RUN": str(run)})
+    child = subprocess.Popen(sys.argv[1:], env={**os.environ, "RUN": str(run), "RAYLET_PID": str(os.getpid())})
     print("launcher", child.pid, flush=True)
     print("exit", child.wait(), flush=True)
 time.sleep(3600)
@@ -37,7 +37,8 @@ out, action = sys.argv[1] + os.environ.get("RUN", "0"), sys.argv[2]
 info = {"pid": os.getpid(), "ppid": os.getppid(), "forked": os.environ.get("ZOCHECK_RAY_TEMPLATE_PID"),
         "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "random": random.random(),
         "preloaded": "template_probe" in sys.modules, "name": __name__, "marker": os.environ.get("PROBE"),
-        "sid": os.getsid(0)}
+        "sid": os.getsid(0), "pgid": os.getpgid(0), "raylet_sid": os.getsid(int(os.environ["RAYLET_PID"])),
+        "template_sid": os.getsid(os.getppid())}
 if action == "handles":
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
 with open(out + ".tmp", "w") as f:
@@ -100,9 +101,10 @@ def nodes():
 
 
 def test_a_worker_runs_forked_from_the_template_as_a_fresh_interpreter_would(tmp_path, nodes):
-    """The worker: forked from the template (its parent, preloaded module in place), its own session, the
-    launcher's arguments, environment, directory, module path and standard output; the launcher ends with
-    its exit status."""
+    """The worker: forked from the template (its parent, preloaded module in place), in the raylet's session
+    (where the scheduler groups by session, a session of its own would take CPU as all of Ray's workers together
+    do) and a process group of its own, with the launcher's arguments, environment, directory, module path and
+    standard output; the launcher ends with its exit status."""
     raylet, out = start_node(tmp_path / "a", "exit", "3")
     nodes.append(raylet)
     info = read_info(out)
@@ -110,7 +112,7 @@ def test_a_worker_runs_forked_from_the_template_as_a_fresh_interpreter_would(tmp
     assert info["preloaded"] is True and info["name"] == "__main__" and info["marker"] == "1"
     assert info["argv"] == [str(tmp_path / "a" / "ray" / "default_worker.py"), str(out), "exit", "3"]
     assert info["cwd"] == str(tmp_path / "a") and info["path0"] == str(tmp_path / "a" / "ray")
-    assert info["sid"] == info["pid"]
+    assert info["sid"] == info["template_sid"] == info["raylet_sid"] != info["pid"] and info["pgid"] == info["pid"]
     assert line(raylet, "worker up") == ""  # the worker wrote to the launcher's standard output
     assert line(raylet, "exit ") == "3"
     assert not gone(info["ppid"])  # the template serves on

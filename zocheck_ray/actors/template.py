@@ -13,8 +13,8 @@ interpreter would. The launcher stays for the worker's life: it passes SIGTERM, 
 SIGQUIT on to it and ends as the worker ends (its exit status, or killed by the same signal). A
 worker whose launcher dies (a `kill -9` of the process Ray started) kills itself.
 
-The first launcher on a node that finds no template starts one (binds the socket, detaches: its own
-session, init its parent) and waits for it instead of importing alone: the same work, once. The
+The first launcher on a node that finds no template starts one (binds the socket, detaches: a process
+group of its own, init its parent) and waits for it instead of importing alone: the same work, once. The
 template serves until the raylet it was started for exits. Its memory (the imported libraries,
 about 0.6 GB) is shared copy-on-write with the workers it forks. In `ps` it shows the command line
 of the launcher that started it (`template.py .../default_worker.py ...`, so `ray stop` ends it too);
@@ -29,6 +29,14 @@ What is shared must not differ from what a worker would have built itself:
 - a forked worker reseeds Python's and numpy's global generators, and the actor sets torch's
   intra-op threads from OMP_NUM_THREADS (`settle_threads`: OpenMP reads it when torch loads, and Ray
   sets it only in the worker, after the template loaded torch).
+
+The template and the workers it forks stay in the session of the launcher that started the template (the
+raylet's, as every worker Ray starts itself is), each in a process group of its own. Linux's scheduler, where
+it groups processes by session (autogroup, on by default in most distributions' kernels), shares the CPUs
+fairly among sessions first and by nice value only within one: a worker in a session of its own would take as
+much CPU as all of Ray's other workers together, whatever its threads' nice values (`actors/priority.py`). So
+it was: a 540M-parameter bf16 standby's promotion on two cores took 1.83 s beside the shadow forked into a
+session of its own, whose nice-19 replay of the same record took as much CPU as the promotion did.
 
 Any failure before the template has forked (no socket, a template that died or refused, no answer
 in `ANSWER_SECONDS`) starts the worker as Ray would have: the launcher execs the interpreter on
@@ -218,10 +226,11 @@ def _start_template(listener: socket.socket, raylet: int, log_path: str) -> None
     if child:
         os.waitpid(child, 0)  # the intermediate process exits once the template is detached
         return
-    # The intermediate process: a session of its own, then the template as its child, then gone. (A worker the
-    # template forks leaves through here by SystemExit, as from any interpreter's __main__.)
+    # The intermediate process: a process group of its own, then the template as its child, then gone. (A worker
+    # the template forks leaves through here by SystemExit, as from any interpreter's __main__.) The session stays
+    # the launcher's: see the module's docstring.
     try:
-        os.setsid()
+        os.setpgid(0, 0)
         if os.fork():
             os._exit(0)
         _serve(listener, raylet, log_path)
@@ -378,7 +387,7 @@ class _Template:
             for other, pidfd in self.workers.values():
                 other.close()
                 os.close(pidfd)
-            os.setsid()  # out of the template's session: what Ray signals there is not this worker's
+            os.setpgid(0, 0)  # out of the template's process group: what is signalled there is not this worker's
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
                 os.close(fd)
