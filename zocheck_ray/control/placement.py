@@ -75,9 +75,9 @@ def trainer_runtime_env(job: JobConfig) -> dict | None:
     with a standby. There a lost trainer is replaced by the standby while Ray restarts its process, and that
     start must keep out of the promotion's way (`actors/trainer_process.py`): Ray's own start of a worker is its
     interpreter and its import of Ray; through the template Ray first runs its `setup_worker.py` (another import
-    of Ray) and its runtime-environment agent, about a CPU second more. On two cores a 540M-parameter bf16
-    promotion took 2.04 s beside that start against 1.33 s beside Ray's own (`benchmarks/scale.py`'s standby
-    run, side by side)."""
+    of Ray) and its runtime-environment agent. In a 540M-parameter bf16 promotion's window on two cores that
+    start took 0.83-0.90 CPU-s, Ray's own 0.52-0.61 (`benchmarks/scale.py`'s standby run, two each way;
+    docs/benchmarks.md)."""
     return None if job.standby else shadow_runtime_env(job)
 
 
