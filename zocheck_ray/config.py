@@ -125,8 +125,8 @@ class JobConfig(BaseModel):
     the processes it forks) is started by the node's first such process and ends with the node's raylet. Off,
     or where the job's runtime environment brings its own Python (`pip`, `conda`, `uv`, `py_executable`,
     `container`, `image_uri`), Ray starts each process itself; with `standby: true` it does so for the
-    trainers (the standby replaces a lost one at once, and the template's path costs Ray a CPU second more
-    per process, taken from the promotion: `control/placement.py: trainer_runtime_env`)."""
+    trainers (the standby replaces a lost one at once, and the template's path gives the process Ray restarts
+    meanwhile more CPU work, taken from the promotion: `control/placement.py: trainer_runtime_env`)."""
     recovery_snapshot: bool = True
     """A trainer that recovers on the CPU is offered a snapshot of the shadow's replica taken then (the shadow
     replays the records it lags by, then copies the state once), rather than the newest image and the records

@@ -78,7 +78,7 @@ def _restarted(actor, seen: list) -> bool:
 def test_the_job_turns_the_template_off_and_a_runtime_env_with_its_own_python_does():
     assert trainer_runtime_env(JobConfig(process_template=False)) is None
     assert shadow_runtime_env(JobConfig(process_template=False)) is None
-    # with a standby, Ray starts the trainers itself (the template's path would take a CPU second from a promotion)
+    # with a standby, Ray starts the trainers itself (the template's path would take more CPU from a promotion)
     assert trainer_runtime_env(JobConfig(standby=True)) is None
     assert shadow_runtime_env(JobConfig(standby=True)) == template.runtime_env()
 
