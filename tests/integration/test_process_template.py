@@ -39,9 +39,10 @@ class Probe:
                 "forked": os.environ.get(template.FORKED_ENV), "threads": torch.get_num_threads(),
                 "omp": os.environ.get("OMP_NUM_THREADS"), "cwd": os.getcwd(), "path0": sys.path[0],
                 "restarted": ray.get_runtime_context().was_current_actor_reconstructed, "session": os.getsid(0),
-                # the scheduler's group (where the kernel groups processes by session), without its nice value
-                "autogroup": open("/proc/self/autogroup").read().split()[0] if os.path.exists("/proc/self/autogroup")
-                else None}
+                # the scheduler's group, without its nice value; None where the kernel has no autogroups (the
+                # file is missing, or empty where the kernel has them off)
+                "autogroup": next(iter(open("/proc/self/autogroup").read().split()), None)
+                if os.path.exists("/proc/self/autogroup") else None}
 
 
 def test_trainer_processes_are_forked_from_their_nodes_template_and_so_is_a_restart():
