@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -291,6 +291,7 @@ def test_lag_is_detected_exactly_when_replay_is_not_faster_than_the_gpu(gpu, rep
 
 @FAST
 @given(gpu=seconds, replay=seconds, snap=seconds, persist=seconds, mtbf=st.floats(0.5, 1000.0))
+@example(gpu=66.0, replay=66.0, snap=0.01, persist=67.0, mtbf=0.5)  # a resync period of 726 MTBFs: e^{P/M} overflowed
 def test_policy_n_always_meets_the_persistence_bound(gpu, replay, snap, persist, mtbf):
     t = timings(gpu, replay, snap, persist)
     n = plan(t, FailureModel(mtbf_hours=mtbf)).snapshot_interval
