@@ -207,11 +207,18 @@ class MemorySampler:
         return int(statistics.median(values[len(values) // 2:])) if values else 0
 
 
+PLAIN = "plain_"
+"""The prefix of a footprint taken in a process Ray started itself (a run with the standby: its trainers are not
+forked from the template, `placement.trainer_runtime_env`); none: forked from the node's process template."""
+
+
 def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
     """The trainer's fixed baseline: what a process that imported its modules holds (`trainer`: idle), and
     after one ZO step of `dtype` on a state of two of the optimizer's chunks (`trainer_<dtype>`: its
-    chunk-sized working buffers, the same at every model size). The shadow reads its own
-    (`ShadowMetrics.baseline_bytes`)."""
+    chunk-sized working buffers, the same at every model size); each in a process started as the default job's
+    trainers are (forked from the node's process template) and, prefixed `PLAIN`, as a run with the standby
+    starts them (by Ray itself: a process that imported its modules on its own holds more). The shadow reads its
+    own (`ShadowMetrics.baseline_bytes`)."""
     import ray
 
     @ray.remote(num_cpus=0, max_calls=1)  # a fresh worker each: VmHWM is the process's own peak
@@ -235,11 +242,14 @@ def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
     from zocheck_ray.config import JobConfig
     from zocheck_ray.control.placement import trainer_runtime_env
 
-    # started as the runs' trainers are (forked from the node's process template: its libraries' pages count in
-    # a process's resident memory as it touches them, not at once)
-    like = trainer_like.options(runtime_env=trainer_runtime_env(JobConfig()))
-    trainer, *steps = ray.get([like.remote(None), *(like.remote(d) for d in dtypes)])
-    return {"trainer": trainer, **{f"trainer_{d}": v for d, v in zip(dtypes, steps)}}
+    # started as each run's trainers are: forked from the node's process template (its libraries' pages count in
+    # a process's resident memory as it touches them, not at once), or by Ray (a run with the standby)
+    out = {}
+    for prefix, job in (("", JobConfig()), (PLAIN, JobConfig(standby=True))):
+        like = trainer_like.options(runtime_env=trainer_runtime_env(job))
+        trainer, *steps = ray.get([like.remote(None), *(like.remote(d) for d in dtypes)])
+        out.update({f"{prefix}trainer": trainer, **{f"{prefix}trainer_{d}": v for d, v in zip(dtypes, steps)}})
+    return out
 
 
 # ---------------------------------------------------------------------------------------- runs
@@ -251,6 +261,7 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: t
     from zocheck_ray.actors.names import actor_state
     from zocheck_ray.config import JobConfig
     from zocheck_ray.control import RunCallback
+    from zocheck_ray.control.placement import trainer_runtime_env
     from zocheck_ray.testing import run_with_faults
 
     job = JobConfig(model=model, dtype=dtype, steps=STEPS, storage=storage, snapshot_interval=SNAPSHOT_INTERVAL, zo=ZO,
@@ -293,6 +304,7 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: t
     # no copy where a standby held the offered image: nothing copied there to time
     restores = [(state / r.phases["copy"] / 1e9, r.copy_threads) for r in summary.recoveries if r.phases.get("copy")]
     return {"summary": summary, "recovery": recovery, "sampler": sampler,
+            "trainers_forked": trainer_runtime_env(job) is not None,
             "accounted_peak": max([m.peak_held_bytes for m in metrics] + [final.peak_held_bytes]),
             "snapshot_gbps": state / (median or last) / 1e9 if (median or last) else None,
             "snapshot_fresh": median is None and bool(final.snapshot_into_fresh_memory),
@@ -361,7 +373,10 @@ def _row(size, dtype, params, copies, hot, cold, base, footprints) -> dict:
     working = params >= 2 * CHUNK_ELEMENTS  # a model this small never fills the trainer's chunk buffers
 
     own = summary.metrics.baseline_bytes  # the shadow's memory before its state arrived, read in its own process
-    trainer = footprints[f"trainer_{dtype}"] if working else footprints["trainer"]  # its chunk buffers where filled
+
+    def trainer_baseline(run: dict) -> int:  # as the run's trainers were started; its chunk buffers where filled
+        prefix = "" if run["trainers_forked"] else PLAIN
+        return footprints[f"{prefix}trainer_{dtype}" if working else f"{prefix}trainer"]
 
     # the best restore of the run: into the standby (unless it held the offered image already: it copied it in while
     # it waited, `TrainerActor.follow`) and into the processes Ray restarted; all into prefaulted skeletons
@@ -393,7 +408,12 @@ def _row(size, dtype, params, copies, hot, cold, base, footprints) -> dict:
         "fresh_copy_gbps_by_threads": {t: c[1] for t, c in copies.items() if t},
         "shadow_accounted_peak_x": hot["accounted_peak"] / state,
         "shadow_peak_x": over(sampler.peak("shadow"), own), "shadow_steady_x": over(sampler.steady("shadow"), own),
-        "shadow_baseline_bytes": own, "trainer_peak_x": over(sampler.peak("trainer"), trainer),
+        "shadow_baseline_bytes": own,
+        # every trainer process of both runs (the standby's included), each run's over the baseline of processes
+        # started as its trainers were
+        "trainer_peak_x": max(over(run["sampler"].peak("trainer"), trainer_baseline(run)) for run in (hot, cold)),
+        "trainer_peak_x_by_run": {name: over(run["sampler"].peak("trainer"), trainer_baseline(run))
+                                  for name, run in (("standby", hot), ("restart", cold))},
         "shadow_peak_bytes": sampler.peak("shadow"), "trainer_peak_bytes": sampler.peak("trainer"),
         "snapshot_gbps": snap["snapshot_gbps"], "restore_gbps": restore,
         "restore_measured_in": restored_in, "restore_samples_gbps": [gbps for gbps, _, _ in samples],

@@ -35,6 +35,11 @@ def test_the_three_recoveries_of_one_job_end_in_one_state_and_are_reported(tmp_p
     assert row["state_bytes"] == row["params"] * 4
     # the shadow's own accounting: the replica and one image, and the profile's scratch at most
     assert 2.0 <= row["shadow_accounted_peak_x"] <= 2.0 + (64 << 20) / row["state_bytes"]
+    # /proc: each run's trainers over the baseline of processes started as they were (a run with the standby: by
+    # Ray; the other: forked from the node's process template), the larger of the two runs'
+    assert {"trainer", "trainer_fp32", "plain_trainer", "plain_trainer_fp32"} <= set(doc["footprints"])
+    assert set(row["trainer_peak_x_by_run"]) == {"standby", "restart"}
+    assert row["trainer_peak_x"] == max(row["trainer_peak_x_by_run"].values())
     # /proc: over the shadow's own memory before its state arrived
     assert 0 < row["shadow_baseline_bytes"] < row["shadow_peak_bytes"]
     assert row["shadow_peak_x"] == (row["shadow_peak_bytes"] - row["shadow_baseline_bytes"]) / row["state_bytes"]
