@@ -14,23 +14,36 @@ from typing import Callable, Sequence
 from zocheck_ray.plotting import missing_reason, pyplot  # noqa: F401  (the figures' matplotlib, optional)
 
 
+SIMD_FLAGS = ("avx512f", "avx2", "avx", "sse4_2", "sve", "asimd")
+"""The widest vector extension `machine` names, first found first (x86, then Arm)."""
+
+
+def cpu_identity(cpuinfo: str) -> dict:
+    """The first CPU of a `/proc/cpuinfo` text: its model name, its family/model (x86; one model name may cover
+    CPU generations whose kernels and copies run at different speeds) and its widest vector extension."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    return {"cpu": fields.get("model name"),
+            "cpu_family_model": f"{fields['cpu family']}/{fields['model']}" if "cpu family" in fields else None,
+            "simd": next((f for f in SIMD_FLAGS if f in flags), None)}
+
+
 def machine() -> dict:
     """What the figures were measured on."""
     import numba
     import torch
 
-    cpu = platform.processor() or "unknown"
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        cpu = cpu_identity(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
+        cpu = {"cpu": None, "cpu_family_model": None, "simd": None}
     return {
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "cpu": cpu,
+        **cpu, "cpu": cpu["cpu"] or platform.processor() or "unknown",
         "cpu_count": os.cpu_count(),
         "numba_threads": numba.config.NUMBA_NUM_THREADS,
         "torch": torch.__version__,
