@@ -30,9 +30,9 @@ import torch
 from hypothesis import settings as hypothesis_settings
 
 # Property tests draw the same examples on every run (a CI run passes or fails on the code, not on the draw);
-# `HYPOTHESIS_PROFILE=explore` draws new ones, and more, to look for cases to add as `@example`s.
+# `HYPOTHESIS_PROFILE=explore` draws new ones on every run, to look for cases to add as `@example`s.
 hypothesis_settings.register_profile("repeatable", derandomize=True)
-hypothesis_settings.register_profile("explore", max_examples=1000)
+hypothesis_settings.register_profile("explore", derandomize=False)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 try:
