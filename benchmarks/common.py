@@ -39,7 +39,7 @@ def machine() -> dict:
     try:
         cpu = cpu_identity(Path("/proc/cpuinfo").read_text())
     except OSError:
-        cpu = {"cpu": None, "cpu_family_model": None, "simd": None}
+        cpu = cpu_identity("")
     return {
         "platform": platform.platform(),
         "python": platform.python_version(),

@@ -184,7 +184,7 @@ def _h(z: float) -> float:
 
 
 def _cycles(period: float, mtbf: float) -> float:
-    """E[floor(X / P)] = 1 / (e^{P/M} - 1), written as e^{-P/M} / (1 - e^{-P/M}): a period thousands of
+    """E[floor(X / P)] = 1 / (e^{P/M} - 1), written as e^{-P/M} / (1 - e^{-P/M}): a period hundreds of
     times the MTBF gives 0, not an overflow of e^{P/M}."""
     z = period / mtbf
     return math.exp(-z) / -math.expm1(-z)
