@@ -309,7 +309,7 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: t
             "snapshot_gbps": state / (median or last) / 1e9 if (median or last) else None,
             "snapshot_fresh": median is None and bool(final.snapshot_into_fresh_memory),
             "snapshot_threads": final.snapshot_threads,
-            "restores": restores}
+            "restores": restores, "copied_by": [r.copied_by for r in summary.recoveries if r.phases.get("copy")]}
 
 
 def _baseline_run(model: str, dtype: str, storage: str, every: int) -> dict:
@@ -429,6 +429,7 @@ def _row(size, dtype, params, copies, hot, cold, base, footprints) -> dict:
                                                    baseline(hot["snapshot_threads"], hot["snapshot_fresh"])),
         "restore_threads": restore_threads, "restore_copy_gbps": restore_copy,
         "restore_fraction": fraction(restore, restore_copy), "restore_fraction_all_cores": fraction(restore, copy_gbps),
+        "restore_copied_by": sorted(set(hot["copied_by"] + cold["copied_by"])),  # the shadow writing, or the trainer
         "restore_cold_gbps": cold_best, "restore_cold_fraction": fraction(cold_best, baseline(cold_threads)),
         "recovery_standby_seconds": hot["recovery"].seconds, "recovery_standby_phases": hot["recovery"].phases,
         "recovery_standby_replaced_by": hot["recovery"].replaced_by,

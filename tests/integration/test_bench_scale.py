@@ -13,6 +13,7 @@ import transformers
 from benchmarks import scale as scale_module
 from benchmarks.scale import FAIL_AT, SIZES, markdown, parameters_of, scale_benchmark, targets, too_big
 from zocheck_ray.core.errors import NonFiniteError
+from support import pushes_allowed
 
 RAY_CPUS = 3
 
@@ -55,8 +56,10 @@ def test_the_three_recoveries_of_one_job_end_in_one_state_and_are_reported(tmp_p
     all_cores = {"touched": row["copy_gbps"], "fresh": row["fresh_copy_gbps"]}[row["snapshot_into"]]
     assert row["snapshot_fraction_all_cores"] == row["snapshot_gbps"] / all_cores
     assert row["snapshot_with_standby_gbps"] > 0 and row["snapshot_with_standby_fraction"] > 0  # the other run's
-    # a restore runs on every core of its process (up to 8), into a prefaulted skeleton
+    # a restore runs on every core of the process that copies (up to 8), into a prefaulted skeleton: the shadow
+    # writes it in, where the host lets it
     assert row["restore_threads"] == min(8, len(os.sched_getaffinity(0)))
+    assert row["restore_copied_by"] == (["shadow"] if pushes_allowed() else ["trainer"])
     assert row["restore_copy_gbps"] == row["copy_gbps_by_threads"][row["restore_threads"]]
     assert row["restore_fraction"] == row["restore_gbps"] / row["restore_copy_gbps"]
     # the best of the runs' restores: Ray's restart, and the standby's unless it held the offered image (it copied

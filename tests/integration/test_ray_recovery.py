@@ -16,7 +16,7 @@ import ray
 import torch
 
 from reference_runs import SMALL_TASK, STEPS, assert_exact, job_for, uninterrupted_hashes
-from support import wait_until
+from support import pushes_allowed, wait_until
 from zocheck_ray.config import JobConfigError, load_job_config
 from zocheck_ray.control import RunCallback
 from zocheck_ray.testing import run_with_faults as run
@@ -53,6 +53,8 @@ def test_three_software_failures_recover_exactly(tmp_path, monkeypatch):
         assert sum(r.phases[p] for p in parts) == pytest.approx(r.phases["restore"], abs=1e-6)
         assert r.phases["restore"] + r.phases["waited"] <= r.phases["rejoin"] + 1e-6  # the rest: building, if any
         assert r.copy_threads >= 1  # the image's bytes into the state, on this many threads
+        # written in by the shadow, which has the image mapped already (read by the trainer where the host forbids it)
+        assert r.copied_by == ("shadow" if pushes_allowed() else "trainer")
     assert_exact(summary, uninterrupted_hashes(job))
 
 
@@ -125,12 +127,14 @@ def test_a_failure_before_the_first_snapshot_and_during_recovery_itself(tmp_path
     """Lost before the shadow's first snapshot, and the first recovery attempt dies too, with the image copied.
     The shadow catches its replica up and snapshots it for the recovering trainer (`recovery_snapshot`), which
     copies it and replays nothing. The path without (the initial image and every record since, the attempt
-    dying with them not replayed): test_standby's promotion tests, which turn it off."""
+    dying with them not replayed): test_standby's promotion tests, which turn it off. And the kernel refuses
+    the shadow's writes into the trainer's memory (as a container's policy may): the trainer reads the image."""
     job = job_for(tmp_path, optimizer="sparse-mezo", snapshot_interval=1000)  # records carry per-tensor thresholds
     summary = run(job, fail_at=[13], progress=None, callbacks=[Settled()],
-                  faults=FaultInjection(crash_in_recovery_marker=str(tmp_path / "crashed")))
+                  faults=FaultInjection(crash_in_recovery_marker=str(tmp_path / "crashed"), push_refused=True))
     assert (tmp_path / "crashed").exists()  # the first recovery attempt died
     (recovery,) = summary.recoveries
+    assert recovery.copied_by == "trainer"
     assert recovery.failed_at_step == 13 and recovery.recovered_step > 0
     # taken once, for the first attempt: the second found the image at the replica's step
     assert recovery.image_step == recovery.recovered_step and recovery.replayed_records == 0

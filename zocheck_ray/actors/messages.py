@@ -181,7 +181,11 @@ class RecoveryInfo(BaseModel):
     """The copy alone within `install_seconds` (the image's bytes into the state, without checking and giving
     back the image); None where it was `preinstalled`."""
     copy_threads: int | None = None
-    """The threads that copy ran on (`actors.image.transfer_threads`: the process's CPUs, up to 8)."""
+    """The threads that copy ran on (`actors.image.transfer_threads`: the CPUs of the process that ran it, up
+    to 8)."""
+    copied_by: Literal["shadow", "trainer"] | None = None
+    """Which process ran that copy: the `shadow`, writing the image into this process's memory
+    (`actors.image.push_image`, on the CPU where the kernel lets it), or this `trainer`, reading it."""
     preinstalled: bool = False
     """The image was in the state already: a CPU standby copies each new image while it waits
     (`Trainer.preinstall`), so a promotion offered the same image only replays the records after it."""

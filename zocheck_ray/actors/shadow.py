@@ -19,6 +19,7 @@ plain values that `metrics()` reads.
 
 from __future__ import annotations
 
+import errno
 import logging
 import statistics
 import threading
@@ -28,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from zocheck_ray.actors.image import ImageGoneError, ImageLayout, SharedBuffer, copy_state
+from zocheck_ray.actors.image import (ImageGoneError, ImageLayout, PushRefused, Segment, SharedBuffer, copy_state,
+                                      push_image, transfer_threads)
 from zocheck_ray.actors.ledger import RecordLedger
 from zocheck_ray.actors.messages import AdapterIdentity, ShadowMetrics, TrainerTimes
 from zocheck_ray.actors.publisher import PushReply
@@ -60,6 +62,7 @@ class Shadow:
         `nice`: the niceness of the replay and persistence threads and of what they start (`job.shadow_nice`
         in a `ShadowActor`); the caller's threads, ingest's and the lease's heartbeat keep theirs."""
         self.job = job
+        self.hooks = hooks
         self.incarnation = uuid.uuid4().hex[:12]
         self.trainer_step: int | None = None
         self.rank_seconds_per_step: list[float] = []
@@ -255,6 +258,21 @@ class Shadow:
         if view is None:
             raise ImageGoneError(f"the image {token} has been replaced; ask for the newest")
         return view[start: start + length].numpy().copy()
+
+    def push_image(self, token: str, pid: int, segments: list[Segment]) -> int:
+        """Write the offered image `token` into process `pid` (a recovering trainer on this node, which lent
+        its memory: `image.allow_writer`) at `segments` (`image.segments_of`), on every CPU this process may
+        run on (nothing else is due while a trainer recovers); returns the threads it ran on. Raises
+        `PushRefused` where the kernel refuses or a newer image has replaced this one."""
+        image = self.ledger.image
+        view = image.buffer.bytes if image is not None and image.token == token else None
+        if view is None:  # (`view` keeps the memory mapped however the replay stage lets go of it)
+            raise PushRefused(errno.ESTALE, f"the image {token} has been replaced")
+        if self.hooks.push_refused:
+            raise PushRefused(errno.EPERM, f"cannot write into process {pid}: refused (injected)")
+        threads = transfer_threads()
+        push_image(view, pid, segments, threads=threads)
+        return threads
 
     def give_back(self, token: str) -> None:
         """A trainer is done reading the image named `token` (its memory may be reused)."""

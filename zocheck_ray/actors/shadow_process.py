@@ -104,6 +104,11 @@ class ShadowActor:
         return self.shadow.newer_image(token, timeout)
 
     @ray.method(concurrency_group="control")
+    def push_image(self, token: str, pid: int, segments: list) -> int:
+        """Write the lent image `token` into the memory of process `pid` on this node (`Shadow.push_image`)."""
+        return self.shadow.push_image(token, pid, [tuple(s) for s in segments])
+
+    @ray.method(concurrency_group="control")
     def give_back(self, token: str) -> None:
         self.shadow.give_back(token)
 

@@ -38,6 +38,7 @@ import torch
 
 from zocheck_ray.actors.collective import LossGroup, RankLostError, reduce_in_rank_order
 from zocheck_ray.actors.hooks import NO_HOOKS, TrainerHooks
+from zocheck_ray.actors.image import prepare_skeleton
 from zocheck_ray.actors.messages import AdapterIdentity, KernelCheckInfo, KernelInfo, RecoveryInfo, TrainerProgress
 from zocheck_ray.actors.publisher import FLUSH_SECONDS, Publisher, ShadowLink
 from zocheck_ray.config import JobConfig
@@ -138,8 +139,7 @@ class Trainer:
         self.opt = ZOOptimizer(built.parameters, self.job.zo)
         if prefault:
             with torch.no_grad():
-                for tensor in self.opt.state_tensors().values():
-                    tensor.zero_()
+                prepare_skeleton(self.opt.state_tensors())
 
     @property
     def _fresh_offer(self) -> bool:
@@ -245,7 +245,7 @@ class Trainer:
             if not preinstalled:
                 tensors = self.opt.state_tensors()
                 copy_began = time.perf_counter()
-                offer.copy_into(tensors)
+                offer.copy_into(tensors, push=True)  # the shadow writes it in where it can (`image.push_image`)
                 copy_seconds = time.perf_counter() - copy_began
         except BaseModelMismatchError:
             raise
@@ -275,6 +275,7 @@ class Trainer:
                             replayed_records=len(records), state_hash=digest, state_bytes=offer.layout.state_bytes,
                             preinstalled=preinstalled, copy_seconds=copy_seconds,
                             copy_threads=offer.threads if copy_seconds is not None else None,
+                            copied_by=None if copy_seconds is None else "shadow" if offer.pushed else "trainer",
                             install_seconds=loaded - began, replay_seconds=replayed - loaded,
                             replay_threads=replay_threads, hash_seconds=time.perf_counter() - replayed), records
 

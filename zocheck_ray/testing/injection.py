@@ -26,6 +26,9 @@ class FaultInjection(BaseModel):
     replay_stalled: bool = False
     """The shadow's replay applies no record: only resyncs move its replica (a shadow that falls behind
     however slow the trainer is)."""
+    push_refused: bool = False
+    """The kernel refuses the shadow's writes into a recovering trainer's memory, as on a host whose policy
+    forbids them (`actors.image.push_image`): the trainer reads the image itself."""
     crash_in_recovery_marker: str | None = None
     """A file path: the first recovering trainer that finds it missing creates it and dies mid-recovery."""
     die_at: dict[int, list[int]] = {}
