@@ -200,3 +200,6 @@ def test_a_skeleton_is_the_loaded_model_without_its_weights(llama_directory, dty
     assert starts == sorted(starts) and all(a % 64 == 0 for a in starts)
     assert {p.untyped_storage().data_ptr() for p in params} == {starts[0]}
     assert "hg" in vm_flags(starts[0])
+    # a loaded model's parameters each own their memory: `save_pretrained` takes it as any model
+    owned = [p.untyped_storage().data_ptr() for p in loaded.parameters()]
+    assert len(set(owned)) == len(owned)
