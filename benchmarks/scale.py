@@ -596,7 +596,8 @@ def markdown(doc: dict) -> str:
              "copy measured in the same run on the same threads (and on every core), software-failure recovery with "
              "the standby, with Ray's restart of the process, and the async-checkpoint baseline's.\n",
              "| size | dtype | state GB | shadow (own) x | shadow peak x | shadow steady x | trainer peak x | copy GB/s "
-             "| snapshot / copy (threads; all cores; with the standby) | restore / copy (threads; all cores) | standby s "
+             "| snapshot / copy (threads; all cores; with the standby) | restore / copy (threads; all cores; copied by) "
+             "| standby s "
              "| standby held the image | restart s | async checkpoint s | speedup | exact |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
     for r in doc["rows"]:
@@ -605,7 +606,7 @@ def markdown(doc: dict) -> str:
                      f"{r['copy_gbps']:.2f} | {_f(r['snapshot_fraction'])} ({r['snapshot_threads']}; "
                      f"{_f(r['snapshot_fraction_all_cores'])}; with the standby "
                      f"{_f(r['snapshot_with_standby_fraction'])}) | {_f(r['restore_fraction'])} ({r['restore_threads']}; "
-                     f"{_f(r['restore_fraction_all_cores'])}) | "
+                     f"{_f(r['restore_fraction_all_cores'])}; {', '.join(r.get('restore_copied_by') or ['-'])}) | "
                      f"{r['recovery_standby_seconds']:.2f} | {r['recovery_standby_preinstalled']} | "
                      f"{r['recovery_restart_seconds']:.2f} | "
                      f"{r['baseline_seconds']:.2f} | {r['speedup_standby']:.1f} | {r['exact']} |")

@@ -73,6 +73,7 @@ def test_the_three_recoveries_of_one_job_end_in_one_state_and_are_reported(tmp_p
     assert projected["shadow_host_bytes"] > 2 * 12_853_473_280 * 2  # two copies of the fp16 state, and a baseline
     text = markdown(doc)
     assert "| tiny-opt | fp32 |" in text and "OPT-13B" in text
+    assert f"{row['restore_threads']}; {row['restore_fraction_all_cores']:.2f}; {row['restore_copied_by'][0]})" in text
 
 
 @pytest.mark.usefixtures("local_ray")
