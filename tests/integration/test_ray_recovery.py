@@ -142,6 +142,19 @@ def test_a_failure_before_the_first_snapshot_and_during_recovery_itself(tmp_path
     assert_exact(summary, uninterrupted_hashes(job))
 
 
+def test_a_shadow_lost_halfway_through_writing_its_image_into_the_trainer_ends_exact(tmp_path):
+    """The shadow dies with the recovering trainer's state half written: the trainer reads the image through the
+    descriptor it holds (the memory stays while it is open), and Ray brings the shadow back from storage."""
+    job = job_for(tmp_path)
+    marker = tmp_path / "died"
+    summary = run(job, fail_at=[13], progress=None, faults=FaultInjection(crash_in_push_marker=str(marker)))
+    (recovery,) = summary.recoveries
+    assert recovery.failed_at_step == 13 and recovery.copied_by == "trainer"
+    assert marker.exists() == pushes_allowed()  # (where the host forbids the write, it never began)
+    assert summary.shadow_restarts == int(pushes_allowed())
+    assert_exact(summary, uninterrupted_hashes(job))
+
+
 def test_a_shadow_that_cannot_keep_up_is_resynced_and_recovery_stays_exact(tmp_path):
     # The shadow replays nothing by itself: at every poll (every 12 steps) it lags 12 steps, more than 2,
     # however fast or slow the trainer is; only the resyncs move its replica.

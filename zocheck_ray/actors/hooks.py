@@ -34,6 +34,9 @@ class ShadowHooks(Protocol):
     def after_replay(self, steps: int) -> None:
         """Called after the shadow replayed `steps` records."""
 
+    def in_push(self) -> None:
+        """Called when the shadow has written half of an image into a recovering trainer."""
+
 
 class NoHooks:
     """Production: nothing is injected."""
@@ -49,6 +52,9 @@ class NoHooks:
         pass
 
     def after_replay(self, steps: int) -> None:
+        pass
+
+    def in_push(self) -> None:
         pass
 
 

@@ -271,7 +271,10 @@ class Shadow:
         if self.hooks.push_refused:
             raise PushRefused(errno.EPERM, f"cannot write into process {pid}: refused (injected)")
         threads = transfer_threads()
-        push_image(view, pid, segments, threads=threads)
+        first, rest = _halves(segments)
+        push_image(view, pid, first, threads=threads)
+        self.hooks.in_push()
+        push_image(view, pid, rest, threads=threads)
         return threads
 
     def give_back(self, token: str) -> None:
@@ -399,6 +402,19 @@ def _with_retries(fn: Callable[[], object], what: str, seconds: float = STARTUP_
             logger.warning("%s failed, retrying in %.1f s: %s", what, backoff, exc)
             time.sleep(backoff)
             backoff = min(2 * backoff, MAX_BACKOFF_SECONDS)
+
+
+def _halves(segments: list[Segment]) -> tuple[list[Segment], list[Segment]]:
+    """`segments` cut at half their bytes: two writes, between which a fault can be injected (`ShadowHooks.in_push`)."""
+    half, first, rest = sum(size for _, _, size in segments) // 2, [], []
+    for offset, address, size in segments:
+        take = min(size, max(0, half))
+        if take:
+            first.append((offset, address, take))
+        if size > take:
+            rest.append((offset + take, address + take, size - take))
+        half -= take
+    return first, rest
 
 
 def process_memory(pid: int | str = "self") -> dict[str, int]:
