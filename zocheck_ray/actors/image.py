@@ -29,14 +29,12 @@ to it in windows instead (`ray_actors.py`).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import functools
 import logging
 import mmap
 import os
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, Literal, Mapping
@@ -46,11 +44,10 @@ import torch
 from zocheck_ray.actors.handle import ImageHandle
 from zocheck_ray.core.layout import DTYPE_BY_NAME, DTYPES
 from zocheck_ray.core.cpus import process_cpus
+from zocheck_ray.core.memory import aligned_offsets, frombuffer, huge_page_mapping
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 64
-"""Every tensor starts on a 64-byte boundary, so views of any dtype are aligned."""
 WINDOW_BYTES = 64 << 20
 """What a transfer copies of an image per call (and maps, into a CUDA trainer's staging)."""
 TRANSFER_THREADS_MAX = 8
@@ -78,10 +75,7 @@ class ImageLayout:
     @classmethod
     def from_specs(cls, specs: list[tuple[str, str, tuple[int, ...]]]) -> "ImageLayout":
         """From (name, dtype name, shape) in canonical order (e.g. a snapshot's manifest)."""
-        offsets, total = [], 0
-        for _, dtype, shape in specs:
-            offsets.append(total)
-            total += (_numel(shape) * _itemsize(dtype) + ALIGN - 1) // ALIGN * ALIGN
+        offsets, total = aligned_offsets(_numel(shape) * _itemsize(dtype) for _, dtype, shape in specs)
         return cls(tuple(n for n, _, _ in specs), tuple(d for _, d, _ in specs),
                    tuple(tuple(s) for _, _, s in specs), tuple(offsets), total)
 
@@ -143,10 +137,7 @@ def anonymous_buffer(nbytes: int) -> tuple[torch.Tensor, mmap.mmap | None]:
     tensor and the mapping that owns its memory (keep it referenced while the tensor lives)."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8), None
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):
-        region.madvise(mmap.MADV_HUGEPAGE)
-    flat = _frombuffer(region)
+    flat, region = huge_page_mapping(nbytes)
     flat.zero_()  # fault every page now, not inside the first copy into it
     return flat, region
 
@@ -173,7 +164,7 @@ class SharedBuffer:
                                   f"node: {exc.strerror}") from exc
             raise
         self._map = mmap.mmap(self.fd, nbytes) if nbytes else None
-        self.bytes = _frombuffer(self._map) if nbytes else torch.empty(0, dtype=torch.uint8)
+        self.bytes = frombuffer(self._map) if nbytes else torch.empty(0, dtype=torch.uint8)
         """The whole buffer as a uint8 tensor (views of it must be dropped before `close`)."""
 
     @property
@@ -197,12 +188,6 @@ class SharedBuffer:
                 pass
         os.close(self.fd)
         self.fd = -1
-
-
-def _frombuffer(region: mmap.mmap) -> torch.Tensor:
-    with warnings.catch_warnings():  # a read-only mapping is fine for reading; torch warns regardless
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(region, dtype=torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------- hand-over
@@ -256,7 +241,7 @@ def transfer(fd: int, layout: ImageLayout, tensors: Mapping[str, torch.Tensor], 
         region = mmap.mmap(fd, plan.length(start), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot,
                            offset=start)
         try:
-            plan.copy(_frombuffer(region), start, direction)
+            plan.copy(frombuffer(region), start, direction)
         finally:
             region.close()
 

@@ -253,20 +253,24 @@ class Shadow:
     def image_bytes(self, token: str, start: int, length: int):
         """A copy of bytes `start..start+length` of the offered image `token` (for a reader that cannot
         open it: another node); raises `ImageGoneError` once a newer image has replaced it."""
-        image = self.ledger.image
-        view = image.buffer.bytes if image is not None and image.token == token else None
+        view = self._offered_bytes(token)
         if view is None:
             raise ImageGoneError(f"the image {token} has been replaced; ask for the newest")
         return view[start: start + length].numpy().copy()
+
+    def _offered_bytes(self, token: str) -> torch.Tensor | None:
+        """The bytes of the offered image `token`; None once a newer image has replaced it. The view keeps the
+        memory mapped however the replay stage lets go of it meanwhile."""
+        image = self.ledger.image
+        return image.buffer.bytes if image is not None and image.token == token else None
 
     def push_image(self, token: str, pid: int, segments: list[Segment]) -> int:
         """Write the offered image `token` into process `pid` (a recovering trainer on this node, which lent
         its memory: `image.allow_writer`) at `segments` (`image.segments_of`), on every CPU this process may
         run on (nothing else is due while a trainer recovers); returns the threads it ran on. Raises
         `PushRefused` where the kernel refuses or a newer image has replaced this one."""
-        image = self.ledger.image
-        view = image.buffer.bytes if image is not None and image.token == token else None
-        if view is None:  # (`view` keeps the memory mapped however the replay stage lets go of it)
+        view = self._offered_bytes(token)
+        if view is None:
             raise PushRefused(errno.ESTALE, f"the image {token} has been replaced")
         if self.hooks.push_refused:
             raise PushRefused(errno.EPERM, f"cannot write into process {pid}: refused (injected)")

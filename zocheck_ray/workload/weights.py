@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
 import struct
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+
+from zocheck_ray.core.memory import aligned_offsets, huge_page_mapping
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -86,23 +87,15 @@ def materialize(model: torch.nn.Module, device: str | torch.device = "cpu", one_
         module._parameters[name] = real
 
 
-_ALIGN = 64
-
-
 def _host_memory(params: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Uninitialised host tensors shaped as `params` (by id), views of one mapping advised onto huge pages."""
-    offsets, total = [], 0
-    for p in params:
-        offsets.append(total)
-        total += (p.numel() * p.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
+    """Uninitialised host tensors shaped as `params` (by id), views of one mapping on huge pages, laid out as an
+    image of them is (`core.memory`)."""
+    sizes = [p.numel() * p.element_size() for p in params]
+    offsets, total = aligned_offsets(sizes)
     if total == 0:
         return {id(p): torch.empty(p.shape, dtype=p.dtype) for p in params}
-    region = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no transparent huge pages: 4 KiB pages, as torch's
-        region.madvise(mmap.MADV_HUGEPAGE)
-    flat = torch.frombuffer(region, dtype=torch.uint8)  # its views keep the mapping alive
-    return {id(p): flat[o: o + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-            for p, o in zip(params, offsets)}
+    flat, _ = huge_page_mapping(total)  # its views keep the mapping alive
+    return {id(p): flat[o: o + n].view(p.dtype).view(p.shape) for p, o, n in zip(params, offsets, sizes)}
 
 
 def skeleton(build: Callable[[], torch.nn.Module], device: str | torch.device = "cpu",

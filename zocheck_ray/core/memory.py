@@ -1,0 +1,43 @@
+"""A state as one host buffer: tensors at 64-byte-aligned offsets (`aligned_offsets`) of one anonymous
+mapping advised onto 2 MiB pages (`huge_page_mapping`).
+
+The shadow's replica and images and a trainer's skeleton share this layout, so a skeleton's tensors lie
+where the image's do and an image is written into it in long runs (`actors/image.py`)."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import warnings
+from typing import Iterable
+
+import torch
+
+ALIGN = 64
+"""Every tensor starts on a 64-byte boundary, so views of any dtype are aligned."""
+
+
+def aligned_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
+    """Where tensors of `sizes` bytes start, in order, each on an `ALIGN` boundary; and the buffer's bytes."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += (size + ALIGN - 1) // ALIGN * ALIGN
+    return offsets, total
+
+
+def huge_page_mapping(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
+    """A private anonymous mapping of `nbytes` (> 0) as a uint8 tensor, advised onto huge pages where the kernel
+    offers them (`transparent_hugepage/enabled` madvise or always), nothing faulted yet. Returns the tensor and
+    the mapping (its views keep it alive)."""
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no transparent huge pages: 4 KiB pages
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return frombuffer(region), region
+
+
+def frombuffer(region: mmap.mmap) -> torch.Tensor:
+    """A mapping's bytes as a uint8 tensor (no copy)."""
+    with warnings.catch_warnings():  # a read-only mapping is fine for reading; torch warns regardless
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(region, dtype=torch.uint8)
