@@ -207,18 +207,11 @@ class MemorySampler:
         return int(statistics.median(values[len(values) // 2:])) if values else 0
 
 
-PLAIN = "plain_"
-"""The prefix of a footprint taken in a process Ray started itself (a run with the standby: its trainers are not
-forked from the template, `placement.trainer_runtime_env`); none: forked from the node's process template."""
-
-
 def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
     """The trainer's fixed baseline: what a process that imported its modules holds (`trainer`: idle), and
     after one ZO step of `dtype` on a state of two of the optimizer's chunks (`trainer_<dtype>`: its
-    chunk-sized working buffers, the same at every model size); each in a process started as the default job's
-    trainers are (forked from the node's process template) and, prefixed `PLAIN`, as a run with the standby
-    starts them (by Ray itself: a process that imported its modules on its own holds more). The shadow reads its
-    own (`ShadowMetrics.baseline_bytes`)."""
+    chunk-sized working buffers, the same at every model size), each in a process Ray started, as a trainer's. The
+    shadow reads its own (`ShadowMetrics.baseline_bytes`)."""
     import ray
 
     @ray.remote(num_cpus=0, max_calls=1)  # a fresh worker each: VmHWM is the process's own peak
@@ -239,17 +232,8 @@ def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
             ZOOptimizer([("weight", weight)], ZOConfig()).step(lambda: weight.float().sum(), seed=0)
         return process_memory().get("VmHWM", 0)
 
-    from zocheck_ray.config import JobConfig
-    from zocheck_ray.control.placement import trainer_runtime_env
-
-    # started as each run's trainers are: forked from the node's process template (its libraries' pages count in
-    # a process's resident memory as it touches them, not at once), or by Ray (a run with the standby)
-    out = {}
-    for prefix, job in (("", JobConfig()), (PLAIN, JobConfig(standby=True))):
-        like = trainer_like.options(runtime_env=trainer_runtime_env(job))
-        trainer, *steps = ray.get([like.remote(None), *(like.remote(d) for d in dtypes)])
-        out.update({f"{prefix}trainer": trainer, **{f"{prefix}trainer_{d}": v for d, v in zip(dtypes, steps)}})
-    return out
+    trainer, *steps = ray.get([trainer_like.remote(None), *(trainer_like.remote(d) for d in dtypes)])
+    return {"trainer": trainer, **{f"trainer_{d}": v for d, v in zip(dtypes, steps)}}
 
 
 # ---------------------------------------------------------------------------------------- runs
@@ -261,7 +245,6 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: t
     from zocheck_ray.actors.names import actor_state
     from zocheck_ray.config import JobConfig
     from zocheck_ray.control import RunCallback
-    from zocheck_ray.control.placement import trainer_runtime_env
     from zocheck_ray.testing import run_with_faults
 
     job = JobConfig(model=model, dtype=dtype, steps=STEPS, storage=storage, snapshot_interval=SNAPSHOT_INTERVAL, zo=ZO,
@@ -304,12 +287,11 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: t
     # no copy where a standby held the offered image: nothing copied there to time
     restores = [(state / r.phases["copy"] / 1e9, r.copy_threads) for r in summary.recoveries if r.phases.get("copy")]
     return {"summary": summary, "recovery": recovery, "sampler": sampler,
-            "trainers_forked": trainer_runtime_env(job) is not None,
             "accounted_peak": max([m.peak_held_bytes for m in metrics] + [final.peak_held_bytes]),
             "snapshot_gbps": state / (median or last) / 1e9 if (median or last) else None,
             "snapshot_fresh": median is None and bool(final.snapshot_into_fresh_memory),
             "snapshot_threads": final.snapshot_threads,
-            "restores": restores, "copied_by": [r.copied_by for r in summary.recoveries if r.phases.get("copy")]}
+            "restores": restores}
 
 
 def _baseline_run(model: str, dtype: str, storage: str, every: int) -> dict:
@@ -374,9 +356,8 @@ def _row(size, dtype, params, copies, hot, cold, base, footprints) -> dict:
 
     own = summary.metrics.baseline_bytes  # the shadow's memory before its state arrived, read in its own process
 
-    def trainer_baseline(run: dict) -> int:  # as the run's trainers were started; its chunk buffers where filled
-        prefix = "" if run["trainers_forked"] else PLAIN
-        return footprints[f"{prefix}trainer_{dtype}" if working else f"{prefix}trainer"]
+    def trainer_baseline(run: dict) -> int:  # its chunk buffers where filled
+        return footprints[f"trainer_{dtype}" if working else "trainer"]
 
     # the best restore of the run: into the standby (unless it held the offered image already: it copied it in while
     # it waited, `TrainerActor.follow`) and into the processes Ray restarted; all into prefaulted skeletons
@@ -429,7 +410,6 @@ def _row(size, dtype, params, copies, hot, cold, base, footprints) -> dict:
                                                    baseline(hot["snapshot_threads"], hot["snapshot_fresh"])),
         "restore_threads": restore_threads, "restore_copy_gbps": restore_copy,
         "restore_fraction": fraction(restore, restore_copy), "restore_fraction_all_cores": fraction(restore, copy_gbps),
-        "restore_copied_by": sorted(set(hot["copied_by"] + cold["copied_by"])),  # the shadow writing, or the trainer
         "restore_cold_gbps": cold_best, "restore_cold_fraction": fraction(cold_best, baseline(cold_threads)),
         "recovery_standby_seconds": hot["recovery"].seconds, "recovery_standby_phases": hot["recovery"].phases,
         "recovery_standby_replaced_by": hot["recovery"].replaced_by,
@@ -606,7 +586,7 @@ def markdown(doc: dict) -> str:
                      f"{r['copy_gbps']:.2f} | {_f(r['snapshot_fraction'])} ({r['snapshot_threads']}; "
                      f"{_f(r['snapshot_fraction_all_cores'])}; with the standby "
                      f"{_f(r['snapshot_with_standby_fraction'])}) | {_f(r['restore_fraction'])} ({r['restore_threads']}; "
-                     f"{_f(r['restore_fraction_all_cores'])}; {', '.join(r.get('restore_copied_by') or ['-'])}) | "
+                     f"{_f(r['restore_fraction_all_cores'])}) | "
                      f"{r['recovery_standby_seconds']:.2f} | {r['recovery_standby_preinstalled']} | "
                      f"{r['recovery_restart_seconds']:.2f} | "
                      f"{r['baseline_seconds']:.2f} | {r['speedup_standby']:.1f} | {r['exact']} |")

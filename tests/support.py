@@ -1,6 +1,6 @@
 """Helpers the tests share (`tests/` is on the path of every test, as the conftest's directory).
 
-    from support import REPO, encode, multi_node_cluster, pushes_allowed, trained, vm_flags, wait_until
+    from support import REPO, encode, multi_node_cluster, trained, vm_flags, wait_until
 
 The fixtures are in `conftest.py`; the uninterrupted reference runs every recovered run is
 compared with are in `reference_runs.py`.
@@ -8,9 +8,6 @@ compared with are in `reference_runs.py`.
 
 from __future__ import annotations
 
-import functools
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,30 +29,6 @@ def wait_until(predicate, timeout: float = 120.0) -> bool:
             return False
         time.sleep(next(waits))
     return True
-
-
-@functools.cache
-def pushes_allowed() -> bool:
-    """Whether this host lets a process write into another's memory (`actors.image.push_image`), as a shadow
-    writes its image into a recovering trainer: a container's policy may forbid it, and the trainer then reads
-    the image itself. Probed once, into a child process."""
-    from zocheck_ray.actors.image import PushRefused, push_image
-
-    child = subprocess.Popen([sys.executable, "-c", "import ctypes, sys; b = ctypes.create_string_buffer(8); "
-                              "print(ctypes.addressof(b), flush=True); sys.stdin.readline(); print(b.raw.hex())"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        address = int(child.stdout.readline())
-        try:
-            push_image(torch.arange(8, dtype=torch.uint8), child.pid, [(0, address, 8)])
-        except PushRefused:
-            return False
-        out, _ = child.communicate("go\n", timeout=60)
-        assert out.strip() == "0001020304050607", out  # allowed, and it wrote what it was given
-        return True
-    finally:
-        child.kill()
-        child.wait()
 
 
 def vm_flags(address: int) -> set[str]:

@@ -32,6 +32,8 @@ class JobConfigError(ValueError):
 
 MOVED_FIELDS = {"batch_size": "task.batch_size", "seq_len": "task.max_length", "data_seed": "task.data_seed"}
 """Fields an older job file may still carry, and where each setting lives now."""
+REMOVED_FIELDS = {"process_template": "Ray starts every process itself; delete the line"}
+"""Fields an older job file may still carry that no longer exist, and what to do."""
 
 
 class JobConfig(BaseModel):
@@ -117,16 +119,6 @@ class JobConfig(BaseModel):
     at once, without waiting for Ray to restart the process; the process Ray restarts becomes the next
     standby, and builds only once the promotion is done (its set-up would take cores and memory bandwidth
     from it)."""
-    process_template: bool = True
-    """Start the run's processes (the trainer ranks, the shadow, and Ray's restarts of them) by forking them from
-    a template process on their node that has torch and transformers imported (Linux; `actors/template.py`): a
-    process Ray starts for a trainer is up in about a second instead of after several CPU seconds of imports,
-    and a restarted trainer recovers that much sooner. The template (about 0.6 GB, shared copy-on-write with
-    the processes it forks) is started by the node's first such process and ends with the node's raylet. Off,
-    or where the job's runtime environment brings its own Python (`pip`, `conda`, `uv`, `py_executable`,
-    `container`, `image_uri`), Ray starts each process itself; with `standby: true` it does so for the
-    trainers (the standby replaces a lost one at once, and the template's path gives the process Ray restarts
-    meanwhile more CPU work, taken from the promotion: `control/placement.py: trainer_runtime_env`)."""
     recovery_snapshot: bool = True
     """A trainer that recovers on the CPU is offered a snapshot of the shadow's replica taken then (the shadow
     replays the records it lags by, then copies the state once), rather than the newest image and the records
@@ -148,6 +140,9 @@ class JobConfig(BaseModel):
             for old, new in MOVED_FIELDS.items():
                 if old in data:
                     raise ValueError(f"{old} is no longer a job field: set {new} (one place for each setting)")
+            for old, why in REMOVED_FIELDS.items():
+                if old in data:
+                    raise ValueError(f"{old} is no longer a job field: {why}")
         return data
 
     @model_validator(mode="after")

@@ -28,7 +28,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -45,10 +45,6 @@ from zocheck_ray.config import (
 POINTER_FILE = "zocheck_pointer.json"
 """The only file in a ZOCheck Tune checkpoint."""
 
-FAIL_ONCE_KEY = "fail_once_at_step"
-"""Trial config key for fault injection: the trial raises `InjectedTrialFailure` at the first
-segment that reaches this step, unless it was restored from a checkpoint."""
-
 TRAINABLE_BUNDLE = {"CPU": 1}
 """The trial's own process (the controller): it waits on the actors most of the time."""
 
@@ -59,10 +55,6 @@ class CheckpointPointerError(ValueError):
 
 class TrialResourcesError(JobConfigError):
     """No node of the Ray cluster can hold one trial's placement group; the message says what is missing."""
-
-
-class InjectedTrialFailure(RuntimeError):
-    """Raised on purpose by a trial whose config sets `fail_once_at_step`."""
 
 
 class CheckpointPointer(BaseModel):
@@ -179,8 +171,6 @@ def trial_job(job: dict, config: dict, trial_id: str) -> JobConfig:
     doc = json.loads(json.dumps(job))
     doc["run_id"] = f"{job['run_id']}-{trial_id}"
     for dotted, value in config.items():
-        if dotted == FAIL_ONCE_KEY:
-            continue
         *sections, field = dotted.split(".")
         node = doc
         for key in sections:
@@ -191,8 +181,7 @@ def trial_job(job: dict, config: dict, trial_id: str) -> JobConfig:
     try:
         return JobConfig.model_validate(doc)
     except ValidationError as exc:
-        trial = {k: v for k, v in config.items() if k != FAIL_ONCE_KEY}
-        raise JobConfigError(f"the trial {trial} makes an invalid job:\n{exc}") from exc
+        raise JobConfigError(f"the trial {config} makes an invalid job:\n{exc}") from exc
 
 
 def _scalars(values: dict) -> dict:
@@ -200,8 +189,9 @@ def _scalars(values: dict) -> dict:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
-def train_trial(config: dict, job: dict) -> None:
-    """The Tune trainable: one ZOCheck job, reported after each segment, restorable exactly."""
+def train_trial(config: dict, job: dict, callbacks: Sequence = ()) -> None:
+    """The Tune trainable: one ZOCheck job, reported after each segment, restorable exactly
+    (`callbacks`: `RunCallback`s that see every event of the trial's run)."""
     import ray
     from ray import tune
 
@@ -217,7 +207,6 @@ def train_trial(config: dict, job: dict) -> None:
         check_pointer(pointer, trial.storage_options)
         trial = JobConfig.model_validate({**trial.model_dump(), "run_id": pointer.run_id, "storage": pointer.storage})
         last_reported = pointer.step
-    fail_at = config.get(FAIL_ONCE_KEY) if restored is None else None
 
     def report(values: dict, durable_step: int | None) -> None:
         nonlocal last_reported
@@ -242,11 +231,9 @@ def train_trial(config: dict, job: dict) -> None:
         absorb(progress.evaluations)
         report({**_scalars(metrics.model_dump()), **_scalars(progress.model_dump()), **held_out,
                 "run_id": trial.run_id}, metrics.durable_step)
-        if fail_at is not None and progress.step >= fail_at:
-            raise InjectedTrialFailure(f"injected trial failure at step {progress.step} ({FAIL_ONCE_KEY})")
 
-    summary = run(trial, progress=print, placement_group=ray.util.get_current_placement_group(), first_bundle=1,
-                  on_segment=on_segment)
+    summary = run(trial, progress=print, callbacks=callbacks, placement_group=ray.util.get_current_placement_group(),
+                  first_bundle=1, on_segment=on_segment)
     absorb(summary.evaluations)
     final = {**_scalars(summary.metrics.model_dump()), **held_out, "step": summary.steps, "run_id": trial.run_id,
              "final_state_hash": summary.final_state_hash, "shadow_state_hash": summary.shadow_state_hash,
@@ -274,11 +261,13 @@ def _absolute(job: JobConfig) -> dict:
 
 def sweep(job: JobConfig, grid: dict[str, list], *, tune_storage: str | None = None, name: str | None = None,
           max_failures: int = 1, max_concurrent_trials: int | None = None, metric: str = "loss",
-          mode: Literal["min", "max"] = "min", param_space: dict[str, Any] | None = None):
+          mode: Literal["min", "max"] = "min", param_space: dict[str, Any] | None = None,
+          callbacks: Sequence = ()):
     """Run one trial per point of `grid` (dotted JobConfig fields -> values) and return Tune's `ResultGrid`.
 
     `param_space` adds raw Tune search entries (e.g. `{"zo.lr": tune.loguniform(1e-4, 1e-2)}`);
-    `tune_storage` holds Tune's own experiment state (default: `~/ray_results`).
+    `tune_storage` holds Tune's own experiment state (default: `~/ray_results`); `callbacks`: `RunCallback`s
+    that each trial's run calls (they travel to the trials' processes).
     """
     import ray
     from ray import tune
@@ -296,7 +285,7 @@ def sweep(job: JobConfig, grid: dict[str, list], *, tune_storage: str | None = N
         ray.init(namespace=NAMESPACE, log_to_driver=False)
     gpus = 1 if job.use_gpu == "yes" or (job.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1) else 0
     check_cluster_fits_a_trial(job, gpus, ray.nodes())
-    trainable = tune.with_resources(tune.with_parameters(train_trial, job=_absolute(job)), trial_resources(job, gpus))
+    trainable = tune.with_resources(tune.with_parameters(train_trial, job=_absolute(job), callbacks=list(callbacks)), trial_resources(job, gpus))
     tuner = tune.Tuner(
         trainable, param_space=space,
         tune_config=tune.TuneConfig(metric=metric, mode=mode, max_concurrent_trials=max_concurrent_trials),

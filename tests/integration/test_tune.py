@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import pytest
-from ray import tune
 
 from conftest import slow_fixture
 from reference_runs import SMALL_TASK, uninterrupted_hashes
@@ -20,8 +19,9 @@ from support import REPO
 
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.storage import SnapshotStore
+from zocheck_ray.testing import FailTrialOnce
 from zocheck_ray.tune import (
-    FAIL_ONCE_KEY, POINTER_FILE, CheckpointPointer, CheckpointPointerError, TrialResourcesError, _grid_entry,
+    POINTER_FILE, CheckpointPointer, CheckpointPointerError, TrialResourcesError, _grid_entry,
     check_cluster_fits_a_trial, check_pointer, format_table, read_pointer, summarize, sweep, trial_resources,
     write_pointer,
 )
@@ -40,8 +40,8 @@ def results(tmp_path_factory, local_ray):
     root = tmp_path_factory.mktemp("tune")
     job = JobConfig(run_id="sweep", steps=STEPS, snapshot_interval=4, log_interval=4, storage=str(root / "runs"),
                     task={**SMALL_TASK, "eval_interval": 8}, zo={"lr": LRS[0], "eps": 1e-3})
-    fail_second = tune.sample_from(lambda spec: FAIL_AT if spec.config["zo.lr"] == LRS[1] else None)
-    grid = sweep(job, {"zo.lr": LRS}, param_space={FAIL_ONCE_KEY: fail_second}, tune_storage=str(root / "tune"),
+    fail_second = FailTrialOnce(FAIL_AT, marker_dir=str(root), matches=lambda trial: trial.zo.lr == LRS[1])
+    grid = sweep(job, {"zo.lr": LRS}, callbacks=[fail_second], tune_storage=str(root / "tune"),
                  name="lr-sweep")
     return job, list(grid)
 
@@ -57,6 +57,7 @@ def by_lr(results) -> dict[float, object]:
     return {r.config["zo.lr"]: r for r in results}
 
 
+@pytest.mark.ray_range
 def test_each_trial_runs_one_exact_job_with_its_hyperparameters(results):
     job, trials = results
     assert sorted(by_lr(trials)) == LRS

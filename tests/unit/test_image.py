@@ -5,7 +5,6 @@ The hand-over is what a recovering trainer does with the shadow's image: open it
 (`torch.equal`) and runs without Ray.
 """
 
-import errno
 import mmap
 import multiprocessing
 import os
@@ -16,9 +15,8 @@ import torch
 
 from zocheck_ray.actors.handle import ImageHandle
 from zocheck_ray.actors.image import (
-    HUGE_PAGE, TRANSFER_THREADS_MAX, ImageGoneError, ImageLayout, PushRefused, SharedBuffer, WindowPlan, allow_writer,
-    anonymous_buffer, copy_state, handle_layout, open_image, prepare_skeleton, push_image, segments_of, transfer,
-    transfer_threads,
+    HUGE_PAGE, TRANSFER_THREADS_MAX, ImageGoneError, ImageLayout, SharedBuffer, WindowPlan, copy_state, handle_layout,
+    open_image, prepare_skeleton, transfer, transfer_threads,
 )
 from support import vm_flags
 from zocheck_ray.actors.ledger import NoImageError, RecordLedger
@@ -232,82 +230,6 @@ def test_a_reader_in_another_process_never_holds_more_than_a_window_of_the_image
         owner.join(timeout=60)
     assert torch.equal(out["w"].view(torch.uint8)[:4096], torch.full((4096,), 7, dtype=torch.uint8))
     assert grown <= 2 * window, f"the reader's peak grew by {grown / 2**20:.0f} MiB for a {nbytes >> 20} MiB image"
-
-
-# ---------------------------------------------------------------------------------------- the shadow writes
-
-
-def _receive_an_image(scale, writer_pid, ready, done, result):
-    """A recovering trainer's side of a push: a skeleton, its segments, and whether it got the state."""
-    state = mixed_state(scale)
-    out = zeros_like(state)
-    prepare_skeleton(out)
-    allow_writer(writer_pid)
-    ready.put((os.getpid(), segments_of(ImageLayout.of(state), out)))
-    done.wait()
-    result.put(all(torch.equal(out[k], state[k]) and out[k].dtype == state[k].dtype for k in state))
-
-
-@pytest.mark.parametrize("window,threads", [(PAGE, 2), (64 << 20, 1)])
-def test_the_shadow_writes_its_image_into_another_process_exactly(window, threads):
-    scale = 400  # 1.2M float32 elements in one tensor: windows cut through it and through the others
-    state = mixed_state(scale)
-    buffer, layout = filled_buffer(state)
-    ctx = multiprocessing.get_context("spawn")
-    ready, done, result = ctx.Queue(), ctx.Event(), ctx.Queue()
-    receiver = ctx.Process(target=_receive_an_image, args=(scale, os.getpid(), ready, done, result))
-    receiver.start()
-    try:
-        pid, segments = ready.get(timeout=120)
-        push_image(buffer.bytes, pid, segments, threads=threads, window=window)
-        done.set()
-        assert result.get(timeout=120) is True
-    finally:
-        done.set()
-        receiver.join(timeout=60)
-        buffer.close()
-
-
-def test_segments_merge_what_lies_back_to_back_and_a_state_that_cannot_take_a_push_has_none():
-    dense = {"a": torch.randn(32), "b": torch.randn(16, 4), "c": torch.randn(64).bfloat16()}  # 64-byte multiples
-    for state, merged in ((dense, True), (mixed_state(), False)):
-        layout = ImageLayout.of(state)
-        flat, region = anonymous_buffer(layout.nbytes)
-        views = layout.views(flat)  # the image's own layout in this process's memory
-        base = flat.data_ptr()
-        spans = [(offset, base + offset, size) for _, offset, size in layout.spans()]
-        assert segments_of(layout, views) == ([(0, base, layout.nbytes)] if merged else spans)  # padding: apart
-        apart = zeros_like(state)
-        assert segments_of(layout, apart) == [(o, apart[n].data_ptr(), size) for n, o, size in layout.spans()]
-        assert segments_of(layout, {k: v.to("meta") for k, v in state.items()}) is None
-        assert segments_of(layout, dict(reversed(list(apart.items())))) is None
-        del views, flat
-        region.close()
-
-
-def test_a_push_the_kernel_refuses_names_the_process_and_why_and_a_segment_outside_the_image_writes_nothing():
-    state = mixed_state()
-    buffer, layout = filled_buffer(state)
-    out = zeros_like(state)
-    segments = segments_of(layout, out)
-    try:
-        gone = multiprocessing.get_context("spawn").Process(target=int)
-        gone.start()
-        gone.join()
-        with pytest.raises(PushRefused, match=f"process {gone.pid} at 0x[0-9a-f]+: No such process") as refused:
-            push_image(buffer.bytes, gone.pid, segments)
-        assert refused.value.errno == errno.ESRCH
-        with pytest.raises(PushRefused, match="Bad address") as refused:
-            push_image(buffer.bytes, os.getpid(), [(0, 4096, 64)])  # nothing is mapped at 4096
-        assert refused.value.errno == errno.EFAULT
-        beyond = segments[:-1] + [(layout.nbytes - 2, segments[-1][1], 4)]
-        with pytest.raises(PushRefused, match="outside the image"):
-            push_image(buffer.bytes, os.getpid(), beyond)
-        assert all(not v.any() for v in out.values())  # refused before the first byte
-        push_image(buffer.bytes, os.getpid(), segments, threads=2, window=PAGE)
-        assert_equal(out, state)
-    finally:
-        buffer.close()
 
 
 def test_a_skeleton_is_faulted_now_zeroed_and_advised_onto_huge_pages():

@@ -27,15 +27,8 @@ class ShadowHooks(Protocol):
     replay_stalled: bool
     """The replay applies no record: only resyncs move the replica (a shadow behind however slow the trainer)."""
 
-    push_refused: bool
-    """The kernel refuses the shadow's writes into a recovering trainer (as on a host whose policy forbids
-    `process_vm_writev`): the trainer reads the image itself."""
-
     def after_replay(self, steps: int) -> None:
         """Called after the shadow replayed `steps` records."""
-
-    def in_push(self) -> None:
-        """Called when the shadow has written half of an image into a recovering trainer."""
 
 
 class NoHooks:
@@ -43,7 +36,6 @@ class NoHooks:
 
     steps_hooked = False
     replay_stalled = False
-    push_refused = False
 
     def before_step(self, rank: int, step: int) -> None:
         pass
@@ -52,9 +44,6 @@ class NoHooks:
         pass
 
     def after_replay(self, steps: int) -> None:
-        pass
-
-    def in_push(self) -> None:
         pass
 
 

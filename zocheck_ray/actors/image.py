@@ -13,11 +13,8 @@ when its last holder closes it. It is handed over without serialisation:
 
 - a trainer on the same node opens the shadow's memfd through `/proc/<pid>/fd/<n>`
   (`ImageHandle.path`), so the image is never resident in the trainer: its memory is its model.
-  On the CPU the shadow then writes the image straight into the trainer's tensors (`push_image`:
-  `process_vm_writev` out of the shadow's own mapping, a window (`WINDOW_BYTES`) per call,
-  windows spread over threads), where the kernel lets it; else the trainer reads it into them
-  (`transfer`: `preadv`, the same windows). A CUDA trainer maps one window at a time into pinned
-  staging;
+  The trainer reads it into its tensors (`transfer`: `preadv`, a window per call); a CUDA trainer
+  maps one window at a time into pinned staging;
 - the same windows carry a trainer's state the other way, into an intake buffer the shadow
   hands out (a fresh run's initial state, a resync);
 - an image handed to a trainer is lent: the shadow never writes it again, and a trainer
@@ -354,102 +351,18 @@ class _Staging:
         self.events = [None, None]
 
 
-# ---------------------------------------------------------------------------------------- push
-#
-# A restore read by the trainer (`transfer`) makes the kernel look up every 4 KiB page of the
-# image's shared memory (the kernel's default: no huge pages for shared memory), which holds it
-# near half a plain copy, and less when that metadata is out of cache. The shadow has the image
-# mapped already; it writes the bytes into the recovering trainer instead (`push_image`,
-# `process_vm_writev`): the kernel then looks up the trainer's pages, which `prepare_skeleton`
-# put on 2 MiB pages where the kernel allows it, and the copy runs near a plain copy's speed.
+# ---------------------------------------------------------------------------------------- skeleton
 
 HUGE_PAGE = 2 << 20
 _MADV_DONTNEED = 4
 _MADV_HUGEPAGE = 14
-_PR_SET_PTRACER = 0x59616D61
-
-
-class PushRefused(OSError):
-    """The shadow cannot write into the trainer's memory (the kernel refused `process_vm_writev`, or the
-    image is no longer the one offered): the trainer reads the image itself (`transfer`)."""
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
 @functools.lru_cache(maxsize=1)
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.process_vm_writev.restype = ctypes.c_ssize_t
-    libc.process_vm_writev.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
-                                       ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     return libc
-
-
-Segment = tuple[int, int, int]
-"""(offset in the image, address in the receiving process, bytes)."""
-
-
-def segments_of(layout: ImageLayout, tensors: Mapping[str, torch.Tensor]) -> list[Segment] | None:
-    """Where each of `layout`'s tensors lies in this process's memory (runs adjacent in both merged), for
-    `push_image`; None when they cannot take a push (a tensor off the CPU, or the state does not fit)."""
-    if layout.matches(tensors) is not None or any(t.device.type != "cpu" for t in tensors.values()):
-        return None
-    out: list[Segment] = []
-    for name, offset, size in layout.spans():
-        if size == 0:
-            continue
-        address = byte_view(tensors[name]).data_ptr()
-        if out and out[-1][0] + out[-1][2] == offset and out[-1][1] + out[-1][2] == address:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + size)
-        else:
-            out.append((offset, address, size))
-    return out
-
-
-def push_image(source: torch.Tensor, pid: int, segments: list[Segment], threads: int = 1,
-               window: int = WINDOW_BYTES) -> None:
-    """Write bytes of `source` (this process's image, a flat uint8 tensor) into process `pid`'s memory at
-    `segments`, a window per call, windows spread over `threads`. Raises `PushRefused` (naming the
-    process and the kernel's reason) where the kernel refuses, before or in the middle of the copy."""
-    base, limit = source.data_ptr(), source.numel()
-    pieces = []
-    for offset, address, size in segments:
-        if offset < 0 or size < 0 or offset + size > limit:
-            raise PushRefused(errno.EINVAL, f"a segment ({offset}, {size}) outside the image's {limit} bytes")
-        pieces += [(offset + a, address + a, min(window, size - a)) for a in range(0, size, window)]
-    libc = _libc()
-
-    def one(piece: tuple[int, int, int]) -> None:
-        offset, address, size = piece
-        done = 0
-        while done < size:
-            local = _Iovec(base + offset + done, size - done)
-            remote = _Iovec(address + done, size - done)
-            n = libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-            if n <= 0:
-                code = ctypes.get_errno() if n < 0 else errno.EFAULT
-                raise PushRefused(code, f"cannot write into process {pid} at {address + done:#x}: "
-                                        f"{os.strerror(code)}")
-            done += n
-
-    if threads <= 1 or len(pieces) <= 1:
-        for piece in pieces:
-            one(piece)
-        return
-    with ThreadPoolExecutor(min(threads, len(pieces)), thread_name_prefix="zocheck-push") as pool:
-        list(pool.map(one, pieces))
-
-
-def allow_writer(pid: int | None) -> None:
-    """Let process `pid` (the shadow) write into this one's memory where the kernel restricts it to a
-    process's ancestors (Yama's `ptrace_scope` 1, Ubuntu's default); None takes it back. Without Yama
-    this does nothing: same-user processes may already."""
-    if _libc().prctl(_PR_SET_PTRACER, pid or 0, 0, 0, 0) != 0 and ctypes.get_errno() != errno.EINVAL:
-        logger.debug("prctl(PR_SET_PTRACER) failed: %s", os.strerror(ctypes.get_errno()))
 
 
 def prepare_skeleton(tensors: Mapping[str, torch.Tensor]) -> int:

@@ -183,9 +183,6 @@ class RecoveryInfo(BaseModel):
     copy_threads: int | None = None
     """The threads that copy ran on (`actors.image.transfer_threads`: the CPUs of the process that ran it, up
     to 8)."""
-    copied_by: Literal["shadow", "trainer"] | None = None
-    """Which process ran that copy: the `shadow`, writing the image into this process's memory
-    (`actors.image.push_image`, on the CPU where the kernel lets it), or this `trainer`, reading it."""
     preinstalled: bool = False
     """The image was in the state already: a CPU standby copies each new image while it waits
     (`Trainer.preinstall`), so a promotion offered the same image only replays the records after it."""

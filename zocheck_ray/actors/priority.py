@@ -15,8 +15,7 @@ whichever thread made it.
 
 The nice value weighs a thread's CPU share only against threads of the same scheduling group:
 where the kernel groups processes by session (autogroup), every session shares the CPUs
-equally first, so the run's workers stay in the raylet's session (`actors/template.py`). Ray
-starts its workers at nice 15: a nice-19 thread weighs 15 against a worker thread's 36.
+equally first; Ray's workers share the raylet's session. Ray starts its workers at nice 15: a nice-19 thread weighs 15 against a worker thread's 36.
 
     background_thread("zocheck-replay", 19)   # first thing in the thread's target
 """

@@ -71,11 +71,10 @@ class StateOffer:
         self.adapter = adapter
         self.token = None  # a state of this process's: nothing to recognise it by later
         self.threads = 1  # `copy_into`'s
-        self.pushed = False  # a copy in this process, always
         self.layout = ImageLayout.of(state)
         self._release = release or (lambda: None)
 
-    def copy_into(self, tensors: dict[str, torch.Tensor], push: bool = False) -> None:
+    def copy_into(self, tensors: dict[str, torch.Tensor]) -> None:
         problem = self.layout.matches(tensors)
         if problem is not None:
             raise ValueError(f"the state does not fit the image: {problem}")

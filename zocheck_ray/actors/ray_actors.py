@@ -21,8 +21,7 @@ import ray
 import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from zocheck_ray.actors.image import (ImageGoneError, ImageLayout, WindowPlan, allow_writer, handle_layout, open_image,
-                                      segments_of, transfer)
+from zocheck_ray.actors.image import ImageGoneError, ImageLayout, WindowPlan, handle_layout, open_image, transfer
 from zocheck_ray.actors.messages import AdapterIdentity, PushReply, RecoveryOffer
 from zocheck_ray.actors.names import NAMESPACE, actor_entry, actor_state, shadow_name
 from zocheck_ray.actors.shadow_process import ShadowActor, shadow_writer  # noqa: F401  (see there)
@@ -179,16 +178,9 @@ class OfferedImage:
         self.source = "durable" if offer.source == "durable" else "memory"
         self.adapter = offer.adapter
         self.fd = open_image(self.handle) if local else None
-        self.pushed = False
-        """Whether the last `copy_into` was the shadow's writing (`threads`: the shadow's)."""
 
-    def copy_into(self, tensors: dict[str, torch.Tensor], push: bool = False) -> None:
-        """Fill `tensors` with the image. `push` (a recovery, when the shadow has nothing else to do): the
-        shadow writes the image into them (`image.push_image`), else, or where that is refused, this
-        process reads it (`image.transfer`). `threads` and `pushed` say afterwards which ran the copy."""
-        self.pushed = False
-        if self.fd is not None and push and self._pushed_into(tensors):
-            return
+    def copy_into(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Fill `tensors` with the image: read from the shadow's memory on its node, else streamed in windows."""
         if self.fd is not None:
             transfer(self.fd, self.layout, tensors, "from_image", threads=self.threads)
             return
@@ -197,22 +189,6 @@ class OfferedImage:
             window = ray.get(self.actor.image_window.remote(self.handle.token, start, plan.length(start)))
             plan.copy(torch.from_numpy(window), start, "from_image")
         plan.finish()
-
-    def _pushed_into(self, tensors: dict[str, torch.Tensor]) -> bool:
-        segments = segments_of(self.layout, tensors)
-        if not segments:
-            return False
-        allow_writer(self.handle.pid)
-        try:
-            self.threads = ray.get(self.actor.push_image.remote(self.handle.token, os.getpid(), segments))
-        except Exception as exc:  # refused, the image replaced, the shadow gone: this process holds the image open
-            logger.warning("the shadow could not write its image into this process (%s): reading it instead",
-                           getattr(exc, "cause", None) or exc)
-            return False
-        finally:
-            allow_writer(None)
-        self.pushed = True
-        return True
 
     def release(self) -> None:
         """Done reading: close it here and give it back to the shadow (which may then reuse its memory)."""

@@ -19,7 +19,6 @@ plain values that `metrics()` reads.
 
 from __future__ import annotations
 
-import errno
 import logging
 import statistics
 import threading
@@ -29,8 +28,7 @@ from typing import Callable
 
 import torch
 
-from zocheck_ray.actors.image import (ImageGoneError, ImageLayout, PushRefused, Segment, SharedBuffer, copy_state,
-                                      push_image, transfer_threads)
+from zocheck_ray.actors.image import ImageGoneError, ImageLayout, SharedBuffer, copy_state
 from zocheck_ray.actors.ledger import RecordLedger
 from zocheck_ray.actors.messages import AdapterIdentity, ShadowMetrics, TrainerTimes
 from zocheck_ray.actors.publisher import PushReply
@@ -253,33 +251,10 @@ class Shadow:
     def image_bytes(self, token: str, start: int, length: int):
         """A copy of bytes `start..start+length` of the offered image `token` (for a reader that cannot
         open it: another node); raises `ImageGoneError` once a newer image has replaced it."""
-        view = self._offered_bytes(token)
-        if view is None:
-            raise ImageGoneError(f"the image {token} has been replaced; ask for the newest")
-        return view[start: start + length].numpy().copy()
-
-    def _offered_bytes(self, token: str) -> torch.Tensor | None:
-        """The bytes of the offered image `token`; None once a newer image has replaced it. The view keeps the
-        memory mapped however the replay stage lets go of it meanwhile."""
         image = self.ledger.image
-        return image.buffer.bytes if image is not None and image.token == token else None
-
-    def push_image(self, token: str, pid: int, segments: list[Segment]) -> int:
-        """Write the offered image `token` into process `pid` (a recovering trainer on this node, which lent
-        its memory: `image.allow_writer`) at `segments` (`image.segments_of`), on every CPU this process may
-        run on (nothing else is due while a trainer recovers); returns the threads it ran on. Raises
-        `PushRefused` where the kernel refuses or a newer image has replaced this one."""
-        view = self._offered_bytes(token)
-        if view is None:
-            raise PushRefused(errno.ESTALE, f"the image {token} has been replaced")
-        if self.hooks.push_refused:
-            raise PushRefused(errno.EPERM, f"cannot write into process {pid}: refused (injected)")
-        threads = transfer_threads()
-        first, rest = _halves(segments)
-        push_image(view, pid, first, threads=threads)
-        self.hooks.in_push()
-        push_image(view, pid, rest, threads=threads)
-        return threads
+        if image is None or image.token != token:
+            raise ImageGoneError(f"the image {token} has been replaced; ask for the newest")
+        return image.buffer.bytes[start: start + length].numpy().copy()
 
     def give_back(self, token: str) -> None:
         """A trainer is done reading the image named `token` (its memory may be reused)."""
@@ -406,19 +381,6 @@ def _with_retries(fn: Callable[[], object], what: str, seconds: float = STARTUP_
             logger.warning("%s failed, retrying in %.1f s: %s", what, backoff, exc)
             time.sleep(backoff)
             backoff = min(2 * backoff, MAX_BACKOFF_SECONDS)
-
-
-def _halves(segments: list[Segment]) -> tuple[list[Segment], list[Segment]]:
-    """`segments` cut at half their bytes: two writes, between which a fault can be injected (`ShadowHooks.in_push`)."""
-    half, first, rest = sum(size for _, _, size in segments) // 2, [], []
-    for offset, address, size in segments:
-        take = min(size, max(0, half))
-        if take:
-            first.append((offset, address, take))
-        if size > take:
-            rest.append((offset + take, address + take, size - take))
-        half -= take
-    return first, rest
 
 
 def process_memory(pid: int | str = "self") -> dict[str, int]:

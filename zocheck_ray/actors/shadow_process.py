@@ -1,11 +1,9 @@
 """`ShadowActor`: the shadow's Ray actor, in a module that imports nothing but Ray.
 
-Ray loads an actor's module in its process before the constructor runs, so what the module imports
-is set up outside the constructor. The shadow's set-up (torch, numba, the storage's libraries, about
-2 CPU-s here) runs in its constructor instead, with Python's cyclic collector paused until the heap
-settles (`actors/heap.py`), as the trainer's does (`trainer_process.py`). Everything the shadow does
-is `Shadow`'s (`actors/shadow.py`); this is its Ray face: pushes on one thread in order, everything
-else beside them.
+The shadow's set-up (torch, numba, the storage's libraries) runs in its constructor, with Python's
+cyclic collector paused until the heap settles (`actors/heap.py`). Everything the shadow does is
+`Shadow`'s (`actors/shadow.py`); this is its Ray face: pushes on one thread in order, everything else
+beside them.
 """
 
 from __future__ import annotations
@@ -15,8 +13,6 @@ import os
 from typing import TYPE_CHECKING
 
 import ray
-
-from zocheck_ray.actors.template import settle_threads
 
 if TYPE_CHECKING:
     from zocheck_ray.actors.handle import ImageHandle
@@ -36,7 +32,6 @@ class ShadowActor:
     def __init__(self, job: dict, hooks=None):
         from zocheck_ray.actors.heap import settling_heap
 
-        settle_threads()  # a process forked from the node's template (actors/template.py): torch's threads
         logging.basicConfig(level=logging.INFO)
         threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -102,11 +97,6 @@ class ShadowActor:
         """Wait (at most `timeout` s) until the shadow offers an image other than `token`; its step, or None.
         A standby follows the shadow's images this way (`TrainerActor.follow`)."""
         return self.shadow.newer_image(token, timeout)
-
-    @ray.method(concurrency_group="control")
-    def push_image(self, token: str, pid: int, segments: list) -> int:
-        """Write the lent image `token` into the memory of process `pid` on this node (`Shadow.push_image`)."""
-        return self.shadow.push_image(token, pid, [tuple(s) for s in segments])
 
     @ray.method(concurrency_group="control")
     def give_back(self, token: str) -> None:

@@ -245,7 +245,7 @@ class Trainer:
             if not preinstalled:
                 tensors = self.opt.state_tensors()
                 copy_began = time.perf_counter()
-                offer.copy_into(tensors, push=True)  # the shadow writes it in where it can (`image.push_image`)
+                offer.copy_into(tensors)
                 copy_seconds = time.perf_counter() - copy_began
         except BaseModelMismatchError:
             raise
@@ -275,7 +275,6 @@ class Trainer:
                             replayed_records=len(records), state_hash=digest, state_bytes=offer.layout.state_bytes,
                             preinstalled=preinstalled, copy_seconds=copy_seconds,
                             copy_threads=offer.threads if copy_seconds is not None else None,
-                            copied_by=None if copy_seconds is None else "shadow" if offer.pushed else "trainer",
                             install_seconds=loaded - began, replay_seconds=replayed - loaded,
                             replay_threads=replay_threads, hash_seconds=time.perf_counter() - replayed), records
 

@@ -1,29 +1,9 @@
 """`TrainerActor`: the trainer's Ray actor, in a module that imports nothing but Ray and the standard library.
 
-Ray loads an actor's module in its process before the constructor runs. Where a run has a warm
-standby and a trainer dies, the controller promotes the standby (its restore and replay run at
-memory and compute speed on the node's cores) while Ray restarts the lost process, which becomes
-the next standby. That process's set-up is as much work as the promotion's: importing torch and the
-model's libraries (several CPU seconds), allocating a skeleton of the state's size and touching
-its pages (a copy's worth of memory traffic). Overlapping the promotion, it would take cores and
-memory bandwidth from it: on two cores, one busy process beside a 540M-parameter promotion made the
-recovery 1.5 s instead of 0.8 s (`benchmarks/scale.py`'s standby run with that process stopped).
-
-So this module imports neither torch nor the model's libraries, and such a restarted process
-(`was_current_actor_reconstructed` in a run with `standby: true`) defers its set-up: its constructor
-only keeps its arguments, and the controller asks it to `prepare` once it is up after the promotion
-(`TrainerGroup.prepare_standby`); a call that needs the trainer before that prepares it (a promotion
-of it waits for it). Every other process, a rank or the first standby, prepares in its constructor.
-Ray unpickles the constructor's arguments before it runs: they must not import torch either (the
-faults that tests, benchmarks and `--fail-at` inject travel there: `testing/injection.py`).
-What stays in the promotion's window is Ray's own start of the process (the interpreter and Ray's
-import): at 540M parameters on two cores that alone outlasts the promotion, so the deferral shows
-from the sizes whose promotion takes longer than it (about 1B parameters and up here). For the
-same reason such a run's trainers are not forked from the node's process template (its path adds
-Ray's `setup_worker.py` and runtime-environment agent to that window: `control/placement.py:
-trainer_runtime_env`). A process that is forked from it (`process_template`, `actors/template.py`)
-has torch and transformers imported when its constructor runs; `settle_threads` gives it the
-torch threads Ray's OMP_NUM_THREADS would have.
+Ray loads an actor's module before the constructor runs. In a run with a warm standby, the process Ray
+restarts after a loss becomes the next standby and defers its set-up (torch, the model's skeleton) until
+the controller asks it to `prepare`, so that it takes no cores from the promotion running beside it.
+Its constructor's arguments travel unpickled before it runs: they must not import torch either.
 """
 
 from __future__ import annotations
@@ -36,8 +16,6 @@ import uuid
 from typing import TYPE_CHECKING, Literal
 
 import ray
-
-from zocheck_ray.actors.template import settle_threads
 
 if TYPE_CHECKING:
     from zocheck_ray.actors.messages import KernelInfo, PublisherStats, RecoveryInfo, TrainerProgress
@@ -88,7 +66,6 @@ class TrainerActor:
 
     def __init__(self, job: dict, hooks=None, rank: int = 0, standby: bool = False):
         size_numba_pool()  # before anything imports numba in this process
-        settle_threads()  # a process forked from the node's template (actors/template.py): torch's threads
         logging.basicConfig(level=logging.INFO)
         self.incarnation = uuid.uuid4().hex  # tells a restarted trainer from the one before
         restarted = ray.get_runtime_context().was_current_actor_reconstructed

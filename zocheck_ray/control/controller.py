@@ -28,7 +28,7 @@ from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup
 
 from zocheck_ray.actors.messages import ShadowMetrics, TrainerProgress, TrainerTimes
-from zocheck_ray.actors.names import actor_state
+from zocheck_ray.actors.names import actor_status, shadow_name
 from zocheck_ray.actors.ray_actors import call_when_alive, shadow_writer, wait_until_dead
 from zocheck_ray.actors.shadow import ShadowRestartedError
 from zocheck_ray.config import JobConfig
@@ -221,7 +221,7 @@ class Controller:
             replayed_records=info.replayed_records, rank=restored.rank,
             cause="records_lost" if failure.kind == "records_lost" else "trainer_lost",
             replaced_by=restored.replaced_by, state_hash=info.state_hash, preinstalled=info.preinstalled,
-            copy_threads=info.copy_threads, copied_by=info.copied_by, replay_threads=info.replay_threads,
+            copy_threads=info.copy_threads, replay_threads=info.replay_threads,
             phases=restored.phases))
         return State.RUNNING  # a host failure restarted the shadow too: the next check counts it
 
@@ -339,7 +339,7 @@ class Controller:
         self.placement.remove()  # a given group (a Tune trial's) is not among them
         # Nothing of the run is left once this returns (a rerun at once finds its names free), and the
         # shadow cannot write again once its lease is released for it.
-        gone = all([wait_until_dead(actor) for actor in actors])
+        gone = wait_until_dead([lambda actor=actor: actor.pid.remote() for actor in actors])
         if graceful and not released and self.shadow is not None and gone:
             try:
                 released = release_dead_holder(self.job.run_url, self.job.storage_options,
@@ -351,7 +351,10 @@ class Controller:
         return released
 
     def _close_shadow(self) -> bool:
-        if self.shadow is None or actor_state(self.shadow) not in ("ALIVE", None):
+        if self.shadow is None:
+            return False
+        status = actor_status(shadow_name(self.job.run_id))
+        if status is not None and status.state != "ALIVE":
             return False
         try:
             return ray.get(self.shadow.close.remote(), timeout=CLOSE_SECONDS)

@@ -10,7 +10,6 @@ from ray.exceptions import RaySystemError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from zocheck_ray.actors import template
 from zocheck_ray.actors.messages import TrainerProgress
 from zocheck_ray.actors.names import NAMESPACE, shadow_name, trainer_name
 from zocheck_ray.actors.ray_actors import ShadowActor
@@ -50,35 +49,6 @@ def _check_resources(job: JobConfig) -> int:
         raise JobConfigError(f"use_gpu=yes and trainers={k} need {k} GPUs "
                              f"({'on one node' if job.placement == 'pack' else 'in the cluster'}); lower trainers")
     return 1 if (job.use_gpu == "yes" or (job.use_gpu == "auto" and gpus >= 1 and placeable)) else 0
-
-
-OWN_PYTHON = ("pip", "conda", "uv", "py_executable", "container", "image_uri")
-"""Runtime-environment fields that give a job's workers a Python of their own: its processes start without the
-process template (they would not be the interpreter and libraries the template has loaded)."""
-
-
-def shadow_runtime_env(job: JobConfig) -> dict | None:
-    """The runtime environment of the run's shadow: through the node's process template where the job wants
-    it (`process_template`) and can have it (Linux; the job's workers run the driver's Python), else the job's.
-    The template's launcher is this interpreter running this installation's `actors/template.py`: the nodes
-    run the same image (as Ray's own workers assume of the driver's Python)."""
-    if not job.process_template or not template.available():
-        return None
-    own = ray.get_runtime_context().runtime_env or {}
-    if any(own.get(field) for field in OWN_PYTHON):
-        return None
-    return template.runtime_env()
-
-
-def trainer_runtime_env(job: JobConfig) -> dict | None:
-    """The runtime environment of the trainer's actors: as the shadow's (`shadow_runtime_env`), except in a run
-    with a standby. There a lost trainer is replaced by the standby while Ray restarts its process, and that
-    start must keep out of the promotion's way (`actors/trainer_process.py`): Ray's own start of a worker is its
-    interpreter and its import of Ray; through the template Ray first runs its `setup_worker.py` (another import
-    of Ray) and its runtime-environment agent. In a 540M-parameter bf16 promotion's window on two cores that
-    start took 0.83-0.90 CPU-s, Ray's own 0.52-0.61 (`benchmarks/scale.py`'s standby run, two each way;
-    docs/benchmarks.md)."""
-    return None if job.standby else shadow_runtime_env(job)
 
 
 def group_name(run_id: str) -> str:
@@ -157,13 +127,12 @@ class Placement:
         shadow = ShadowActor.options(
             name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=job.shadow_cpus,
             max_restarts=job.max_restarts, max_task_retries=-1, scheduling_strategy=self._strategy(self._shadow_place),
-            runtime_env=shadow_runtime_env(job),
         ).remote(self._payload, self.hooks)
         share = STANDBY_GPU_SHARE if job.standby and self.gpus else 0
         trainers = [TrainerActor.options(
             name=trainer_name(job.run_id, rank), namespace=NAMESPACE, num_cpus=1,
             num_gpus=self.gpus - (share if rank == 0 else 0), max_restarts=job.max_restarts,
-            scheduling_strategy=self._strategy(place), runtime_env=trainer_runtime_env(job),
+            scheduling_strategy=self._strategy(place),
         ).remote(self._payload, self.hooks, rank) for rank, place in enumerate(self._rank_places)]
         try:
             ray.get(shadow.ready.remote())
@@ -175,8 +144,7 @@ class Placement:
 
     def start_standby(self):
         """The warm standby, beside rank 0 and the shadow: no CPU of its own (it waits), a sliver of rank 0's
-        GPU where there is one (`STANDBY_GPU_SHARE`); started by Ray itself, as a standby run's trainers are
-        (`trainer_runtime_env`)."""
+        GPU where there is one (`STANDBY_GPU_SHARE`)."""
         job = self.job
         return TrainerActor.options(
             name=trainer_name(job.run_id, "standby"), namespace=NAMESPACE, num_cpus=0,

@@ -44,9 +44,6 @@ class Recovery(BaseModel):
     CPU): its restore replayed the records after the image and copied nothing."""
     copy_threads: int | None = None
     """The threads the image's copy into the state ran on (phase `copy`); None where nothing was copied."""
-    copied_by: Literal["shadow", "trainer"] | None = None
-    """Which process ran that copy: the `shadow` writing the image into the trainer's memory (on the CPU, where the
-    kernel lets it), or the `trainer` reading it; None where nothing was copied."""
     replay_threads: int | None = None
     """The threads the replay of the records after the image ran on (phase `replay`; a trainer process's numba
     pool: 8, or one per core on a larger node); None where no record was replayed on the CPU."""

@@ -11,7 +11,7 @@ from zocheck_ray.core.lazy import on_first_use
 
 
 __getattr__, __dir__ = on_first_use(globals(), {
-    "faults": ("FailAt", "run_with_faults"),
+    "faults": ("FailAt", "FailTrialOnce", "InjectedTrialFailure", "run_with_faults"),
     "injection": ("FaultInjection", "NO_FAULTS"),
     "in_process": ("InProcessRun", "run_in_process"),
     "reference": ("uninterrupted_hashes", "uninterrupted_data_parallel_hashes"),

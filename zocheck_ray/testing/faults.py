@@ -15,6 +15,7 @@ They reach a run through its seams, never through a user's `JobConfig` or `zoche
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import tempfile
 from typing import Callable, Literal
@@ -78,6 +79,26 @@ class FailAt(RunCallback):
             return failure
         step, self.dealt = self.dealt, None
         return dataclasses.replace(failure, step=step, mode=self.mode)
+
+
+class InjectedTrialFailure(RuntimeError):
+    """Raised on purpose by `FailTrialOnce`."""
+
+
+class FailTrialOnce(RunCallback):
+    """Raises `InjectedTrialFailure` at the first segment that reaches `step` in a run whose job `matches`, once
+    across processes (a file under `marker_dir` remembers it): a Tune trial that fails and is restored."""
+
+    def __init__(self, step: int, marker_dir: str, matches: Callable[[JobConfig], bool] = lambda job: True):
+        self.step, self.marker_dir, self.matches = step, marker_dir, matches
+
+    def on_segment(self, run, segment):
+        if segment.progress.step < self.step or not self.matches(run.job):
+            return
+        marker = os.path.join(self.marker_dir, f"failed-{run.job.run_id}")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            raise InjectedTrialFailure(f"injected trial failure at step {segment.progress.step}")
 
 
 def run_with_faults(job: JobConfig, fail_at: list[int] | None = None, fail_mode: FailMode = "software",

@@ -26,12 +26,6 @@ class FaultInjection(BaseModel):
     replay_stalled: bool = False
     """The shadow's replay applies no record: only resyncs move its replica (a shadow that falls behind
     however slow the trainer is)."""
-    push_refused: bool = False
-    """The kernel refuses the shadow's writes into a recovering trainer's memory, as on a host whose policy
-    forbids them (`actors.image.push_image`): the trainer reads the image itself."""
-    crash_in_push_marker: str | None = None
-    """A file path: the first shadow that writes an image into a recovering trainer and finds it missing creates
-    it and dies halfway through the write (the trainer's state half written)."""
     crash_in_recovery_marker: str | None = None
     """A file path: the first recovering trainer that finds it missing creates it and dies mid-recovery."""
     die_at: dict[int, list[int]] = {}
@@ -55,12 +49,6 @@ class FaultInjection(BaseModel):
         if marker and not os.path.exists(marker):
             open(marker, "w").close()
             os._exit(1)  # die with the image loaded and its records not yet replayed
-
-    def in_push(self) -> None:
-        marker = self.crash_in_push_marker
-        if marker and not os.path.exists(marker):
-            open(marker, "w").close()
-            os._exit(1)
 
     def after_replay(self, steps: int) -> None:
         if self.replay_delay_seconds:

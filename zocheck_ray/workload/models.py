@@ -124,7 +124,7 @@ def _load_directory(directory: Path, torch_dtype: torch.dtype, seed: int, overri
     hf_config = AutoConfig.from_pretrained(directory, local_files_only=True, **(overrides or {}))
     # Built as `from_pretrained` builds it (from the config, in the checkpoint's dtype): the same buffers.
     with torch.random.fork_rng(devices=[]):
-        model = skeleton(lambda: cls.from_config(hf_config, dtype=torch_dtype), device, one_mapping=weights == "none")
+        model = skeleton(lambda: cls.from_config(hf_config, dtype=torch_dtype), device)
     if weights == "load":
         missing = load_checkpoint(model, files, prefix=model.base_model_prefix)
         _init_missing(model, missing, seed)
@@ -161,7 +161,7 @@ def build_model(name: str, dtype: str = "fp32", seed: int = 0, overrides: dict |
         cls = AutoModelForSequenceClassification if _kind_of(config.to_dict()) == "sequence-classification" \
             else AutoModelForCausalLM
         if weights == "none":  # the same construction and casts as below, the parameters left empty
-            model = skeleton(lambda: cls.from_config(config).to(torch_dtype), device, one_mapping=True)
+            model = skeleton(lambda: cls.from_config(config).to(torch_dtype), device)
         else:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)

@@ -28,7 +28,6 @@ from typing import Callable, Iterator
 
 import torch
 
-from zocheck_ray.core.memory import aligned_offsets, huge_page_mapping
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -64,47 +63,25 @@ def parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register
 
 
-def materialize(model: torch.nn.Module, device: str | torch.device = "cpu", one_mapping: bool = False) -> None:
-    """Give every meta parameter uninitialised memory on `device` (a tied parameter once).
-
-    `one_mapping` (a skeleton that an image will fill, on the CPU): the parameters are views of one
-    anonymous mapping, in order, each on a 64-byte boundary, advised onto 2 MiB pages
-    (`transparent_hugepage/enabled` madvise or always), so a restore writes them at about a plain copy's
-    speed where the kernel would otherwise look up each 4 KiB page. Nothing is faulted here: pages come
-    as they are first written. Such a model is for training and restoring, not for `save_pretrained`,
-    which takes parameters that share one storage for tied ones."""
+def materialize(model: torch.nn.Module, device: str | torch.device = "cpu") -> None:
+    """Give every meta parameter uninitialised memory on `device` (a tied parameter once)."""
     made: dict[int, torch.nn.Parameter] = {}
-    slots = [(module, name, param) for module in model.modules() for name, param in module._parameters.items()
-             if param is not None and param.is_meta]
-    unique = list({id(param): param for _, _, param in slots}.values())
-    memory = _host_memory(unique) if one_mapping and torch.device(device).type == "cpu" else None
-    for module, name, param in slots:
-        real = made.get(id(param))
-        if real is None:
-            data = memory.pop(id(param)) if memory is not None else \
-                torch.empty(param.shape, dtype=param.dtype, device=device)
-            real = made[id(param)] = torch.nn.Parameter(data, requires_grad=param.requires_grad)
-        module._parameters[name] = real
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None or not param.is_meta:
+                continue
+            real = made.get(id(param))
+            if real is None:
+                data = torch.empty(param.shape, dtype=param.dtype, device=device)
+                real = made[id(param)] = torch.nn.Parameter(data, requires_grad=param.requires_grad)
+            module._parameters[name] = real
 
 
-def _host_memory(params: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Uninitialised host tensors shaped as `params` (by id), views of one mapping on huge pages, laid out as an
-    image of them is (`core.memory`)."""
-    sizes = [p.numel() * p.element_size() for p in params]
-    offsets, total = aligned_offsets(sizes)
-    if total == 0:
-        return {id(p): torch.empty(p.shape, dtype=p.dtype) for p in params}
-    flat, _ = huge_page_mapping(total)  # its views keep the mapping alive
-    return {id(p): flat[o: o + n].view(p.dtype).view(p.shape) for p, o, n in zip(params, offsets, sizes)}
-
-
-def skeleton(build: Callable[[], torch.nn.Module], device: str | torch.device = "cpu",
-             one_mapping: bool = False) -> torch.nn.Module:
-    """`build()` with its parameters allocated on `device` but neither initialised nor loaded
-    (`one_mapping`: see `materialize`)."""
+def skeleton(build: Callable[[], torch.nn.Module], device: str | torch.device = "cpu") -> torch.nn.Module:
+    """`build()` with its parameters allocated on `device` but neither initialised nor loaded."""
     with parameters_on_meta():
         model = build()
-    materialize(model, device, one_mapping)
+    materialize(model, device)
     return model.to(device)  # the buffers
 
 
