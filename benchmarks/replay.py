@@ -41,13 +41,14 @@ import torch
 from numba import njit, prange
 
 from benchmarks.common import machine, print_table, write_json
+from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray.core import StepRecord, ZOConfig, replay
 from zocheck_ray.core.fused import perturbation_block
 from zocheck_ray.core.layout import Layout, applies_weight_decay, moment_prefixes
 from zocheck_ray.core.scalars import StepScalars
 from zocheck_ray.core.seeds import perturbation_seeds
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = JOB_DTYPES
 TENSOR_COLUMNS = 4096
 SPEEDUP_TARGET = 20.0
 BANDWIDTH_TARGET = 0.5

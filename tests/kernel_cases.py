@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray import ZOConfig
 from zocheck_ray.core import update
 from zocheck_ray.core.generator import perturbation
@@ -20,7 +21,7 @@ from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.scalars import StepScalars
 
 OPTIMIZERS = ["zo-sgd", "zo-adam", "sparse-mezo", "zo-sgd-sign", "zo-sgd-mmt", "zo-sgd-cons"]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = JOB_DTYPES
 KINDS = ["gaussian", "rademacher"]
 SEGMENTS = [(0, 7, True), (7, 1, False), (2**32 - 5, 613, True), (3 * 2**32 + 2, 1030, False)]
 """(global offset, numel, decay): odd sizes, lanes 0-3, a tensor across 2**32, one beyond."""

@@ -19,7 +19,7 @@ from typing import Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from zocheck_ray.core.config import ZOConfig
+from zocheck_ray.core.config import JobDtype, ZOConfig
 from zocheck_ray.workload.peft_settings import PeftSettings
 from zocheck_ray.workload.errors import WorkloadError
 from zocheck_ray.workload.names import model_directory
@@ -47,7 +47,7 @@ class JobConfig(BaseModel):
     model: str = "tiny-opt"
     """A built-in small model built from its config (tiny-opt, tiny-llama, tiny-qwen3, tiny-bert), a packaged
     one (minilm), or a Hugging Face model directory saved with `save_pretrained`."""
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    dtype: JobDtype = "fp32"
     """Parameter dtype."""
     zo: ZOConfig = ZOConfig(lr=2e-3, eps=1e-3)
     """The zeroth-order optimizer (`zo.optimizer`, `zo.lr`, `zo.eps`, ...)."""

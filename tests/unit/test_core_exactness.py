@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import zocheck_ray
+from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray import ZOConfig, ZOOptimizer, replay, replay_reference, state_hash
 from zocheck_ray.core import fused
 from zocheck_ray.workload.models import build_model, trainable_parameters
@@ -19,7 +20,7 @@ from zocheck_ray.workload.models import build_model, trainable_parameters
 OPTIMIZERS = ["zo-sgd", "zo-adam", "sparse-mezo"]
 ZO_BENCH = ["zo-sgd-sign", "zo-sgd-mmt", "zo-sgd-cons"]
 """ZO-Bench's optimizers: on HF models in test_zo_methods.py, here on odd shapes, one step at a time too."""
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = JOB_DTYPES
 KINDS = ["gaussian", "rademacher"]
 STEPS = 12
 

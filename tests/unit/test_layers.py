@@ -14,7 +14,8 @@ import zocheck_ray
 PACKAGE = Path(zocheck_ray.__file__).parent
 
 CORE_LAYERS = (
-    ("the specification", {"config", "errors", "layout", "record", "scalars", "seeds", "hashing", "cpus", "memory", "lazy"}),
+    ("the specification", {"config", "dtypes", "errors", "layout", "record", "scalars", "seeds", "hashing", "cpus", "memory",
+                           "lazy"}),
     ("the reference implementation", {"generator", "update", "reference", "validation"}),
     ("the kernels", {"kernel_cache", "fused", "triton_kernels", "_triton_src"}),
     ("the guard", {"kernel_guard"}),

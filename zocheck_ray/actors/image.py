@@ -39,7 +39,7 @@ from typing import Iterator, Literal, Mapping
 import torch
 
 from zocheck_ray.actors.handle import ImageHandle
-from zocheck_ray.core.layout import DTYPE_BY_NAME, DTYPES
+from zocheck_ray.core.dtypes import BY_NAME, REPLAYED
 from zocheck_ray.core.cpus import process_cpus
 from zocheck_ray.core.memory import aligned_offsets, frombuffer, huge_page_mapping
 
@@ -67,7 +67,7 @@ class ImageLayout:
 
     @classmethod
     def of(cls, state: Mapping[str, torch.Tensor]) -> "ImageLayout":
-        return cls.from_specs([(n, DTYPES[t.dtype], tuple(t.shape)) for n, t in state.items()])
+        return cls.from_specs([(n, REPLAYED[t.dtype], tuple(t.shape)) for n, t in state.items()])
 
     @classmethod
     def from_specs(cls, specs: list[tuple[str, str, tuple[int, ...]]]) -> "ImageLayout":
@@ -91,7 +91,7 @@ class ImageLayout:
         out = {}
         for name, dtype, shape, offset in zip(self.names, self.dtypes, self.shapes, self.offsets):
             size = _numel(shape) * _itemsize(dtype)
-            out[name] = flat[offset: offset + size].view(DTYPE_BY_NAME[dtype]).view(shape)
+            out[name] = flat[offset: offset + size].view(BY_NAME[dtype]).view(shape)
         return out
 
     def matches(self, state: Mapping[str, torch.Tensor]) -> str | None:
@@ -102,7 +102,7 @@ class ImageLayout:
             return f"the tensors differ (missing {missing}, unexpected {extra})" if missing or extra else \
                 "the tensors are in another order"
         for (name, t), dtype, shape in zip(state.items(), self.dtypes, self.shapes):
-            if DTYPES.get(t.dtype) != dtype or tuple(t.shape) != shape:
+            if REPLAYED.get(t.dtype) != dtype or tuple(t.shape) != shape:
                 return f"{name} is {t.dtype} {tuple(t.shape)} here and {dtype} {shape} in the image"
         return None
 
@@ -115,7 +115,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=DTYPE_BY_NAME[dtype]).element_size()
+    return torch.empty((), dtype=BY_NAME[dtype]).element_size()
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,8 @@ from zocheck_ray.core.fused import warm_up
 from zocheck_ray.core.record import decode_records
 from zocheck_ray.actors.hooks import NO_HOOKS, ShadowHooks
 from zocheck_ray.storage import Lease, LeaseError, SnapshotStore, StorageError, recover
-from zocheck_ray.workload.models import TORCH_DTYPES, model_config_dict
+from zocheck_ray.core.dtypes import JOB_DTYPES
+from zocheck_ray.workload.models import model_config_dict
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class Shadow:
         self.model_config: dict | None = None
         """The model's Hugging Face config, which every snapshot of a full run carries: from the first trainer,
         or the durable snapshot (so the shadow's process never imports transformers to build it)."""
-        warm = threading.Thread(target=warm_up, args=(TORCH_DTYPES[job.dtype], job.zo), name="zocheck-warm-up")
+        warm = threading.Thread(target=warm_up, args=(JOB_DTYPES[job.dtype], job.zo), name="zocheck-warm-up")
         warm.start()  # the replay kernel loads while storage is read; profiles then time the kernel, not its load
         self.ledger = RecordLedger(0, on_accept=lambda: self.replay.wake())
         self.persist: PersistStage | None = None

@@ -48,7 +48,8 @@ from zocheck_ray.core.fused import default_threads, warm_up
 from zocheck_ray.core.triton_kernels import replay_on_device
 from zocheck_ray.workload.data import step_seed
 from zocheck_ray.workload.adapters import BaseModelMismatchError, build_trainable
-from zocheck_ray.workload.models import TORCH_DTYPES, model_config_dict
+from zocheck_ray.core.dtypes import JOB_DTYPES
+from zocheck_ray.workload.models import model_config_dict
 from zocheck_ray.workload.builder import build_task
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class Trainer:
         started = time.perf_counter()
         warm = None
         if self.device.type == "cpu":  # a recovery replays with the fused kernel: load it while the model builds
-            warm = threading.Thread(target=warm_up, args=(TORCH_DTYPES[job.dtype], job.zo), name="zocheck-warm-up")
+            warm = threading.Thread(target=warm_up, args=(JOB_DTYPES[job.dtype], job.zo), name="zocheck-warm-up")
             warm.start()
         self.task = build_task(job.task, job.model)
         # Asked first: with an image to recover from, the model's weights would only be overwritten.

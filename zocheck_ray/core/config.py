@@ -7,6 +7,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+JobDtype = Literal["fp32", "bf16", "fp16"]
+"""The dtypes a model trains in (`JobConfig.dtype`; their torch dtypes: `core/dtypes.py`)."""
+
 Optimizer = Literal["zo-sgd", "zo-adam", "sparse-mezo", "zo-sgd-sign", "zo-sgd-mmt", "zo-sgd-cons"]
 Perturbation = Literal["gaussian", "rademacher"]
 

@@ -24,6 +24,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from zocheck_ray.core.dtypes import NAMES, SAFETENSORS
+
 _DOMAIN = b"zocheck-ray state v2\0"
 OPTIMIZER_PREFIX = "optimizer."
 """Names of optimizer state (Adam moments) begin with this; they are stored in a file of their own."""
@@ -32,22 +34,15 @@ SHARD_BYTES = 64 << 20
 FILE_METADATA = {"format": "pt"}
 """The safetensors `__metadata__` of both files (what `transformers` expects of a PyTorch checkpoint)."""
 
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {d: str(d).removeprefix("torch.") for d in SAFETENSORS_DTYPES}
-"""torch dtype -> the name snapshots record (`float32`, `bfloat16`, ...)."""
 
 
 def dtype_name(tensor: torch.Tensor, name: str) -> str:
     """The recorded name of `tensor`'s dtype; a dtype safetensors cannot hold raises `TypeError` naming the tensor."""
     try:
-        return DTYPE_NAMES[tensor.dtype]
+        return NAMES[tensor.dtype]
     except KeyError:
         raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors snapshots do not hold; "
-                        f"use one of {sorted(DTYPE_NAMES.values())}") from None
+                        f"use one of {sorted(NAMES.values())}") from None
 
 
 def split_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -64,7 +59,7 @@ def safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[st
     for name, t in tensors.items():
         dtype_name(t, name)
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+        header[name] = {"dtype": SAFETENSORS[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()

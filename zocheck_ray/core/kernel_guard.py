@@ -30,7 +30,8 @@ import torch
 from zocheck_ray.core import triton_kernels, update
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.generator import perturbation
-from zocheck_ray.core.layout import DTYPES, moment_prefixes
+from zocheck_ray.core.dtypes import REPLAYED
+from zocheck_ray.core.layout import moment_prefixes
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.scalars import StepScalars
 from zocheck_ray.core.seeds import perturbation_seeds
@@ -145,7 +146,7 @@ def _run_checks(device: torch.device, dtypes: Sequence[torch.dtype], config: ZOC
             _compare(f"z (seed {seed:#x}, offset {o})", z, perturbation(seed, o, n, config.perturbation), mismatches)
             checks += 1
     for dtype in dtypes:
-        name = DTYPES[dtype]
+        name = REPLAYED[dtype]
         want, want_buffers = _sample(dtype, len(kinds))
         # copies (`.to` would alias the CPU sample on a CPU device)
         params = {path: [p.to(device, copy=True) for p in want] for path in ("trainer", "replay")}
@@ -177,8 +178,8 @@ def _run_checks(device: torch.device, dtypes: Sequence[torch.dtype], config: ZOC
 def check_kernels(device: torch.device | str, dtypes: Sequence[torch.dtype], config: ZOConfig) -> KernelCheck:
     """Run the kernels on the sample against the CPU oracle; never raises (a failure is a failed check)."""
     device = torch.device(device)
-    dtypes = tuple(sorted(set(dtypes), key=lambda d: DTYPES[d]))
-    names = tuple(DTYPES[d] for d in dtypes)
+    dtypes = tuple(sorted(set(dtypes), key=lambda d: REPLAYED[d]))
+    names = tuple(REPLAYED[d] for d in dtypes)
     key = (str(device), names, config.optimizer, config.perturbation, config.weight_decay > 0, config.betas,
            config.adam_eps, config.sparsity, config.momentum, config.num_perturbations)
     if key in _cache:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zocheck_ray.core.dtypes import REPLAYED
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import StateMismatchError
 
@@ -40,17 +41,11 @@ def moment_prefixes(optimizer: str) -> tuple[str, ...]:
     """The state key prefixes of `optimizer`'s float32 buffers, in state order (none for most)."""
     return MOMENT_PREFIXES.get(optimizer, ())
 
-DTYPES: dict[torch.dtype, str] = {
-    torch.float32: "float32",
-    torch.bfloat16: "bfloat16",
-    torch.float16: "float16",
-}
-DTYPE_BY_NAME = {name: dtype for dtype, name in DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype, where: str) -> str:
     try:
-        return DTYPES[dtype]
+        return REPLAYED[dtype]
     except KeyError:
         raise StateMismatchError(
             f"{where} has dtype {dtype}; zocheck-ray replays float32, bfloat16 and float16 only"

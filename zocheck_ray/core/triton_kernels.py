@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from zocheck_ray.core.dtypes import TRAINED
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import StateMismatchError
 from zocheck_ray.core.seeds import MASK32, check_seed, perturbation_seeds
@@ -44,7 +45,7 @@ from zocheck_ray.core.validation import check_replay
 # Codes shared with _triton_src.py.
 PHASE_Z, PHASE_PERTURB, PHASE_UPDATE, PHASE_STEP = 0, 1, 2, 3
 OPT_CODES = {"zo-sgd": 0, "zo-adam": 1, "sparse-mezo": 2, "zo-sgd-sign": 3, "zo-sgd-mmt": 4, "zo-sgd-cons": 5}
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_CODES = {d.torch: code for code, d in enumerate(TRAINED)}
 MASK_NONE, MASK_MAKE, MASK_READ, MASK_REGISTERS = 0, 1, 2, 3
 
 COUNTERS_PER_PROGRAM_CUDA = 256

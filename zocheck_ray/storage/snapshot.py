@@ -46,7 +46,8 @@ from zocheck_ray.storage.hf_layout import (
 from zocheck_ray.storage.lease import Lease, check_lease_for, require_lease
 from zocheck_ray.storage.localfile import staging_reuse
 from zocheck_ray.storage.manifest import FileEntry, Manifest, SnapshotMeta, TensorEntry
-from zocheck_ray.storage.tensorfile import CHUNK_BYTES, DTYPE_BY_NAME, read_tensors, write_tensors
+from zocheck_ray.core.dtypes import BY_NAME
+from zocheck_ray.storage.tensorfile import CHUNK_BYTES, read_tensors, write_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -512,7 +513,7 @@ def _entries(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, str, list[i
 def _allocate(manifest: Manifest, out: Mapping[str, torch.Tensor] | None, url: str) -> dict[str, torch.Tensor]:
     if out is None:
         try:
-            return {e.name: torch.empty(e.shape, dtype=DTYPE_BY_NAME[e.dtype]) for e in manifest.tensors}
+            return {e.name: torch.empty(e.shape, dtype=BY_NAME[e.dtype]) for e in manifest.tensors}
         except KeyError as exc:
             raise CorruptSnapshotError(f"{url}: the manifest names an unknown dtype {exc}", url) from exc
     if list(out) != [e.name for e in manifest.tensors]:

@@ -24,14 +24,14 @@ from typing import BinaryIO, Mapping
 
 import torch
 
-from zocheck_ray.core.hashing import DTYPE_NAMES, SAFETENSORS_DTYPES, file_sha256, raw_bytes, safetensors_header
+from zocheck_ray.core.dtypes import SAFETENSORS
+from zocheck_ray.core.hashing import file_sha256, raw_bytes, safetensors_header
 from zocheck_ray.storage.errors import CorruptSnapshotError
 
 CHUNK_BYTES = 16 << 20
 """Bytes written or read (and hashed) at a time: large enough for full speed, small enough to pipeline."""
 MAX_HEADER_BYTES = 100 << 20
 
-DTYPE_BY_NAME: dict[str, torch.dtype] = {name: d for d, name in DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,10 @@ def read_tensors(f: BinaryIO, url: str, out: Mapping[str, torch.Tensor], size: i
     position = 0
     for begin, end, name, entry in entries:
         t = out[name]
-        if (entry.get("dtype") != SAFETENSORS_DTYPES[t.dtype] or entry.get("shape") != list(t.shape)
+        if (entry.get("dtype") != SAFETENSORS[t.dtype] or entry.get("shape") != list(t.shape)
                 or begin != position or end - begin != t.numel() * t.element_size()):
             raise CorruptSnapshotError(f"{url}: tensor {name!r} is stored as {entry} but the manifest says "
-                                       f"{SAFETENSORS_DTYPES[t.dtype]} {list(t.shape)} at offset {position}", url)
+                                       f"{SAFETENSORS[t.dtype]} {list(t.shape)} at offset {position}", url)
         position = end
         data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         pending = None

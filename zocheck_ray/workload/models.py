@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray.workload.errors import ModelNotFoundError
 from zocheck_ray.workload.names import PACKAGED_MODELS, SMALL_MODELS, model_directory
 from zocheck_ray.workload.weights import checkpoint_files, load_checkpoint, skeleton
@@ -34,8 +35,6 @@ ENCODER_MODEL_TYPES = frozenset({
 """Encoder-only `model_type`s: a directory of one is loaded with a sequence-classification head."""
 
 _FAMILIES = {"opt": "OPTConfig", "llama": "LlamaConfig", "qwen3": "Qwen3Config", "bert": "BertConfig"}
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""`JobConfig.dtype` -> torch dtype."""
 
 
 def _config(name: str, overrides: dict | None):
@@ -148,11 +147,11 @@ def build_model(name: str, dtype: str = "fp32", seed: int = 0, overrides: dict |
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    if dtype not in TORCH_DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(TORCH_DTYPES)}")
+    if dtype not in JOB_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(JOB_DTYPES)}")
     if weights not in ("load", "none"):
         raise ValueError(f"weights must be 'load' or 'none', got {weights!r}")
-    torch_dtype = TORCH_DTYPES[dtype]
+    torch_dtype = JOB_DTYPES[dtype]
     directory = model_directory(name)
     if directory is not None:
         model = _load_directory(directory, torch_dtype, seed, overrides, weights, device)

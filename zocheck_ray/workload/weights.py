@@ -28,15 +28,14 @@ from typing import Callable, Iterator
 
 import torch
 
+from zocheck_ray.core.dtypes import FROM_SAFETENSORS
+
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
 CHUNK_BYTES = 64 << 20
 """A dtype conversion's staging chunk: the most a load holds beside the parameters."""
 MAX_HEADER_BYTES = 100 << 20
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
 
 
 class CheckpointError(ValueError):
@@ -150,7 +149,7 @@ def _header(f, path: Path) -> tuple[dict, int]:
 
 def _read_tensor(f, path: Path, key: str, entry: dict, data_start: int, target: torch.Tensor) -> None:
     try:
-        dtype = _DTYPES[entry["dtype"]]
+        dtype = FROM_SAFETENSORS[entry["dtype"]]
         shape, (begin, end) = list(entry["shape"]), entry["data_offsets"]
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: tensor {key!r} has an unreadable entry {entry}") from exc
