@@ -3,6 +3,7 @@ commands are `make demo` and `make test`, every reference chapter in docs/ is li
 and every relative link of the README and the chapters resolves."""
 
 import re
+from pathlib import Path
 
 from support import REPO
 
@@ -35,3 +36,27 @@ def test_every_relative_link_resolves():
         for target in LINK.findall(doc.read_text()):
             if not re.match(r"^[a-z]+:", target):
                 assert (doc.parent / target).exists(), f"{doc.relative_to(REPO)} links to {target}: it does not exist"
+
+
+PATH_TOKEN = re.compile(r"`([A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*\.(?:py|md|yaml|yml|sh|json|toml|png|jsonl|txt))`")
+ROOTS = ("", "zocheck_ray/", "benchmarks/", "benchmarks/results/", "tests/")
+"""Where a path a document names may start (`core/fused.py` is `zocheck_ray/core/fused.py`)."""
+NOT_OURS = {"manifest.json", "model.safetensors.index.json", "model.safetensors", "config.json",
+            "adapter_config.json", "setup_worker.py", "zocheck_pointer.json"}
+"""File names the documents use for files the product writes, or another project holds."""
+
+
+def test_every_file_a_document_names_exists():
+    """A file named in backquotes (`core/fused.py`, `scale.md`) is one of the repository's: a renamed or deleted
+    file takes its mentions with it."""
+    names = {Path(p).name for p in REPO.rglob("*") if ".venv" not in p.parts and ".git" not in p.parts}
+    missing = []
+    for doc in [README, *CHAPTERS, REPO / "benchmarks" / "README.md"]:
+        for token in set(PATH_TOKEN.findall(doc.read_text())):
+            if "/" in token:
+                found = any((REPO / (root + token)).exists() for root in ROOTS)
+            else:
+                found = token in names or token in NOT_OURS
+            if not found:
+                missing.append(f"{doc.relative_to(REPO)}: {token}")
+    assert not missing, "documents name files that do not exist:\n" + "\n".join(sorted(missing))
