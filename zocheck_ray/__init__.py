@@ -5,7 +5,10 @@ The public API is re-exported here; `zocheck_ray.core` runs without Ray.
 
 import sys
 
+from zocheck_ray.core.kernel_cache import use_cache_dir  # the standard library only, as is lazy.py
 from zocheck_ray.core.lazy import on_first_use  # the standard library only: runs before the check below
+
+use_cache_dir()  # NUMBA_CACHE_DIR, before anything of the package imports numba (it reads the variable then)
 
 _CORE = ("CorruptRecordError", "IncompleteRecordError", "Layout", "NonFiniteError", "RecordSequenceError",
          "StateMismatchError", "StepRecord", "ZOCheckError", "ZOConfig", "ZOOptimizer", "perturbation", "replay",
@@ -20,13 +23,13 @@ if sys.argv[:1] == ["-m"]:  # only while `python -m zocheck_ray[.module]` import
 
     _absent = next((name for name in _DEPENDENCIES if importlib.util.find_spec(name) is None), None)
     if _absent is not None:
-        # run by a Python without the dependencies (a `ray job submit` entrypoint on a node whose Ray runs from
-        # an environment not on PATH): hand over to the Python that runs Ray there.
-        from zocheck_ray._interpreter import hand_over_to_ray_python
-
-        _missing = ModuleNotFoundError(f"No module named {_absent!r}", name=_absent)
-        hand_over_to_ray_python(_missing)
-        raise _missing
+        # typically a `ray job submit` entrypoint's `python3`: the one on the PATH of the `ray start` that
+        # started the cluster
+        sys.exit(f"zocheck-ray: {sys.executable} lacks {_absent!r}, one of zocheck-ray's dependencies: run the "
+                 "Python of the environment that holds them (/path/to/.venv/bin/python -m zocheck_ray ...); a "
+                 "`ray job submit` entrypoint runs in the environment its cluster was started from, so start the "
+                 "cluster from the activated environment, name that environment's Python in the entrypoint, or give "
+                 "the job a runtime environment whose \"pip\" installs zocheck-ray")
 
 __version__ = "0.1.0"
 

@@ -4,8 +4,8 @@
         -- python3 -m zocheck_ray train --config deploy/examples/sst2-opt.yaml
 
 Started by a Python that lacks the dependencies (the system's `python3` on a node whose
-`ray start` came from a virtual environment that is not activated), it re-runs itself
-under the Python that runs Ray on that node (`zocheck_ray._interpreter`).
+`ray start` came from a virtual environment that is not activated), it says in one line
+what to run instead, and exits with status 1.
 """
 
 import sys

@@ -128,6 +128,9 @@ def train(args: argparse.Namespace) -> int:
         print(f"zocheck-ray train: {exc}", file=sys.stderr)
         return 2
 
+    from zocheck_ray.control.connect import use_token_at_hand
+
+    use_token_at_hand(args.address)  # before Ray is imported: it reads RAY_AUTH_MODE then
     import ray
 
     from zocheck_ray.control import RunFailedError, run
@@ -181,18 +184,20 @@ def train(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
+    from zocheck_ray.control.connect import RayConnectionError, connect_ray, recorded_address, use_token_at_hand
+
+    address = args.address or (None if os.environ.get("RAY_ADDRESS") else recorded_address(args.run_id))
+    use_token_at_hand(address or "auto")  # before Ray is imported: it reads RAY_AUTH_MODE then
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
     from zocheck_ray.actors.names import NAMESPACE, describe_actor, shadow_name
-    from zocheck_ray.control.connect import RayConnectionError, connect_ray, recorded_address
 
     if not args.timeout > 0:
         print(f"zocheck-ray status: --timeout must be a positive number of seconds, got {args.timeout:g}",
               file=sys.stderr)
         return 2
     if not ray.is_initialized():
-        address = args.address or (None if os.environ.get("RAY_ADDRESS") else recorded_address(args.run_id))
         try:
             connect_ray(address or "auto")
         except RayConnectionError as exc:

@@ -3,9 +3,10 @@
 The head node is this test module's own: its own temp dir and ports, and in teardown only
 the processes whose command line names that temp dir are stopped (never a blanket
 `ray stop`, which would stop every Ray instance of this user on the machine). It is started
-the way the README's new user starts it: `ENV/bin/ray start --head` with the environment
-not on PATH, whose `python3` is one without zocheck-ray's dependencies. The documented
-entrypoint, `python3 -m zocheck_ray ...`, must work there; `--working-dir .` ships the code.
+the way the README asks: `ray start --head` from the activated environment, whose `python3`
+the documented entrypoint, `python3 -m zocheck_ray ...`, then finds; `--working-dir .` ships
+the code. An entrypoint whose Python lacks the dependencies fails with one line that says
+what to do.
 
 One job, long enough that it cannot end before the test stops it (so `zocheck-ray status`
 is read while it runs, whatever the machine's speed), is stopped with `ray job stop` as a
@@ -48,32 +49,16 @@ STOP_GRACE_SECONDS = 120
 """How long `ray job stop` waits after its SIGTERM before SIGKILL (Ray's default: 3 s)."""
 
 
-def python_without_dependencies(bin_dir: Path) -> Path:
-    """`bin_dir/python3`: this environment's base interpreter, which a virtual environment's packages
-    are not installed for (what a user's PATH finds when the environment is not activated)."""
-    bin_dir.mkdir(exist_ok=True)
-    python3 = bin_dir / "python3"
-    python3.symlink_to(getattr(sys, "_base_executable", None) or sys.executable)
-    return python3
-
-
-def lacks_torch(python: Path) -> bool:
-    check = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"
-    return subprocess.run([str(python), "-c", check], env={"PATH": "/usr/bin:/bin"}, timeout=60).returncode == 0
-
-
 @pytest.fixture(scope="module")
 def head():
     temp_dir = tempfile.mkdtemp(prefix="zjs", dir="/tmp")  # short: Ray's socket paths are length-limited
-    python3 = python_without_dependencies(Path(temp_dir) / "bin")
-    # the environment's bin is not on PATH, as after `.venv/bin/ray start` from a shell that did not activate it;
-    # token authentication with a token of this cluster's own (Ray 2.60 enables it by default)
-    env = {**os.environ, "PATH": os.pathsep.join([str(python3.parent), "/usr/local/bin", "/usr/bin", "/bin"]),
-           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": "", "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_SECONDS),
+    # the environment activated (its bin first on PATH), as the README starts the cluster; token authentication
+    # with a token of this cluster's own (Ray 2.60 enables it by default)
+    env = {**os.environ, "PATH": os.pathsep.join([str(ENV_BIN), "/usr/local/bin", "/usr/bin", "/bin"]),
+           "VIRTUAL_ENV": str(ENV_BIN.parent), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": "", "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_SECONDS),
            CLUSTER_ENV: temp_dir}
-    for name in ("RAY_ADDRESS", "VIRTUAL_ENV"):
-        env.pop(name, None)
+    env.pop("RAY_ADDRESS", None)
     flags = ["--port", "--dashboard-port", "--ray-client-server-port", "--node-manager-port", "--object-manager-port",
              "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
              "--runtime-env-agent-port"]
@@ -85,7 +70,7 @@ def head():
     try:
         subprocess.run(start, env=env, check=True, capture_output=True, text=True, timeout=120)
         yield {"env": env, "gcs": f"127.0.0.1:{gcs}", "dashboard": f"http://127.0.0.1:{dashboard}",
-               "temp_dir": temp_dir, "python3_lacks_torch": lacks_torch(python3)}
+               "temp_dir": temp_dir}
     except subprocess.CalledProcessError as exc:
         pytest.fail(f"ray start --head failed:\n{exc.stdout}\n{exc.stderr}")
     finally:
@@ -139,13 +124,13 @@ def wait_for_job_line(head, submission_id: str, pattern: str, after: int = -1) -
         time.sleep(0.5)
 
 
-def submit(head, run_id: str, steps: int, storage: Path) -> str:
+def submit(head, run_id: str, steps: int, storage: Path, entrypoint: list[str] = ENTRYPOINT) -> str:
     """The README's `ray job submit` command (fewer steps, a smaller batch), without waiting."""
     submission_id = f"zocheck-{run_id}"
     submitted = ray_cli(
         head, "job", "submit", "--address", head["dashboard"], "--submission-id", submission_id, "--no-wait",
         "--working-dir", ".", "--runtime-env", "deploy/runtime_env.yaml",
-        "--", *ENTRYPOINT, "train", "--config", "deploy/examples/sst2-opt.yaml",
+        "--", *entrypoint, "train", "--config", "deploy/examples/sst2-opt.yaml",
         "--steps", str(steps), "--storage", str(storage), "--set", f"run_id={run_id}", *JOB_ARGS,
     )
     assert submitted.returncode == 0, submitted.stderr
@@ -188,8 +173,6 @@ def test_a_submitted_job_reports_status_while_it_runs_and_ray_job_stop_leaves_it
     assert wait_until_ended(head, job) == "STOPPED"
     logs = job_logs(head, job)
     assert re.search(r"step\s+\d+\s+loss", logs), logs  # its progress lines reached the job's logs
-    if head["python3_lacks_torch"]:  # the entrypoint's python3 handed over to the Python Ray runs with
-        assert "running under this Ray node's Python" in logs, logs
     # the SIGTERM stopped it at a step boundary with its state durable, where --storage said
     said = re.search(r"stopped by SIGTERM at step (\d+): its state is durable in (\S+); the run's lease is released",
                      logs)
@@ -203,3 +186,17 @@ def test_status_of_an_unknown_run_is_a_clear_error(head):
     out = zocheck_ray_cli(head, "status", "no-such-run", "--address", head["gcs"])
     assert out.returncode == 2
     assert "no running shadow for run 'no-such-run'" in out.stderr
+
+
+def test_an_entrypoint_whose_python_lacks_the_dependencies_fails_with_one_line_that_says_what_to_do(head, tmp_path):
+    import venv
+
+    venv.create(tmp_path / "bare", with_pip=False)  # the standard library only, as a system `python3` may be
+    bare = str(tmp_path / "bare" / "bin" / "python")
+    job = submit(head, f"bare-{uuid.uuid4().hex[:6]}", 10, tmp_path / "runs", entrypoint=[bare, "-m", "zocheck_ray"])
+    assert wait_until_ended(head, job) == "FAILED"
+    logs = job_logs(head, job)
+    assert "Traceback" not in logs, logs
+    (line,) = [line for line in logs.splitlines() if line.startswith("zocheck-ray: ")]
+    assert line.startswith(f"zocheck-ray: {bare} lacks 'torch'")
+    assert "start the cluster from the activated environment" in line

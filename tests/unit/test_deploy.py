@@ -51,8 +51,8 @@ def quantity(text) -> float:
 
 
 ENTRYPOINT = ["python3", "-m", "zocheck_ray"]
-"""How the deploy files start the command line: unlike the `zocheck-ray` script, it works whichever
-way Ray was started (a `python3` without the dependencies hands over to Ray's own Python)."""
+"""How the deploy files start the command line: the `python3` of the environment the cluster runs Ray from
+(one without the dependencies says in one line what to do)."""
 
 
 def command_args(argv: list[str]) -> list[str]:

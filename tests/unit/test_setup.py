@@ -8,6 +8,7 @@ tests check the environment they run in (CI runs them in a fresh clone's `.venv`
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
 import os
 import re
 import shutil
@@ -96,20 +97,22 @@ def test_zocheck_ray_bench_outside_a_checkout_says_where_the_benchmarks_are(monk
     assert "not installed with the package" in error and "python -m benchmarks" in error
 
 
-def test_python_m_zocheck_ray_under_a_python_without_the_dependencies_says_which_python_to_use(tmp_path):
-    # outside Ray there is no node's Python to hand over to: the error says what to run instead
+def test_python_m_zocheck_ray_under_a_python_without_the_dependencies_says_what_to_do_in_one_line(tmp_path):
+    # a `ray job submit` entrypoint's `python3` where the cluster was started outside the environment
     import venv
 
     venv.create(tmp_path / "bare", with_pip=False)  # a Python with the standard library only
     base = str(tmp_path / "bare" / "bin" / "python")
     lacks = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"
     assert subprocess.run([base, "-c", lacks], capture_output=True, timeout=60).returncode == 0
-    out = subprocess.run([base, "-m", "zocheck_ray", "status", "x"], cwd=REPO, capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin"}, timeout=60)
-    assert out.returncode != 0
-    assert "ModuleNotFoundError" in out.stderr
-    assert f"zocheck-ray's dependencies are not installed for {base}" in out.stderr
-    assert "-m zocheck_ray" in out.stderr
+    out = subprocess.run([base, "-m", "zocheck_ray", "train", "--steps", "3"], cwd=REPO, capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin"}, timeout=60)
+    assert out.returncode == 1 and out.stdout == ""
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"zocheck-ray: {base} lacks 'torch', one of zocheck-ray's dependencies: ")
+    for remedy in ("/path/to/.venv/bin/python -m zocheck_ray", "start the cluster from the activated environment",
+                   "name that environment's Python in the entrypoint", 'runtime environment whose "pip" installs'):
+        assert remedy in line
 
 
 @pytest.mark.parametrize("arguments", [["--help"], ["train", "--set", "steps=-3"]])
@@ -245,40 +248,43 @@ def test_compile_kernels_gives_its_processes_equal_shares_and_the_generator_firs
     assert generator[0] == "perturbation"
 
 
-def test_a_copy_of_the_package_elsewhere_loads_the_kernels_compiled_for_the_same_sources(tmp_path, compiled):
-    # `ray job submit --working-dir .` unpacks the sources to a new directory for every upload: its processes
-    # find the kernels compiled from the same file content anywhere on the machine, not only beside it
-    from zocheck_ray.core import kernel_cache
-
-    upload = tmp_path / "working_dir_files" / "_ray_pkg_0123"
-    shutil.copytree(REPO / "zocheck_ray", upload / "zocheck_ray", ignore=shutil.ignore_patterns("__pycache__"))
-    env = {**os.environ, "PYTHONPATH": str(upload)}
-    path, kernels, hits, misses = load_every_kernel(cwd=upload, env=env)
-    assert path == str(upload / "zocheck_ray" / "core" / "fused.py")  # the copy ran, not the checkout
-    assert hits == kernels and misses == 0
-    assert not list((upload / "zocheck_ray").rglob("*.nb[ic]"))  # nothing compiled beside the copy
-    digest = kernel_cache.source_digest(str(upload / "zocheck_ray" / "core" / "fused.py"))
-    assert any(p.name.endswith(".nbc") for p in (Path(kernel_cache.cache_root()) / f"fused-{digest[:16]}").iterdir())
+_LOAD_THE_GENERATOR = """
+from zocheck_ray.core import fused
+fused.load_kernels(["perturbation"])
+stats = fused._perturbation_kernel.stats
+print(sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))
+"""
 
 
-@pytest.mark.parametrize("where", ["ZOCHECK_KERNEL_CACHE", "unwritable", "NUMBA_CACHE_DIR"])
-def test_where_the_kernels_are_cached(tmp_path, where):
-    (tmp_path / "a-file").write_text("")
-    env = {k: v for k, v in os.environ.items() if k not in ("ZOCHECK_KERNEL_CACHE", "NUMBA_CACHE_DIR")}
-    env["ZOCHECK_KERNEL_CACHE"] = str(tmp_path / ("a-file/kernels" if where == "unwritable" else "kernels"))
-    if where == "NUMBA_CACHE_DIR":
-        env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
-    code = "from zocheck_ray.core import fused; print(fused._kernel_f32._cache.cache_path, fused.__file__)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+@pytest.mark.slow  # one kernel compiled (the smallest)
+def test_a_process_caches_the_kernels_in_numba_cache_dir_and_the_next_only_loads_them(tmp_path):
+    # numba's documented setting, which every process of a run gets: the first compiles into it, the next loads
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    hits_and_misses = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _LOAD_THE_GENERATOR], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr
+        hits_and_misses.append(tuple(int(n) for n in done.stdout.split()))
+    assert hits_and_misses == [(0, 1), (1, 0)]  # compiled once, then loaded
+    assert list((tmp_path / "numba").rglob("*.nbi")) and list((tmp_path / "numba").rglob("*.nbc"))
+
+
+@pytest.mark.parametrize("chosen", [False, True])
+def test_numba_caches_in_the_packages_directory_unless_the_user_chose_one(tmp_path, chosen):
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    if chosen:
+        env["NUMBA_CACHE_DIR"] = str(tmp_path / "mine")
+    code = ("import json, zocheck_ray, numba; from zocheck_ray.core.kernel_cache import cache_env; "
+            "print(json.dumps([numba.config.CACHE_DIR, cache_env()]))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    cache, source = done.stdout.split()
-    cache, source = Path(cache), Path(source)
-    if where == "ZOCHECK_KERNEL_CACHE":  # the user's choice, one directory per content of fused.py
-        assert cache.parent == tmp_path / "kernels" and cache.name.startswith("fused-")
-    elif where == "unwritable":  # numba's own, beside the source
-        assert cache == source.parent / "__pycache__"
-    else:  # numba's setting wins
-        assert cache.is_relative_to(tmp_path / "numba")
+    cache_dir, actor_env = json.loads(done.stdout)
+    if chosen:  # the user's, handed to the actors (a worker's environment is its node's)
+        assert cache_dir == str(tmp_path / "mine") and actor_env == {"NUMBA_CACHE_DIR": cache_dir}
+    else:  # the package's, which each worker sets for itself
+        assert cache_dir == str(tmp_path / "xdg" / "zocheck-ray" / "numba") and actor_env == {}
 
 
 LEAVES_A_PROCESS = """

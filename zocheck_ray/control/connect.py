@@ -3,8 +3,12 @@
 `connect_ray` joins the cluster it is told of (`--address`, `RAY_ADDRESS`, the one `ray
 start` runs on this machine) or starts a local instance, and says which in one line; a
 local instance is recorded with the run's id so `status RUN` finds it. A cluster that
-cannot be reached, or refuses this process's token, is named in one line before Ray
-prints anything.
+cannot be reached, or refuses this process, is named in one line.
+
+Only what Ray documents is used: `ray.init`'s address rules, its errors, and the token
+variables (RAY_AUTH_MODE, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token). Ray reads
+RAY_AUTH_MODE when it is imported, so `use_token_at_hand` runs before `import ray`, and this
+module imports Ray only in `connect_ray`.
 """
 
 from __future__ import annotations
@@ -12,13 +16,14 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import socket
 import tempfile
 from pathlib import Path
 from typing import Callable
 
-import ray
-
 from zocheck_ray.actors.names import NAMESPACE
+
+RAY_START_WHY = "the cluster `ray start` runs on this machine"
 
 
 class RayConnectionError(ConnectionError):
@@ -26,32 +31,52 @@ class RayConnectionError(ConnectionError):
     which address and what to do."""
 
 
-def cluster_to_join(address: str | None) -> tuple[str | None, str]:
-    """(the GCS address `ray.init(address)` connects to, why that one), or (None, "") when it starts a
-    local instance: `address` itself, `RAY_ADDRESS`, or the cluster `ray start` runs on this machine."""
-    from ray._private.services import canonicalize_bootstrap_address
+def _ray_start_address() -> str | None:
+    """The GCS address the latest `ray start` on this machine recorded, where `ray.init` documents it looks:
+    /tmp/ray/ray_current_cluster, with RAY_TMPDIR (else TMPDIR) for /tmp where set, as Ray places it."""
+    temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    try:
+        return Path(temp, "ray", "ray_current_cluster").read_text().strip() or None
+    except OSError:
+        return None
 
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of HOST:PORT or ray://HOST:PORT; None for anything else (a dashboard's http:// URL)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    host = host.strip("[]")  # an IPv6 host
+    return (host, int(port)) if host and "/" not in host and port.isdigit() else None
+
+
+def cluster_to_join(address: str | None) -> tuple[str | None, str]:
+    """(the address `ray.init(address)` connects to, why that one), or (None, "") when it starts a local
+    instance, by `ray.init`'s documented rules: "local" starts one; any other `address` but None and "auto"
+    is used as it is; else RAY_ADDRESS, else the cluster `ray start` runs on this machine, else a local
+    instance for None and `RayConnectionError` for "auto"."""
     if address == "local":
         return None, ""
     if address not in (None, "auto"):
-        return address, "--address"
-    try:
-        joined = canonicalize_bootstrap_address(address)
-    except ConnectionError:  # "auto" and no cluster
+        joined, why = address, "--address"
+    elif os.environ.get("RAY_ADDRESS") not in (None, "", "auto"):
+        joined, why = os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+        if joined == "local":
+            return None, ""
+    elif (joined := _ray_start_address()) is not None:
+        why = RAY_START_WHY
+    elif address == "auto":
         raise RayConnectionError("no Ray cluster found on this machine (RAY_ADDRESS is not set and no `ray start` "
-                                 "cluster runs): pass --address HOST:PORT") from None
-    except ValueError:
-        raise RayConnectionError(f"RAY_ADDRESS={os.environ.get('RAY_ADDRESS')!r} is not the address of a Ray "
-                                 "cluster's GCS (HOST:PORT, the `ray start --port`)") from None
-    if joined is None:
+                                 "cluster runs): pass --address HOST:PORT")
+    else:
         return None, ""
-    return joined, ("RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "the cluster `ray start` runs on this "
-                                                                          "machine")
+    if _host_port(joined) is None:
+        raise RayConnectionError(f"{joined!r} ({why}) is not the address of a Ray cluster's GCS (HOST:PORT, the "
+                                 "`ray start --port`, or ray://HOST:PORT for Ray Client)")
+    return joined, why
 
 
 def _auth_token() -> tuple[str | None, str]:
-    """The token Ray would present, and where it comes from (Ray's order: the variable, the file it names,
-    ~/.ray/auth_token)."""
+    """The token Ray would present, and where it comes from (Ray's documented order: the variable, the file
+    it names, ~/.ray/auth_token)."""
     if os.environ.get("RAY_AUTH_TOKEN"):
         return os.environ["RAY_AUTH_TOKEN"].strip(), "RAY_AUTH_TOKEN"
     for path, source in ((os.environ.get("RAY_AUTH_TOKEN_PATH"), "RAY_AUTH_TOKEN_PATH"),
@@ -62,52 +87,58 @@ def _auth_token() -> tuple[str | None, str]:
     return None, ""
 
 
-def check_cluster(address: str, timeout: float = 10.0) -> None:
-    """Ask the GCS at `address` (HOST:PORT) for its cluster id, as `ray.init` would first: one quick call
-    instead of Ray's retries, each a warning, before a traceback. Raises `RayConnectionError` saying what
-    is missing: nothing answers, the cluster wants a token and none is at hand, or it refuses the one at
-    hand. When it takes this process's token, Ray is told to present it (RAY_AUTH_MODE=token, if unset)."""
-    import grpc
-    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+def use_token_at_hand(address: str | None) -> None:
+    """Set RAY_AUTH_MODE=token where `address` leads to a cluster to join, a token is at hand and the mode
+    is unset: Ray presents its token only in that mode, as it sets it itself only for a cluster it finds
+    without an address. Ray reads the mode when it is imported: call this before `import ray`.
 
-    def ask(token: str | None):
-        with grpc.insecure_channel(address) as channel:
-            stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
-            try:
-                stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout,
-                                  metadata=[("authorization", f"Bearer {token}")] if token else None)
-            except grpc.RpcError as exc:
-                return exc.code()
-        return grpc.StatusCode.OK
+    A cluster without token authentication accepts a process that presents one."""
+    try:
+        joined, _ = cluster_to_join(address)
+    except RayConnectionError:
+        return  # `connect_ray` says so
+    if joined is not None and not joined.startswith("ray://") and "RAY_AUTH_MODE" not in os.environ:
+        if _auth_token()[0] is not None:
+            os.environ["RAY_AUTH_MODE"] = "token"
 
-    answer = ask(None)
-    if answer == grpc.StatusCode.OK:
-        return
-    if answer != grpc.StatusCode.UNAUTHENTICATED:
-        raise RayConnectionError(f"no Ray cluster answers at {address} ({answer.name.lower()}): is it running, and is "
-                                 "that its GCS address (the `ray start --port`, 6379 by default)?")
-    token, source = _auth_token()
-    if token is None:
-        raise RayConnectionError(f"the Ray cluster at {address} uses token authentication and no token was found: "
+
+def check_reachable(address: str, why: str, timeout: float = 5.0) -> None:
+    """Raise `RayConnectionError` unless something accepts a TCP connection at `address` within `timeout`
+    seconds: Ray itself retries an address where nothing answers for many seconds, a warning each time."""
+    host, port = _host_port(address)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc)).lower()
+        raise RayConnectionError(f"no Ray cluster answers at {address} ({why}: {reason}): is it running, and is "
+                                 "that its GCS address (the `ray start --port`, 6379 by default)?") from None
+
+
+def _check_token(address: str) -> None:
+    """Raise `RayConnectionError` where RAY_AUTH_MODE=token and no token is at hand (Ray's
+    `AuthenticationError`, said here before Ray logs its first line)."""
+    if os.environ.get("RAY_AUTH_MODE") == "token" and _auth_token()[0] is None:
+        raise RayConnectionError(f"RAY_AUTH_MODE=token but no token was found for the Ray cluster at {address}: "
                                  "set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to its token (`ray get-auth-token` "
                                  "on its head prints it)")
-    if ask(token) != grpc.StatusCode.OK:
-        raise RayConnectionError(f"the Ray cluster at {address} refuses the token from {source}: set RAY_AUTH_TOKEN "
-                                 "to its token (`ray get-auth-token` on its head prints it)")
-    _send_token(address, source)
 
 
-def _send_token(address: str, source: str) -> None:
-    """Have Ray present this process's token (RAY_AUTH_MODE=token, if unset), or say what keeps it from it."""
+def _refused(address: str) -> RayConnectionError:
+    """What to do about a cluster that answers at `address` but did not let this process connect: with
+    token authentication (Ray reports it only as a failed connection), its token or the mode is missing."""
+    token, source = _auth_token()
     mode = os.environ.get("RAY_AUTH_MODE")
-    if mode is None:  # as Ray does when it turns token authentication on for a local instance
-        from ray._raylet import Config
-
-        os.environ["RAY_AUTH_MODE"] = mode = "token"
-        Config.initialize("")
-    if mode != "token":
-        raise RayConnectionError(f"the Ray cluster at {address} uses token authentication, but RAY_AUTH_MODE={mode} "
-                                 f"keeps Ray from sending the token from {source}: set RAY_AUTH_MODE=token")
+    get_token = "(`ray get-auth-token` on its head prints it)"
+    if token is None:
+        fix = f"this process has no token: if it uses token authentication, set RAY_AUTH_TOKEN to its token {get_token}"
+    elif mode == "token":
+        fix = f"it refuses the token from {source}: set RAY_AUTH_TOKEN to its token {get_token}"
+    elif mode is not None:
+        fix = f"RAY_AUTH_MODE={mode} keeps Ray from sending the token from {source}: set RAY_AUTH_MODE=token"
+    else:  # Ray was imported before `use_token_at_hand` could set the mode
+        fix = (f"RAY_AUTH_MODE is unset, so Ray did not send the token from {source}: set RAY_AUTH_MODE=token in "
+               "the environment")
+    return RayConnectionError(f"the Ray cluster at {address} did not let this process connect; {fix}")
 
 
 def _local_runs_dir() -> Path:
@@ -137,21 +168,30 @@ def recorded_address(run_id: str) -> str | None:
 
 def connect_ray(address: str | None = None, say: Callable[[str], None] | None = None, run_id: str | None = None,
                 **kwargs) -> str | None:
-    """`ray.init` in our namespace, worker logs kept out of the driver's output, and Ray's token-
-    authentication warning (printed on every local start) replaced by one line of ours, which says
-    what was joined and why, or the address of the local instance started (`say`).
+    """`ray.init` in our namespace, worker logs kept out of the driver's output, and one line (`say`) that
+    says what was joined and why, or the address of the local instance started.
 
     Returns the address of the cluster joined, or None when a local instance was started for this
     process (`address` None and no cluster to join, or "local"); `zocheck-ray status` then finds run
-    `run_id` there (`record_local_instance`). Raises `RayConnectionError`, before `ray.init`, when the
-    cluster to join cannot be reached or refuses this process."""
-    import logging
+    `run_id` there (`record_local_instance`). Raises `RayConnectionError` when the cluster to join
+    cannot be found or reached (before `ray.init`) or does not let this process connect."""
+    import ray
 
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     joined, why = cluster_to_join(address)
-    if joined is not None and not joined.startswith("ray://"):
-        check_cluster(joined)
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **kwargs)
+    if joined is not None:
+        check_reachable(joined, why)
+        if not joined.startswith("ray://"):
+            _check_token(joined)
+    # None and "auto" go to `ray.init` as given: it then presents a token at hand, as it does for a cluster it finds
+    init_address = "local" if joined is None else address if address in (None, "auto") else joined
+    refusals = (ConnectionError, *(() if (auth := getattr(ray.exceptions, "AuthenticationError", None)) is None
+                                   else (auth,)))  # Ray 2.52 and later
+    try:
+        ray.init(address=init_address, namespace=NAMESPACE, log_to_driver=False, **kwargs)
+    except refusals:
+        if joined is None:
+            raise
+        raise _refused(joined) from None
     gcs = ray.get_runtime_context().gcs_address
     if joined is None and run_id is not None:
         record_local_instance(run_id, gcs)

@@ -25,9 +25,8 @@ numpy's error model (IEEE division), which is what makes the bits match torch.
 
 The kernel and everything it inlines stay in this one module: numba's on-disk cache
 is invalidated only when the file of the cached function changes, so a helper moved
-to another module could be edited without the cached kernel noticing. That cache is
-keyed by this file's content, not its path (`kernel_cache.py`), so every copy of the
-package on a machine shares the compiled kernels.
+to another module could be edited without the cached kernel noticing. Where that cache
+lies: `kernel_cache.py`.
 """
 
 from __future__ import annotations
@@ -48,14 +47,11 @@ from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import StateMismatchError
 from zocheck_ray.core import generator as G
 from zocheck_ray.core.generator import PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0, PHILOX_W1, STREAM
-from zocheck_ray.core import kernel_cache
 from zocheck_ray.core.cpus import process_cpus
 from zocheck_ray.core.layout import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MOMENTUM_PREFIX, Layout, moment_prefixes
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.seeds import MASK32, check_seed, perturbation_seeds
 from zocheck_ray.core.validation import check_replay
-
-kernel_cache.install()  # before the kernels below: their compiled code is shared by every copy of this file
 
 CHUNK_ELEMENTS = 8192
 """Elements per work item: parameters, z and words of a chunk stay in L2 across a batch."""
