@@ -27,11 +27,12 @@ from zocheck_ray.testing import run_with_faults
 
 
 def wait_new_incarnation(actor, old_pid: int | None, timeout: float = 300.0) -> dict:
-    from zocheck_ray.actors.ray_actors import call_when_alive, wait_until_alive
+    """The `recovery` dict of `actor`'s process once it is not the one of `old_pid`: asked until Ray's restart
+    of it answers (a call to the process that died fails, one during the restart raises ActorUnavailableError)."""
+    from zocheck_ray.actors.ray_actors import call_when_alive
 
     deadline = time.monotonic() + timeout
     while True:
-        wait_until_alive(actor, timeout)  # as the controller does: a call sent during the restart waits on Ray's timer
         try:
             info = call_when_alive(lambda: actor.recovery.remote(), timeout=timeout)
         except ray.exceptions.RayActorError:  # the old process is still going down

@@ -16,14 +16,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Callable
 
 import ray
 import torch
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayError
 
 from zocheck_ray.actors.image import ImageGoneError, ImageLayout, WindowPlan, handle_layout, open_image, transfer
 from zocheck_ray.actors.messages import AdapterIdentity, PushReply, RecoveryOffer
-from zocheck_ray.actors.names import NAMESPACE, actor_entry, actor_state, shadow_name
+from zocheck_ray.actors.names import NAMESPACE, actor_status, shadow_name
 from zocheck_ray.actors.shadow_process import ShadowActor, shadow_writer  # noqa: F401  (see there)
 from zocheck_ray.core import StepRecord
 from zocheck_ray.core.record import decode_records
@@ -36,9 +37,8 @@ POLL_FIRST_SECONDS, POLL_MOST_SECONDS = 0.005, 0.05
 
 def pauses(first: float = POLL_FIRST_SECONDS, most: float = POLL_MOST_SECONDS):
     """The pauses between polls of a state that is to come: `first` at first (a state that comes at once is
-    seen at once), each half as long again as the last, up to `most`. A look at the GCS's actor table costs
-    about 2 ms of CPU (this process's and the GCS's): a restart that takes 10 s on a loaded node costs 0.4 s
-    of CPU polled this way, against 2 s polled every 10 ms, taken from the processes it waits for."""
+    seen at once), each half as long again as the last, up to `most`: a long wait asks seldom, so that the
+    polling takes little CPU from the processes it waits for."""
     pause = first
     while True:
         yield pause
@@ -58,50 +58,65 @@ def call_when_alive(submit, timeout: float = 300.0):
             time.sleep(next(waits))
 
 
-def died_since(actor, restarts: int | None) -> bool:
-    """Whether the GCS says `actor`'s process died since it had `restarts` restarts: it is restarting or dead,
-    or (a restart can be quicker than a caller's poll) it was restarted already. False where the table
-    cannot be read."""
-    entry = actor_entry(actor)
-    return entry.get("State") in ("RESTARTING", "DEAD") or (
-        restarts is not None and entry.get("NumRestarts", restarts) > restarts)
+def died_since(name: str, restarts: int | None) -> bool:
+    """Whether Ray's state API says the actor named `name` died since it had `restarts` restarts: it is
+    restarting or dead, or (a restart can be quicker than a caller's poll) it was restarted already. False
+    where the state API cannot say: the call to the actor then fails in its time."""
+    status = actor_status(name)
+    return status is not None and (status.state in ("RESTARTING", "DEAD") or (
+        restarts is not None and status.restarts > restarts))
 
 
-def wait_until_restarted(actor, restarts: int | None, timeout: float = 300.0) -> None:
-    """Return once the GCS reports `actor` alive after more than `restarts` restarts (or dead, or after
-    `timeout`): a call then reaches the new process at once. With `restarts` unknown, or the table
-    unreadable, as `wait_until_alive`."""
+def wait_until_restarted(name: str, restarts: int | None, timeout: float = 300.0) -> None:
+    """Return once the state API reports the actor named `name` alive after more than `restarts` restarts (or
+    dead, or after `timeout`): a call then reaches the new process at once, where one sent during the restart
+    waits on Ray's retry timer. With `restarts` unknown, as `wait_until_alive`; at once where the state API
+    cannot say (callers then call until the new process answers)."""
     if restarts is None:
-        return wait_until_alive(actor, timeout)
+        return wait_until_alive(name, timeout)
     deadline, waits = time.monotonic() + timeout, pauses()
     while time.monotonic() < deadline:
-        entry = actor_entry(actor)
-        if not entry or entry.get("State") == "DEAD" or (
-                entry.get("State") == "ALIVE" and entry.get("NumRestarts", 0) > restarts):
+        status = actor_status(name)
+        if status is None or status.state == "DEAD" or (status.state == "ALIVE" and status.restarts > restarts):
             return
         time.sleep(next(waits))
 
 
-def wait_until_alive(actor, timeout: float = 300.0) -> None:
-    """Return once the GCS reports `actor` alive (or dead, or after `timeout`; at once where the GCS's
-    table cannot be read: callers then call until the actor answers)."""
+def wait_until_alive(name: str, timeout: float = 300.0) -> None:
+    """Return once the state API reports the actor named `name` alive (or dead, or after `timeout`; at once
+    where it cannot say: callers then call until the actor answers)."""
     deadline, waits = time.monotonic() + timeout, pauses()
     while time.monotonic() < deadline:
-        if actor_state(actor) in ("ALIVE", "DEAD", None):
+        status = actor_status(name)
+        if status is None or status.state in ("ALIVE", "DEAD"):
             return
         time.sleep(next(waits))
 
 
-def wait_until_dead(actor, timeout: float = 60.0) -> bool:
-    """Whether the GCS reports `actor` dead within `timeout` (after `ray.kill`: its process is gone); False at
-    once where the GCS's table cannot be read."""
-    deadline, waits = time.monotonic() + timeout, pauses()
-    while time.monotonic() < deadline:
-        state = actor_state(actor)
-        if state in ("DEAD", None):
-            return state == "DEAD"
-        time.sleep(next(waits))
-    return False
+def wait_until_dead(probes: list[Callable[[], ray.ObjectRef]], timeout: float = 60.0) -> bool:
+    """Whether every actor that `probes` call (each a cheap method of one actor) is dead within `timeout`, as
+    a call to a killed actor says it: it raises `ActorDiedError`. A call that still returns is sent again."""
+    deadline, waits, alive = time.monotonic() + timeout, pauses(), list(probes)
+    while alive:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        sent = {probe(): probe for probe in alive}
+        done, _ = ray.wait(list(sent), num_returns=len(sent), timeout=left)
+        if len(done) < len(sent):
+            return False
+        alive = []
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ActorDiedError:
+                continue
+            except RayError:  # restarting, or the method failed: it is not dead yet
+                pass
+            alive.append(sent[ref])
+        if alive:
+            time.sleep(next(waits))
+    return True
 
 
 class RayShadowLink:

@@ -3,9 +3,10 @@
 A single trainer is a group of one; data parallel is a group of k ranks whose gloo process
 group the group forms. The group owns its actors and knows three things:
 
-- `run(target)`: every rank trains to `target`; a rank that dies (seen in the GCS's actor
-  table at once, not after Ray's wait for the death's details), or a gather that breaks,
-  comes back as a `Failure` (the step boundary every rank had reached);
+- `run(target)`: every rank trains to `target`; a rank that dies (seen in Ray's state API at
+  once, not after Ray's wait for the death's details; where the cluster has no state API, when
+  its call fails), or a gather that breaks, comes back as a `Failure` (the step boundary every
+  rank had reached);
 - `recover(failure)`: the survivors hand the shadow the records it lacks; each lost rank is
   replaced, by the warm standby when there is one (promoted at once: the failed call already
   said the process is gone, nothing waits on Ray's death timer) or else by Ray's restart of
@@ -26,7 +27,7 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from zocheck_ray.actors.messages import RecoveryInfo, TrainerProgress, TrainerTimes
-from zocheck_ray.actors.names import actor_entry, actor_state
+from zocheck_ray.actors.names import actor_states, actor_status, trainer_name
 from zocheck_ray.actors.ray_actors import call_when_alive, died_since, wait_until_restarted
 from zocheck_ray.actors.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig
@@ -36,7 +37,12 @@ logger = logging.getLogger(__name__)
 
 
 DEATH_POLL_SECONDS = 0.1
-"""How often a segment's wait asks the GCS whether a rank's process died (one small query per rank)."""
+"""How often a segment's wait asks Ray's state API whether a rank's process died (one query per rank)."""
+READINESS_WAIT_SECONDS = 0.05
+"""How long `prepare_standby` waits for the standby's report (an idle process answers at once; one that is
+starting answers at a later call)."""
+PROBE_SECONDS = 5.0
+"""How long `lost_ranks` waits for the ranks' answers where there is no state API (a busy rank is alive)."""
 
 
 @dataclass
@@ -88,23 +94,28 @@ class TrainerGroup:
         self.k = job.trainers
         self.ranks = list(ranks)
         """The actor serving each rank (a promoted standby takes a lost rank's place)."""
+        self.names = [trainer_name(job.run_id, r) for r in range(self.k)]
+        """The name of the actor serving each rank (Ray's state API finds an actor by name)."""
+        self.standby_name = trainer_name(job.run_id, "standby")
         self.incarnations: list[str | None] = [None] * self.k
         self._start_standby = start_standby
         self.standby = None
         """The waiting process a lost rank is replaced by (None: no standby, or not started yet)."""
         self._preparing = None
         """The standby's `prepare` call in flight."""
-        self._prepared: tuple[str, int] | None = None
-        """(actor id, restarts) of the standby process last asked to prepare (asking one that built in its
-        constructor, as a standby created as such does, costs a call)."""
-        self._built: tuple[str, int] | None = None
-        """... and of the last one whose `prepare` succeeded."""
+        self._asking = None
+        """The standby's `readiness` call in flight (its process's own report: whether it has built)."""
+        self._standby_built = False
+        """Whether the standby's process said it has built its model, with no call to it lost since."""
+        self._prepare_failed = False
+        """The standby's `prepare` raised: it is not asked again."""
         self._following = None
         """The standby's `follow` call in flight (it copies each new image of the shadow's in while it waits)."""
         self.durable_next: int | None = None
         """Every record before this step is durable (the holding ranks drop them)."""
         self._restarts: dict[str, int] = {}
-        """Each actor's restarts as the GCS last reported them: a lost one is back once they grow."""
+        """Each actor's restarts, by name, as Ray's state API last reported them: a lost one is back once they
+        grow."""
         self.times = StepTimes([0.0] * self.k, [0] * self.k)
 
     @property
@@ -114,6 +125,10 @@ class TrainerGroup:
 
     def all_actors(self) -> list:
         return [*self.ranks, *([self.standby] if self.standby is not None else [])]
+
+    def all_names(self) -> list[str]:
+        """The names of `all_actors`, in the same order."""
+        return [*self.names, *([self.standby_name] if self.standby is not None else [])]
 
     # ------------------------------------------------------------------ starting
 
@@ -129,8 +144,8 @@ class TrainerGroup:
         return infos[0]
 
     def _note_restarts(self) -> None:
-        self._restarts = {actor._actor_id.hex(): entry.get("NumRestarts", 0)
-                          for actor in self.all_actors() if (entry := actor_entry(actor))}
+        self._restarts = {name: status.restarts for name in self.all_names()
+                          if (status := actor_status(name)) is not None}
 
     def start_standby(self) -> None:
         """Start the warm standby (once the run is steady); it builds its skeleton while training goes on.
@@ -146,35 +161,53 @@ class TrainerGroup:
 
     def prepare_standby(self) -> bool:
         """Ask the standby's process to build its model where it waits to (a process Ray restarted: the one lost
-        before a promotion, or a standby that died; see `trainer_process.py`), once per process and once it is
-        up; True once the process asked has built it."""
+        before a promotion, or a standby that died; see `trainer_process.py`); True once the process that
+        answers has built it. Which process answers, and whether it has built, is its own report (`readiness`,
+        which a process Ray restarts answers once it is up), so a restart needs no one to see it happen."""
         if self.standby is None:
             return False
         if self._preparing is not None:
-            outcome = _outcome(self._preparing, "could not build its model")  # failed: not asked again
+            outcome = _outcome(self._preparing, "could not build its model")
             if outcome == "pending":
                 return False  # still building
             self._preparing = None
-            if outcome == "done":
-                self._built = self._prepared
-            elif outcome == "lost":  # its process was lost meanwhile: the one Ray restarts is asked in turn
-                self._prepared = None
-        entry = actor_entry(self.standby)
-        if entry.get("State") != "ALIVE":
+            self._prepare_failed = outcome == "failed"  # not asked again
+        if self._prepare_failed:
             return False
-        incarnation = (self.standby._actor_id.hex(), entry.get("NumRestarts", 0))
-        if incarnation != self._prepared:
-            self._preparing, self._prepared = self.standby.prepare.remote(), incarnation
+        if self._asking is None:
+            self._asking = self.standby.readiness.remote()
+        if not ray.wait([self._asking], timeout=READINESS_WAIT_SECONDS)[0]:
+            return False  # still starting (or busy): read at the next call
+        asked, self._asking = self._asking, None
+        try:
+            self._standby_built = ray.get(asked) is not None
+        except RayActorError:  # lost for good: promoting it would fail
+            self._standby_built = False
             return False
-        return incarnation == self._built
+        if not self._standby_built:
+            self._preparing = self.standby.prepare.remote()
+        return self._standby_built
+
+    def _standby_ready(self) -> bool:
+        """Whether a lost rank is best replaced by the standby: Ray's state API reports its process alive or,
+        without one, the process said it has built its model and no call to it was lost since."""
+        if self.standby is None:
+            return False
+        status = actor_status(self.standby_name)
+        if status is not None:
+            return status.state == "ALIVE"
+        return self._standby_built
 
     def _follow(self) -> None:
         """Ask the built standby to copy each new image of the shadow's in while it waits (one call in flight,
         asked again where it ended: its shadow restarted, or it failed; a CPU standby then only replays the
         records after the newest image when it is promoted, see `TrainerActor.follow`)."""
         if self._following is not None:  # lost or failed: a promotion copies the image as a restart does
-            if _outcome(self._following, "could not copy the shadow's images in advance") == "pending":
+            outcome = _outcome(self._following, "could not copy the shadow's images in advance")
+            if outcome == "pending":
                 return
+            if outcome == "lost":  # its process died: the one Ray restarts says whether it has built
+                self._standby_built = False
         self._following = self.standby.follow.remote()
 
     def form(self) -> None:
@@ -198,12 +231,13 @@ class TrainerGroup:
         return results, None
 
     def _gather(self, pending: dict[int, ray.ObjectRef]) -> tuple[dict[int, TrainerProgress], list[int]]:
-        """The ranks' results, and the ranks lost. A rank whose process died is lost as soon as the GCS says so
-        (tens of milliseconds): its call itself fails only after Ray's wait for the death's details (1 s and
-        more), which every software failure would otherwise add to its recovery."""
+        """The ranks' results, and the ranks lost. A rank whose process died is lost as soon as Ray's state API
+        says so: its call itself fails only after Ray's wait for the death's details, which every software
+        failure would otherwise add to its recovery (and does, where the cluster has no state API)."""
         results, lost = {}, []
+        poll = DEATH_POLL_SECONDS if actor_states() is not None else None
         while pending:
-            done, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=DEATH_POLL_SECONDS)
+            done, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=poll)
             for r, ref in list(pending.items()):
                 if ref in done:
                     del pending[r]
@@ -215,7 +249,7 @@ class TrainerGroup:
                         if not isinstance(exc.cause, RejoinRequiredError):
                             raise
                         lost.append(r)
-                elif died_since(self.ranks[r], self._restarts.get(self.ranks[r]._actor_id.hex())):
+                elif poll is not None and died_since(self.names[r], self._restarts.get(self.names[r])):
                     del pending[r]  # its call cannot succeed any more
                     lost.append(r)
         return results, sorted(lost)
@@ -261,14 +295,16 @@ class TrainerGroup:
 
     def _replace(self, r: int, step: int) -> tuple[object, str, RecoveryInfo | None]:
         """The process that takes lost rank `r`'s place: (actor, `standby` or `restart`, its set-up info)."""
-        lost = self.ranks[r]
-        if self.standby is not None and actor_state(self.standby) == "ALIVE":
+        lost, name = self.ranks[r], self.names[r]
+        if self._standby_ready():
             promoted, self.standby = self.standby, lost  # Ray restarts the lost process: the next standby
-            self._following = None
+            self.names[r], self.standby_name = self.standby_name, name
+            self._following = self._preparing = self._asking = None
+            self._standby_built = self._prepare_failed = False
             self.ranks[r] = promoted
             return promoted, "standby", None
         while True:  # Ray restarts the lost process (a new incarnation): it waits to be told where to restore
-            wait_until_restarted(lost, self._restarts.get(lost._actor_id.hex()))
+            wait_until_restarted(name, self._restarts.get(name))
             try:
                 info = call_when_alive(lambda: lost.recovery.remote())
             except RayActorError as exc:
@@ -277,12 +313,22 @@ class TrainerGroup:
                 return lost, "restart", info
             time.sleep(0.02)
 
-    def _answers(self, r: int) -> bool:
-        return actor_state(self.ranks[r]) == "ALIVE"
-
     def lost_ranks(self) -> tuple[int, ...]:
-        """The ranks whose process the GCS does not report alive now."""
-        return tuple(r for r in range(self.k) if not self._answers(r))
+        """The ranks whose process Ray's state API does not report alive now or, without one, whose call
+        fails as a lost actor's does (a rank too busy to answer within `PROBE_SECONDS` is alive)."""
+        if actor_states() is not None:
+            return tuple(r for r in range(self.k)
+                         if (status := actor_status(self.names[r])) is None or status.state != "ALIVE")
+        probes = [rank.pid.remote() for rank in self.ranks]
+        done, _ = ray.wait(probes, num_returns=len(probes), timeout=PROBE_SECONDS)
+        lost = []
+        for r, ref in enumerate(probes):
+            if ref in done:
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    lost.append(r)
+        return tuple(lost)
 
     # ------------------------------------------------------------------ the rest
 

@@ -55,7 +55,8 @@ def check_not_running_here(job: JobConfig, held: LeaseHeldError | None = None, c
     lease of this job's storage, held by this cluster's shadow of the run."""
     name = shadow_name(job.run_id)
     try:
-        holder = f"its shadow {name} is {describe_actor(ray.get_actor(name, namespace=NAMESPACE))}"
+        ray.get_actor(name, namespace=NAMESPACE)
+        holder = f"its shadow {name} is {describe_actor(name)}"
     except ValueError:  # no such actor: none, or dead
         holder = None
     if holder is None and creates_group:
