@@ -16,7 +16,7 @@ WARM_BYTECODE := $(PY) -c "import torch, numba, ray, peft, datasets, s3fs, moto,
 	from transformers import OPTForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM, BertForSequenceClassification, AutoTokenizer"
 
 $(STAMP): export PIP_COMPILE = false
-.PHONY: demo test test-quick check-slow-marks module-seconds bench venv clean reference
+.PHONY: demo test test-ray-oldest test-quick check-slow-marks module-seconds bench venv clean reference
 
 $(STAMP): pyproject.toml scripts/install_torch.sh scripts/install_package.sh scripts/installer.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,23 @@ test: $(STAMP)
 	$(PREPARE)
 	$(PYTEST) tests
 
+# The cluster subset (the tests marked `ray_range`: job submit, a software and a host recovery, a data-parallel
+# rank loss, a Tune trial, `status`) on the oldest Ray that pyproject.toml admits, in an environment of its own
+# (scripts/install_ray_oldest.sh: the same torch build, Ray at the range's lower bound). `make test` runs the newest.
+OLDEST_VENV := .venv-ray-oldest
+OLDEST_STAMP := $(OLDEST_VENV)/.installed
+
+$(OLDEST_STAMP): export PIP_COMPILE = false
+$(OLDEST_STAMP): pyproject.toml scripts/install_ray_oldest.sh scripts/install_torch.sh scripts/install_package.sh \
+		scripts/installer.sh
+	bash scripts/install_ray_oldest.sh $(PYTHON) $(OLDEST_VENV)
+	touch $(OLDEST_STAMP)
+
+test-ray-oldest: $(OLDEST_STAMP)
+	$(OLDEST_VENV)/bin/python -c "from zocheck_ray.core.fused import compile_kernels; compile_kernels()"
+	$(OLDEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
+		-m ray_range tests/integration
+
 # Each module's seconds in a whole run here, for the order above (tests/module_seconds.json).
 module-seconds: $(STAMP)
 	$(PREPARE)
@@ -89,4 +106,4 @@ reference: $(STAMP)
 	$(VENV)/bin/zocheck-ray config-reference --write docs/configuration.md
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(OLDEST_VENV) build *.egg-info

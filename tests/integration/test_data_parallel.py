@@ -76,6 +76,7 @@ def test_a_lost_rank_is_restarted_within_the_failure_budget():
     assert decision.action is Action.FAIL and "max_restarts" in decision.reason
 
 
+@pytest.mark.ray_range
 def test_two_ranks_lose_rank_0_and_equal_the_plain_loop(tmp_path):
     job = dp_job(tmp_path)
     seen = []  # what `zocheck-ray status` shows mid-run: every rank's step time and the all-gather's

@@ -146,6 +146,7 @@ def wait_until_ended(head, submission_id: str, ceiling: float = 300) -> str:
     return state
 
 
+@pytest.mark.ray_range
 def test_a_submitted_job_reports_status_while_it_runs_and_ray_job_stop_leaves_it_durable(head, tmp_path):
     from zocheck_ray.cli import main
 

@@ -39,6 +39,7 @@ def lose_trainer_node(c: Cluster, job: JobConfig, lost: list):
     return kill
 
 
+@pytest.mark.ray_range
 def test_node_loss_rebuilds_the_pair_from_durable_storage(cluster, s3_bucket):
     c, _ = cluster
     root, options = s3_bucket
