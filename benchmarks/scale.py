@@ -242,7 +242,8 @@ def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
 def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: tuple[int, ...] = (FAIL_AT,)) -> dict:
     import ray
 
-    from zocheck_ray.actors.names import actor_state
+    from zocheck_ray.actors.names import actor_status
+    from zocheck_ray.actors.ray_actors import call_when_alive
     from zocheck_ray.config import JobConfig
     from zocheck_ray.control import RunCallback
     from zocheck_ray.testing import run_with_faults
@@ -256,9 +257,10 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: t
     class Watch(RunCallback):
         def _pids(self, run) -> None:
             sampler.watch("shadow", ray.get(run.shadow.pid.remote()))
-            for actor in run.group.all_actors():
-                if actor_state(actor) == "ALIVE":
-                    sampler.watch("trainer", ray.get(actor.pid.remote()))
+            for actor, name in zip(run.group.all_actors(), run.group.all_names()):
+                status = actor_status(name)
+                if status is None or status.state == "ALIVE":  # no state API: the call answers once it is up
+                    sampler.watch("trainer", call_when_alive(lambda actor=actor: actor.pid.remote()))
 
         def on_start(self, run, started):
             self._pids(run)
@@ -266,8 +268,9 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: t
         def on_segment(self, run, segment):
             metrics.append(segment.metrics)
             if standby:  # the failure is to meet a standby that is up (its start is not what is measured)
-                while run.group.standby is None or actor_state(run.group.standby) != "ALIVE":
+                while run.group.standby is None:
                     time.sleep(0.05)
+                call_when_alive(lambda: run.group.standby.readiness.remote())
             self._pids(run)
 
         def on_recovery(self, run, recovery):

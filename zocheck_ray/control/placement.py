@@ -15,6 +15,7 @@ from zocheck_ray.actors.names import NAMESPACE, shadow_name, trainer_name
 from zocheck_ray.actors.ray_actors import ShadowActor
 from zocheck_ray.actors.trainer_process import TrainerActor
 from zocheck_ray.config import JobConfig, JobConfigError
+from zocheck_ray.core.kernel_cache import cache_env
 from zocheck_ray.policies import ProfileReport, ProfileSettings, profile_startup
 
 DRAIN_SECONDS = 300.0
@@ -112,6 +113,8 @@ class Placement:
         self._given = pg
         self._shadow_place, self._rank_places = places[0], places[1:]
         self._payload = job.model_dump(mode="json")
+        self._options = {"runtime_env": {"env_vars": env}} if (env := cache_env()) else {}
+        """The user's `NUMBA_CACHE_DIR`, handed to every actor (the default is each node's own)."""
 
     def _strategy(self, place: tuple[PlacementGroup, int]) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(place[0], placement_group_bundle_index=place[1])
@@ -125,11 +128,13 @@ class Placement:
             ray.get(group.ready(), timeout=120)
         job = self.job
         shadow = ShadowActor.options(
+            **self._options,
             name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=job.shadow_cpus,
             max_restarts=job.max_restarts, max_task_retries=-1, scheduling_strategy=self._strategy(self._shadow_place),
         ).remote(self._payload, self.hooks)
         share = STANDBY_GPU_SHARE if job.standby and self.gpus else 0
         trainers = [TrainerActor.options(
+            **self._options,
             name=trainer_name(job.run_id, rank), namespace=NAMESPACE, num_cpus=1,
             num_gpus=self.gpus - (share if rank == 0 else 0), max_restarts=job.max_restarts,
             scheduling_strategy=self._strategy(place),
@@ -147,6 +152,7 @@ class Placement:
         GPU where there is one (`STANDBY_GPU_SHARE`)."""
         job = self.job
         return TrainerActor.options(
+            **self._options,
             name=trainer_name(job.run_id, "standby"), namespace=NAMESPACE, num_cpus=0,
             num_gpus=STANDBY_GPU_SHARE if self.gpus else 0, max_restarts=job.max_restarts,
             scheduling_strategy=self._strategy(self._rank_places[0]),
