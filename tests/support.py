@@ -74,9 +74,11 @@ def multi_node_cluster(*node_cpus: int):
     from zocheck_ray.actors.names import NAMESPACE
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    # the driver joins before the other nodes exist: it is then the head's (a driver attaches to any node of
+    # its host before Ray 2.54, and a test must never remove the driver's own node)
+    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     nodes = [cluster.add_node(num_cpus=cpus) for cpus in node_cpus]
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     try:
         yield cluster, nodes
     finally:
