@@ -4,7 +4,7 @@
     trainer.run(1000)
     trainer.critical_path()["cumulative_seconds"]
 
-Every strategy runs the unmodified `actors.trainer.Trainer` (same model, data, seeds,
+Every strategy runs the unmodified `runtime.trainer.Trainer` (same model, data, seeds,
 `ZOOptimizer`, and the same publishing path: one `deque.append` per step, sent in
 batches by the trainer's publisher thread). What differs is where the records go and
 what happens every K steps:
@@ -49,10 +49,10 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from zocheck_ray.actors.heap import settling_heap
-from zocheck_ray.actors.messages import TrainerProgress
-from zocheck_ray.actors.publisher import PushReply, StateOffer, poll_answered
-from zocheck_ray.actors.trainer import Trainer
+from zocheck_ray.host.heap import settling_heap
+from zocheck_ray.runtime.messages import TrainerProgress
+from zocheck_ray.runtime.publisher import PushReply, StateOffer, poll_answered
+from zocheck_ray.runtime.trainer import Trainer
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import state_hash
 from zocheck_ray.core.record import decode_records
@@ -227,7 +227,7 @@ class ShadowActorLink:
 
     def __init__(self, job: JobConfig):
         from zocheck_ray.actors.names import NAMESPACE, shadow_name
-        from zocheck_ray.actors.ray_actors import RayShadowLink, ShadowActor
+        from zocheck_ray.actors.link import RayShadowLink, ShadowActor
 
         self.actor = ShadowActor.options(name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=1).remote(
             job.model_dump(mode="json"))
@@ -266,7 +266,7 @@ class StrategyTrainer:
         self.job, self.strategy = job, strategy
         started = time.perf_counter()
         if strategy.kind == "zocheck":
-            from zocheck_ray.actors.shadow import Shadow
+            from zocheck_ray.runtime.shadow import Shadow
 
             # With Ray connected, the shadow runs in its own process as in the product.
             self.link = ShadowActorLink(job) if ray.is_initialized() else InProcessShadowLink(Shadow(job, threads=1))

@@ -29,7 +29,7 @@ from zocheck_ray.testing import run_with_faults
 def wait_new_incarnation(actor, old_pid: int | None, timeout: float = 300.0) -> dict:
     """The `recovery` dict of `actor`'s process once it is not the one of `old_pid`: asked until Ray's restart
     of it answers (a call to the process that died fails, one during the restart raises ActorUnavailableError)."""
-    from zocheck_ray.actors.ray_actors import call_when_alive
+    from zocheck_ray.actors.link import call_when_alive
 
     deadline = time.monotonic() + timeout
     while True:

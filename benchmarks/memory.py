@@ -46,7 +46,7 @@ CHECKPOINT_EVERY = 7
 
 def peak_host_bytes() -> int:
     """This process's peak resident set, in bytes."""
-    from zocheck_ray.actors.shadow import process_memory
+    from zocheck_ray.runtime.shadow import process_memory
 
     return process_memory().get("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -79,7 +79,7 @@ def _strategy_child(spec: dict) -> dict:
 
     import torch
 
-    from zocheck_ray.actors.shadow import Shadow
+    from zocheck_ray.runtime.shadow import Shadow
     from benchmarks.baselines import stage
     from zocheck_ray.config import JobConfig
     from zocheck_ray.core import ZOOptimizer
@@ -156,7 +156,7 @@ def _shadow_child(spec: dict) -> list[dict]:
 
     import torch
 
-    from zocheck_ray.actors.shadow import Shadow
+    from zocheck_ray.runtime.shadow import Shadow
     from benchmarks.replay import make_records, make_state
     from zocheck_ray.config import JobConfig
     from zocheck_ray.core import ZOConfig

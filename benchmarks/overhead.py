@@ -63,7 +63,7 @@ from benchmarks.overhead_strategies import (
     measure_strategies, print_ratio, print_strategies, size_ratio,
 )
 from benchmarks.replay import make_state
-from zocheck_ray.actors.trainer import FLUSH_SECONDS
+from zocheck_ray.runtime.trainer import FLUSH_SECONDS
 from zocheck_ray.core import StepRecord, ZOConfig, ZOOptimizer
 from zocheck_ray.storage import SnapshotStore
 from zocheck_ray.workload.data import step_seed

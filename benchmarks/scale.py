@@ -60,7 +60,7 @@ import uuid
 from pathlib import Path
 
 from benchmarks.common import machine, print_table, write_json
-from zocheck_ray.actors.shadow import process_memory
+from zocheck_ray.runtime.shadow import process_memory
 from zocheck_ray.core.update import CHUNK_ELEMENTS
 
 SIZES = {  # OPT shapes: (hidden, layers, vocabulary); OPT's tokenizer has 50272 tokens
@@ -83,7 +83,7 @@ loss at step 9, with or without a failure; at 1e-7 the same steps' losses stay a
 PAPER_JOBS = {"Qwen3-8B (bf16)": (8_190_735_360, 2), "OPT-13B (fp16)": (12_853_473_280, 2)}
 """The paper's jobs: (parameters, bytes per parameter)."""
 STAGING_BYTES = 2 * (64 << 20)
-"""A CUDA trainer's host memory for a restore: two pinned windows (`actors.image._CudaStaging`)."""
+"""A CUDA trainer's host memory for a restore: two pinned windows (`host.image._CudaStaging`)."""
 
 
 # ---------------------------------------------------------------------------------------- pieces
@@ -218,7 +218,7 @@ def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
     def trainer_like(dtype: str | None) -> int:
         import torch
 
-        from zocheck_ray.actors.trainer import Trainer  # noqa: F401  (the trainer's modules)
+        from zocheck_ray.runtime.trainer import Trainer  # noqa: F401  (the trainer's modules)
         from zocheck_ray.core import ZOConfig, ZOOptimizer
         from zocheck_ray.core.fused import warm_up
         from zocheck_ray.core.update import CHUNK_ELEMENTS
@@ -243,7 +243,7 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: t
     import ray
 
     from zocheck_ray.actors.names import actor_status
-    from zocheck_ray.actors.ray_actors import call_when_alive
+    from zocheck_ray.actors.link import call_when_alive
     from zocheck_ray.config import JobConfig
     from zocheck_ray.control import RunCallback
     from zocheck_ray.testing import run_with_faults

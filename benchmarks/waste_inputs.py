@@ -125,7 +125,7 @@ def measure_timings(hidden: int = 512, layers: int = 4, batch_size: int = 4, seq
     import torch
 
     from benchmarks.baselines import stage
-    from zocheck_ray.actors.image import ImageLayout, SharedBuffer, copy_state
+    from zocheck_ray.host.image import ImageLayout, SharedBuffer, copy_state
     from zocheck_ray.core import ZOConfig, ZOOptimizer, replay
     from zocheck_ray.storage import SnapshotStore
     from zocheck_ray.workload.data import batch_indices, corpus_tensor, step_seed
@@ -194,7 +194,7 @@ def measure_timings(hidden: int = 512, layers: int = 4, batch_size: int = 4, seq
         "gpu_step_seconds": (gpu_step, f"median ZO step (2 forward passes + update) of the {size}, batch "
                              f"{batch_size} x {seq_len} tokens, {steps} steps, on this CPU"),
         "replay_step_seconds": (replay_step, "median fused replay of one record (core.replay)"),
-        "snapshot_cost_seconds": (snapshot, "median shadow snapshot copy (actors.image.copy_state into shared memory)"),
+        "snapshot_cost_seconds": (snapshot, "median shadow snapshot copy (host.image.copy_state into shared memory)"),
         "persist_seconds": (persist, "median SnapshotStore.save to a local directory"),
         "checkpoint_save_seconds": (persist, "as persist_seconds: the sync baseline writes the same store"),
         "storage_read_seconds": (read, "median SnapshotStore.load (hashes verified)"),

@@ -44,7 +44,7 @@ bench=${PIPESTATUS[0]}
 echo "== restore of a 1 GiB image into CUDA tensors (pinned staging) vs a plain pinned copy"
 "$py" - <<'PY' 2>&1 | tee "$out/restore_cuda.txt"
 import os, time, torch
-from zocheck_ray.actors.image import ImageHandle, ImageLayout, SharedBuffer, copy_state, open_image, transfer
+from zocheck_ray.host.image import ImageHandle, ImageLayout, SharedBuffer, copy_state, open_image, transfer
 state = {f"w{i}": torch.randn(64 << 20 >> 2) for i in range(16)}  # 16 tensors of 64 MiB
 layout = ImageLayout.of(state)
 buffer = SharedBuffer(layout.nbytes)

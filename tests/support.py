@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 def wait_until(predicate, timeout: float = 120.0) -> bool:
     """Whether `predicate()` became true within `timeout` seconds: a safety net for a state that must
     come, never the thing under test (`assert wait_until(...)`)."""
-    from zocheck_ray.actors.ray_actors import pauses  # a predicate may ask the GCS or an actor: ever less often
+    from zocheck_ray.actors.link import pauses  # a predicate may ask the GCS or an actor: ever less often
 
     deadline, waits = time.monotonic() + timeout, pauses(most=0.1)
     while not predicate():

@@ -95,7 +95,7 @@ def undocumented_fields() -> list[str]:
 
 
 def _sections():
-    from zocheck_ray.actors.messages import ShadowMetrics
+    from zocheck_ray.runtime.messages import ShadowMetrics
     from zocheck_ray.config import JobConfig
     from zocheck_ray.control.summary import Recovery, RunSummary
     from zocheck_ray.core.config import ZOConfig

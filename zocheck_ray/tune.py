@@ -195,7 +195,7 @@ def train_trial(config: dict, job: dict, callbacks: Sequence = ()) -> None:
     import ray
     from ray import tune
 
-    from zocheck_ray.actors.messages import ShadowMetrics, TrainerProgress
+    from zocheck_ray.runtime.messages import ShadowMetrics, TrainerProgress
     from zocheck_ray.control import run
 
     trial = trial_job(job, config, tune.get_context().get_trial_id())

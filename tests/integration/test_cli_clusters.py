@@ -292,7 +292,7 @@ def test_status_finds_a_run_on_the_local_instance_its_train_started(local_train)
     assert json.loads(out.stdout)["run_id"] == run_id and json.loads(out.stdout)["trainer_step"] > 0
     # it reads the shadow's metrics without loading torch or the model's libraries (a second, not several)
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
-    assert "zocheck_ray.actors.messages" in imported
+    assert "zocheck_ray.runtime.messages" in imported
     assert not {"torch", "transformers", "numba"} & imported, sorted({"torch", "transformers", "numba"} & imported)
     # the address it printed reaches the same run
     out = cli(local_train.env, "status", run_id, "--json", "--address", address)

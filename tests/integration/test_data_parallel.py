@@ -141,7 +141,7 @@ def test_a_tune_trial_reserves_every_rank_and_the_shadow():
 
 
 def test_a_holding_rank_keeps_records_until_durable_and_delivers_what_the_shadow_lacks():
-    from zocheck_ray.actors.publisher import Publisher, PushReply, poll_answered
+    from zocheck_ray.runtime.publisher import Publisher, PushReply, poll_answered
     from zocheck_ray.core import StepRecord
 
     class Shadow:  # an in-process shadow that expects step 5 and has made steps before 3 durable

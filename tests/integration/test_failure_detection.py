@@ -83,7 +83,7 @@ class _RestartsSlowly:
 
 
 def test_waiting_for_a_restart_ends_when_the_state_api_reports_the_actor_alive_again(slow_death_info_ray, tmp_path):
-    from zocheck_ray.actors.ray_actors import wait_until_alive
+    from zocheck_ray.actors.link import wait_until_alive
 
     gate, name = tmp_path / "gate", "zocheck-restarts-slowly"
     actor = _RestartsSlowly.options(name=name, namespace=NAMESPACE).remote(str(gate))

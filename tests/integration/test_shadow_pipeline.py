@@ -4,8 +4,8 @@ filled in by the trainer's publisher, and a storage outage delays durability wit
 import pytest
 
 from support import encode, trained, wait_until
-from zocheck_ray.actors.publisher import Publisher, PushReply, poll_answered
-from zocheck_ray.actors.shadow import Shadow, StageError
+from zocheck_ray.runtime.publisher import Publisher, PushReply, poll_answered
+from zocheck_ray.runtime.shadow import Shadow, StageError
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import state_hash
 from zocheck_ray.storage import SnapshotStore, read_log
@@ -131,7 +131,7 @@ def test_a_storage_outage_is_reported_retried_and_leaves_no_gap(private_s3, job)
 
 
 def test_every_numeric_metric_is_a_gauge_and_status_shows_the_stage_errors(job):
-    from zocheck_ray.actors.messages import ShadowMetrics, numeric_fields
+    from zocheck_ray.runtime.messages import ShadowMetrics, numeric_fields
 
     shadow = Shadow(job, persist=False)
     try:

@@ -16,7 +16,7 @@ import transformers
 
 from reference_runs import assert_exact, job_for, uninterrupted_hashes
 from support import wait_until
-from zocheck_ray.actors.trainer_process import RECOVERY_THREADS
+from zocheck_ray.actors.trainer_actor import RECOVERY_THREADS
 from zocheck_ray.control import RunCallback
 from zocheck_ray.testing import FaultInjection
 from zocheck_ray.testing import run_with_faults as run
@@ -147,8 +147,8 @@ def test_a_standby_lost_during_its_promotion_ends_exact(tmp_path):
 
 
 def test_the_actors_modules_and_the_trainers_arguments_load_neither_torch_nor_the_model_libraries(tmp_path):
-    # What a process Ray restarts imports before its constructor runs (see `trainer_process.py` and
-    # `shadow_process.py`): the actor's module, then its constructor's arguments, unpickled as Ray hands
+    # What a process Ray restarts imports before its constructor runs (see `trainer_actor.py` and
+    # `shadow_actor.py`): the actor's module, then its constructor's arguments, unpickled as Ray hands
     # them over (the faults injected into a run travel with them).
     import subprocess
     import sys
@@ -158,7 +158,7 @@ def test_the_actors_modules_and_the_trainers_arguments_load_neither_torch_nor_th
     arguments = tmp_path / "arguments.pkl"
     arguments.write_bytes(ray.cloudpickle.dumps(
         (job_for(tmp_path, standby=True).model_dump(mode="json"), FaultInjection(die_at={0: [13]}, marker_dir=str(tmp_path)))))
-    code = ("import pickle, sys, zocheck_ray.actors.trainer_process, zocheck_ray.actors.shadow_process; "
+    code = ("import pickle, sys, zocheck_ray.actors.trainer_actor, zocheck_ray.actors.shadow_actor; "
             f"job, hooks = pickle.loads(open({str(arguments)!r}, 'rb').read()); assert hooks.die_at == {{0: [13]}}; "
             "print(sorted(m for m in sys.modules if m in ('torch', 'transformers', 'numba', 'zocheck_ray.config', "
             "'zocheck_ray.control') or m.startswith('zocheck_ray.core')))")

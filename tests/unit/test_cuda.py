@@ -102,8 +102,8 @@ def test_the_guard_falls_back_on_a_wrong_gpu_kernel(caplog):
 def test_a_restore_into_cuda_tensors_through_pinned_staging_is_the_image(window):
     import os
 
-    from zocheck_ray.actors.handle import ImageHandle
-    from zocheck_ray.actors.image import ImageLayout, SharedBuffer, copy_state, open_image, transfer
+    from zocheck_ray.host.handle import ImageHandle
+    from zocheck_ray.host.image import ImageLayout, SharedBuffer, copy_state, open_image, transfer
 
     g = torch.Generator().manual_seed(0)
     state = {"a": torch.randn(3000, 100, generator=g), "b": torch.randn(4097, generator=g).bfloat16(),

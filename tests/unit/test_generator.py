@@ -127,9 +127,9 @@ def test_a_trainer_process_has_more_numba_threads_than_cores_and_its_generator_o
     import subprocess
     import sys
 
-    from zocheck_ray.actors.trainer_process import RECOVERY_THREADS
+    from zocheck_ray.actors.trainer_actor import RECOVERY_THREADS
 
-    code = ("from zocheck_ray.actors.trainer_process import size_numba_pool; size_numba_pool()\n"
+    code = ("from zocheck_ray.actors.trainer_actor import size_numba_pool; size_numba_pool()\n"
             "import numba\nfrom zocheck_ray.core.fused import compute_threads\n"
             "from zocheck_ray.core.cpus import process_cpus\n"
             "steps = compute_threads(); numba.set_num_threads(1)\n"

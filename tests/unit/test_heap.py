@@ -4,7 +4,7 @@ import gc
 
 import pytest
 
-from zocheck_ray.actors.heap import settling_heap
+from zocheck_ray.host.heap import settling_heap
 
 
 class Cycle:

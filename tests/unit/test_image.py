@@ -13,15 +13,15 @@ import threading
 import pytest
 import torch
 
-from zocheck_ray.actors.handle import ImageHandle
-from zocheck_ray.actors.image import (
+from zocheck_ray.host.handle import ImageHandle
+from zocheck_ray.host.image import (
     HUGE_PAGE, TRANSFER_THREADS_MAX, ImageGoneError, ImageLayout, SharedBuffer, WindowPlan, copy_state, handle_layout,
     open_image, prepare_skeleton, transfer, transfer_threads,
 )
 from support import vm_flags
-from zocheck_ray.actors.ledger import NoImageError, RecordLedger
-from zocheck_ray.actors.shadow import process_memory
-from zocheck_ray.actors.stages import Image
+from zocheck_ray.runtime.ledger import NoImageError, RecordLedger
+from zocheck_ray.runtime.shadow import process_memory
+from zocheck_ray.runtime.stages import Image
 
 PAGE = mmap.ALLOCATIONGRANULARITY
 

@@ -14,7 +14,7 @@ import zocheck_ray
 PACKAGE = Path(zocheck_ray.__file__).parent
 
 CORE_LAYERS = (
-    ("the specification", {"config", "dtypes", "errors", "layout", "record", "scalars", "seeds", "hashing", "cpus", "memory",
+    ("the specification", {"config", "dtypes", "errors", "layout", "record", "scalars", "seeds", "hashing", "cpus",
                            "lazy"}),
     ("the reference implementation", {"generator", "update", "reference", "validation"}),
     ("the kernels", {"kernel_cache", "fused", "triton_kernels", "_triton_src"}),

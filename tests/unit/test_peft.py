@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from support import wait_until
-from zocheck_ray.actors.shadow import Shadow
-from zocheck_ray.actors.trainer import Trainer
+from zocheck_ray.runtime.shadow import Shadow
+from zocheck_ray.runtime.trainer import Trainer
 from zocheck_ray.config import JobConfig, JobConfigError, load_job_config
 from zocheck_ray.core import ZOOptimizer, replay, replay_reference, state_hash
 from zocheck_ray.storage import SnapshotStore, snapshot_dir

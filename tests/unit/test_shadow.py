@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from support import trained, wait_until
-from zocheck_ray.actors.image import ImageLayout, SharedBuffer, copy_state
-from zocheck_ray.actors.shadow import Shadow, process_memory
+from zocheck_ray.host.image import ImageLayout, SharedBuffer, copy_state
+from zocheck_ray.runtime.shadow import Shadow, process_memory
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import replay, state_hash
 from zocheck_ray.workload.models import trainable_parameters
@@ -227,7 +227,7 @@ def test_image_layout_round_trips_every_dtype_through_shared_memory():
 
 
 def test_the_profiles_scratch_is_a_thirty_second_of_the_state_within_its_bounds():
-    from zocheck_ray.actors.stages import SCRATCH_BYTES, SCRATCH_MIN, ProfileScratch, scratch_limit
+    from zocheck_ray.runtime.stages import SCRATCH_BYTES, SCRATCH_MIN, ProfileScratch, scratch_limit
     from zocheck_ray.core import ZOConfig
 
     assert scratch_limit(1 << 20) == SCRATCH_MIN and scratch_limit(1 << 40) == SCRATCH_BYTES
@@ -245,7 +245,7 @@ def test_the_profiles_scratch_is_a_thirty_second_of_the_state_within_its_bounds(
 SHADOW_WITHOUT_TRANSFORMERS = """
 import json, sys
 from safetensors.torch import load_file
-from zocheck_ray.actors.shadow import Shadow
+from zocheck_ray.runtime.shadow import Shadow
 from zocheck_ray.config import JobConfig
 
 job = JobConfig.model_validate_json(open(sys.argv[1]).read())

@@ -1,1 +1,1 @@
-"""The trainer and the shadow: Ray-free classes and their Ray actors (`ray_actors`)."""
+"""The Ray shells: the trainer's and the shadow's actors, their names, and the transport between them."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from zocheck_ray.actors.messages import KernelInfo, RecoveryInfo, ShadowMetrics, TrainerProgress
+from zocheck_ray.runtime.messages import KernelInfo, RecoveryInfo, ShadowMetrics, TrainerProgress
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.policy import Decision, Failure
 from zocheck_ray.control.summary import Recovery, RunSummary

@@ -27,10 +27,10 @@ import ray
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup
 
-from zocheck_ray.actors.messages import ShadowMetrics, TrainerProgress, TrainerTimes
+from zocheck_ray.runtime.messages import ShadowMetrics, TrainerProgress, TrainerTimes
 from zocheck_ray.actors.names import actor_status, shadow_name
-from zocheck_ray.actors.ray_actors import call_when_alive, shadow_writer, wait_until_dead
-from zocheck_ray.actors.shadow import ShadowRestartedError
+from zocheck_ray.actors.link import call_when_alive, shadow_writer, wait_until_dead
+from zocheck_ray.runtime.shadow import ShadowRestartedError
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.callbacks import ProgressPrinter, RunCallback, RunRecord, Segment, SegmentFunction
 from zocheck_ray.control.group import TrainerGroup

@@ -26,10 +26,10 @@ from typing import Callable
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from zocheck_ray.actors.messages import RecoveryInfo, TrainerProgress, TrainerTimes
+from zocheck_ray.runtime.messages import RecoveryInfo, TrainerProgress, TrainerTimes
 from zocheck_ray.actors.names import actor_states, actor_status, trainer_name
-from zocheck_ray.actors.ray_actors import call_when_alive, died_since, wait_until_restarted
-from zocheck_ray.actors.trainer import RejoinRequiredError
+from zocheck_ray.actors.link import call_when_alive, died_since, wait_until_restarted
+from zocheck_ray.runtime.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.policy import Failure
 
@@ -161,7 +161,7 @@ class TrainerGroup:
 
     def prepare_standby(self) -> bool:
         """Ask the standby's process to build its model where it waits to (a process Ray restarted: the one lost
-        before a promotion, or a standby that died; see `trainer_process.py`); True once the process that
+        before a promotion, or a standby that died; see `trainer_actor.py`); True once the process that
         answers has built it. Which process answers, and whether it has built, is its own report (`readiness`,
         which a process Ray restarts answers once it is up), so a restart needs no one to see it happen."""
         if self.standby is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zocheck_ray.actors.messages import ShadowMetrics, TrainerProgress
+from zocheck_ray.runtime.messages import ShadowMetrics, TrainerProgress
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.callbacks import Controller
 from zocheck_ray.control.policy import Failure

@@ -10,10 +10,10 @@ from ray.exceptions import RaySystemError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from zocheck_ray.actors.messages import TrainerProgress
+from zocheck_ray.runtime.messages import TrainerProgress
 from zocheck_ray.actors.names import NAMESPACE, shadow_name, trainer_name
-from zocheck_ray.actors.ray_actors import ShadowActor
-from zocheck_ray.actors.trainer_process import TrainerActor
+from zocheck_ray.actors.link import ShadowActor
+from zocheck_ray.actors.trainer_actor import TrainerActor
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.core.kernel_cache import cache_env
 from zocheck_ray.policies import ProfileReport, ProfileSettings, profile_startup

@@ -9,7 +9,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 
 from zocheck_ray.actors.names import NAMESPACE, describe_actor, shadow_name
-from zocheck_ray.actors.ray_actors import shadow_writer
+from zocheck_ray.actors.link import shadow_writer
 from zocheck_ray.config import JobConfig, JobConfigError, check_task
 from zocheck_ray.control.connect import connect_ray
 from zocheck_ray.control.placement import _check_resources, group_name, running_here

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from zocheck_ray.actors.messages import KernelInfo, ShadowMetrics
+from zocheck_ray.runtime.messages import KernelInfo, ShadowMetrics
 from zocheck_ray.policies import ProfileReport
 
 

@@ -895,7 +895,7 @@ def split_kernels(workers: int) -> list[list[str]]:
 def default_threads() -> int:
     """numba's pool (`NUMBA_NUM_THREADS`): the threads `replay` runs on unless told. Its workers claim chunks
     one at a time, so threads beyond the cores cost nothing where the cores are free, and keep the replay's
-    share where other processes run on them (a trainer's pool: `actors.trainer_process.size_numba_pool`)."""
+    share where other processes run on them (a trainer's pool: `actors.trainer_actor.size_numba_pool`)."""
     return numba.config.NUMBA_NUM_THREADS
 
 

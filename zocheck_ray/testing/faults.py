@@ -2,7 +2,7 @@
 
 They reach a run through its seams, never through a user's `JobConfig` or `zocheck_ray.run`:
 
-- `FaultInjection` is handed to the trainer and shadow processes (`actors/hooks.py`): a rank
+- `FaultInjection` is handed to the trainer and shadow processes (`runtime/hooks.py`): a rank
   that dies at given steps, a trainer that dies mid-recovery, a slow replay. It travels with
   every restart, so it remembers in marker files what it already did;
 - `FailAt` is a `RunCallback`: it ends a segment where a host or shadow failure is due, kills

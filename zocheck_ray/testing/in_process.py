@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zocheck_ray.actors.hooks import NO_HOOKS
-from zocheck_ray.actors.messages import RecoveryInfo, ShadowMetrics, TrainerProgress
-from zocheck_ray.actors.publisher import StateOffer, poll_answered
-from zocheck_ray.actors.shadow import Shadow
-from zocheck_ray.actors.trainer import Trainer
+from zocheck_ray.runtime.hooks import NO_HOOKS
+from zocheck_ray.runtime.messages import RecoveryInfo, ShadowMetrics, TrainerProgress
+from zocheck_ray.runtime.publisher import StateOffer, poll_answered
+from zocheck_ray.runtime.shadow import Shadow
+from zocheck_ray.runtime.trainer import Trainer
 from zocheck_ray.config import JobConfig
 
 

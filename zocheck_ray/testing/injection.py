@@ -1,10 +1,10 @@
 """`FaultInjection`: the faults a run's trainer and shadow processes inject into themselves.
 
-It travels to those processes as a constructor argument (`actors/hooks.py`), and Ray restarts a
+It travels to those processes as a constructor argument (`runtime/hooks.py`), and Ray restarts a
 process with its arguments: unpickling it imports this module, before anything else of the
 package. So it imports nothing but pydantic: a trainer process that Ray restarts where the run has
 a standby defers importing torch and the model's libraries until the promotion is over
-(`actors/trainer_process.py`), and an import of `zocheck_ray.testing` here (torch, Ray's control
+(`actors/trainer_actor.py`), and an import of `zocheck_ray.testing` here (torch, Ray's control
 code) would bring them back into the promotion's window, on the cores it copies and replays on.
 """
 
@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class FaultInjection(BaseModel):
-    """Faults injected into the trainer and shadow processes (implements `actors.hooks`)."""
+    """Faults injected into the trainer and shadow processes (implements `runtime.hooks`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

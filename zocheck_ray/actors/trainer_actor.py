@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Literal
 import ray
 
 if TYPE_CHECKING:
-    from zocheck_ray.actors.messages import KernelInfo, PublisherStats, RecoveryInfo, TrainerProgress
-    from zocheck_ray.actors.trainer import Trainer
+    from zocheck_ray.runtime.messages import KernelInfo, PublisherStats, RecoveryInfo, TrainerProgress
+    from zocheck_ray.runtime.trainer import Trainer
 
 Prepared = Literal["constructor", "prepare", "first use"]
 
@@ -83,7 +83,7 @@ class TrainerActor:
     def _prepare(self, by: Prepared) -> None:
         if self._trainer is not None:
             return
-        from zocheck_ray.actors.heap import settling_heap
+        from zocheck_ray.host.heap import settling_heap
 
         with settling_heap():  # the imports and the model's build: no cyclic collector passes over them
             self._build(by)
@@ -91,10 +91,10 @@ class TrainerActor:
     def _build(self, by: Prepared) -> None:
         import torch
 
-        from zocheck_ray.actors.hooks import NO_HOOKS
-        from zocheck_ray.actors.image import transfer_threads
-        from zocheck_ray.actors.ray_actors import RayShadowLink
-        from zocheck_ray.actors.trainer import Trainer
+        from zocheck_ray.runtime.hooks import NO_HOOKS
+        from zocheck_ray.host.image import transfer_threads
+        from zocheck_ray.actors.link import RayShadowLink
+        from zocheck_ray.runtime.trainer import Trainer
         from zocheck_ray.config import JobConfig
 
         job, hooks, rank, waits = self._args

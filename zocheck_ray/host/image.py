@@ -21,7 +21,7 @@ when its last holder closes it. It is handed over without serialisation:
   that holds its descriptor keeps the pages alive however long it takes.
 
 A reader on another node cannot open the descriptor; the Ray transport streams the image
-to it in windows instead (`ray_actors.py`).
+to it in windows instead (`link.py`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from typing import Iterator, Literal, Mapping
 
 import torch
 
-from zocheck_ray.actors.handle import ImageHandle
+from zocheck_ray.host.handle import ImageHandle
 from zocheck_ray.core.dtypes import BY_NAME, REPLAYED
 from zocheck_ray.core.cpus import process_cpus
-from zocheck_ray.core.memory import aligned_offsets, frombuffer, huge_page_mapping
+from zocheck_ray.host.memory import aligned_offsets, frombuffer, huge_page_mapping
 
 logger = logging.getLogger(__name__)
 

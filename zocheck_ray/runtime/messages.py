@@ -16,7 +16,7 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from zocheck_ray.actors.handle import ImageHandle
+from zocheck_ray.host.handle import ImageHandle
 
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
 
@@ -181,7 +181,7 @@ class RecoveryInfo(BaseModel):
     """The copy alone within `install_seconds` (the image's bytes into the state, without checking and giving
     back the image); None where it was `preinstalled`."""
     copy_threads: int | None = None
-    """The threads that copy ran on (`actors.image.transfer_threads`: the CPUs of the process that ran it, up
+    """The threads that copy ran on (`host.image.transfer_threads`: the CPUs of the process that ran it, up
     to 8)."""
     preinstalled: bool = False
     """The image was in the state already: a CPU standby copies each new image while it waits
@@ -190,7 +190,7 @@ class RecoveryInfo(BaseModel):
     """Replaying the records after the image (part of restore)."""
     replay_threads: int | None = None
     """The threads that replay ran on (on the CPU: numba's pool, in a trainer process more threads than cores
-    on a small node, see `actors.trainer_process.RECOVERY_THREADS`); None where no record was replayed on the
+    on a small node, see `actors.trainer_actor.RECOVERY_THREADS`); None where no record was replayed on the
     CPU."""
     hash_seconds: float | None = None
     """Hashing the restored state, with `hash_every_step` (part of restore)."""

@@ -1,4 +1,4 @@
-"""`ImageHandle`: how another process reaches an image of the shadow's (`actors/image.py`), without torch.
+"""`ImageHandle`: how another process reaches an image of the shadow's (`host/image.py`), without torch.
 
 The shadow's metrics carry handles (`messages.ShadowMetrics`), and `status` reads those metrics: a
 process that only asks for them loads neither torch nor the image's code."""

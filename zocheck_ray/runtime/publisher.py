@@ -25,8 +25,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from zocheck_ray.actors.image import ImageLayout, copy_state
-from zocheck_ray.actors.messages import PublisherStats, PushReply  # noqa: F401  (PushReply: links return it)
+from zocheck_ray.host.image import ImageLayout, copy_state
+from zocheck_ray.runtime.messages import PublisherStats, PushReply  # noqa: F401  (PushReply: links return it)
 from zocheck_ray.core import StepRecord
 
 logger = logging.getLogger(__name__)

@@ -20,14 +20,14 @@ from typing import Callable
 
 import torch
 
-from zocheck_ray.actors.image import ImageLayout, SharedBuffer, anonymous_buffer, copy_state
-from zocheck_ray.actors.ledger import LOG, RecordLedger
-from zocheck_ray.actors.priority import background_thread
+from zocheck_ray.host.image import ImageLayout, SharedBuffer, anonymous_buffer, copy_state
+from zocheck_ray.runtime.ledger import LOG, RecordLedger
+from zocheck_ray.host.priority import background_thread
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord, ZOConfig, replay, state_hash
 from zocheck_ray.core.layout import ALL_MOMENT_PREFIXES, Layout, moment_prefixes
 from zocheck_ray.core.fused import default_threads
-from zocheck_ray.actors.hooks import ShadowHooks
+from zocheck_ray.runtime.hooks import ShadowHooks
 from zocheck_ray.storage import Lease, LeaseError, LeaseHeldError, SnapshotStore, StepLog, StorageError
 
 logger = logging.getLogger(__name__)

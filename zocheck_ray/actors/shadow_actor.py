@@ -1,8 +1,8 @@
 """`ShadowActor`: the shadow's Ray actor, in a module that imports nothing but Ray.
 
 The shadow's set-up (torch, numba, the storage's libraries) runs in its constructor, with Python's
-cyclic collector paused until the heap settles (`actors/heap.py`). Everything the shadow does is
-`Shadow`'s (`actors/shadow.py`); this is its Ray face: pushes on one thread in order, everything else
+cyclic collector paused until the heap settles (`host/heap.py`). Everything the shadow does is
+`Shadow`'s (`runtime/shadow.py`); this is its Ray face: pushes on one thread in order, everything else
 beside them.
 """
 
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import ray
 
 if TYPE_CHECKING:
-    from zocheck_ray.actors.handle import ImageHandle
-    from zocheck_ray.actors.messages import AdapterIdentity, RecoveryOffer, ShadowMetrics, TrainerTimes
+    from zocheck_ray.host.handle import ImageHandle
+    from zocheck_ray.runtime.messages import AdapterIdentity, RecoveryOffer, ShadowMetrics, TrainerTimes
 
 
 def shadow_writer(run_id: str) -> str:
@@ -30,14 +30,14 @@ class ShadowActor:
     """CPU-only shadow (see `Shadow`): pushes on one thread in order, everything else beside them."""
 
     def __init__(self, job: dict, hooks=None):
-        from zocheck_ray.actors.heap import settling_heap
+        from zocheck_ray.host.heap import settling_heap
 
         logging.basicConfig(level=logging.INFO)
         threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         self.node_id = ray.get_runtime_context().get_node_id()
         with settling_heap():  # the imports (torch, numba, storage) and the shadow's set-up
-            from zocheck_ray.actors.hooks import NO_HOOKS
-            from zocheck_ray.actors.shadow import Shadow
+            from zocheck_ray.runtime.hooks import NO_HOOKS
+            from zocheck_ray.runtime.shadow import Shadow
             from zocheck_ray.config import JobConfig
 
             self.job = JobConfig.model_validate(job)
@@ -57,8 +57,8 @@ class ShadowActor:
     @ray.method(concurrency_group="control")
     def open_intake(self, names: tuple, dtypes: tuple, shapes: tuple) -> ImageHandle:
         """Memory on this node for a trainer to write its state into (see `Shadow.open_intake`)."""
-        from zocheck_ray.actors.handle import ImageHandle
-        from zocheck_ray.actors.image import ImageLayout
+        from zocheck_ray.host.handle import ImageHandle
+        from zocheck_ray.host.image import ImageLayout
 
         layout = ImageLayout.from_specs(list(zip(names, dtypes, shapes)))
         buffer = self.shadow.open_intake(layout)
@@ -81,8 +81,8 @@ class ShadowActor:
         """The newest image (lent until `give_back`) and the records after it; None for a fresh run.
         `fresh`: a recovering trainer's request, a snapshot of the replica first where one can be taken now;
         `held`: the image the trainer holds already (`Shadow.offer`)."""
-        from zocheck_ray.actors.handle import ImageHandle
-        from zocheck_ray.actors.messages import RecoveryOffer
+        from zocheck_ray.host.handle import ImageHandle
+        from zocheck_ray.runtime.messages import RecoveryOffer
 
         image, records = self.shadow.offer(fresh, held)
         if image is None:
@@ -119,7 +119,7 @@ class ShadowActor:
     def _export(self, m) -> None:
         from ray.util.metrics import Gauge
 
-        from zocheck_ray.actors.messages import numeric_fields
+        from zocheck_ray.runtime.messages import numeric_fields
 
         values = numeric_fields(m)
         if self._gauges is None:

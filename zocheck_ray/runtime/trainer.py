@@ -1,6 +1,6 @@
 """The trainer: the unmodified ZO loop, publishing each step's record to the shadow.
 
-`Trainer` is Ray-free; `TrainerActor` (trainer_process.py) wraps it. A trainer process has a
+`Trainer` is Ray-free; `TrainerActor` (trainer_actor.py) wraps it. A trainer process has a
 role. As a rank it recovers on construction: it asks the shadow for its newest image and
 the records after it, builds its model as a skeleton (parameters allocated, neither
 initialised nor loaded: the image overwrites every one), copies the image into it,
@@ -20,7 +20,7 @@ state_hash are those of a run without evaluation.
 
 Data parallel (`job.trainers` = k > 1): this is rank `rank` of k identical replicas. It
 evaluates its slice of each step's batch, the ranks all-gather their loss sums through
-`LossGroup` (actors/collective.py) and every rank forms g from them in rank order, so the
+`LossGroup` (runtime/collective.py) and every rank forms g from them in rank order, so the
 replicas stay bit-identical. Rank 0 publishes the records; the others hold them until
 they are durable. When a peer dies mid-step the gather fails: this rank stops with its
 state torn (mid-perturbation), keeps its records, and is brought back to the common step
@@ -36,11 +36,11 @@ import time
 
 import torch
 
-from zocheck_ray.actors.collective import LossGroup, RankLostError, reduce_in_rank_order
-from zocheck_ray.actors.hooks import NO_HOOKS, TrainerHooks
-from zocheck_ray.actors.image import prepare_skeleton
-from zocheck_ray.actors.messages import AdapterIdentity, KernelCheckInfo, KernelInfo, RecoveryInfo, TrainerProgress
-from zocheck_ray.actors.publisher import FLUSH_SECONDS, Publisher, ShadowLink
+from zocheck_ray.runtime.collective import LossGroup, RankLostError, reduce_in_rank_order
+from zocheck_ray.runtime.hooks import NO_HOOKS, TrainerHooks
+from zocheck_ray.host.image import prepare_skeleton
+from zocheck_ray.runtime.messages import AdapterIdentity, KernelCheckInfo, KernelInfo, RecoveryInfo, TrainerProgress
+from zocheck_ray.runtime.publisher import FLUSH_SECONDS, Publisher, ShadowLink
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, replay, state_hash
 from zocheck_ray.core.errors import StateMismatchError
@@ -262,7 +262,7 @@ class Trainer:
         if records:
             live = self.opt.state_tensors()
             if self.device.type == "cpu":
-                # on numba's whole pool: in a trainer process, more threads than cores (trainer_process.py)
+                # on numba's whole pool: in a trainer process, more threads than cores (trainer_actor.py)
                 replay_threads = default_threads()
                 replay(live, records, self.job.zo, start_step=step, threads=replay_threads)
             else:  # the fused GPU kernels where they passed the start-up guard, else the eager oracle

@@ -2,12 +2,12 @@
 
 Records travel trainer -> shadow in batches from one publishing thread (so Ray keeps
 them in order); every push is answered with what the shadow holds, and the trainer
-re-sends what a restarted shadow lacks (see `actors/publisher.py`). Images stay in the
-shadow's shared memory (`actors/image.py`): a trainer on the shadow's node opens the
+re-sends what a restarted shadow lacks (see `runtime/publisher.py`). Images stay in the
+shadow's shared memory (`host/image.py`): a trainer on the shadow's node opens the
 image and copies it in windows; a trainer elsewhere streams the same windows through
 Ray. A trainer failure finds the image alive; a shadow failure is repaired from durable
 storage plus the trainer's re-sent records; a node loss from the durable snapshot and log.
-`TrainerActor` and `ShadowActor` live in `trainer_process.py` and `shadow_process.py`, which import
+`TrainerActor` and `ShadowActor` live in `trainer_actor.py` and `shadow_actor.py`, which import
 nothing but Ray (see there).
 """
 
@@ -22,10 +22,10 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayError
 
-from zocheck_ray.actors.image import ImageGoneError, ImageLayout, WindowPlan, handle_layout, open_image, transfer
-from zocheck_ray.actors.messages import AdapterIdentity, PushReply, RecoveryOffer
+from zocheck_ray.host.image import ImageGoneError, ImageLayout, WindowPlan, handle_layout, open_image, transfer
+from zocheck_ray.runtime.messages import AdapterIdentity, PushReply, RecoveryOffer
 from zocheck_ray.actors.names import NAMESPACE, actor_status, shadow_name
-from zocheck_ray.actors.shadow_process import ShadowActor, shadow_writer  # noqa: F401  (see there)
+from zocheck_ray.actors.shadow_actor import ShadowActor, shadow_writer  # noqa: F401  (see there)
 from zocheck_ray.core import StepRecord
 from zocheck_ray.core.record import decode_records
 

@@ -2,7 +2,7 @@
 mapping advised onto 2 MiB pages (`huge_page_mapping`).
 
 The shadow's replica and images and a trainer's skeleton share this layout, so a skeleton's tensors lie
-where the image's do and an image is written into it in long runs (`actors/image.py`)."""
+where the image's do and an image is written into it in long runs (`host/image.py`)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@
              metrics and retried with backoff: an outage delays durability, never ends it,
              and ingest never waits for storage.
 
-`Shadow` is Ray-free (tests drive it directly); `ShadowActor` in `shadow_process.py` is its
+`Shadow` is Ray-free (tests drive it directly); `ShadowActor` in `shadow_actor.py` is its
 transport. Other threads reach the replay stage only through `ReplayStage.call`, which
 runs a function on its thread between batches; each stage publishes its counters as
 plain values that `metrics()` reads.
@@ -28,11 +28,11 @@ from typing import Callable
 
 import torch
 
-from zocheck_ray.actors.image import ImageGoneError, ImageLayout, SharedBuffer, copy_state
-from zocheck_ray.actors.ledger import RecordLedger
-from zocheck_ray.actors.messages import AdapterIdentity, ShadowMetrics, TrainerTimes
-from zocheck_ray.actors.publisher import PushReply
-from zocheck_ray.actors.stages import (  # noqa: F401  (StageError: callers catch it from here)
+from zocheck_ray.host.image import ImageGoneError, ImageLayout, SharedBuffer, copy_state
+from zocheck_ray.runtime.ledger import RecordLedger
+from zocheck_ray.runtime.messages import AdapterIdentity, ShadowMetrics, TrainerTimes
+from zocheck_ray.runtime.publisher import PushReply
+from zocheck_ray.runtime.stages import (  # noqa: F401  (StageError: callers catch it from here)
     MAX_BACKOFF_SECONDS, STARTUP_STORAGE_SECONDS, Image, PersistStage, ReplayStage, StageError,
 )
 from zocheck_ray.config import JobConfig
@@ -40,7 +40,7 @@ from zocheck_ray.core import StepRecord
 from zocheck_ray.core.errors import CorruptRecordError
 from zocheck_ray.core.fused import warm_up
 from zocheck_ray.core.record import decode_records
-from zocheck_ray.actors.hooks import NO_HOOKS, ShadowHooks
+from zocheck_ray.runtime.hooks import NO_HOOKS, ShadowHooks
 from zocheck_ray.storage import Lease, LeaseError, SnapshotStore, StorageError, recover
 from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray.workload.models import model_config_dict

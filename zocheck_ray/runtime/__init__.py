@@ -1,0 +1,1 @@
+"""The Ray-free trainer and shadow: the training loop, the shadow's pipeline, the messages between them."""
