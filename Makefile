@@ -5,12 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BYTECODE := $(VENV)/.bytecode
 
-# Bytecode: each module's .pyc is written where Python first imports it, whatever the environment says
-# (where it sets PYTHONDONTWRITEBYTECODE no process would write one, and every Ray worker would compile again
-# each source it imports: torch's and transformers' among them). pip's own compilation of every installed
-# module (about 19,800 files, most never imported: 55 s of a fresh set-up here) is left out; set-up writes the
-# bytecode of what the package, its Ray workers and its tests import (3,800 modules, 20 s; `make test` does it
-# while numba compiles its kernels), and the first `make test` or `make demo` the rest they meet.
+# Bytecode is written where Python first imports a module, whatever the environment says: otherwise every Ray
+# worker compiles again each source it imports. Set-up writes the bytecode of what the package, its workers and
+# its tests import, not pip's of every installed file (most never imported).
 unexport PYTHONDONTWRITEBYTECODE
 WARM_BYTECODE := $(PY) -c "import torch, numba, ray, peft, datasets, s3fs, moto, zocheck_ray.cli, zocheck_ray.testing; \
 	from transformers import OPTForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM, BertForSequenceClassification, AutoTokenizer"
@@ -39,23 +36,13 @@ demo: $(BYTECODE)
 	$(VENV)/bin/zocheck-ray train
 
 # Two test processes, each taking whole files (the modules that use `local_ray` share one Ray instance per
-# process). The suite is CPU-bound (its Ray actors' imports and jobs): on two cores a third process only adds
-# contention. The whole suite here, the same day: 868 s of pytest and 1,589 busy CPU-s with two, 980 s and about
-# 1,930 CPU-s with three; one process, about 1,240 s. Since (2026-12-04): 752 s with two; where the CPU was
-# sampled, 699 s and 1,329 CPU-s, of which 509 in 89 trainer processes, 161 in 54 shadows, 286 in the two
-# test processes. 2026-12-05, from a fresh clone: 749 s (13 min 8 s with the set-up). Most of a Ray actor's CPU
-# was its imports (torch and transformers: about 4.5 of a trainer process's 6.5 CPU-s), paid once per process;
-# since the trainers are forked from a per-node process template that has them imported (`process_template`),
-# once per node: 604 and 626 s the same day (10 min 43 s and 11 min 7 s with the set-up).
-# The modules go out longest first (tests/module_seconds.py; xdist would otherwise hand out the modules with
-# the most tests first, and a long module of one test last): `make module-seconds` refreshes the figures.
+# process): the suite is CPU-bound, and on two cores a third process only adds contention. The modules go out
+# longest first (tests/module_seconds.py); `make module-seconds` refreshes their figures.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
-# numba's kernels are compiled first, at once, in one process per core (a fresh clone has none in its
-# cache): the tests' processes and their Ray actors then only load them, rather than each compiling the
-# ones it meets first. Set-up's bytecode is written meanwhile: the compiling processes leave a core idle part
-# of the time (both side by side take 55 s on a fresh two-core machine, one after the other 69 s).
+# numba's kernels are compiled first, one process per core, so the tests and their Ray actors only load them;
+# set-up's bytecode is written meanwhile.
 COMPILE_KERNELS := $(PY) -c "from zocheck_ray.core.fused import compile_kernels; compile_kernels()"
 PREPARE := $(MAKE) --no-print-directory $(BYTECODE) & $(COMPILE_KERNELS); compiled=$$?; wait $$! && exit $$compiled
 
@@ -91,8 +78,8 @@ test-quick: $(STAMP)
 	$(PREPARE)
 	$(PYTEST) -m "not slow" tests
 
-# The slow marks hold: every test outside them takes at most 30 s here (setup included). It judges the
-# machine as much as the tests, so it runs only when asked, never in `make test`.
+# The slow marks hold: every test outside them takes at most 30 s (setup included). It judges the machine as
+# much as the tests, so it runs only when asked, never in `make test`.
 check-slow-marks: $(STAMP)
 	$(PREPARE)
 	$(PYTEST) -m "not slow" --max-unmarked-seconds 30 tests

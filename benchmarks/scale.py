@@ -256,7 +256,7 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: t
 
     class Watch(RunCallback):
         def _pids(self, run) -> None:
-            sampler.watch("shadow", ray.get(run.shadow.pid.remote()))
+            sampler.watch("shadow", run.shadow.pid())
             for actor, name in zip(run.group.all_actors(), run.group.all_names()):
                 status = actor_status(name)
                 if status is None or status.state == "ALIVE":  # no state API: the call answers once it is up

@@ -136,7 +136,7 @@ def train(args: argparse.Namespace) -> int:
     from zocheck_ray.control import RunFailedError, run
     from zocheck_ray.control.connect import RayConnectionError, connect_ray
     from zocheck_ray.control.stop import RunStopped
-    from zocheck_ray.control.placement import profile_steps
+    from zocheck_ray.control.profile import profile_steps
     from zocheck_ray.testing import run_with_faults
     from zocheck_ray.verify import verify_run
 

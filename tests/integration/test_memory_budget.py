@@ -44,7 +44,7 @@ class Samples(RunCallback):
         self.metrics.append(segment.metrics)
         if not self.killed and segment.progress.step >= self.kill_at:
             self.killed = True
-            ray.kill(run.shadow, no_restart=False)  # Ray restarts it: rebuilt from durable storage
+            run.shadow.kill()  # Ray restarts it: rebuilt from durable storage
 
 
 def test_the_shadow_holds_two_copies_of_the_state_through_a_whole_run(tmp_path, opt_directory):

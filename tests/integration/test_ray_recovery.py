@@ -78,7 +78,7 @@ class Settled(RunCallback):
 
     def on_segment(self, run, segment):
         def settled():
-            m = ray.get(run.shadow.metrics.remote())
+            m = run.shadow.metrics()
             return m.replayed_step >= segment.progress.step and m.durable_step == 0 and not m.persist_in_flight
 
         assert wait_until(settled, timeout=180)

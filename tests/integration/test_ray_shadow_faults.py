@@ -303,16 +303,16 @@ class TrainerThenShadow(RunCallback):
             # Paused from a settled state: every snapshot up to this step taken and durable, none in flight
             # (a save the pause caught half-way would hold the image and defer the next snapshot).
             step = segment.progress.step
-            assert wait_until(lambda: self.settled(run, step), timeout=180), ray.get(run.shadow.metrics.remote())
+            assert wait_until(lambda: self.settled(run, step), timeout=180), run.shadow.metrics()
             self.server.pause()
             self.paused = True
         elif self.paused and not self.trainer_recovered:
             assert wait_until(lambda: self.image_not_durable(run), timeout=180), (
                 f"at step {segment.progress.step} the shadow's image stays durable: "
-                f"{ray.get(run.shadow.metrics.remote())}; recoveries so far: {self.recoveries}")
+                f"{run.shadow.metrics()}; recoveries so far: {self.recoveries}")
         elif self.paused:
-            pid = ray.get(run.shadow.pid.remote())
-            ray.kill(run.shadow, no_restart=False)  # Ray restarts it from durable storage
+            pid = run.shadow.pid()
+            run.shadow.kill()  # Ray restarts it from durable storage
             assert wait_until(lambda: gone(pid), timeout=120)
             self.server.resume()
             self.paused = self.trainer_recovered = False
@@ -322,12 +322,12 @@ class TrainerThenShadow(RunCallback):
 
     @staticmethod
     def settled(run, step: int) -> bool:
-        m = ray.get(run.shadow.metrics.remote())
+        m = run.shadow.metrics()
         return m.replayed_step == step and m.durable_step == m.snapshot_step and not m.persist_in_flight
 
     @staticmethod
     def image_not_durable(run) -> bool:
-        m = ray.get(run.shadow.metrics.remote())
+        m = run.shadow.metrics()
         return m.snapshot_step is not None and m.snapshot_step > (m.durable_step if m.durable_step is not None else -1)
 
     def on_recovery(self, run, recovery):
@@ -377,7 +377,7 @@ class FillTheDisk(RunCallback):
     def on_segment(self, run, segment):
         if self.filled_unix is None and segment.progress.step >= self.fill_at:
             self.lease_before = lease_of(run.job)
-            self.disk.fill(leave=ray.get(run.shadow.metrics.remote()).state_bytes // 2)
+            self.disk.fill(leave=run.shadow.metrics().state_bytes // 2)
             self.filled_unix = time.time()
         elif self.filled_unix is not None and self.seen is None:
             step = segment.progress.step
@@ -388,7 +388,7 @@ class FillTheDisk(RunCallback):
             self.freed = True
 
     def full_and_logging(self, run, step: int) -> bool:
-        m = ray.get(run.shadow.metrics.remote())
+        m = run.shadow.metrics()
         lease = lease_of(run.job)
         if "(ENOSPC)" in (m.persist_error or "") and m.durable_log_step == step - 1 \
                 and lease.heartbeat_unix > self.filled_unix + run.job.lease_seconds:

@@ -10,7 +10,8 @@ from reference_runs import SMALL_TASK, assert_exact, job_for, uninterrupted_hash
 from zocheck_ray.actors.names import NAMESPACE, shadow_name
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.control import RunFailedError
-from zocheck_ray.control.placement import Placement, profile_steps
+from zocheck_ray.control.placement import Placement
+from zocheck_ray.control.profile import profile_steps
 from zocheck_ray.storage import read_lease
 from zocheck_ray.storage.fs import open_storage
 from zocheck_ray.testing import run_with_faults as run

@@ -74,7 +74,7 @@ class FollowsImages(StandbyReady):
     def on_segment(self, run, segment):
         super().on_segment(run, segment)
         if self.followed is None and segment.start >= self.at:
-            newest = lambda: ray.get(run.shadow.metrics.remote()).snapshot_step  # noqa: E731
+            newest = lambda: run.shadow.metrics().snapshot_step  # noqa: E731
             assert wait_until(lambda: (newest() or 0) > segment.start, timeout=300)
             assert wait_until(lambda: ray.get(run.group.standby.held_image.remote()) == newest(), timeout=300), \
                 (segment.start, newest(), ray.get(run.group.standby.held_image.remote()))

@@ -156,5 +156,24 @@ def describe_actor(name: str, namespace: str = NAMESPACE) -> str:
     if status is not None:
         return status.describe()
     if actor_states() is None:
-        return "in an unknown state (Ray's state API does not answer: a cluster started without its dashboard)"
+        return _ask_actor(name, namespace)
     return "unknown to Ray's state API"
+
+
+PROBE_SECONDS = 2.0
+"""How long `describe_actor` waits for an actor's own answer where Ray's state API does not answer."""
+
+
+def _ask_actor(name: str, namespace: str) -> str:
+    """The actor's own answer (its `pid`), where Ray's state API does not answer (no dashboard)."""
+    import ray
+
+    try:
+        pid = ray.get(ray.get_actor(name, namespace=namespace).pid.remote(), timeout=PROBE_SECONDS)
+    except ValueError:
+        return "unknown to Ray (no actor of that name)"
+    except ray.exceptions.GetTimeoutError:
+        return f"not answering within {PROBE_SECONDS:g} s (busy, or being restarted)"
+    except ray.exceptions.RayError as exc:
+        return f"not answering: {str(exc).splitlines()[0]}"
+    return f"ALIVE (pid {pid}, by its own answer: Ray's state API does not answer without a dashboard)"

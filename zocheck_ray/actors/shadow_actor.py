@@ -125,7 +125,7 @@ class ShadowActor:
         if self._gauges is None:
             self._gauges = {n: Gauge(f"zocheck_shadow_{n}", description=f"zocheck-ray shadow {n}",
                                      tag_keys=("run_id",)) for n in type(m).model_fields
-                            if n not in ("run_id", "incarnation", "regime", "source", "rank_seconds_per_step")
+                            if n not in ("run_id", "incarnation", "regime", "source", "rank_seconds_per_step", "standby")
                             and not n.endswith("_error")}
             self._rank_gauge = Gauge("zocheck_shadow_rank_seconds_per_step", tag_keys=("run_id", "rank"),
                                      description="zocheck-ray trainer rank's mean step seconds (last segment)")

@@ -9,7 +9,8 @@ from zocheck_ray.core.lazy import on_first_use
 
 if TYPE_CHECKING:
     from zocheck_ray.control.callbacks import RunCallback, Segment
-    from zocheck_ray.control.controller import Controller, State, run
+    from zocheck_ray.control.controller import Controller, State
+    from zocheck_ray.control.launch import run
     from zocheck_ray.control.policy import Action, Decision, Failure, FailureBudget, decide
     from zocheck_ray.control.stop import RunStopped
     from zocheck_ray.control.summary import Recovery, RunFailedError, RunSummary
@@ -17,7 +18,8 @@ if TYPE_CHECKING:
 
 __getattr__, __dir__ = on_first_use(globals(), {
     "callbacks": ("RunCallback", "Segment"),
-    "controller": ("Controller", "State", "run"),
+    "controller": ("Controller", "State"),
+    "launch": ("run",),
     "policy": ("Action", "Decision", "Failure", "FailureBudget", "decide"),
     "stop": ("RunStopped",),
     "summary": ("Recovery", "RunFailedError", "RunSummary"),

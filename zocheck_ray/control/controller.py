@@ -21,25 +21,18 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Callable, Iterable
+from typing import Iterable, Protocol
 
-import ray
-from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
-from ray.util.placement_group import PlacementGroup
-
-from zocheck_ray.runtime.messages import ShadowMetrics, TrainerProgress, TrainerTimes
-from zocheck_ray.actors.names import actor_status, shadow_name
-from zocheck_ray.actors.link import call_when_alive, shadow_writer, wait_until_dead
-from zocheck_ray.runtime.shadow import ShadowRestartedError
 from zocheck_ray.config import JobConfig
-from zocheck_ray.control.callbacks import ProgressPrinter, RunCallback, RunRecord, Segment, SegmentFunction
-from zocheck_ray.control.group import TrainerGroup
+from zocheck_ray.control.callbacks import RunCallback, RunRecord, Segment
 from zocheck_ray.control.monitor import Monitor
-from zocheck_ray.control.placement import DRAIN_SECONDS, Placement, profile_steps, startup_profile
 from zocheck_ray.control.policy import Action, Failure, FailureBudget, decide
-from zocheck_ray.control.startup import check_run
+from zocheck_ray.control.profile import DRAIN_SECONDS, profile_steps, startup_profile
 from zocheck_ray.control.stop import RunStopped, StopRequest, signal_name
 from zocheck_ray.control.summary import Recovery, RunFailedError, RunSummary
+from zocheck_ray.runtime.errors import DrainFailedError, ShadowGoneError
+from zocheck_ray.runtime.messages import ShadowMetrics, TrainerProgress, TrainerTimes
+from zocheck_ray.runtime.shadow import ShadowRestartedError
 from zocheck_ray.storage import LeaseError, StorageError
 from zocheck_ray.storage.lease import release_dead_holder
 
@@ -69,12 +62,25 @@ class State(enum.Enum):
 ENDED = (State.DONE, State.FAILED, State.STOPPED)
 
 
-class Controller:
-    """Drives one run through its states; `run()` (the module's function) is the facade."""
+class Parts(Protocol):
+    """Where a run's processes come from and go: `control/placement.py` on Ray, fakes in the unit tests."""
 
-    def __init__(self, job: JobConfig, task, placement: Placement, callbacks: Iterable[RunCallback] = (),
-                 stop: StopRequest | None = None):
-        self.job, self.task, self.placement = job, task, placement
+    def start(self) -> tuple:
+        """Start the run's shadow and trainers: (its `ShadowClient`, its `TrainerGroup`)."""
+
+    def stop(self) -> bool:
+        """End every process of the run; whether all are gone."""
+
+
+class Controller:
+    """Drives one run through its states (`zocheck_ray.run` is the facade, `control/launch.py`). It holds no Ray
+    type: its shadow client and trainer group come from `parts`, and report failures as values and errors of
+    the run's own, so every row of the failure table is driven in the unit tests without Ray."""
+
+    def __init__(self, job: JobConfig, task, parts: Parts, callbacks: Iterable[RunCallback] = (),
+                 stop: StopRequest | None = None, writer: str | None = None):
+        """`writer`: the shadow's name in the run's storage lease (released here where the shadow could not)."""
+        self.job, self.task, self.parts, self.writer = job, task, parts, writer
         self.stop = stop or StopRequest()
         """SIGTERM and SIGINT, once `launch` installed its handlers: the next step boundary stops the run."""
         self.stopped: str | None = None
@@ -83,7 +89,7 @@ class Controller:
         self.callbacks: list[RunCallback] = [self.record, *callbacks]
         self.state = State.STARTING
         self.step = 0
-        self.group: TrainerGroup | None = None
+        self.group = None
         self.shadow = None
         self.failure: Failure | None = None
         """The failure being handled (recovering, resyncing), as the policy saw it."""
@@ -137,8 +143,7 @@ class Controller:
     # ------------------------------------------------------------------ states
 
     def _start(self) -> State:
-        self.shadow, ranks = self.placement.start()
-        self.group = TrainerGroup(self.job, ranks, self.placement.start_standby if self.job.standby else None)
+        self.shadow, self.group = self.parts.start()
         started = self.group.start()
         self.step = started.step
         self.monitor.shadow_incarnation = self._metrics().incarnation
@@ -150,9 +155,9 @@ class Controller:
     def _profile(self) -> State:
         try:
             report = startup_profile(self.job, self.shadow, self._train_all, first_step=self.step)
-        except RayTaskError as exc:  # the profile's snapshot could not be made durable
+        except DrainFailedError as exc:  # the profile's snapshot could not be made durable
             return self._fail(Failure("drain_failed", self.step, f"the startup profile's snapshot could not be "
-                                      f"made durable: {exc.cause or exc}"))
+                                      f"made durable: {exc}"))
         self.step += report.training_steps
         if self.job.max_lag_steps is None and report.plan.lag_bound_steps:
             self.max_lag_steps = max(1, int(report.plan.lag_bound_steps))
@@ -184,7 +189,7 @@ class Controller:
             return self._fail(failure)
         progress = results[0]
         self.step = progress.step
-        metrics = self._metrics(self.group.times.recent)
+        metrics = self._metrics(self.group.trainer_times())
         failure = self.monitor.check(self, metrics, progress)  # check
         if failure is not None:
             return self._fail(failure)
@@ -226,12 +231,11 @@ class Controller:
         return State.RUNNING  # a host failure restarted the shadow too: the next check counts it
 
     def _resync(self) -> State:
-        try:  # rank 0 writes its state into the shadow's intake, on their node
-            step = self.group.export_to_shadow()
-        except RayActorError as exc:
-            call_when_alive(lambda: self.shadow.abort_intake.remote())  # the shadow snapshots its replica again
-            return self._fail(Failure("trainer_lost", self.step, str(exc).splitlines()[0], ranks=(0,)))
-        call_when_alive(lambda: self.shadow.resync.remote(step))
+        step = self.group.export_to_shadow(self.step)  # rank 0 writes its state into the shadow's intake
+        if isinstance(step, Failure):
+            self.shadow.abort_intake()  # the shadow snapshots its replica again
+            return self._fail(step)
+        self.shadow.resync(step)
         self.group.resynced(step)
         self._emit("on_resync", step, self.resync_reason, self._metrics().lag_steps)
         return State.RUNNING
@@ -242,10 +246,10 @@ class Controller:
             return self._fail(end)
         hashes, metrics = end
         final_step, final_hash = hashes[0]
-        _, shadow_hash = call_when_alive(lambda: self.shadow.replica_hash.remote())
+        _, shadow_hash = self.shadow.replica_hash()
         self._check_profile(metrics)
         # A run resumed at its last step trained nothing: its trainer says which kernels it would use.
-        kernel = self.record.last.kernel if self.record.last is not None else ray.get(self.group.leader.kernel.remote())
+        kernel = self.record.last.kernel if self.record.last is not None else self.group.kernel()
         if kernel.check is not None and kernel.check.passed is False:
             self.warn(f"the GPU kernels differed from the CPU oracle at start-up: the trainer ran the eager path "
                       f"({kernel.check})")
@@ -262,11 +266,11 @@ class Controller:
         for _ in range(DRAIN_ATTEMPTS):
             incarnation = self._metrics().incarnation  # waits while Ray restarts the shadow
             try:
-                expected = self.group.deliver()
-            except RayActorError as exc:
-                return Failure("trainer_lost", self.step, str(exc).splitlines()[0], ranks=self.group.lost_ranks())
-            except RayTaskError:  # the shadow went away under the delivery: ask again
+                expected = self.group.deliver(self.step)
+            except ShadowRestartedError:  # the shadow went away under the delivery: ask again
                 continue
+            if isinstance(expected, Failure):
+                return expected
             hashes = self.group.state_hashes(self.step)
             if isinstance(hashes, Failure):
                 return hashes
@@ -276,12 +280,11 @@ class Controller:
                                                      f"trainers are at step {step}, and no process holds the "
                                                      f"records of steps {expected}..{step - 1}")
             try:
-                return hashes, call_when_alive(lambda: self.shadow.drain.remote(step, DRAIN_SECONDS, incarnation))
-            except RayTaskError as exc:
-                if isinstance(exc.cause, ShadowRestartedError):
-                    continue
-                return Failure("drain_failed", step, f"the final state could not be made durable: "
-                                                     f"{str(exc.cause) if exc.cause else exc}")
+                return hashes, self.shadow.drain(step, DRAIN_SECONDS, incarnation)
+            except ShadowRestartedError:
+                continue
+            except DrainFailedError as exc:
+                return Failure("drain_failed", step, f"the final state could not be made durable: {exc}")
         return Failure("drain_failed", self.step, f"the final state could not be made durable: the shadow restarted "
                                                   f"{DRAIN_ATTEMPTS} times while it was handed the final records")
 
@@ -289,18 +292,18 @@ class Controller:
         """A stop signal: the trainers are at a step boundary; what the shadow holds is made durable."""
         url, name = self.job.run_url, signal_name(self.stop.signum)
         try:
-            self.group.deliver()  # every record a trainer holds, to the shadow
-        except (RayActorError, RayTaskError):
-            pass  # a trainer (or the shadow) was lost meanwhile: what the shadow holds is what there is
+            self.group.deliver(self.step)  # every record a trainer holds, to the shadow
+        except ShadowRestartedError:
+            pass  # the shadow was lost meanwhile: what it holds is what there is (as where a trainer was lost)
         metrics = self._metrics()
         step = metrics.received_step
         try:
-            call_when_alive(lambda: self.shadow.drain.remote(step, DRAIN_SECONDS, metrics.incarnation))
+            self.shadow.drain(step, DRAIN_SECONDS, metrics.incarnation)
             self.stopped = f"stopped by {name} at step {step}: its state is durable in {url}"
-        except RayTaskError as exc:
+        except (DrainFailedError, ShadowRestartedError) as exc:
             durable = self._metrics().durable_step
             self.stopped = (f"stopped by {name} at step {self.step}: the state there could not be made durable "
-                            f"({exc.cause or exc}); the durable state of step {durable} in {url} resumes the run")
+                            f"({exc}); the durable state of step {durable} in {url} resumes the run")
         return State.STOPPED
 
     # ------------------------------------------------------------------ helpers
@@ -315,9 +318,9 @@ class Controller:
 
     def _metrics(self, times: TrainerTimes | None = None) -> ShadowMetrics:
         try:
-            return call_when_alive(lambda: self.shadow.metrics.remote(times))
-        except ActorDiedError as exc:
-            raise _ShadowGone(Failure("shadow_gone", self.step, str(exc).splitlines()[0])) from exc
+            return self.shadow.metrics(times)
+        except ShadowGoneError as exc:
+            raise _ShadowGone(Failure("shadow_gone", self.step, str(exc))) from exc
 
     def _stop_actors(self, graceful: bool = True) -> bool:
         """However the run ended: the shadow seals its log and releases the run's lease (`graceful`), every
@@ -330,20 +333,10 @@ class Controller:
                 released = self._close_shadow()
         except RunStopped as now:  # a second signal: no more waiting, but nothing is left running
             graceful, self.state, self.stopped = False, State.STOPPED, str(now)
-        actors = [a for a in [*(self.group.all_actors() if self.group is not None else []), self.shadow] if a]
-        for actor in actors:
+        gone = self.parts.stop()  # nothing of the run is left once this returns: a rerun finds its names free
+        if graceful and not released and self.shadow is not None and self.writer is not None and gone:
             try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
-                pass
-        self.placement.remove()  # a given group (a Tune trial's) is not among them
-        # Nothing of the run is left once this returns (a rerun at once finds its names free), and the
-        # shadow cannot write again once its lease is released for it.
-        gone = wait_until_dead([lambda actor=actor: actor.pid.remote() for actor in actors])
-        if graceful and not released and self.shadow is not None and gone:
-            try:
-                released = release_dead_holder(self.job.run_url, self.job.storage_options,
-                                               owner=shadow_writer(self.job.run_id),
+                released = release_dead_holder(self.job.run_url, self.job.storage_options, owner=self.writer,
                                                lease_seconds=self.job.lease_seconds)
             except (StorageError, LeaseError) as exc:
                 self.warn(f"the run's lease could not be released (it goes stale in {self.job.lease_seconds:g} s): "
@@ -353,14 +346,10 @@ class Controller:
     def _close_shadow(self) -> bool:
         if self.shadow is None:
             return False
-        status = actor_status(shadow_name(self.job.run_id))
-        if status is not None and status.state != "ALIVE":
-            return False
-        try:
-            return ray.get(self.shadow.close.remote(), timeout=CLOSE_SECONDS)
-        except (RayActorError, RayTaskError, ray.exceptions.GetTimeoutError) as exc:
-            self.warn(f"the shadow did not close within {CLOSE_SECONDS:g} s: {str(exc).splitlines()[0]}")
-            return False
+        released, problem = self.shadow.close(CLOSE_SECONDS)
+        if problem:
+            self.warn(problem)
+        return released
 
 
 class _ShadowGone(Exception):
@@ -369,39 +358,3 @@ class _ShadowGone(Exception):
     def __init__(self, failure: Failure):
         super().__init__(failure.detail)
         self.failure = failure
-
-
-def run(job: JobConfig, progress: Callable[[str], None] | None = print, callbacks: Iterable[RunCallback] = (),
-        on_segment: Callable[[TrainerProgress, ShadowMetrics], None] | None = None,
-        placement_group: PlacementGroup | None = None, first_bundle: int = 0) -> RunSummary:
-    """Run `job` to completion on the connected Ray cluster (a local one is started if none).
-
-    A run whose storage already holds a snapshot of `job.run_id` resumes from it (the newest
-    durable image plus the log, exactly). `placement_group`: an existing, reserved group (a Ray
-    Tune trial's) whose bundles `first_bundle` (trainer) and `first_bundle + 1` (shadow) the
-    actors use (and the next `trainers - 1` bundles, the other ranks); it is left in place.
-    `progress(line)` gets the progress lines; `on_segment(progress, metrics)` is called after each
-    segment with rank 0's `TrainerProgress` and the shadow's `ShadowMetrics`; `callbacks` see
-    every event (`RunCallback`). Raises `JobConfigError` before any actor starts for a job that
-    cannot run, `RunFailedError` for a run that cannot go on, and `RunStopped` (a `SystemExit` with
-    128 + the signal's number) once SIGTERM or SIGINT stopped it at a step boundary, its state durable.
-    However it ends, the run's lease is released and none of its actors is left.
-    """
-    return launch(job, progress, callbacks, on_segment, placement_group, first_bundle)
-
-
-def launch(job: JobConfig, progress: Callable[[str], None] | None, callbacks: Iterable[RunCallback] = (),
-           on_segment: Callable | None = None, placement_group: PlacementGroup | None = None,
-           first_bundle: int = 0, hooks=None) -> RunSummary:
-    """`run`, with `hooks` handed to the actors' processes (`zocheck_ray.testing` injects faults so)."""
-    say = progress or (lambda line: None)
-    chain = [ProgressPrinter(say), *callbacks, *([SegmentFunction(on_segment)] if on_segment else [])]
-    with StopRequest().installed() as stop:
-        task, gpus = check_run(job, progress, placement_group, first_bundle)
-        stop.install()  # again: connecting to Ray installed a SIGTERM handler of its own
-        if stop.requested:
-            stopped = stop.before_start()
-            say(f"  {stopped}")
-            raise stopped
-        placement = Placement(job, gpus, placement_group, first_bundle, hooks)
-        return Controller(job, task, placement, chain, stop).run()

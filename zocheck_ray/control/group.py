@@ -18,19 +18,19 @@ group the group forms. The group owns its actors and knows three things:
 from __future__ import annotations
 
 import logging
-import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from zocheck_ray.runtime.messages import RecoveryInfo, TrainerProgress, TrainerTimes
+from zocheck_ray.runtime.messages import KernelInfo, RecoveryInfo, TrainerProgress, TrainerTimes
 from zocheck_ray.actors.names import actor_states, actor_status, trainer_name
 from zocheck_ray.actors.link import call_when_alive, died_since, wait_until_restarted
+from zocheck_ray.runtime.shadow import ShadowRestartedError
 from zocheck_ray.runtime.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig
+from zocheck_ray.control.outcomes import Restored, StepTimes
 from zocheck_ray.control.policy import Failure
 
 logger = logging.getLogger(__name__)
@@ -45,51 +45,10 @@ PROBE_SECONDS = 5.0
 """How long `lost_ranks` waits for the ranks' answers where there is no state API (a busy rank is alive)."""
 
 
-@dataclass
-class Restored:
-    """A recovery the group carried out: the lost rank's restore, and where the time went."""
-
-    rank: int
-    info: RecoveryInfo
-    replaced_by: str
-    """`standby` (promoted), `restart` (Ray restarted the process) or `torn` (no process was lost)."""
-    phases: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class StepTimes:
-    """The ranks' step and collective times: over the whole run, and over the last segment."""
-
-    rank_seconds: list[float]
-    rank_steps: list[int]
-    collective_seconds: float = 0.0
-    collective_steps: int = 0
-    recent: TrainerTimes | None = None
-    held_out_step: int | None = None
-    held_out: dict[str, float] = field(default_factory=dict)
-    """The newest held-out evaluation the ranks reported (rank 0 evaluates), and its step."""
-
-    def add(self, results: dict[int, TrainerProgress], k: int) -> None:
-        for r, progress in results.items():
-            if progress.evaluations:
-                self.held_out_step = max(progress.evaluations)
-                self.held_out = dict(progress.evaluations[self.held_out_step])
-            self.rank_seconds[r] += sum(progress.step_seconds)
-            self.rank_steps[r] += len(progress.step_seconds)
-            self.collective_seconds += sum(progress.collective_seconds)
-            self.collective_steps += len(progress.collective_seconds)
-        if len(results) == k and all(p.step_seconds for p in results.values()):
-            gathers = [s for p in results.values() for s in p.collective_seconds]
-            self.recent = TrainerTimes(
-                rank_seconds_per_step=[statistics.fmean(results[r].step_seconds) for r in range(k)],
-                collective_seconds_per_step=statistics.fmean(gathers) if gathers else None,
-                held_out_step=self.held_out_step, held_out=dict(self.held_out))
-
-
 class TrainerGroup:
     """The trainer ranks of a run and its optional warm standby (see the module docstring)."""
 
-    def __init__(self, job: JobConfig, ranks: list, start_standby: Callable[[], object] | None = None):
+    def __init__(self, job: JobConfig, ranks: list, start_standby: Callable[[str], object] | None = None):
         self.job = job
         self.k = job.trainers
         self.ranks = list(ranks)
@@ -99,6 +58,8 @@ class TrainerGroup:
         self.standby_name = trainer_name(job.run_id, "standby")
         self.incarnations: list[str | None] = [None] * self.k
         self._start_standby = start_standby
+        self._standbys_started = 0
+        """Each standby has a name of its own: one ended before it was ready may not be gone yet."""
         self.standby = None
         """The waiting process a lost rank is replaced by (None: no standby, or not started yet)."""
         self._preparing = None
@@ -154,10 +115,38 @@ class TrainerGroup:
         if self._start_standby is None:
             return
         if self.standby is None:
-            self.standby = self._start_standby()
+            self._standbys_started += 1
+            n = self._standbys_started
+            self.standby_name = trainer_name(self.job.run_id, "standby" if n == 1 else f"standby{n}")
+            self.standby = self._start_standby(self.standby_name)
             return
         if self.prepare_standby():
             self._follow()
+
+    def standby_state(self) -> str:
+        """`none` (no standby, or not started yet), `starting` (building its model) or `ready` (a lost rank is
+        replaced by it at once): what `status` reports."""
+        if self.standby is None:
+            return "none"
+        return "ready" if self._standby_built else "starting"
+
+    def trainer_times(self) -> TrainerTimes | None:
+        """The ranks' step times over the last segment, and the standby's state, for the shadow's metrics."""
+        recent = self.times.recent
+        return recent.model_copy(update={"standby": self.standby_state()}) if recent is not None else None
+
+    def _drop_unready_standby(self) -> None:
+        """End a standby that is still building when a rank is lost: its set-up would take the cores from Ray's
+        restart of the lost process, so a loss before the standby is ready costs what it costs without one. A
+        new standby starts once the run is steady again."""
+        try:
+            ray.kill(self.standby, no_restart=True)
+        except Exception:  # gone already
+            pass
+        logger.info("the standby was not ready when a rank was lost: ended, to leave the cores to the restart")
+        self.standby = None
+        self._following = self._preparing = self._asking = None
+        self._standby_built = self._prepare_failed = False
 
     def prepare_standby(self) -> bool:
         """Ask the standby's process to build its model where it waits to (a process Ray restarted: the one lost
@@ -303,6 +292,8 @@ class TrainerGroup:
             self._standby_built = self._prepare_failed = False
             self.ranks[r] = promoted
             return promoted, "standby", None
+        if self.standby is not None:
+            self._drop_unready_standby()
         while True:  # Ray restarts the lost process (a new incarnation): it waits to be told where to restore
             wait_until_restarted(name, self._restarts.get(name))
             try:
@@ -332,17 +323,27 @@ class TrainerGroup:
 
     # ------------------------------------------------------------------ the rest
 
-    def export_to_shadow(self) -> int:
-        """Rank 0 writes its state into the shadow's intake (a resync); returns its step."""
-        return ray.get(self.leader.export_to_shadow.remote())
+    def export_to_shadow(self, step: int) -> int | Failure:
+        """Rank 0 writes its state into the shadow's intake (a resync); returns its step, or the `Failure` of
+        rank 0's loss."""
+        try:
+            return ray.get(self.leader.export_to_shadow.remote())
+        except RayActorError as exc:
+            return Failure("trainer_lost", step, str(exc).splitlines()[0], ranks=(0,))
 
     def resynced(self, step: int) -> None:
         ray.get(self.leader.resynced.remote(step))
 
-    def deliver(self) -> int:
+    def deliver(self, step: int) -> int | Failure:
         """Every rank hands the shadow the records it holds and the shadow lacks; returns the step the shadow
-        then expects (before the step the ranks are at: records no process holds any more)."""
-        return max(call_when_alive(lambda r=rank: r.deliver.remote()) for rank in self.ranks)
+        then expects (before the step the ranks are at: records no process holds any more), or the `Failure`
+        of a lost rank. Raises `ShadowRestartedError` where the shadow went away under the delivery."""
+        try:
+            return max(call_when_alive(lambda r=rank: r.deliver.remote()) for rank in self.ranks)
+        except RayActorError as exc:
+            return Failure("trainer_lost", step, str(exc).splitlines()[0], ranks=self.lost_ranks())
+        except RayTaskError as exc:
+            raise ShadowRestartedError(f"the shadow went away during a delivery: {exc.cause or exc}") from exc
 
     def state_hashes(self, step: int) -> list[tuple[int, str]] | Failure:
         """Every rank's (step, state_hash), in rank order; a `Failure` when a rank was lost (or waits to
@@ -364,6 +365,20 @@ class TrainerGroup:
 
     def resent_records(self) -> int:
         return ray.get(self.leader.publisher_stats.remote()).resent_records
+
+    def kernel(self) -> KernelInfo:
+        """Which implementation rank 0 updates the weights with."""
+        return ray.get(self.leader.kernel.remote())
+
+    def kill(self) -> list:
+        """End every trainer process of the run (no restart); returns the actors, for a wait on their deaths."""
+        actors = self.all_actors()
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # gone already
+                pass
+        return actors
 
 
 def _outcome(call: ray.ObjectRef, failed: str) -> str:

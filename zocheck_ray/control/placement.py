@@ -1,25 +1,21 @@
-"""Where a run's actors go and how they start: the Ray connection, the cluster check, the placement
-groups of the trainer ranks and the shadow, and the startup profile that sets N."""
+"""Where a run's actors go, how they start and how they end: the cluster check, the placement groups of
+the trainer ranks and the shadow, the actors themselves."""
 
 from __future__ import annotations
-
-from typing import Callable
 
 import ray
 from ray.exceptions import RaySystemError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from zocheck_ray.runtime.messages import TrainerProgress
 from zocheck_ray.actors.names import NAMESPACE, shadow_name, trainer_name
-from zocheck_ray.actors.link import ShadowActor
+from zocheck_ray.actors.client import ShadowClient
+from zocheck_ray.actors.link import ShadowActor, wait_until_dead
 from zocheck_ray.actors.trainer_actor import TrainerActor
 from zocheck_ray.config import JobConfig, JobConfigError
+from zocheck_ray.control.group import TrainerGroup
 from zocheck_ray.core.kernel_cache import cache_env
-from zocheck_ray.policies import ProfileReport, ProfileSettings, profile_startup
 
-DRAIN_SECONDS = 300.0
-"""How long the end of a run (or the profile of a resumed one) waits for the shadow to replay and persist."""
 STANDBY_GPU_SHARE = 0.01
 """With `standby: true` on a GPU node the standby shares rank 0's GPU: it reserves this fraction and rank 0
 the rest of the bundle's GPU. It allocates no device memory until it is promoted."""
@@ -115,15 +111,17 @@ class Placement:
         self._payload = job.model_dump(mode="json")
         self._options = {"runtime_env": {"env_vars": env}} if (env := cache_env()) else {}
         """The user's `NUMBA_CACHE_DIR`, handed to every actor (the default is each node's own)."""
+        self._shadow = None
+        self._group: TrainerGroup | None = None
 
     def _strategy(self, place: tuple[PlacementGroup, int]) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(place[0], placement_group_bundle_index=place[1])
 
-    def start(self):
+    def start(self) -> tuple[ShadowClient, TrainerGroup]:
         """The shadow and the trainer ranks, started side by side (a trainer's process imports and builds its
-        model while the shadow's starts; its first call to the shadow waits for it); returns (the shadow, the
-        trainer of each rank) once the shadow is up. A shadow that cannot start raises its own error, and
-        no trainer is left behind."""
+        model while the shadow's starts; its first call to the shadow waits for it); returns the shadow's client
+        and the trainer group once the shadow is up. A shadow that cannot start raises its own error, and no
+        trainer is left behind."""
         for group in self.groups or [self._given]:
             ray.get(group.ready(), timeout=120)
         job = self.job
@@ -145,63 +143,31 @@ class Placement:
             for actor in [*trainers, shadow]:
                 ray.kill(actor, no_restart=True)
             raise
-        return shadow, trainers
+        self._shadow = shadow
+        self._group = TrainerGroup(job, trainers, self.start_standby if job.standby else None)
+        return ShadowClient(shadow, job.run_id), self._group
 
-    def start_standby(self):
-        """The warm standby, beside rank 0 and the shadow: no CPU of its own (it waits), a sliver of rank 0's
-        GPU where there is one (`STANDBY_GPU_SHARE`)."""
+    def start_standby(self, name: str):
+        """The warm standby (actor `name`), beside rank 0 and the shadow: no CPU of its own (it waits), a sliver
+        of rank 0's GPU where there is one (`STANDBY_GPU_SHARE`)."""
         job = self.job
         return TrainerActor.options(
             **self._options,
-            name=trainer_name(job.run_id, "standby"), namespace=NAMESPACE, num_cpus=0,
+            name=name, namespace=NAMESPACE, num_cpus=0,
             num_gpus=STANDBY_GPU_SHARE if self.gpus else 0, max_restarts=job.max_restarts,
             scheduling_strategy=self._strategy(self._rank_places[0]),
         ).remote(self._payload, self.hooks, 0, True)
 
-    def remove(self) -> None:
+    def stop(self) -> bool:
+        """End every process of the run (no restart) and remove the placement groups created here; returns
+        whether every process is gone (a rerun at once then finds the names free)."""
+        actors = [*(self._group.kill() if self._group is not None else []),
+                  *([self._shadow] if self._shadow is not None else [])]
+        if self._shadow is not None:
+            try:
+                ray.kill(self._shadow, no_restart=True)
+            except Exception:  # gone already
+                pass
         for group in self.groups:
             remove_placement_group(group)
-
-
-def profile_settings(job: JobConfig, remaining_steps: int | None = None) -> ProfileSettings:
-    return ProfileSettings(thread_counts=tuple(range(1, job.shadow_cpus + 1)), warmup_steps=2, timed_steps=5,
-                           replay_repeats=2, max_training_steps=min(30, job.steps if remaining_steps is None
-                                                                   else remaining_steps))
-
-
-def profile_steps(job: JobConfig) -> int:
-    """The training steps the startup profile takes (a run with fewer steps left runs without one)."""
-    settings = profile_settings(job)
-    return max(settings.warmup_steps + settings.timed_steps, settings.replays_needed)
-
-
-def startup_profile(job: JobConfig, shadow, train_to: Callable[[int], TrainerProgress],
-                    first_step: int = 0) -> ProfileReport:
-    """Measure the trainer step, the replay per thread count, the snapshot copy and the
-    persistence time in the first training steps (at most 30) and choose N and the threads.
-    `train_to(step)`: trains every rank to `step` and returns rank 0's progress (it is timed)."""
-    settings = profile_settings(job, job.steps - first_step)
-    reached = [first_step]
-
-    def trainer_step(i: int) -> float:
-        progress = train_to(first_step + i + 1)
-        reached[0] = progress.step
-        return progress.step_seconds[-1] if progress.step_seconds else 0.0
-
-    def replay_step(i: int, threads: int) -> float:
-        seconds = ray.get(shadow.profile_replay.remote(threads))
-        return seconds if seconds is not None else 0.0
-
-    def persist() -> float:
-        seconds = ray.get(shadow.last_persist_seconds.remote())
-        if seconds is None:  # a shadow rebuilt from storage (a resumed run) has written nothing yet: write one
-            ray.get(shadow.drain.remote(reached[0], DRAIN_SECONDS))
-            seconds = ray.get(shadow.last_persist_seconds.remote())
-        return seconds
-
-    report = profile_startup(trainer_step=trainer_step, replay_step=replay_step,
-                             snapshot_copy=lambda: ray.get(shadow.profile_snapshot.remote()),
-                             persist=persist, settings=settings, storage_share=job.storage_share)
-    ray.get(shadow.end_profile.remote(report.replay_threads, report.snapshot_interval, report.plan.regime,
-                                      report.plan.durable_interval))
-    return report
+        return wait_until_dead([lambda actor=actor: actor.pid.remote() for actor in actors])

@@ -1,20 +1,13 @@
 """The shadow: a pipeline that replays step records on a host replica, snapshots it, persists it.
 
-    ingest   the caller's thread (ShadowActor's single "inbox" thread): decode, check the
-             order, accept into the `RecordLedger`. The only place a record is accepted.
-    replay   its own thread, owner of the replica: applies records with the fused kernel up
-             to each multiple of N, then snapshots: the image goes to the ledger (recovering
-             trainers read it with the records after it) and to the persistence stage.
-    persist  its own thread, owner of the snapshot store and the step log: appends accepted
-             records to the durable log and writes the newest image, one write in flight,
-             older images skipped. Every storage error is caught, counted, reported in the
-             metrics and retried with backoff: an outage delays durability, never ends it,
-             and ingest never waits for storage.
+    ingest   the caller's thread: decode, check the order, accept into the `RecordLedger`.
+    replay   its own thread, owner of the replica: applies records up to each multiple of N, then
+             snapshots; the image goes to the ledger (for recovering trainers) and to persistence.
+    persist  its own thread, owner of the store and the step log: makes records and the newest
+             image durable, retrying through outages, so ingest never waits for storage.
 
-`Shadow` is Ray-free (tests drive it directly); `ShadowActor` in `shadow_actor.py` is its
-transport. Other threads reach the replay stage only through `ReplayStage.call`, which
-runs a function on its thread between batches; each stage publishes its counters as
-plain values that `metrics()` reads.
+`Shadow` is Ray-free (`ShadowActor` is its transport); other threads reach the replay stage only
+through `ReplayStage.call`.
 """
 
 from __future__ import annotations
@@ -48,7 +41,7 @@ from zocheck_ray.workload.models import model_config_dict
 logger = logging.getLogger(__name__)
 
 ADAPTER_KEY = "adapter"
-"""A parameter-efficient run's snapshots record its `AdapterIdentity` under this key of their user metadata."""
+"""The key of a parameter-efficient run's `AdapterIdentity` in its snapshots' user metadata."""
 
 
 class Shadow:
@@ -56,15 +49,14 @@ class Shadow:
 
     def __init__(self, job: JobConfig, threads: int | None = None, persist: bool = True,
                  hooks: ShadowHooks = NO_HOOKS, writer: str | None = None, nice: int = 0):
-        """`writer` names this shadow in the run's lease; a restarted shadow passes the same name and
-        reclaims the lease of its dead predecessor. Any other live writer is refused (`LeaseHeldError`).
-        `nice`: the niceness of the replay and persistence threads and of what they start (`job.shadow_nice`
-        in a `ShadowActor`); the caller's threads, ingest's and the lease's heartbeat keep theirs."""
+        """`writer` names this shadow in the run's lease: a restarted shadow passes the same name and reclaims its
+        predecessor's lease, any other live writer is refused. `nice`: the replay and persistence threads'."""
         self.job = job
         self.hooks = hooks
         self.incarnation = uuid.uuid4().hex[:12]
         self.trainer_step: int | None = None
         self.rank_seconds_per_step: list[float] = []
+        self.standby = "none"
         self.collective_seconds_per_step: float | None = None
         self.held_out_step: int | None = None
         self.held_out: dict[str, float] = {}
@@ -73,10 +65,10 @@ class Shadow:
         self.ingest_error: str | None = None
         self.regime = "unknown"
         self.adapter: AdapterIdentity | None = None
-        """A parameter-efficient run's base and adapter: from its first trainer, or its durable snapshot."""
+        """A parameter-efficient run's base and adapter, from its first trainer or its durable snapshot."""
         self.model_config: dict | None = None
-        """The model's Hugging Face config, which every snapshot of a full run carries: from the first trainer,
-        or the durable snapshot (so the shadow's process never imports transformers to build it)."""
+        """The model's Hugging Face config for every snapshot of a full run, from the first trainer or the durable
+        snapshot (the shadow never imports transformers to build it)."""
         warm = threading.Thread(target=warm_up, args=(JOB_DTYPES[job.dtype], job.zo), name="zocheck-warm-up")
         warm.start()  # the replay kernel loads while storage is read; profiles then time the kernel, not its load
         self.ledger = RecordLedger(0, on_accept=lambda: self.replay.wake())
@@ -101,9 +93,7 @@ class Shadow:
             self.persist.start()
 
     def _snapshot_meta(self) -> dict:
-        """What the next snapshot carries besides the tensors (asked by persistence at each save). A
-        parameter-efficient run's snapshot is a peft adapter directory (its config, not the base model's) and
-        records the base's hash."""
+        """What the next snapshot carries besides the tensors (a peft adapter's config, or the model's)."""
         meta = {"run_id": self.job.run_id, "zo_config": self.job.zo.model_dump(mode="json")}
         if self.job.peft is None:
             if self.model_config is None:  # a caller that gave none (the trainers of a run give theirs)
@@ -122,8 +112,8 @@ class Shadow:
         latest = _with_retries(store.latest, f"listing the snapshots of {self.job.run_url}")
         if latest is None:
             return
-        # The snapshot is read into the image's memory and the log replayed there; the replica is then a copy:
-        # two copies of the state at the peak, as in every other phase.
+        # Read into the image's memory and replayed there, then copied into the replica: two copies of the state at the
+        # peak, as in every other phase.
         layout = ImageLayout.from_specs([(t.name, t.dtype, tuple(t.shape)) for t in latest.manifest.tensors])
         buffer = self.replay.open_intake(layout)
         result = _with_retries(lambda: recover(store, self.job.run_url, storage_options=self.job.storage_options,
@@ -145,8 +135,7 @@ class Shadow:
     # ------------------------------------------------------------------ state in
 
     def open_intake(self, layout: ImageLayout) -> SharedBuffer:
-        """Memory for a trainer to write its state of `layout` into (a fresh run's initial state, a resync);
-        then `initialize` or `resync` with the state's step, or `abort_intake`."""
+        """Memory for a trainer to write its state of `layout` into; then `initialize`, `resync` or `abort_intake`."""
         return self.replay.call(lambda: self.replay.open_intake(layout))
 
     def abort_intake(self) -> None:
@@ -154,10 +143,8 @@ class Shadow:
 
     def initialize(self, step: int, state: dict[str, torch.Tensor] | None = None, timeout: float = 300.0,
                    adapter: AdapterIdentity | None = None, model_config: dict | None = None) -> None:
-        """A fresh run: the trainer's initial state at `step` (written into the intake, or given here),
-        made durable before training starts; `adapter`: a parameter-efficient run's base and adapter,
-        `model_config`: the model's Hugging Face config (as `model_config_dict` gives it; built here when
-        not given), both recorded in every snapshot."""
+        """A fresh run: the trainer's initial state at `step` (in the intake, or given here), made durable before
+        training starts."""
         if adapter is not None:
             self.adapter = adapter
         if model_config is not None:
@@ -170,11 +157,8 @@ class Shadow:
                              f"{self.persist.error or 'storage did not answer'}")
 
     def resync(self, step: int, state: dict[str, torch.Tensor] | None = None, wait_seconds: float = 60.0) -> None:
-        """Replace the replica with the trainer's state at `step` (written into the intake, or given here).
-
-        The records before `step` were pushed before the state was exported; wait up to
-        `wait_seconds` for them so the log stays whole (0 when they are known lost).
-        """
+        """Replace the replica with the trainer's state at `step`, after waiting up to `wait_seconds` for the records
+        before it so that the log stays whole."""
         if state is not None:
             self._fill_intake(state)
         if wait_seconds > 0:
@@ -193,7 +177,7 @@ class Shadow:
     # ------------------------------------------------------------------ ingest
 
     def push(self, data: bytes, trainer_step: int | None = None) -> PushReply:
-        """Receive a batch of encoded records (or none: a ping) and the trainer's current step."""
+        """Receive encoded records (none: a ping) and the trainer's current step."""
         if trainer_step is not None:
             self.trainer_step = trainer_step
         accepted = 0
@@ -220,53 +204,42 @@ class Shadow:
     # ------------------------------------------------------------------ out
 
     def recovery_view(self, lend: bool = False) -> tuple[Image | None, list[StepRecord]]:
-        """The newest image and every accepted record after it (replayed or not). `lend`: a trainer reads
-        the image from another process; it is not written again until `give_back`."""
+        """The newest image and every accepted record after it; `lend`: not written again until `give_back`."""
         return self.ledger.recovery_view(lend=lend)
 
     def offer(self, fresh: bool, held: str | None = None) -> tuple[Image | None, list[StepRecord]]:
-        """What a trainer recovers from: `recovery_view(lend=True)`. `fresh` (a recovering trainer on the CPU,
-        `JobConfig.recovery_snapshot`): first a snapshot of the replica, caught up with the records received,
-        where it had replayed some of those after the newest image and that image's memory is free
-        (`ReplayStage.snapshot_caught_up`): the trainer then copies the state and replays nothing.
-
-        `held`: the token of the image the trainer holds already (a CPU standby copies each new image while it
-        waits, `Trainer.preinstall`). Where that is the newest image and the replica has records still to replay,
-        no snapshot is taken: the standby replays the records after the image at once, at its own priority,
-        where the snapshot would wait for the replica's catch-up (at the shadow's low priority, beside the
-        failure's aftermath) and then cost two copies of the state (540M parameters on two cores: 2.1 s against
-        about 1.2 s)."""
+        """What a trainer recovers from: `recovery_view(lend=True)`, after a caught-up snapshot where `fresh`
+        (`ReplayStage.snapshot_caught_up`). Not where the newest image is `held` by a CPU standby and the replica
+        lags: the standby replays the records sooner at its own priority than the shadow at its low one."""
         if fresh and not (held is not None and self._lags_behind(held)):
             self.replay.call(self.replay.snapshot_caught_up)
         return self.recovery_view(lend=True)
 
     def newer_image(self, token: str | None, timeout: float) -> int | None:
-        """Wait (at most `timeout` s) until an image other than `token` is offered; its step, or None."""
+        """Wait up to `timeout` s for an image other than `token`; its step, or None."""
         return self.ledger.wait_newer(token, timeout)
 
     def _lags_behind(self, token: str) -> bool:
-        """The newest image is `token` and the replica has received records it has not replayed yet."""
+        """The newest image is `token` and the replica has records it has not replayed yet."""
         image = self.ledger.image
         return image is not None and image.token == token and self.replay.replayed_step < self.ledger.next_step
 
     def image_bytes(self, token: str, start: int, length: int):
-        """A copy of bytes `start..start+length` of the offered image `token` (for a reader that cannot
-        open it: another node); raises `ImageGoneError` once a newer image has replaced it."""
+        """Bytes `start..start+length` of the offered image `token`, for a reader on another node."""
         image = self.ledger.image
         if image is None or image.token != token:
             raise ImageGoneError(f"the image {token} has been replaced; ask for the newest")
         return image.buffer.bytes[start: start + length].numpy().copy()
 
     def give_back(self, token: str) -> None:
-        """A trainer is done reading the image named `token` (its memory may be reused)."""
+        """A trainer is done reading the image `token`."""
         self.ledger.give_back(token)
 
     def drain(self, step: int, timeout: float = 300.0, incarnation: str | None = None) -> ShadowMetrics:
         """Wait for every record before `step`, replay them, snapshot at `step`, make it all durable.
 
-        `incarnation`: the shadow the caller handed the records to; another one (Ray retried the call on
-        the restarted process, which came back from storage) refuses at once with `ShadowRestartedError`
-        rather than wait for records it may never get."""
+        `incarnation`: the shadow the caller handed the records to; another (a restarted process Ray retried
+        the call on) refuses at once with `ShadowRestartedError` rather than wait for records it lacks."""
         if incarnation is not None and incarnation != self.incarnation:
             raise ShadowRestartedError(f"the shadow restarted (incarnation {self.incarnation}, not {incarnation}): "
                                        f"it holds records up to step {self.ledger.next_step}")
@@ -292,7 +265,7 @@ class Shadow:
 
     def end_profile(self, threads: int, snapshot_interval: int, regime: str = "unknown",
                     durable_interval: int | None = None) -> None:
-        """The profile's choices: replay threads, N, and the steps between durable snapshots (a multiple of N)."""
+        """The profile's choices: replay threads, N, and the durable interval (a multiple of N)."""
         self.regime = regime
         self.replay.call(lambda: self.replay.end_profile(threads, snapshot_interval))
         if self.persist is not None:
@@ -338,7 +311,7 @@ class Shadow:
             snapshot_seconds=replay.last_copy_seconds, snapshot_into_fresh_memory=replay.last_copy_fresh,
             snapshot_threads=replay.last_copy_threads,
             snapshot_seconds_median=statistics.median(copies) if copies else None,
-            rank_seconds_per_step=self.rank_seconds_per_step,
+            rank_seconds_per_step=self.rank_seconds_per_step, standby=self.standby,
             collective_seconds_per_step=self.collective_seconds_per_step, regime=self.regime, source=replay.source,
             held_out_step=self.held_out_step, held_out=self.held_out,
         )
@@ -348,10 +321,11 @@ class Shadow:
         self.rank_seconds_per_step = list(times.rank_seconds_per_step)
         self.collective_seconds_per_step = times.collective_seconds_per_step
         self.held_out_step, self.held_out = times.held_out_step, dict(times.held_out)
+        self.standby = times.standby
 
     def close(self) -> bool:
-        """Stop the stages; the persistence stage seals the log and writes what it can first, then the run's
-        lease is released. Returns whether it was (no lease: nothing to release)."""
+        """Stop the stages (persistence seals the log first), then release the lease; returns whether it was
+        released."""
         released = self.persist is None
         self.replay.stop()
         if self.persist is not None:
@@ -367,7 +341,7 @@ class Shadow:
 
 
 class ShadowRestartedError(StageError):
-    """A call meant for one incarnation of the shadow reached the next (its process was restarted)."""
+    """A call meant for one incarnation of the shadow reached the next."""
 
 
 def _with_retries(fn: Callable[[], object], what: str, seconds: float = STARTUP_STORAGE_SECONDS):
@@ -385,8 +359,8 @@ def _with_retries(fn: Callable[[], object], what: str, seconds: float = STARTUP_
 
 
 def process_memory(pid: int | str = "self") -> dict[str, int]:
-    """A process's memory from /proc/PID/status, in bytes: `VmHWM` (peak resident), `VmRSS` (resident now),
-    `RssAnon`, `RssShmem` (the pages it shares, a memfd image's among them); empty where there is none."""
+    """A process's `VmHWM`, `VmRSS`, `RssAnon` and `RssShmem` from /proc/PID/status, in bytes ({} where there is
+    none)."""
     out = {}
     try:
         with open(f"/proc/{pid}/status") as f:

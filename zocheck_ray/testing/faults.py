@@ -1,13 +1,9 @@
 """Faults injected on purpose, by tests, benchmarks and the demonstration (`--fail-at`).
 
 They reach a run through its seams, never through a user's `JobConfig` or `zocheck_ray.run`:
-
-- `FaultInjection` is handed to the trainer and shadow processes (`runtime/hooks.py`): a rank
-  that dies at given steps, a trainer that dies mid-recovery, a slow replay. It travels with
-  every restart, so it remembers in marker files what it already did;
-- `FailAt` is a `RunCallback`: it ends a segment where a host or shadow failure is due, kills
-  the processes there, and names the failures it caused (their step and mode) when the
-  controller sees them.
+`FaultInjection` travels with the trainer and shadow processes (`runtime/hooks.py`) and remembers
+in marker files what it already did; `FailAt` is a `RunCallback` that kills processes at a
+segment's end and names the failures it caused when the controller sees them.
 
     summary = run_with_faults(job, fail_at=[40], fail_mode="software")
 """
@@ -24,8 +20,8 @@ import ray
 
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.control.callbacks import RunCallback
-from zocheck_ray.control.controller import launch
-from zocheck_ray.control.placement import profile_steps
+from zocheck_ray.control.launch import launch
+from zocheck_ray.control.profile import profile_steps
 from zocheck_ray.control.policy import Failure
 from zocheck_ray.control.summary import RunSummary
 from zocheck_ray.testing.injection import NO_FAULTS, FaultInjection
@@ -65,14 +61,14 @@ class FailAt(RunCallback):
         step = self.pending.pop(0)
         self.say(f"  injected failure at step {step}: {INJECTED[self.mode]}")
         if self.mode == "shadow":  # Ray restarts it from durable storage; the run goes on
-            ray.kill(run.shadow, no_restart=False)
+            run.shadow.kill()
             return
         self.dealt = step
         if self.kill_node is not None:
             self.kill_node()
         else:  # a cluster whose nodes cannot be removed: both processes die, with the shadow's images
-            for actor in (run.shadow, run.group.leader):
-                ray.kill(actor, no_restart=False)
+            run.shadow.kill()
+            ray.kill(run.group.leader, no_restart=False)
 
     def on_failure(self, run, failure: Failure) -> Failure:
         if failure.kind != "trainer_lost" or self.dealt is None:
