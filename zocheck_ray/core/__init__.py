@@ -1,9 +1,5 @@
-"""The replayable ZO core. Ray-free: runs on the trainer's device and in the shadow.
-
-Its modules import only downwards, in layers (see `backend.py`): the specification (config,
-errors, layout, record, scalars, seeds, hashing), the reference implementation in plain torch
-(generator, update, reference, validation), the kernels (fused CPU, Triton), the start-up guard,
-and on top backend selection and the optimizer.
+"""The replayable ZO core. Ray-free: runs on the trainer's device and in the shadow; its modules import only
+downwards, in layers (see `backend.py`).
 """
 
 from __future__ import annotations
@@ -36,5 +32,4 @@ __getattr__, __dir__ = on_first_use(globals(), {
     "layout": ("EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX", "Layout", "TensorSpec"), "optimizer": ("ZOOptimizer",),
     "record": ("IncompleteRecordError", "StepRecord"), "reference": ("replay_reference",),
 })
-"""The names load with their modules on first use (`core/lazy.py`): `zocheck_ray.core.errors` or `.cpus` alone
-loads neither torch nor numba."""
+"""The names load with their modules on first use: `zocheck_ray.core.errors` alone loads neither torch nor numba."""

@@ -1,22 +1,11 @@
 """The Triton source of the fused GPU kernels (loaded by `triton_kernels.py`, never imported directly).
 
-`triton_kernels` executes this file as two module objects: one with `INTERPRET` false
-(`JITFunction`: compiled for CUDA, whatever TRITON_INTERPRET says) and one with it true
-(Triton's interpreter: numpy on the CPU, for CPU tensors and the tests). Every helper is decorated with `_jit`, so each
-module object is consistently one or the other, and no function of Triton's own library
-that is itself `@triton.jit` (`tl.zeros`, `tl.sum`, ...) is used: those were made for one
-mode when Triton was imported. (Interpreted, a constant must not come first in an
-operation with a tensor: `constexpr - tensor` stays a constexpr there.)
-
-One kernel, `zo_kernel`, serves every phase (z only, one perturbation, the update, a
-whole replayed step) for a group of tensors of one dtype, in one launch: the tensors are
-laid end to end in rows, one Philox counter (four elements) per row, and each program
-takes `B4` rows. It repeats `generator.py` and `update.py` operation for operation, each float32
-operation rounded on its own: launched with fp fusion off (no FMA), dividing with
-`div_rn` and taking square roots with `sqrt_rn` (correctly rounded), and rounding to
-bf16/fp16 with integer operations (to nearest even, as `fused.py` does), so the bits
-owe nothing to the compiler's conversions. bf16/fp16 parameters are read and written
-as int16 bits.
+`triton_kernels` executes this file twice, compiled for CUDA and interpreted (for CPU tensors and
+the tests); every helper goes through `_jit`, so each copy is consistently one or the other, and no
+`@triton.jit` function of Triton's library (`tl.zeros`, `tl.sum`) is used, since those were made for
+one mode at import. `zo_kernel` repeats `generator.py` and `update.py` operation for operation, each
+rounded on its own (no FMA, `div_rn`, `sqrt_rn`, integer roundings to bf16/fp16). Interpreted,
+`constexpr - tensor` stays a constexpr: put the tensor first.
 """
 
 import triton.language as tl
@@ -28,13 +17,12 @@ INTERPRET = globals().get("INTERPRET", False)
 
 
 def _jit(fn):
-    # Interpreted, a helper is a plain function: the kernel's launch has patched `tl` for the
-    # whole grid (an InterpretedFunction helper re-patches it on every call, most of the cost).
+    # Interpreted, a helper is a plain function: the launch has patched `tl` for the whole grid
+    # (an InterpretedFunction helper would re-patch it on every call).
     if INTERPRET:
         fn.fn = fn  # what the interpreter's tl.reduce calls a combine function through
         return fn
-    # JITFunction itself, not `triton.jit`, which makes an interpreted function wherever
-    # TRITON_INTERPRET=1 is set: this module object is the compiled one whatever the environment says
+    # JITFunction, not `triton.jit`, which interprets wherever TRITON_INTERPRET=1 is set
     return JITFunction(fn)
 
 
@@ -100,8 +88,7 @@ def _u32(x, like):
 
 @_jit
 def _pack_bytes(sel, B4: tl.constexpr):
-    """[B4, 4] bools -> [B4 // 2] bytes, slot s at bit s & 7 (by splits: no reduction, which the
-    interpreter would run element by element)."""
+    """[B4, 4] bools -> [B4 // 2] bytes, slot s at bit s & 7 (by splits: the interpreter runs reductions slowly)."""
     bits = tl.reshape(sel.to(tl.int32), (B4 // 2, 8)) << tl.arange(0, 8)[None, :]
     a, b = tl.split(tl.reshape(bits, (B4 // 2, 4, 2)))
     a, b = tl.split(tl.reshape(a | b, (B4 // 2, 2, 2)))
@@ -321,8 +308,7 @@ def _sgd(x, zd, grad, lr, wd, decay, DTYPE: tl.constexpr):
 
 @_jit
 def _move(x, acc, c, wd, decay, SIGN: tl.constexpr, DTYPE: tl.constexpr):
-    """One move of ZO-SGD (and its sign and conservative variants) from the estimate `acc`:
-    u = r(acc) or sgn(acc);  [u = r(u + r(x * wd))];  x = r(x - r(u * c))."""
+    """One move of ZO-SGD (and its sign and conservative variants) from the estimate `acc`."""
     if SIGN:
         u = tl.where(acc > 0.0, 1.0, tl.where(acc < 0.0, -1.0, 0.0))
     else:
@@ -335,7 +321,7 @@ def _move(x, acc, c, wd, decay, SIGN: tl.constexpr, DTYPE: tl.constexpr):
 
 @_jit
 def _pointers(table, t, DTYPE: tl.constexpr):
-    """Per row, the base pointer of its tensor (a float32 or, for bf16/fp16 bits, an int16 pointer)."""
+    """Per row, the base pointer of its tensor (float32, or int16 for bf16/fp16 bits)."""
     if DTYPE == DT_F32:
         return tl.load(table + t).to(tl.pointer_type(tl.float32))
     else:
@@ -349,28 +335,13 @@ def zo_kernel(p_ptrs, m_ptrs, v_ptrs, offsets, numels, row_starts, decays, thres
               PHASE: tl.constexpr, OPT: tl.constexpr, DTYPE: tl.constexpr, GAUSSIAN: tl.constexpr,
               MASK: tl.constexpr, B4: tl.constexpr, SEARCH: tl.constexpr, MULTI: tl.constexpr, Q: tl.constexpr,
               N_MOVES: tl.constexpr):
-    """One phase for B4 rows (4*B4 elements) of a group of `tensors` tensors of one dtype.
+    """One phase for B4 rows of a group of `tensors` tensors of one dtype.
 
-    The group's tensors are laid end to end in rows, one row per Philox counter: tensor t
-    holds rows row_starts[t] .. row_starts[t+1] - 1, row j of it is counter
-    (offsets[t] >> 2) + j, whose element `lane` (0..3) is element
-    i = 4j + lane - (offsets[t] & 3) of the tensor (global offset offsets[t] + i; lanes
-    outside 0 <= i < numels[t] are skipped). Program `pid` takes rows pid*B4 .. + B4 - 1; its
-    first row's tensor is prog_first[pid] and each row finds its own among the next
-    2**SEARCH tensors (SEARCH, set by the launcher, is 0 when no program spans two).
-
-    PHASE_Z writes z to `z_ptr` (one tensor); PHASE_PERTURB applies p = r(p + r(zd * c_a));
-    PHASE_UPDATE the optimizer's update; PHASE_STEP a whole step (perturb c_a, c_b, c_a, update).
-    Tensor t's elements are at p_ptrs[t] (ZO-Adam's float32 moments at m_ptrs[t], v_ptrs[t]).
-    Sparse-MeZO's mask holds bit (s & 7) of byte (s >> 3) for slot s = 4 * row + lane.
-
-    MULTI (Q > 1 perturbations, or ZO-SGD-Sign, -MMT, -Cons): the update and a whole step take the
-    Q perturbations' key words from `keys_ptr` (2Q int64), their G_j from `grads_ptr` (Q float32),
-    form the estimate acc = zd_0 * G_0 (+ zd_j * G_j) and update from it (`update.py`); the moves
-    (lr, or ZO-SGD-Cons' two or three) come from `moves_ptr` (N_MOVES float32); ZO-SGD-MMT's
-    momentum buffer is at m_ptrs[t]. Q and N_MOVES are compile-time constants (a run has one Q;
-    ZO-SGD-Cons takes N_MOVES 1, 2 and 3).
-    """
+    The tensors lie end to end in rows of one Philox counter (four elements) each: tensor t holds rows
+    row_starts[t] .. row_starts[t+1] - 1, its row j being counter (offsets[t] >> 2) + j. Program `pid`
+    takes rows pid*B4 .. + B4 - 1, each finding its tensor among the 2**SEARCH after prog_first[pid].
+    Sparse-MeZO's mask holds bit (s & 7) of byte (s >> 3) for slot s = 4 * row + lane. MULTI reads the
+    Q keys, their G_j and the moves from `keys_ptr`, `grads_ptr` and `moves_ptr`."""
     pid = tl.program_id(0).to(tl.int64)
     row = pid * B4 + tl.arange(0, B4).to(tl.int64)
     t = tl.full((B4,), 0, tl.int32) + tl.load(prog_first + pid)

@@ -1,14 +1,9 @@
 """Backend selection: which implementation computes z and the steps on a device.
 
-Every implementation gives the oracle's bits; the choice is only speed. "eager" is torch, one
-operation at a time (on the CPU z comes from the fused numba generator); "triton" is the fused
-GPU kernels (on CPU tensors, Triton's interpreter). "auto" takes the kernels on CUDA once they
-have passed the start-up guard (`kernel_guard`) there, and the eager path everywhere else.
-
-This is the top of the core's layers: the specification (config, errors, layout, record,
-scalars, seeds, hashing; and cpus) <- the reference implementation (generator, update, reference,
-validation) <- the kernels (fused, triton_kernels) <- the guard <- backend selection and
-the optimizer. Each imports only from the layers before it.
+Every implementation gives the oracle's bits; "auto" takes the GPU kernels on CUDA once they have
+passed the start-up guard, eager torch elsewhere. The core's layers, each importing only from those
+before it: specification (config, errors, layout, record, scalars, seeds, hashing, cpus) <-
+reference (generator, update, reference, validation) <- kernels <- guard <- backend and optimizer.
 """
 
 from __future__ import annotations
@@ -31,16 +26,11 @@ BACKENDS = ("auto", "eager", "triton")
 
 def perturbation(seed: int, offset: int, numel: int, kind: str = "gaussian", device="cpu",
                  backend: str = "auto") -> torch.Tensor:
-    """z (float32, 1-D) for `numel` elements starting at global offset `offset`.
-
-    `backend`: "eager" is `generator.perturbation` (the oracle, any device); "triton" the
-    z-only GPU kernel (`triton_kernels.perturbation_triton`, same bits); "auto" takes the
-    kernel on CUDA when it has passed its start-up check there (`kernel_guard`), else eager.
+    """z (float32, 1-D) for `numel` elements starting at global offset `offset`, from `backend`'s implementation.
 
     >>> z = perturbation(seed=7, offset=0, numel=10)
     >>> torch.equal(z[4:], perturbation(seed=7, offset=4, numel=6))
-    True
-    """
+    True"""
     if kind not in ("gaussian", "rademacher"):
         raise ValueError(f"unknown perturbation kind {kind!r}; expected 'gaussian' or 'rademacher'")
     if backend not in BACKENDS:
@@ -57,12 +47,8 @@ def perturbation(seed: int, offset: int, numel: int, kind: str = "gaussian", dev
 def kernel_stepper(layout: Layout, params: Sequence[torch.Tensor], exp_avg: Sequence[torch.Tensor],
                    exp_avg_sq: Sequence[torch.Tensor], config: ZOConfig, backend: str
                    ) -> tuple[KernelStepper | None, KernelCheck | None]:
-    """The kernels' stepper for a trainer's tensors and the guard's verdict on them.
-
-    (None, None) when `backend` does not ask for the kernels ("eager", or "auto" off CUDA);
-    (None, check) when they did not pass the guard (the trainer runs eagerly, and says why);
-    `backend="triton"` without Triton installed raises `RuntimeError`.
-    """
+    """The kernels' stepper for a trainer's tensors and the guard's verdict: (None, None) where `backend` does
+    not ask for the kernels, (None, check) where they failed the guard."""
     device = params[0].device
     if not (backend == "triton" or (backend == "auto" and device.type == "cuda")):
         return None, None

@@ -21,8 +21,7 @@ class ZOConfig(BaseModel):
 
     optimizer: Optimizer = "zo-sgd"
     """`zo-sgd` (MeZO), `zo-adam` (Adam moments on the ZO gradient), `sparse-mezo`, or ZO-Bench's
-    `zo-sgd-sign` (the sign of the estimate), `zo-sgd-mmt` (heavy-ball momentum) and `zo-sgd-cons`
-    (conservative: of the start, the descent step and the ascent step, the one with the lowest loss is kept)."""
+    `zo-sgd-sign`, `zo-sgd-mmt` (momentum) and `zo-sgd-cons` (keeps the lowest-loss of three points)."""
     lr: float = Field(1e-6, ge=0)
     """Learning rate; a step may carry its own (schedules), recorded with the step."""
     eps: float = Field(1e-3, gt=0)
@@ -40,8 +39,7 @@ class ZOConfig(BaseModel):
     momentum: float = 0.9
     """ZO-SGD-MMT: decay of the momentum buffer (m = momentum * m + g z), in [0, 1)."""
     num_perturbations: int = Field(1, ge=1, le=1024)
-    """q: perturbations per step (the n-SPSA estimate (1/q) sum_j g_j z_j, one seed and one projected
-    gradient each); every step costs 2q forward passes. The step's record carries the q gradients."""
+    """q: perturbations per step (n-SPSA, one seed and projected gradient each); a step costs 2q forward passes."""
 
     @field_validator("lr", "eps", "weight_decay", "adam_eps", "sparsity", "momentum")
     @classmethod

@@ -1,6 +1,6 @@
-"""Every dtype the package names, in one table: the torch dtype, the name images and snapshots record
-(`float32`), its safetensors code (`F32`) and, for the dtypes a model trains in (and the shadow replays),
-the job's name for it (`fp32`). Every map below is read off `TABLE`, so a dtype is added in one place."""
+"""Every dtype the package names, in one table (torch dtype, recorded name, safetensors code, job name), so
+that a dtype is added in one place.
+"""
 
 from __future__ import annotations
 

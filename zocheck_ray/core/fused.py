@@ -1,32 +1,11 @@
 """`replay`: the fused CPU replay kernel (numba).
 
-One pass over the parameters replays a whole batch of steps: the parameters are cut
-into chunks that fit in cache, and for each chunk every step of the batch is
-applied before moving on (the steps are element-wise, so this order gives the same
-bits). Within a step, z is generated in a cache-resident buffer from Philox words
-and the elementary operations of `update.py` run in the same order with the same
-rounding. Every loop is written so LLVM vectorizes it (AVX-512 where present):
-branch-free roundings, and the Gaussian transform split into short passes.
-
-The kernel is compute-bound: Philox4x32-10 and the Box-Muller transform cost about
-1 ns per element per core on a Zen 4 core, several times the time of reading and
-writing the element; `zocheck-ray bench replay` measures that floor next to the
-memory-bandwidth limit (on two Zen 4 cores Philox alone takes longer than one read and
-one write of the parameters, so a replay reaches at most about a quarter of that limit).
-Each thread takes one contiguous run of chunks (the hardware prefetcher streams it) and
-allocates its scratch once; float32 parameters are updated in place, and a single step
-on bf16/fp16 converts in the update itself, while a batch of steps works on a float32
-copy of the chunk. A step of one perturbation makes one pass over its chunk, whatever the
-optimizer; several perturbations make one per perturbation and one for the update. Since z depends only on (seed, global offset), the partitioning and
-thread count cannot change a bit.
-
-numba compiles without fastmath (no FMA contraction, no reassociation) and with
-numpy's error model (IEEE division), which is what makes the bits match torch.
-
-The kernel and everything it inlines stay in this one module: numba's on-disk cache
-is invalidated only when the file of the cached function changes, so a helper moved
-to another module could be edited without the cached kernel noticing. Where that cache
-lies: `kernel_cache.py`.
+The parameters are cut into cache-sized chunks and every step of a batch is applied to a chunk
+before the next; the steps are element-wise and z depends only on (seed, offset), so neither the
+order, the chunking nor the threads change a bit. `update.py`'s operations run in the same order
+and rounding, compiled without fastmath and with numpy's error model (IEEE division): that is what
+makes the bits match torch. The kernel and all it inlines stay in this module, because numba's
+disk cache notices only changes to the cached function's own file.
 """
 
 from __future__ import annotations
@@ -54,7 +33,7 @@ from zocheck_ray.core.seeds import MASK32, check_seed, perturbation_seeds
 from zocheck_ray.core.validation import check_replay
 
 CHUNK_ELEMENTS = 8192
-"""Elements per work item: parameters, z and words of a chunk stay in L2 across a batch."""
+"""Elements per work item: a chunk's parameters, z and words stay in L2 across a batch."""
 
 OPT_SGD, OPT_ADAM, OPT_SPARSE, OPT_SIGN, OPT_MMT, OPT_CONS = 0, 1, 2, 3, 4, 5
 _OPT_CODES = {"zo-sgd": OPT_SGD, "zo-adam": OPT_ADAM, "sparse-mezo": OPT_SPARSE, "zo-sgd-sign": OPT_SIGN,
@@ -75,7 +54,7 @@ def _as_voidptr(typingctx, address):
 
 @intrinsic
 def _claim(typingctx, address):
-    """Atomically add one to the int64 at `address`; returns the value before (a chunk's claim)."""
+    """Atomically add one to the int64 at `address`; returns the value before."""
     def codegen(context, builder, signature, args):
         pointer = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
         return builder.atomic_rmw("add", pointer, ir.Constant(ir.IntType(64), 1), "monotonic")
@@ -117,14 +96,11 @@ def _bf16_value(bits):
     return _bits_f32(_U32(bits) << _U32(16))
 
 
-# The float16 conversions are left to LLVM to inline (numba's IR inlining of their selects into
-# every site of the kernels made each fp16 kernel take 33 s to compile, against 6.5 s now, at the same
-# replay speed: `bench replay --dtype fp16`, 5M parameters, 9.97 vs 9.91 ms per batched step).
+# Left to LLVM to inline: numba's IR inlining of their selects into every kernel multiplied
+# the compile time, for no gain in speed.
 @njit(inline="never")
 def _f16_bits(x):
-    """float32 -> float16 bits, round to nearest even (F. Giesen's float_to_half_rtne).
-
-    Every case is computed and one selected, so loops over it vectorize."""
+    """float32 -> float16 bits, round to nearest even, branch-free (Giesen's float_to_half_rtne)."""
     u = _f32_bits(x)
     sign = u & _U32(0x80000000)
     u = u ^ sign
@@ -177,13 +153,10 @@ def _round_f16(x):
     return _bits_f32(_U32(out | _U32(u ^ a)))
 
 
-# The update's intermediate roundings skip the NaN case. Their operands are parameter
-# values (stored bf16/fp16: low mantissa bits zero), finite scalars, and results of
-# these roundings, so any NaN among them has its low 16 (bf16) or 13 (fp16) bits
-# zero, and the rounding leaves it a NaN (its sign and payload differ from torch's
-# canonical NaN, which only a NaN result can carry on). The one rounding of a value
-# made from float32 optimizer state (ZO-Adam's u * lr) and the final store use the
-# complete conversions. So NaNs land where they would, with the store's canonical bits.
+# The intermediate roundings skip the NaN case: their operands are stored bf16/fp16 values, finite
+# scalars or results of these roundings, so a NaN among them stays a NaN. The final store, and the
+# rounding of a value made from float32 state (ZO-Adam's u * lr), use the complete conversions, so a
+# NaN lands where torch's would, with its canonical bits.
 
 
 @njit(inline="always")
@@ -286,10 +259,7 @@ def _sqrt_positive(a):
 
 @njit(inline="always")
 def _philox(ctr, key0, key1):
-    """The four Philox4x32-10 words of counter (ctr, STREAM) under key (key0, key1).
-
-    uint64 products of 32-bit values give the high and low words of one vpmuludq;
-    the low words are never masked, as only their low 32 bits are ever read."""
+    """The four Philox4x32-10 words of counter (ctr, STREAM) under key (key0, key1); low words stay unmasked."""
     m0 = np.uint64(PHILOX_M0)
     m1 = np.uint64(PHILOX_M1)
     mask = np.uint64(MASK32)
@@ -343,21 +313,12 @@ def _box_muller(wa, wb):
     return _angle(wb, _sqrt_positive(_log_unit(_unit_uniform(wa >> _U32(9))) * _F32(-2.0)))
 
 
-# The generator is called by every chunk function, and not inlined into them: numba's IR inlining copies a
-# callee's IR into each call site, and the generator's (Philox rounds, Box-Muller) was the most copied of all
-# (float32 30 -> 13 s to compile, bf16 batch 43 -> 23 s, the whole set on two cores 88 -> 52 s; a call per
-# chunk costs nothing measurable: `bench replay`, 5M parameters, fp32/bf16/fp16, the same ms per step).
+# Not inlined: numba's IR inlining copies the generator into every call site, which doubled the
+# compile time; a call per chunk costs nothing measurable.
 @njit(inline="never")
 def perturbation_block(key0, key1, first, count, gaussian, out, wa, wb, radius):
-    """z for counters first .. first+count-1 into out[0 : 4*count]; see generator.py.
-
-    Every kernel here generates z through this block (and `bench replay` times it alone, as
-    the floor a replay cannot beat).
-
-    Gaussian values are made in passes over cache-resident scratch (wa, wb, radius:
-    2*count each): Philox words, then the logarithm, the square root, and the angle.
-    Each pass is a short dependency chain per element, so the vectorized loops keep
-    many elements in flight; one pass doing it all is latency-bound."""
+    """z for counters first .. first+count-1 into out[0 : 4*count]. Gaussians are made in short passes over
+    cache-resident scratch, so the vectorized loops keep many elements in flight."""
     if not gaussian:
         for j in range(count):
             w0, w1, w2, w3 = _philox(np.uint64(first + j), key0, key1)
@@ -400,11 +361,8 @@ def _move(x, u, c, use_wd, wd, rnd):
 @njit(inline="always")
 def _apply_step(src, dst, m, v, n, z, lane, opt, use_wd, cp, cm, g, lr, bc1, bc2, thr, consts, moves, n_moves, ld,
                 st, rnd, rnd_full, fin):
-    """One step's update of n elements: x = ld(src, i), the operations of `update.py`, st(dst, i, x).
-
-    `fin` is the last operation's rounding: `rnd` when `st` stores float32, the identity when
-    `st` converts to the dtype itself (rounding to nearest even once or twice gives the same bits).
-    Each element's sequence is `_steps_general`'s, in one pass (elements do not interact)."""
+    """One step's update of n elements in one pass; `fin` rounds the last operation (the identity where `st`
+    converts: rounding to nearest even twice gives the same bits)."""
     wd, b1, omb1, b2, omb2, adam_eps = consts[0], consts[1], consts[2], consts[3], consts[4], consts[5]
     if opt == OPT_MMT:
         mu = consts[6]
@@ -500,12 +458,8 @@ def _apply_step(src, dst, m, v, n, z, lane, opt, use_wd, cp, cm, g, lr, bc1, bc2
 @njit(inline="always")
 def _steps_general(p, m, v, n, offset, tensor, decay, opt, gaussian, multi, keys0, keys1, c_plus, c_minus, grads, lrs,
                    bc1s, bc2s, thresholds, consts, z, wa, wb, radius, ld, st, rnd, rnd_full, fin):
-    """Every step of the batch on one chunk, for q >= 1 perturbations and every optimizer (`update.py`'s
-    sequences in full): per perturbation j, z_j, the estimate a (float32, in j order) and the three
-    perturbations; then the optimizer's update from a. Elements are read and written where `ld`/`st` say.
-
-    `multi` is (q, moves, n_moves, acc, active): a tuple, as CPython passes a call of more than 30
-    arguments as *args, which numba cannot inline."""
+    """Every step of the batch on one chunk, for several perturbations and any optimizer. `multi` is a tuple
+    because numba cannot inline a call of over 30 arguments."""
     q, moves, n_moves, acc, active = multi
     use_wd = decay and consts[0] > _F32(0.0)
     wd, b1, omb1, b2, omb2, adam_eps, mu = consts[0], consts[1], consts[2], consts[3], consts[4], consts[5], consts[6]
@@ -581,9 +535,7 @@ def _steps_general(p, m, v, n, offset, tensor, decay, opt, gaussian, multi, keys
 @njit(inline="always")
 def _chunk_in_place(param, m, v, n, offset, tensor, decay, opt, gaussian, multi, keys0, keys1, c_plus, c_minus, grads,
                     lrs, bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, load, store, rnd, rnd_full, fin):
-    """Every step of the batch on one chunk of n elements, read and written where they are stored
-    (float32 storage; or one step on bf16/fp16, converting in the update). One perturbation a step
-    takes the single-pass `_apply_step`; several take `_steps_general`."""
+    """Every step of the batch on one chunk where it is stored."""
     if multi[0] > 1:
         _steps_general(param, m, v, n, offset, tensor, decay, opt, gaussian, multi, keys0, keys1, c_plus, c_minus,
                        grads, lrs, bc1s, bc2s, thresholds, consts, z, wa, wb, radius, load, store, rnd, rnd_full, fin)
@@ -602,9 +554,7 @@ def _chunk_in_place(param, m, v, n, offset, tensor, decay, opt, gaussian, multi,
 @njit(inline="always")
 def _chunk_staged(param, m, v, n, offset, tensor, decay, opt, gaussian, multi, keys0, keys1, c_plus, c_minus, grads, lrs,
                   bc1s, bc2s, thresholds, consts, p, z, wa, wb, radius, load, store, rnd, rnd_full, fin):
-    """Every step of the batch on a float32 copy `p` of a bf16/fp16 chunk, converted once in and
-    once out. Storing a value the update produced, already rounded to the dtype, gives the bits
-    `_chunk_in_place` gives."""
+    """Every step of the batch on a float32 copy `p` of a bf16/fp16 chunk, converted once each way."""
     for i in range(n):
         p[i] = load(param, i)
     _chunk_in_place(p, m, v, n, offset, tensor, decay, opt, gaussian, multi, keys0, keys1, c_plus, c_minus, grads, lrs,
@@ -617,15 +567,8 @@ def _chunk_staged(param, m, v, n, offset, tensor, decay, opt, gaussian, multi, k
 def _work(param_ptrs, m_ptrs, v_ptrs, offsets, decays, plan, opt, gaussian, steps, keys0, keys1, c_plus, c_minus,
           grads, lrs, bc1s, bc2s, thresholds, consts, longest, storage_dtype, itemsize, load, store, rnd, rnd_full,
           chunk_fn, scratch):
-    """One of the kernel's workers, with its own scratch (for the `longest` chunk), allocated once: it claims the
-    chunks one at a time from a counter the workers share (the int64 at address `claims`), so a worker whose core
-    is shared (another process starting, the shadow replaying beside a recovery) takes fewer chunks rather than
-    hold the others up at the end, as a fixed share each would. Every chunk is computed the same way whichever
-    worker takes it: the result is the same bits. `plan` is (chunk_tensor, chunk_start, chunk_len, claims) and
-    `steps` (q, moves, n_moves): a call of more than 30 arguments reaches numba as *args, which it cannot inline.
-
-    `chunk_fn` is `_chunk_in_place` or `_chunk_staged` (which needs `scratch` elements of float32
-    scratch): each kernel compiles the one it uses, which keeps compilation short."""
+    """One worker: it claims chunks one at a time from a shared counter, so a worker on a busy core takes
+    fewer chunks instead of holding the rest up. `chunk_fn` is `_chunk_in_place` or `_chunk_staged`."""
     chunk_tensor, chunk_start, chunk_len, claims = plan
     q, moves, n_moves = steps
     chunks = chunk_tensor.shape[0]
@@ -659,13 +602,10 @@ def _work(param_ptrs, m_ptrs, v_ptrs, offsets, decays, plan, opt, gaussian, step
         c = _claim(claims)
 
 
-# One worker and one kernel per storage dtype and chunk path (in place or staged). The worker is a function of
-# its own, called from the kernel's parallel loop: numba's parallel passes (fusion, gufunc lowering) then work on
-# a loop of one call rather than on the whole inlined body, which halves the compilation of every kernel (float32
-# 44 -> 20 s, bf16 60-71 -> 35 s, the same replay speed: `bench replay`). The worker takes arrays and numbers
-# only: a function passed through the parallel loop would make the kernel uncacheable (a dynamic global). The
-# loop runs `wk` workers, each claiming chunks until none is left (`_work`).
-# Each kernel is a plain module-level function so numba can cache it on disk.
+# One worker and one kernel per storage dtype and chunk path. The worker is a function of its own so
+# that numba's parallel passes see a loop of one call, not the inlined body (half the compile time);
+# it takes arrays and numbers only, as a function passed through the loop would make the kernel
+# uncacheable. Kernels are module-level functions so that numba caches them on disk.
 _KERNEL_OPTIONS = dict(parallel=True, cache=True, error_model="numpy", nogil=True)
 
 
@@ -782,12 +722,11 @@ def perturbation_cpu(seed: int, offset: int, numel: int, kind: str = "gaussian")
 
 
 SERIAL_BELOW = 4 * CHUNK_ELEMENTS
-"""Fewer elements than this get z on the calling thread: waking numba's pool costs more (ms on a busy machine)."""
+"""Fewer elements than this get z on the calling thread: waking numba's pool costs more."""
 
 
 def perturbation_into(out: np.ndarray, seed: int, offset: int, kind: str) -> None:
-    """`perturbation_cpu` into a float32 buffer of the caller's (z for offset .. offset + len(out) - 1), on
-    `compute_threads()` (its blocks are split evenly among them: no more threads than cores)."""
+    """`perturbation_cpu` into the caller's float32 buffer, on `compute_threads()` threads."""
     args = (np.uint64(seed & MASK32), np.uint64(seed >> 32), offset, kind == "gaussian", out)
     threads = compute_threads() if out.size >= SERIAL_BELOW else 1
     previous = numba.get_num_threads()  # thread-local
@@ -803,8 +742,7 @@ def perturbation_into(out: np.ndarray, seed: int, offset: int, kind: str) -> Non
 
 @functools.lru_cache(maxsize=64)
 def _chunk_plan(tensors: tuple[tuple[int, int], ...], chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """(tensor index, start, length) of every `chunk`-element piece of the (index, numel) tensors, in order,
-    and the longest piece."""
+    """(tensor index, start, length) of every `chunk`-element piece of the tensors, and the longest."""
     per = [(numel + chunk - 1) // chunk for _, numel in tensors]
     tensor_ids = np.repeat(np.array([i for i, _ in tensors], dtype=np.int64), per)
     first = np.repeat(np.cumsum([0] + per[:-1]), per)
@@ -817,11 +755,8 @@ def _chunk_plan(tensors: tuple[tuple[int, int], ...], chunk: int) -> tuple[np.nd
 
 
 def warm_up(dtype: torch.dtype, config: ZOConfig, steps: int = 1) -> None:
-    """Load (or compile) the kernels a trainer and a replay use for `dtype` and `config`: the
-    generator, and `replay` of `steps` steps on four elements (one step and a batch take different
-    kernels for bf16/fp16). The first step or replay in a process otherwise pays for it (about 0.15 s
-    from numba's cache). The replay first: where `compile_kernels` compiles the generator in another
-    process meanwhile, this one then finds it in the cache."""
+    """Load (or compile) the kernels a trainer and a replay use for `dtype` and `config`, the replay's first
+    (so that a generator compiled meanwhile by `compile_kernels` is found cached)."""
     name = "warm_up.weight"
     state = {name: torch.zeros(4, dtype=dtype)}
     for prefix in moment_prefixes(config.optimizer):
@@ -838,17 +773,14 @@ def warm_up(dtype: torch.dtype, config: ZOConfig, steps: int = 1) -> None:
 KERNELS = {"perturbation": None, "float32": (torch.float32, 1), "bfloat16 step": (torch.bfloat16, 1),
            "bfloat16 batch": (torch.bfloat16, 2), "float16 step": (torch.float16, 1),
            "float16 batch": (torch.float16, 2)}
-"""Every kernel numba compiles for `perturbation_cpu` and `replay` (dtype, steps that take it): one
-compilation each per cache, whatever the optimizer, perturbation or thread count."""
+"""Every kernel numba compiles (dtype, steps that take it)."""
 COMPILE_CPU_SECONDS = {"perturbation": 7, "float32": 18, "bfloat16 step": 25, "bfloat16 batch": 27,
                        "float16 step": 20, "float16 batch": 24}
-"""What loading each kernel of `KERNELS` into an empty cache took on one core here, a process of its own each
-(its imports included; the generator's kernel loaded first): only `compile_kernels` reads it, to give its
-processes equal shares."""
+"""Each kernel's relative compile cost: `compile_kernels` balances its processes by it."""
 
 
 def load_kernels(names) -> None:
-    """Load the kernels `names` of `KERNELS` in this process, compiling those not in numba's cache."""
+    """Load the kernels `names` of `KERNELS` in this process, compiling those not cached."""
     for name in names:
         if KERNELS[name] is None:
             perturbation_cpu(0, 0, 4)
@@ -858,16 +790,9 @@ def load_kernels(names) -> None:
 
 
 def compile_kernels(processes: int | None = None) -> None:
-    """Load every kernel of `KERNELS` into numba's cache, compiling those not there (tens of seconds
-    each, once per cache), in up to `processes` child processes at once (default: one per core).
-
-    Processes started afterwards only load them (a fraction of a second each) instead of compiling the
-    kernels they meet first, the same ones several times over where many start together (a test
-    session's workers, Ray's actors on a fresh machine or image):
+    """Compile every kernel into numba's cache in up to `processes` children, so later processes only load them:
 
         python -c "from zocheck_ray.core.fused import compile_kernels; compile_kernels()"
-
-    Raises `RuntimeError` with a child's error output if one fails.
     """
     import os
     import subprocess
@@ -884,8 +809,7 @@ def compile_kernels(processes: int | None = None) -> None:
 
 
 def split_kernels(workers: int) -> list[list[str]]:
-    """`KERNELS` in `workers` lists of about equal compile time (the longest first, each to the list with
-    the least so far); the generator leads its list, so the others' `warm_up`s find it compiled."""
+    """`KERNELS` in `workers` lists of about equal compile time, the generator first in its list."""
     shares: list[list[str]] = [[] for _ in range(workers)]
     for name in sorted(KERNELS, key=lambda n: -COMPILE_CPU_SECONDS[n]):
         min(shares, key=lambda share: sum(COMPILE_CPU_SECONDS[n] for n in share)).append(name)
@@ -893,25 +817,18 @@ def split_kernels(workers: int) -> list[list[str]]:
 
 
 def default_threads() -> int:
-    """numba's pool (`NUMBA_NUM_THREADS`): the threads `replay` runs on unless told. Its workers claim chunks
-    one at a time, so threads beyond the cores cost nothing where the cores are free, and keep the replay's
-    share where other processes run on them (a trainer's pool: `actors.trainer_actor.size_numba_pool`)."""
+    """numba's pool size, `replay`'s default (spare threads cost nothing: workers claim chunks)."""
     return numba.config.NUMBA_NUM_THREADS
 
 
 def compute_threads() -> int:
-    """Threads for a kernel that splits its work evenly among them (the trainer's generator): the calling
-    thread's numba count (`numba.set_num_threads`), at most the process's CPUs."""
+    """Threads for a kernel that splits its work evenly: the thread's numba count, at most the CPUs."""
     return min(numba.get_num_threads(), process_cpus())
 
 
 def replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
            threads: int | None = None, start_step: int | None = None) -> dict[str, torch.Tensor]:
-    """Apply `records` to a CPU `state` in place with the fused kernel; same bits as the trainer.
-
-    >>> # state = opt.state_tensors() copied to the CPU, records from opt.step(...)
-    >>> # replay(state, records, config, threads=8)
-    """
+    """Apply `records` to a CPU `state` in place with the fused kernel; same bits as the trainer."""
     layout, scalars = check_replay(state, records, config, start_step)
     for name, tensor in state.items():
         if tensor.device.type != "cpu":

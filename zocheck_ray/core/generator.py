@@ -1,23 +1,11 @@
 """Device-invariant perturbations: Philox4x32-10 keyed by the step seed, indexed by offset.
 
-z for the element at global offset `i` (its position in the canonical parameter
-order) is a pure function of (seed, i): counter (i >> 2, 0, STREAM, 0) and key
-(seed low word, seed high word) give four 32-bit words w0..w3, and element i takes
-lane i & 3 of what they become:
-
-- Gaussian: a Box-Muller transform of the pairs (w0, w1) and (w2, w3), computed
-  with float32 `+ - * /` and integer operations only: the logarithm from the
-  exponent bits and an atanh series, the square root by three Newton steps of the
-  reciprocal square root, sine and cosine by Taylor polynomials on a quarter turn,
-  the quadrant taken from the word's top bits. No libm, no FMA, every operation
-  rounded on its own, so CPU, CUDA and the fused kernel agree bit for bit.
-  Uniforms are odd multiples of 2**-24 (never 0 or 1); |z| < 5.78.
-- Rademacher: the top bit of the lane's word gives -1 or +1.
-
-This module is the torch implementation (any device, no backend choice); it is the oracle
-that the fused CPU kernel (`fused.py`) and the Triton kernels are tested against, and each
-helper below spells the exact operation sequence the kernels repeat. `backend.perturbation`
-picks among them.
+z at global offset `i` is a pure function of (seed, i): counter (i >> 2, 0, STREAM, 0) under key
+(seed's low word, high word) gives four 32-bit words, and element i takes lane i & 3 of them.
+Gaussians come from a Box-Muller transform in float32 `+ - * /` and integer operations only (no
+libm, no FMA, each operation rounded on its own), so CPU, CUDA and the fused kernels agree bit for
+bit; uniforms are odd multiples of 2**-24, so |z| < 5.78. Rademacher takes the word's top bit.
+This torch implementation is the oracle the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -35,7 +23,7 @@ PHILOX_W0 = 0x9E3779B9
 PHILOX_W1 = 0xBB67AE85
 PHILOX_ROUNDS = 10
 STREAM = 0x5A4F
-"""Third counter word: separates the perturbation stream from any future stream."""
+"""Third counter word: separates this stream from any future one."""
 
 # int64 tensors hold the 32-bit words; 32x32-bit products are split into 16-bit
 # halves so no intermediate leaves int64 (signed overflow is not portable).
@@ -71,7 +59,7 @@ SQRT2 = _f32(math.sqrt(2.0))
 HALF_PI = _f32(math.pi / 2.0)
 TWO_POW_M24 = 2.0**-24
 LOG_SERIES = tuple(_f32(2.0 / k) for k in (9, 7, 5, 3))
-"""atanh series of log(m) = 2s(1 + s^2/3 + s^4/5 + ...), s = (m-1)/(m+1), Horner order."""
+"""atanh series of log(m), s = (m-1)/(m+1), Horner order."""
 SIN_SERIES = tuple(_f32((-1) ** k / math.factorial(2 * k + 1)) for k in (5, 4, 3, 2, 1))
 COS_SERIES = tuple(_f32((-1) ** k / math.factorial(2 * k)) for k in (6, 5, 4, 3, 2, 1))
 RSQRT_MAGIC = 0x5F375A86
@@ -79,7 +67,7 @@ NEWTON_STEPS = 3
 
 
 def counter_words(seed: int, first: int, count: int, device="cpu") -> torch.Tensor:
-    """Philox words for counters first .. first+count-1, as an int64 tensor [count, 4]."""
+    """Philox words for counters first .. first+count-1, as int64 [count, 4]."""
     check_seed(seed)
     ctr = torch.arange(first, first + count, dtype=torch.int64, device=device)
     c2 = torch.full_like(ctr, STREAM)
@@ -112,7 +100,7 @@ def log_unit(u: torch.Tensor) -> torch.Tensor:
 
 
 def sqrt_positive(a: torch.Tensor) -> torch.Tensor:
-    """sqrt of positive normal float32 values: a * rsqrt(a), rsqrt by Newton steps."""
+    """sqrt of positive normal float32 values: a * rsqrt(a), by Newton steps."""
     y = (RSQRT_MAGIC - (a.view(torch.int32) >> 1)).view(torch.float32)
     h = a * 0.5
     for _ in range(NEWTON_STEPS):

@@ -1,14 +1,9 @@
 """`state_hash`: SHA-256 of a canonical state, the identity recovery is judged by.
 
-The canonical encoding of a state is the one a snapshot stores. The state splits into
-the model part (every tensor not named `optimizer.*`) and the optimizer part; each part,
-in canonical order, is cut into shards of whole tensors, a new shard starting when the
-next tensor would take the current one past `SHARD_BYTES`; each shard is a safetensors
-file (8-byte header length, JSON header with each tensor's name, dtype, shape and byte
-offsets, then the raw little-endian bytes). The state hash is the SHA-256 of a domain
-tag and the shards' SHA-256 digests, part by part. So a snapshot's state hash follows
-from the SHA-256 of its files, which a save and a load compute anyway (one pass over
-the bytes, not two), and the shards are hashed side by side on several cores.
+The model part and the optimizer part (`optimizer.*`) are each cut into shards of whole tensors,
+each a safetensors file as a snapshot stores it, and the state hash combines the shards' digests.
+So a save or a load gets it from the files it writes or reads anyway, in one pass over the bytes,
+and shards are hashed side by side.
 """
 
 from __future__ import annotations
@@ -28,16 +23,16 @@ from zocheck_ray.core.dtypes import NAMES, SAFETENSORS
 
 _DOMAIN = b"zocheck-ray state v2\0"
 OPTIMIZER_PREFIX = "optimizer."
-"""Names of optimizer state (Adam moments) begin with this; they are stored in a file of their own."""
+"""Names of optimizer state begin with this; they are stored in files of their own."""
 SHARD_BYTES = 64 << 20
-"""A shard closes before the tensor that would take it past this size (a larger tensor is a shard of its own)."""
+"""A shard closes before the tensor that would take it past this size."""
 FILE_METADATA = {"format": "pt"}
 """The safetensors `__metadata__` of both files (what `transformers` expects of a PyTorch checkpoint)."""
 
 
 
 def dtype_name(tensor: torch.Tensor, name: str) -> str:
-    """The recorded name of `tensor`'s dtype; a dtype safetensors cannot hold raises `TypeError` naming the tensor."""
+    """The recorded name of `tensor`'s dtype (`TypeError` naming the tensor where safetensors cannot hold it)."""
     try:
         return NAMES[tensor.dtype]
     except KeyError:
@@ -68,7 +63,7 @@ def safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[st
 
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy when it is a contiguous CPU tensor (else one tensor's copy)."""
+    """The tensor's bytes, without a copy where it is a contiguous CPU tensor."""
     if sys.byteorder != "little":  # raw bytes are stored and hashed as they lie in memory
         raise RuntimeError("zocheck-ray stores and hashes tensors little-endian; this host is big-endian")
     t = tensor.detach()
@@ -78,7 +73,7 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def shards(part: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """`part` cut into shards of whole tensors in order (see the module docstring); [] when empty."""
+    """`part` cut into shards of whole tensors in order; [] when empty."""
     out: list[dict[str, torch.Tensor]] = []
     size = 0
     for name, t in part.items():
@@ -92,8 +87,7 @@ def shards(part: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 
 
 def file_sha256(tensors: Mapping[str, torch.Tensor], header: bytes | None = None) -> tuple[str, int]:
-    """Hex SHA-256 and size of the safetensors file of `tensors` (as a snapshot writes it);
-    `header`: its `safetensors_header`, when the caller has it already."""
+    """Hex SHA-256 and size of the safetensors file of `tensors`; `header`: its `safetensors_header`, if known."""
     header = safetensors_header(tensors) if header is None else header
     h = hashlib.sha256(header)
     size = len(header)
@@ -105,7 +99,7 @@ def file_sha256(tensors: Mapping[str, torch.Tensor], header: bytes | None = None
 
 
 def combine_file_digests(model: Sequence[str], optimizer: Sequence[str]) -> str:
-    """The state hash of a state whose model and optimizer shards have these SHA-256 digests, in order."""
+    """The state hash of a state whose model and optimizer shards have these SHA-256 digests."""
     h = hashlib.sha256(_DOMAIN)
     for digests in (model, optimizer):
         h.update(len(digests).to_bytes(4, "little"))
@@ -115,7 +109,7 @@ def combine_file_digests(model: Sequence[str], optimizer: Sequence[str]) -> str:
 
 
 PARALLEL_HASH_BYTES = 16 << 20
-"""Below this a state is hashed on the calling thread: handing shards to threads costs more than it saves."""
+"""Below this a state is hashed on the calling thread (threads would cost more than they save)."""
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 

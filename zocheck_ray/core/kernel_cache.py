@@ -1,14 +1,8 @@
-"""Where numba caches the compiled replay kernels: `NUMBA_CACHE_DIR`, numba's documented setting.
+"""Where numba caches the compiled kernels: `NUMBA_CACHE_DIR`, numba's documented setting.
 
-The kernels are `@njit(cache=True)`. Without the setting numba writes its cache beside the source,
-which an installed package may not allow and which a new copy of the sources starts without; so
-where the user has not set it, importing `zocheck_ray` sets it to
-
-    $XDG_CACHE_HOME/zocheck-ray/numba, else ~/.cache/zocheck-ray/numba
-
-before numba is imported (numba reads it then), and `compile_kernels`, the tests and every actor on
-a machine share one cache. numba keys the cache by the source file's path and modification time: a
-fresh clone, or a `ray job submit --working-dir` upload unpacked to a new directory, compiles once.
+Unset, numba writes beside the source, which an installed package may forbid; so importing
+`zocheck_ray` sets it to `$XDG_CACHE_HOME/zocheck-ray/numba` (or `~/.cache/...`) unless the user has.
+A fresh clone or a job's working directory compiles once (numba keys entries by path and time).
 """
 
 from __future__ import annotations
@@ -25,15 +19,12 @@ def default_cache_dir() -> str:
 
 
 def use_cache_dir() -> str:
-    """Set `NUMBA_CACHE_DIR` to `default_cache_dir()` unless it is set; returns the directory numba caches in.
-    numba reads the variable when it is imported: in a process that imported numba first, numba keeps its own."""
+    """Set `NUMBA_CACHE_DIR` to `default_cache_dir()` unless set (numba reads it at import); returns the directory."""
     return os.environ.setdefault(CACHE_DIR_ENV, default_cache_dir())
 
 
 def cache_env() -> dict[str, str]:
-    """`NUMBA_CACHE_DIR` for an actor's `runtime_env["env_vars"]` where this process's is the user's choice,
-    else {}: a Ray worker's environment is its node's, not the driver's, and the package sets the default
-    there from that node's own home directory (a driver's home may not exist on another node). An empty
-    `env_vars` also leaves the actors free to take the workers Ray starts ahead for the job."""
+    """`NUMBA_CACHE_DIR` for an actor's `runtime_env["env_vars"]` where it is the user's choice, else {}: a
+    worker takes its default from its own node's home, and empty `env_vars` let Ray's prestarted workers serve."""
     chosen = use_cache_dir()
     return {} if chosen == default_cache_dir() else {CACHE_DIR_ENV: chosen}

@@ -3,18 +3,10 @@
     check = check_kernels(torch.device("cuda"), (torch.bfloat16,), config)
     check.passed, check.backend, check.mismatches
 
-On a sample (odd sizes; offsets not a multiple of 4, one past 2**32, one past 2**34;
-decayed and undecayed tensors; every dtype the job uses) the kernels run two steps of
-the job's optimizer, with its number of perturbations, as the trainer runs them
-(perturb, perturb, perturb per perturbation, then the update or ZO-SGD-Cons' moves) and as
-a replay runs them (one pass per step), and z alone; each result is compared with
-`torch.equal` to the eager oracle (`generator.py`, `update.py`) computed on the CPU.
-Any difference, or an error, and the check fails: the trainer logs it, runs eagerly and
-reports `kernel_backend = "eager"`. Exactness is never traded for speed silently.
-Results are cached per (device, dtypes, optimizer settings) for the process.
-
-The guard sits above the code it checks: it imports the oracle and the kernels, and neither
-of them imports it.
+On a sample of awkward tensors (odd sizes, offsets past 2**32 and not a multiple of 4) the kernels
+run two steps of the job's optimizer as the trainer and as a replay would, and each result must be
+`torch.equal` to the eager oracle's on the CPU. Otherwise the trainer runs eagerly and says why:
+exactness is never traded for speed silently. Results are cached for the process.
 """
 
 from __future__ import annotations
@@ -53,7 +45,7 @@ class KernelCheck:
     backend: str
     """"triton" when the kernels passed and are used, "eager" otherwise."""
     passed: bool | None
-    """True: the kernels gave the oracle's bits; False: they did not (or failed); None: not checked."""
+    """True: the kernels gave the oracle's bits; False: they did not; None: not checked."""
     device: str
     dtypes: tuple[str, ...] = ()
     mismatches: tuple[str, ...] = ()
@@ -78,8 +70,7 @@ def clear_cache() -> None:
 
 @contextlib.contextmanager
 def inject_fault_for_tests(hook: Callable[[int, list[torch.Tensor]], None]):
-    """Within the block, `hook(phase, written_tensors)` runs after each kernel launch, and the guard
-    checks the kernels afresh (tests only: a hook that changes a kernel's output must fail the check)."""
+    """Within the block `hook(phase, written_tensors)` runs after each launch and the guard checks afresh."""
     previous = triton_kernels.set_launch_hook(hook)
     clear_cache()
     try:
@@ -98,8 +89,7 @@ def _oracle_step(p: torch.Tensor, buffers: list[torch.Tensor], offset: int, deca
 
 
 def trainer_phases(stepper: KernelStepper, record: StepRecord, s: StepScalars) -> None:
-    """A step the way the trainer runs it on the kernels: the 3q perturbations, then the update (ZO-SGD-Cons:
-    its moves one launch each, as the trainer makes them between its forward passes)."""
+    """A step the way the trainer runs it on the kernels (ZO-SGD-Cons: one launch per move)."""
     for j, seed in enumerate(perturbation_seeds(record.seed, len(record.grads))):
         stepper.perturb(seed, s.plus, first=j == 0, thresholds=record.extras)
         stepper.perturb(seed, s.minus, first=False)

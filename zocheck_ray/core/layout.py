@@ -1,12 +1,9 @@
 """The canonical layout: which tensors a state holds, in which order, at which offsets.
 
-A state is an ordered `dict[str, torch.Tensor]`: the trainable parameters in
-canonical order, then the optimizer's float32 buffers, one block per kind in the same
-order (ZO-Adam: the first moments, then the second moments; ZO-SGD-MMT: the momentum). A
-parameter's global offset, the index z is generated at, is the number of parameter
-elements before it. The layout and the replay-relevant part of the `ZOConfig` hash
-to a 64-bit fingerprint that every `StepRecord` carries, so a record is never
-replayed on a state it was not produced for.
+A state is the trainable parameters in canonical order, then the optimizer's float32 buffers, one
+block per kind in the same order; a parameter's global offset (where its z is generated) is the
+count of parameter elements before it. The layout and the replay-relevant config hash to the
+fingerprint every `StepRecord` carries, so a record is never replayed on another state.
 """
 
 from __future__ import annotations
@@ -22,23 +19,22 @@ from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import StateMismatchError
 
 EXP_AVG_PREFIX = "optimizer.exp_avg."
-"""State key prefix of ZO-Adam's first moments (float32, one per parameter)."""
+"""State key prefix of ZO-Adam's first moments."""
 EXP_AVG_SQ_PREFIX = "optimizer.exp_avg_sq."
-"""State key prefix of ZO-Adam's second moments (float32, one per parameter)."""
+"""State key prefix of ZO-Adam's second moments."""
 MOMENTUM_PREFIX = "optimizer.momentum."
-"""State key prefix of ZO-SGD-MMT's momentum buffers (float32, one per parameter)."""
+"""State key prefix of ZO-SGD-MMT's momentum buffers."""
 MOMENT_PREFIXES: dict[str, tuple[str, ...]] = {
     "zo-adam": (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX),
     "zo-sgd-mmt": (MOMENTUM_PREFIX,),
 }
 ALL_MOMENT_PREFIXES = (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MOMENTUM_PREFIX)
 NEW_CONFIG_DEFAULTS = {"momentum": 0.9, "num_perturbations": 1}
-"""ZOConfig fields added after the fingerprint's definition: left out of it at their defaults, so the
-fingerprints of earlier runs (their logs, their snapshots) do not change."""
+"""ZOConfig fields added after the fingerprint's definition, left out at their defaults so old fingerprints hold."""
 
 
 def moment_prefixes(optimizer: str) -> tuple[str, ...]:
-    """The state key prefixes of `optimizer`'s float32 buffers, in state order (none for most)."""
+    """The state key prefixes of `optimizer`'s float32 buffers, in state order."""
     return MOMENT_PREFIXES.get(optimizer, ())
 
 
@@ -64,7 +60,7 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str
     offset: int
-    """Global offset of the tensor's first element in the canonical parameter order."""
+    """Global offset of the tensor's first element."""
     decay: bool
 
     @property

@@ -3,19 +3,9 @@
     opt = ZOOptimizer(model.named_parameters(), ZOConfig(lr=1e-6, eps=1e-3))
     record = opt.step(lambda: model(**batch).loss, seed=step_seed)
 
-`step` runs perturb(+eps), loss+, perturb(-2 eps), loss-, perturb(+eps) for each of the
-q perturbations (`num_perturbations`), then the update, in place, exactly as `update.py`
-spells the operations, and returns the `StepRecord` a replay needs to reproduce it.
-ZO-SGD-Cons also evaluates the loss at the start and after each of its first two moves,
-and keeps the candidate with the lowest (its record says which).
-
-Two backends, one answer: "eager" works through each tensor in chunks (z from the
-fused numba generator on the CPU, from the eager oracle elsewhere, then one torch
-operation at a time); "triton" runs each phase as one fused kernel launch per dtype
-(`triton_kernels.py`). `backend="auto"` takes the kernels on CUDA once they pass the
-start-up guard (`kernel_guard.py`) and the eager path otherwise (`backend.py` decides);
-`kernel_backend` and `kernel_check` say which was taken and why. `backend="triton"` on CPU
-tensors runs the kernels in Triton's interpreter (the tests drive the CUDA code path that way).
+`step` perturbs and evaluates for each perturbation, updates in place exactly as `update.py` spells
+it, and returns the `StepRecord` a replay needs. The eager backend and the Triton kernels give the
+same bits; "auto" takes the kernels on CUDA once they pass the start-up guard (`backend.py`).
 """
 
 from __future__ import annotations
@@ -133,15 +123,12 @@ class ZOOptimizer:
         return x if dtype == torch.float32 else self._scratch(name, x.numel(), dtype).copy_(x)
 
     def _perturb_in_place(self, chunk: torch.Tensor, zd: torch.Tensor, c: float) -> None:
-        """update.perturb's operations on a CPU chunk with no allocation: t = r(zd * c); p = r(p + t).
-
-        `chunk.add_(t)` with both in the dtype is one float32 addition rounded once to the dtype,
-        which is what the eager sequence computes."""
+        """update.perturb's operations on a CPU chunk without allocating: `chunk.add_(t)` in the dtype rounds once."""
         t = torch.mul(zd, c, out=self._scratch("t", chunk.numel()))
         chunk.add_(self._rounded("t", t, chunk.dtype))
 
     def _sgd_in_place(self, chunk: torch.Tensor, zd: torch.Tensor, s: StepScalars, decay: bool) -> None:
-        """update.sgd_update's operations, in place: u = r(zd * g); [u = r(u + r(p * wd))]; p = r(p - r(u * lr))."""
+        """update.sgd_update's operations, in place."""
         n, dtype = chunk.numel(), chunk.dtype
         u32 = torch.mul(zd, s.grad, out=self._scratch("t", n))
         u = self._rounded("u", u32, dtype)
@@ -170,10 +157,8 @@ class ZOOptimizer:
              combine: Callable[[object, object], tuple[float, float]] | None = None) -> StepRecord:
         """One ZO step; `closure` returns the loss at the current parameters.
 
-        `combine(out_a, out_b) -> (loss_a, loss_b)`: with it, two of the closure's results are turned
-        into the losses g (and ZO-SGD-Cons' decision) are formed from: each perturbation's pair after its
-        last perturbation (a data-parallel rank gathers every rank's loss sums here, so all ranks form
-        the same g and take the same decision)."""
+        `combine(out_a, out_b) -> (loss_a, loss_b)` turns two closure results into losses, so that data-parallel
+        ranks all form the same g from every rank's loss sums."""
         check_seed(seed)
         lr = self.config.lr if lr is None else float(lr)
         eps = self.config.eps
@@ -227,9 +212,8 @@ class ZOOptimizer:
         return losses
 
     def _conservative(self, record: StepRecord, masks, closure, losses, start_out) -> StepRecord:
-        """ZO-Bench's ZO-SGD-Cons: move to the descent step (lr), evaluate; to the ascent step (-2 lr),
-        evaluate; then keep the candidate of lowest loss: back to the start (lr), to the descent step
-        (2 lr), or stay. The record's decision tells replay which moves were made."""
+        """ZO-Bench's ZO-SGD-Cons: evaluate at the descent step and the ascent step and keep the candidate of
+        lowest loss; the record's decision tells replay which moves were made."""
         s = StepScalars.of(record, self.config)
         lr = s.moves[0]
         self._update(record, masks, s.with_moves(lr))
@@ -250,7 +234,7 @@ class ZOOptimizer:
         return record
 
     def _estimate(self, spec: TensorSpec, seeds, a: int, b: int, dtype: torch.dtype, s: StepScalars) -> torch.Tensor:
-        """The estimate a = zd_0 * G_0 (+ zd_j * G_j) of elements a..b (float32, a buffer of its own)."""
+        """The estimate a of elements a..b (float32, in a buffer of its own)."""
         acc = self._scratch("estimate", b - a)
         for j, seed_j in enumerate(seeds):
             zd = self._z(spec, seed_j, a, b, dtype)
@@ -261,8 +245,7 @@ class ZOOptimizer:
         return acc if self.device.type == "cpu" else acc.clone()
 
     def _update(self, record: StepRecord, masks, s: StepScalars | None = None) -> None:
-        """The update after the perturbations, in place; each z is regenerated once more.
-        `s`: the scalars with the moves to make now (ZO-SGD-Cons makes them one at a time)."""
+        """The update after the perturbations, in place; `s` carries the moves to make now."""
         s = StepScalars.of(record, self.config) if s is None else s
         optimizer = self.config.optimizer
         seeds = perturbation_seeds(record.seed, len(record.grads))
@@ -287,5 +270,5 @@ class ZOOptimizer:
 
 
 def _unit(s: StepScalars) -> StepScalars:
-    """`s` with one unit gradient: `update_chunk` of an estimate the caller formed already (a = est * 1.0)."""
+    """`s` with a unit gradient, for `update_chunk` of an estimate formed already."""
     return dataclasses.replace(s, grads=(1.0,))

@@ -7,10 +7,8 @@ Wire format (little-endian), CRC-32 over everything before it:
     [version 2: u16 n_more_grads | u8 decision | u8 0 | f64 more_grads[n_more_grads]]
     f32 extras[n_extras] | u32 crc32
 
-A step of one perturbation whose optimizer takes no decision is written as version 1 (the
-format of every earlier record, 60 bytes plus its extras); a step of q > 1 perturbations
-(n-SPSA: the projected gradients of perturbations 1 .. q-1 follow the first) or of ZO-SGD-Cons
-(the candidate the trainer kept, so a replay needs no forward pass) as version 2.
+Version 2 only where needed: q > 1 perturbations (n-SPSA) or ZO-SGD-Cons' decision (so a
+replay needs no forward pass); every other record stays version 1, readable by old readers.
 """
 
 from __future__ import annotations
@@ -135,9 +133,7 @@ class StepRecord:
     def read_from(cls, buffer, offset: int = 0) -> tuple["StepRecord", int]:
         """Decode the record at `offset`; returns it and the offset after it.
 
-        Raises `IncompleteRecordError` if the buffer ends inside the record and
-        `CorruptRecordError` if its bytes are damaged.
-        """
+        Raises `IncompleteRecordError` if the buffer ends inside it, `CorruptRecordError` if it is damaged."""
         view = memoryview(buffer)
         if len(view) - offset < HEADER_SIZE:
             raise IncompleteRecordError(f"{len(view) - offset} bytes at offset {offset}, a record header needs {HEADER_SIZE}")
@@ -173,10 +169,7 @@ class StepRecord:
 
 
 def decode_records(buffer) -> list[StepRecord]:
-    """The whole records at the start of `buffer`, in order; an incomplete tail is left out.
-
-    A damaged record raises `CorruptRecordError`.
-    """
+    """The whole records at the start of `buffer`, in order; an incomplete tail is left out, damage raises."""
     records, offset = [], 0
     view = memoryview(buffer)
     while offset < len(view):

@@ -17,11 +17,8 @@ from zocheck_ray.core.validation import check_replay
 @torch.no_grad()
 def replay_reference(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
                      start_step: int | None = None) -> dict[str, torch.Tensor]:
-    """Apply `records` to `state` in order, with the trainer's exact operation sequence.
-
-    Each perturbation's z is generated once per step and chunk (it is the same z each time the
-    trainer regenerates it), then the 3q perturbations and the update run as on the trainer.
-    """
+    """Apply `records` to `state` in order, with the trainer's exact operation sequence (z generated once per step
+    and chunk)."""
     layout, all_scalars = check_replay(state, records, config, start_step)
     for record, s in zip(records, all_scalars):
         seeds = perturbation_seeds(record.seed, len(record.grads))

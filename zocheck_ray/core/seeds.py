@@ -1,8 +1,5 @@
-"""Perturbation seeds: what a step's seed may be, and how the generator keys on it.
-
-A seed is an unsigned 64-bit integer; the generator's key is its low and high 32-bit words.
-The seed of step t is chosen by the trainer (a pure function of the run's seed and t) and
-travels in the step's `StepRecord`.
+"""Perturbation seeds: a step's seed is an unsigned 64-bit integer that the trainer derives from the run's seed and
+the step, and its record carries; the generator keys on its two 32-bit words.
 """
 
 from __future__ import annotations
@@ -22,13 +19,11 @@ def check_seed(seed: int) -> int:
 
 
 def perturbation_seeds(seed: int, count: int) -> tuple[int, ...]:
-    """The seeds of a step's `count` perturbations (n-SPSA): the step's own seed first, then
-    SHA-256 of (seed, j) for j = 1 .. count-1. A pure function of the step's seed, which the
-    record carries, so a replay derives the same ones.
+    """The seeds of a step's `count` perturbations (n-SPSA): the step's own seed, then SHA-256 of (seed, j) for j = 1 ..
+    count-1, so a replay derives them from the record.
 
     >>> perturbation_seeds(7, 1)
-    (7,)
-    """
+    (7,)"""
     check_seed(seed)
     out = [seed]
     for j in range(1, count):

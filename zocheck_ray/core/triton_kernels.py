@@ -6,18 +6,9 @@
     stepper.update(seed, scalars)
     replay_triton(state, records, config)                                # a whole step per launch
 
-The kernel (`_triton_src.zo_kernel`) gives the bits of the eager oracle (`generator.py`,
-`update.py`) on any device: same Philox4x32-10, same float32 operation sequence, fp
-fusion off, `div_rn`/`sqrt_rn`, integer rounding to bf16/fp16. One launch covers every
-tensor of one dtype (the tensors are laid end to end in rows of four elements, one
-Philox counter each, and each program takes a run of rows), so a phase costs one launch
-per dtype, and nothing but the parameters (and ZO-Adam's moments) is read or written:
-no z, no int64 temporaries, no chunk loop.
-
-On CUDA the kernels are compiled; on CPU tensors they run in Triton's interpreter
-(numpy, slow, exact), which is how the tests check them without a GPU. Triton is
-optional: `available()` says whether it can be imported, and the package imports it
-only when a kernel is asked for.
+`_triton_src.zo_kernel` gives the eager oracle's bits on any device, one launch per dtype per
+phase, reading and writing only the state. On CPU tensors it runs interpreted (slow, exact), which
+is how the tests check it without a GPU. Triton is imported only when asked for.
 """
 
 from __future__ import annotations
@@ -51,21 +42,20 @@ MASK_NONE, MASK_MAKE, MASK_READ, MASK_REGISTERS = 0, 1, 2, 3
 COUNTERS_PER_PROGRAM_CUDA = 256
 """Philox counters per program on CUDA: 1024 elements, 8 per thread with 4 warps."""
 COUNTERS_PER_PROGRAM_INTERPRETED = 4096
-"""... in the interpreter (at most), where a program costs tens of ms of numpy calls whatever its size."""
+"""... in the interpreter (at most), where each program costs numpy calls."""
 NUM_WARPS = 4
 SEARCH_STEPS_CUDA = 3
-"""At least this many (up to 8 tensors per program), on CUDA: the guard's sample and most models compile
-the same kernel variant."""
+"""At least this many on CUDA, so that the guard's sample and most models compile one variant."""
 ENABLE_FP_FUSION = False
-"""Never True: a fused multiply-add rounds once where the oracle rounds twice (ptxas gets --fmad=false)."""
+"""Never True: a fused multiply-add rounds once where the oracle rounds twice."""
 _KEY_TAG = 1 << 32
-"""Added to each 32-bit key word so Triton always sees an int64 (one compiled signature)."""
+"""Added to each 32-bit key word so that Triton always sees an int64 (one compiled signature)."""
 
 _SOURCE = Path(__file__).with_name("_triton_src.py")
 
 
 def available() -> bool:
-    """Whether Triton can be imported (it comes with CUDA builds of torch; the test extra installs it elsewhere)."""
+    """Whether Triton can be imported."""
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
@@ -91,15 +81,13 @@ def check_device(device: torch.device) -> None:
         raise StateMismatchError(f"the Triton kernels run on CUDA (or the CPU, interpreted), not on {device}")
 
 
-# A test hook: called after every launch with the phase and the tensors the launch wrote, so a
-# test can corrupt a kernel's output and see the start-up guard catch it
+# A test hook, called after every launch with the phase and the tensors it wrote
 # (`kernel_guard.inject_fault_for_tests` sets it).
 _fault_hook: Callable[[int, list[torch.Tensor]], None] | None = None
 
 
 def set_launch_hook(hook: Callable[[int, list[torch.Tensor]], None] | None):
-    """Make `hook(phase, written_tensors)` run after each kernel launch (None: none); returns the previous hook.
-    For tests: see `kernel_guard.inject_fault_for_tests`."""
+    """Make `hook(phase, written_tensors)` run after each launch (None: none); returns the previous hook."""
     global _fault_hook
     previous, _fault_hook = _fault_hook, hook
     return previous
@@ -115,7 +103,7 @@ class Segment:
 
 
 class Plan:
-    """The row layout of a group of same-dtype tensors on one device (built once; see `zo_kernel`)."""
+    """The row layout of a group of same-dtype tensors on one device (see `zo_kernel`)."""
 
     def __init__(self, segments: Sequence[Segment], device: torch.device, weight_decay: float = 0.0):
         self.device = device
@@ -128,7 +116,7 @@ class Plan:
         row_starts.append(rows)
         self.rows = rows
         self.tensors = len(segments)
-        if self.interpret:  # each program costs tens of ms of numpy calls, so few and large ones
+        if self.interpret:  # each program costs numpy calls, so few and large ones
             self.b4 = max(16, min(COUNTERS_PER_PROGRAM_INTERPRETED, 1 << max(0, rows - 1).bit_length()))
         else:
             self.b4 = COUNTERS_PER_PROGRAM_CUDA
@@ -141,9 +129,9 @@ class Plan:
         self.search = (span - 1).bit_length()
         if not self.interpret:  # more steps find the same tensor; a common value means the guard compiled it
             self.search = max(SEARCH_STEPS_CUDA, self.search)
-        """Binary-search steps a row takes to find its tensor among its program's (0: one tensor per program)."""
+        """Binary-search steps a row takes to find its tensor."""
         self.mask_bytes = (rows + 1) // 2
-        """Bytes of a packed Sparse-MeZO mask of the group: one bit per element, plus at most 3 per tensor."""
+        """Bytes of a packed Sparse-MeZO mask of the group (one bit per element)."""
 
         def table(values, dtype):
             return torch.as_tensor(np.asarray(values), dtype=dtype).to(device)
@@ -197,7 +185,7 @@ class Plan:
 
 
 def multi_step(config: ZOConfig) -> bool:
-    """Whether `config`'s update runs the kernel's MULTI path (q > 1, or an optimizer beyond the first three)."""
+    """Whether `config`'s update takes the kernel's MULTI path."""
     return config.num_perturbations > 1 or config.optimizer not in ("zo-sgd", "zo-adam", "sparse-mezo")
 
 
@@ -239,11 +227,8 @@ def perturbation_triton(seed: int, offset: int, numel: int, kind: str = "gaussia
 
 
 class KernelStepper:
-    """The trainer's phases on its parameters with the kernels: one launch per dtype per phase.
-
-    Sparse-MeZO's mask (|p| <= threshold at the step's start) is decided by the first
-    perturbation and kept packed, one bit per element, for the other three phases.
-    """
+    """The trainer's phases on its parameters, one launch per dtype per phase; Sparse-MeZO's mask is decided by
+    the first perturbation and kept packed."""
 
     def __init__(self, segments: Sequence[Segment], params: Sequence[torch.Tensor], exp_avg: Sequence[torch.Tensor],
                  exp_avg_sq: Sequence[torch.Tensor], config: ZOConfig):
@@ -270,7 +255,7 @@ class KernelStepper:
         return torch.tensor([thresholds[i] for i in members], dtype=torch.float32, device=self.device)
 
     def perturb(self, seed: int, c: float, first: bool, thresholds: Sequence[float] = ()) -> None:
-        """p = r(p + r(r(z) * c)) on every parameter; `first` (the step's first) decides Sparse-MeZO's mask."""
+        """p = r(p + r(r(z) * c)) on every parameter; `first` decides Sparse-MeZO's mask."""
         sparse = self.config.optimizer == "sparse-mezo"
         for dtype, members, plan, params, _, _, mask in self.groups:
             plan.launch(PHASE_PERTURB, seed=seed, optimizer=self.config.optimizer, dtype=dtype,
@@ -279,8 +264,7 @@ class KernelStepper:
                         thresholds=self._thresholds(members, thresholds) if first else None, c_a=c)
 
     def update(self, seed: int, s: StepScalars) -> None:
-        """The optimizer's update after the perturbations (Sparse-MeZO: on the masked elements); `seed` is
-        the step's (its q perturbations' seeds follow from it), `s.moves` the moves to make."""
+        """The optimizer's update after the perturbations (`s.moves`: the moves to make)."""
         sparse = self.config.optimizer == "sparse-mezo"
         multi = MultiTables.of(seed, s, self.device) if self.multi else None
         for dtype, _, plan, params, exp_avg, exp_avg_sq, mask in self.groups:
@@ -289,7 +273,7 @@ class KernelStepper:
                         mask_mode=MASK_READ if sparse else MASK_NONE, mask=mask, s=s, multi=multi)
 
     def replay_step(self, record: StepRecord, s: StepScalars) -> None:
-        """A whole step (three perturbations and the update) in one pass over each tensor."""
+        """A whole step in one pass over each tensor."""
         sparse = self.config.optimizer == "sparse-mezo"
         multi = MultiTables.of(record.seed, s, self.device) if self.multi else None
         for dtype, members, plan, params, exp_avg, exp_avg_sq, _ in self.groups:
@@ -302,10 +286,7 @@ class KernelStepper:
 
 def replay_triton(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
                   start_step: int | None = None) -> dict[str, torch.Tensor]:
-    """Apply `records` to `state` in place with the kernels (CUDA; CPU tensors run interpreted).
-
-    Same bits as `replay_reference` and the fused CPU `replay`; one launch per dtype per step.
-    """
+    """Apply `records` to `state` in place with the kernels: same bits as `replay`."""
     layout, all_scalars = check_replay(state, records, config, start_step)
     if not records:
         return state
@@ -324,8 +305,7 @@ def replay_triton(state: dict[str, torch.Tensor], records: Sequence[StepRecord],
 
 def replay_on_device(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
                      start_step: int | None = None, backend: str = "triton") -> dict[str, torch.Tensor]:
-    """Replay on the state's own device: `replay_triton` for backend "triton" (what a trainer whose
-    kernels passed the guard uses), else the eager `replay_reference`. Same bits either way."""
+    """Replay on the state's own device: `replay_triton` for backend "triton", else `replay_reference`."""
     if backend == "triton":
         return replay_triton(state, records, config, start_step)
     return replay_reference(state, records, config, start_step)

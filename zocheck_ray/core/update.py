@@ -1,13 +1,8 @@
 """The ZO operation sequences in eager torch, one IEEE operation at a time.
 
-Each function works on a float32 working copy of a flat chunk and rounds to the
-parameter dtype after every operation (`_round`), as torch does eagerly for
-bf16/fp16; for float32 the rounding is the identity. No fused forms
-(`add_(alpha=)`, `addcmul`, `lerp`) are used: each statement is one kernel, so no
-compiler can contract a multiply and an add into an FMA.
-
-A step of q perturbations (q = 1 unless `num_perturbations` says otherwise) with seeds
-s_0 .. s_{q-1} (`seeds.perturbation_seeds`) and projected gradients g_0 .. g_{q-1}:
+Each function rounds to the parameter dtype after every operation, as torch does eagerly for
+bf16/fp16, and uses no fused form (`add_(alpha=)`, `addcmul`, `lerp`), so nothing can contract a
+multiply and an add into an FMA. A step of q perturbations, seeds s_j, projected gradients g_j:
 
     perturb:     for j = 0 .. q-1, for c = +eps, -2 eps, +eps:  t = r(zd_j * c);  p = r(p + t)
     estimate:    a = zd_0 * G_0;  a = a + zd_j * G_j for j = 1 .. q-1        (float32, G_j = f32(g_j / q))
@@ -22,12 +17,7 @@ s_0 .. s_{q-1} (`seeds.perturbation_seeds`) and projected gradients g_0 .. g_{q-
                  2 lr to the descent step, or none to stay at the ascent step):
                  u = r(a);  [u = r(u + r(p * wd))];  p = r(p - r(u * c))
 
-where zd_j = r(z_j) is perturbation j rounded to the parameter dtype and the
-bracketed decay terms apply only to decayed tensors when wd > 0. With q = 1, a = zd * g:
-the sequences of ZO-SGD, ZO-Adam and Sparse-MeZO are the ones they always had.
-ZO-SGD-Cons is ZO-Bench's: the trainer evaluates the loss at the start, after the first move
-(the descent step) and after the second (the ascent step), and its record's decision says
-which it kept, so replay runs the same moves without a forward pass.
+zd_j = r(z_j); bracketed decay terms apply to decayed tensors when wd > 0.
 """
 
 from __future__ import annotations
@@ -42,12 +32,11 @@ from zocheck_ray.core.scalars import StepScalars
 
 
 CHUNK_ELEMENTS = 1 << 22
-"""Elements the eager paths (the reference replay, the trainer's eager steps) process at once;
-bounds the generator's temporaries to ~100 MB."""
+"""Elements the eager paths process at once (bounds the generator's temporaries)."""
 
 
 def chunks(numel: int, size: int = CHUNK_ELEMENTS):
-    """(start, end) of each `size`-element piece of a tensor of `numel` elements, in order."""
+    """(start, end) of each `size`-element piece of `numel` elements."""
     for start in range(0, numel, size):
         yield start, min(start + size, numel)
 
@@ -66,7 +55,7 @@ def perturb(p: torch.Tensor, zd: torch.Tensor, c: float, dtype: torch.dtype, mas
 
 
 def estimate(zds: list[torch.Tensor], s: StepScalars) -> torch.Tensor:
-    """a = zd_0 * G_0 (+ zd_j * G_j, in order), float32: the step's gradient estimate, per element."""
+    """a = zd_0 * G_0 (+ zd_j * G_j, in order), float32: the step's gradient estimate."""
     a = zds[0] * s.grads[0]
     for zd, g in zip(zds[1:], s.grads[1:]):
         a = a + zd * g
@@ -87,20 +76,19 @@ def sgd_move(p, a, c: float, s: StepScalars, decay: bool, dtype, sign_of: bool =
 
 
 def sgd_update(p, zd, s: StepScalars, decay: bool, dtype, mask=None) -> torch.Tensor:
-    """ZO-SGD's update of one perturbation (the trainer's fast path): u = r(zd * g) ..."""
+    """ZO-SGD's update of one perturbation (the trainer's fast path)."""
     out = sgd_move(p, zd * s.grad, s.lr, s, decay, dtype)
     return out if mask is None else torch.where(mask, out, p)
 
 
 def correctly_rounded_sqrt(x: torch.Tensor) -> torch.Tensor:
-    """IEEE float32 sqrt. torch's float32 CPU sqrt is off by an ulp for ~17% of inputs
-    on AVX-512 machines; the float64 sqrt rounded once to float32 is the correctly
-    rounded result (double rounding is innocuous for sqrt at 53 >= 2*24 + 2 bits)."""
+    """IEEE float32 sqrt: torch's float32 CPU sqrt can be off by an ulp; the float64 sqrt rounded once is
+    correctly rounded."""
     return torch.sqrt(x.to(torch.float64)).to(torch.float32)
 
 
 def adam_update(p, m, v, a, s: StepScalars, decay: bool, dtype):
-    """Returns the new (p, m, v); m and v are float32; `a` is the estimate."""
+    """The new (p, m, v), m and v float32, from the estimate `a`."""
     m = m * s.beta1 + a * s.one_minus_beta1
     v = v * s.beta2 + (a * a) * s.one_minus_beta2
     u = (m * s.bias_correction1) / (correctly_rounded_sqrt(v * s.bias_correction2) + s.adam_eps)
@@ -119,8 +107,7 @@ def momentum_update(p, m, a, s: StepScalars, decay: bool, dtype):
 
 
 def sparse_thresholds(params: list[torch.Tensor], sparsity: float) -> tuple[float, ...]:
-    """Per tensor, the magnitude at or below which Sparse-MeZO perturbs an element
-    (the trainer computes them at a step's start; its record carries them)."""
+    """Per tensor, the magnitude at or below which Sparse-MeZO perturbs an element."""
     out = []
     for p in params:
         flat = p.detach().reshape(-1).float().abs()
@@ -138,7 +125,7 @@ def sparse_mask(p_start: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
-    """A bool mask packed 8 elements a byte (bit j of byte k is element 8k + j): one bit per element."""
+    """A bool mask packed 8 elements a byte (bit j of byte k is element 8k + j)."""
     if mask.device.type == "cpu":
         return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
     return pack_mask_torch(mask)
@@ -174,9 +161,8 @@ def perturb_all(p: torch.Tensor, zds: list[torch.Tensor], s: StepScalars, dtype,
 
 def update_chunk(state: dict[str, torch.Tensor], name: str, a: int, b: int, p: torch.Tensor, zds: list[torch.Tensor],
                  s: StepScalars, decay: bool, dtype: torch.dtype, optimizer: str, mask=None) -> torch.Tensor:
-    """The update of elements a..b of parameter `name` (p: their float32 values after the
-    perturbations; zds: each perturbation's zd_j); optimizer buffers are updated in `state` in
-    place. Returns the new p."""
+    """The update of elements a..b of `name` from their perturbed float32 values `p`; buffers in `state` are
+    updated in place. Returns the new p."""
     est = estimate(zds, s)
     if optimizer == "zo-adam":
         m = state[EXP_AVG_PREFIX + name].view(-1)[a:b]
@@ -198,9 +184,8 @@ def update_chunk(state: dict[str, torch.Tensor], name: str, a: int, b: int, p: t
 
 def step_tensor(p: torch.Tensor, buffers: list[torch.Tensor], zds: list[torch.Tensor], s: StepScalars, decay: bool,
                 optimizer: str, threshold: float | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One whole step on one stored tensor `p` (any dtype) with the optimizer's float32 `buffers` (in
-    `moment_prefixes` order): (new p, new buffers). The oracle the kernels' tests and the start-up
-    guard compare with, at any global offset (the caller generates zd_j there)."""
+    """One whole step on one stored tensor and its float32 `buffers`: (new p, new buffers). The oracle the
+    kernels' tests and the start-up guard compare with."""
     dtype = p.dtype
     x = p.reshape(-1).float()
     mask = sparse_mask(x, threshold) if optimizer == "sparse-mezo" else None
