@@ -63,5 +63,5 @@ __getattr__, __dir__ = on_first_use(globals(), {
     "snapshot": ("SnapshotInfo", "SnapshotStore", "snapshot_dir"),
     "steplog": ("StepLog", "read_log"),
 })
-"""The names load with their modules on first use (`core/lazy.py`): the lease and the file system alone (the command
-line's `status`) load neither the snapshots nor torch."""
+"""The names load with their modules on first use: the lease and the file system alone load neither snapshots nor
+torch."""

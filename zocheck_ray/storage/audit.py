@@ -3,20 +3,10 @@
     audit = audit_run("s3://bucket/runs/run-1", storage_options)
     print(audit.describe())   # steps 150..300 proven: 2 snapshots, 150 records, 0 mismatches
 
-Retention keeps the newest snapshots and collects the log below the oldest of them, a
-host failure leaves a gap in the log where the trainer resumed from a snapshot, and on
-an object store records reach the log a sealed segment at a time. So the audit starts
-at the OLDEST retained snapshot whose log suffix is complete (the log holds every record
-from that snapshot through every later snapshot and, when given, the run's last step),
-loads it with every hash checked, replays the log forward with the fused kernel, and
-compares the state hash with every later committed snapshot (each loaded and checked
-too), with every hashed step the caller expects, and with the final state. The step
-range it reports is what was proven: the state at each step in it follows, bit for bit,
-from the start snapshot and the logged records.
-
-An altered record (with a valid CRC) shows as a mismatch at the next compared step; a
-damaged record or segment, and a snapshot whose files fail their hashes, are named.
-Nothing here trusts a process's memory: only durable storage is read.
+Retention collects the log below the oldest kept snapshot, and a recovery from storage leaves a gap
+in it; so the audit replays from the oldest snapshot whose log suffix is complete, comparing the
+state hash with every later snapshot, every expected step and the final state. The range reported
+follows bit for bit from that snapshot and the records. Only durable storage is read.
 """
 
 from __future__ import annotations
@@ -41,7 +31,7 @@ class Audit(BaseModel):
     url: str
     """The run's storage root."""
     verified: bool
-    """True when a range was proven and nothing compared differed or was damaged."""
+    """True when a range was proven and nothing differed or was damaged."""
     first_step: int | None
     """The step of the snapshot the replay started from (None: no usable snapshot)."""
     last_step: int | None
@@ -51,11 +41,11 @@ class Audit(BaseModel):
     records_replayed: int
     """Log records replayed from the start snapshot."""
     hashed_steps_checked: int
-    """Steps compared with a hash the caller expected (the run summary's, the final state)."""
+    """Steps compared with a hash the caller expected."""
     mismatches: list[str]
     """What differed or was damaged, one line each, naming the step range, snapshot or segment."""
     notes: list[str]
-    """Why older snapshots were not a start (their log suffix was collected or has a gap)."""
+    """Why older snapshots were not a start."""
     seconds: float
 
     def describe(self) -> str:
@@ -73,12 +63,8 @@ def audit_run(store: SnapshotStore | str, storage_options: dict | None = None, *
               expected: Mapping[int, str] | None = None, final_step: int | None = None,
               final_hash: str | None = None, config: ZOConfig | None = None,
               threads: int | None = None) -> Audit:
-    """Audit the run rooted at `store` (a `SnapshotStore` or URL); see the module docstring.
-
-    `expected`: step -> `state_hash` the trainer had after that step (a run summary's
-    `step_hashes`); `final_step` / `final_hash`: the run's last step and final hash, which
-    the replay must reach and match. `config` overrides the ZO config in the manifests.
-    """
+    """Audit the run rooted at `store` (a `SnapshotStore` or URL). `expected`: step -> the trainer's `state_hash`;
+    `final_step`/`final_hash`: the run's end, which the replay must reach and match."""
     started = time.perf_counter()
     store = store if isinstance(store, SnapshotStore) else SnapshotStore(store, storage_options, create=False)
     expected = dict(expected or {})
@@ -139,9 +125,7 @@ def _log_after(store: SnapshotStore, start: SnapshotInfo, mismatches: list[str])
 
 
 def damage_line(exc: CorruptLogError) -> str:
-    """Where the log is damaged: the first step that cannot be read, and the byte of its segment where the
-    damage starts. A segment is read from its start, so the damage stops every reader that needs a record
-    of that segment, wherever it began."""
+    """Where the log is damaged: the first unreadable step and the byte of its segment."""
     if exc.step is None:
         return f"the log is damaged: {exc}"
     return (f"the log is damaged at step {exc.step} (byte {exc.offset} of {exc.url}): no record from step "

@@ -1,8 +1,4 @@
-"""Exceptions a caller of the storage layer may want to handle.
-
-Every message names the URL of the store, object or segment involved and never
-the credentials used to reach it.
-"""
+"""Exceptions a caller of the storage layer may want to handle; messages name the URL, never the credentials."""
 
 from __future__ import annotations
 
@@ -16,8 +12,8 @@ class StorageError(ZOCheckError, OSError):
 
 
 class StorageFullError(StorageError):
-    """The store has no space left for a write (`ENOSPC`, or a quota's `EDQUOT`): `errno` says which and the
-    message names the object being written. Freeing space there lets the next attempt through."""
+    """No space left for a write (`ENOSPC`, or a quota's `EDQUOT`, in `errno`); freeing space lets the next attempt
+    through."""
 
     def __init__(self, message: str, errno: int | None = None):
         super().__init__(message)
@@ -53,11 +49,8 @@ class SnapshotNotFoundError(StorageError, LookupError):
 class CorruptLogError(CorruptRecordError):
     """A log segment holds a damaged record before its end, or is missing from the middle.
 
-    `url` names the segment; `records` are the contiguous records read before the damage,
-    so a recovery can still use them. `step` is the first step that cannot be read (the
-    damaged record's, or the segment's first for a damaged header) and `offset` the byte of
-    the segment where the damage starts, where the parser knows them.
-    """
+    `url` names the segment; `records` are the contiguous records before the damage, which a recovery
+    can still use; `step` and `offset` say where the damage starts, where the parser knows."""
 
     def __init__(self, message: str, url: str | None = None, records: Sequence = (), step: int | None = None,
                  offset: int | None = None):

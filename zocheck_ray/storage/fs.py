@@ -3,21 +3,10 @@
     storage = open_storage("s3://bucket/run", {"endpoint_url": "http://127.0.0.1:9000"})
     storage.write_atomic("snapshots/step-000000000010/manifest.json", data)
 
-A local path, a `file://` URL, an `s3://` URL (s3fs) and a `memory://` URL (tests, one
-process) all map to a `Storage`. Opening one checks that it exists or can be created,
-is reachable, and (for writing) accepts a write, so a bad URL, a missing bucket or
-wrong credentials fail before training starts. Credentials come from
-`storage_options` or the standard AWS chain and never appear in a message or a log.
-
-Local and object stores differ in one way that matters for crash consistency:
-locally a file is written in place, fsync'd and renamed, and directories are fsync'd
-so a rename survives power loss; on an object store an object appears whole, by a
-single PUT or a completed multipart upload, or not at all. Both can create an object
-only if it does not exist yet (`create_exclusive`): locally a hard link, which fails on
-an existing name; on S3 a PUT with `If-None-Match: *`.
-
-Local files are written by `localfile.open_local_write` (direct I/O where the file system
-allows it); `open_write` fsyncs them, or leaves that to `make_durable` for many at once.
+Local paths, `s3://` (s3fs) and `memory://` (tests) map to one `Storage`. Opening one test-writes
+it, so a bad URL or credential fails before training starts; credentials never appear in a message.
+A local file is written, fsync'd and renamed, with its directory fsync'd; an object appears whole
+or not at all.
 """
 
 from __future__ import annotations
@@ -44,7 +33,7 @@ _SCHEME_LIKE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)")
 _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@")
 TMP_MARK = ".tmp-"
-"""Part of the name of every temporary file; what carries it was never committed."""
+"""Part of the name of every temporary file (never committed)."""
 PROBE_PREFIX = ".zocheck-probe-"
 
 _NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "urllib3")
@@ -58,7 +47,7 @@ def redact(url: str) -> str:
 
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-"""The errors of a store without space left for a write (a full filesystem, a quota)."""
+"""The errors of a store without space left for a write."""
 
 
 def _is_storage_failure(exc: BaseException) -> bool:
@@ -76,7 +65,7 @@ class Storage(Protocol):
 
     url: str
     local: bool
-    """True for a local filesystem: files are fsync'd and renamed; else objects are PUT whole."""
+    """True for a local filesystem (files fsync'd and renamed), else objects are PUT whole."""
 
     def url_of(self, rel: str) -> str: ...
     def local_path(self, rel: str) -> str: ...
@@ -159,10 +148,8 @@ class FsspecStorage:
 
     @contextmanager
     def open_write(self, rel: str, durable: bool = True) -> Iterator[BinaryIO]:
-        """A file or object to write; whole and durable on a clean exit, discarded on an error.
-
-        `durable=False`: locally, whole but not yet fsync'd on exit; the caller makes it
-        durable with `make_durable` (which fsyncs many files at once) before relying on it."""
+        """A file or object to write; whole and durable on a clean exit, discarded on an error
+        (`durable=False`: locally not yet fsync'd, for `make_durable` to fsync many at once)."""
         path = self._path(rel)
         with self.guard("write", rel):
             f = open_local_write(path) if self.local else self.fs.open(path, "wb")
@@ -190,7 +177,7 @@ class FsspecStorage:
             pass
 
     def make_durable(self, rels: list[str]) -> None:
-        """fsync the local files `rels` side by side (one journal commit can serve them all); no-op off local disk."""
+        """fsync the local files `rels` side by side (one journal commit can serve them all)."""
         if not self.local or not rels:
             return
 
@@ -230,13 +217,9 @@ class FsspecStorage:
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """Create `rel` holding `data`, durably, unless it exists; False when it does.
 
-        Of two writers racing to create the same name exactly one gets True, where the store
-        has an atomic create: locally a hard link (`os.link` fails on an existing name), on S3
-        a PUT with `If-None-Match: *` (AWS S3, MinIO and moto honour it). A store that refuses
-        conditional PUTs gets a check and a plain PUT (reported once, in the log): two racing
-        writers may then both get True, and the later PUT wins, so a caller that must know
-        reads the object back.
-        """
+        Of two racers exactly one gets True where the store has an atomic create (a hard link locally,
+        `If-None-Match: *` on S3); where it refuses conditional PUTs (logged once) both may, so a caller
+        that must know reads the object back."""
         path = self._path(rel)
         with self.guard("write", rel):
             if self.local:
@@ -389,8 +372,7 @@ def file_size(f) -> int:
 
 @contextmanager
 def _durable_temp_beside(path: str, data: bytes) -> Iterator[str]:
-    """A temporary file beside `path` (its name carries `TMP_MARK`) holding `data`, fsync'd; removed on
-    leaving the block unless the block moved it into place."""
+    """A temporary file beside `path` holding `data`, fsync'd; removed on exit unless moved into place."""
     directory, name = os.path.split(path)
     tmp = os.path.join(directory, f".{name}{TMP_MARK}{uuid.uuid4().hex}")
     try:
@@ -485,16 +467,12 @@ def open_storage(url: str | os.PathLike, storage_options: dict | None = None, *,
 
 
 _DESCRIPTIONS: dict[str | None, object] = {}
-"""botocore's loaders of its service descriptions, by the data path they read (`AWS_DATA_PATH`): one a process,
-each keeping what it has parsed."""
+"""botocore's loaders of its service descriptions, one per data path (`AWS_DATA_PATH`) and process."""
 
 
 def _with_shared_descriptions(s3fs, options: dict) -> dict:
-    """`options` with a new botocore session of its own for the filesystem, whose service descriptions (the
-    endpoints' and S3's API, parsed from JSON: 0.15 CPU-s here) come from the process's one loader rather
-    than each new filesystem parsing them again: a driver, a shadow or a `verify` opens a store many times.
-    The session's credentials and configuration stay its own. Options that name a session, or pass settings
-    to the one s3fs would make (`profile`, ...), are left as they are."""
+    """`options` with a botocore session of its own that takes the service descriptions from the process's one
+    loader (parsing them per store costs a start-up); options that name a session are left as they are."""
     from aiobotocore.session import AioSession
 
     if "session" in options or not set(options) <= _filesystem_parameters(s3fs.S3FileSystem):
@@ -538,7 +516,7 @@ def _check_bucket(storage: FsspecStorage, bucket: str) -> None:
 
 
 def _probe_write(storage: FsspecStorage) -> None:
-    """Write and remove a tiny object so a read-only path or credential fails now, not at step 10,000."""
+    """Write and remove a tiny object so a read-only path or credential fails now, not mid-run."""
     rel = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
     try:
         if storage.local:

@@ -3,12 +3,8 @@
     layout = file_layout(state)        # {"model.safetensors": {...}, "optimizer.safetensors": {...}}
     index = model_index(layout)        # model.safetensors.index.json when the model is sharded
 
-The model part (every tensor not named `optimizer.*`) goes to `model.safetensors`, the
-optimizer part to `optimizer.safetensors`; a part larger than `core.hashing.SHARD_BYTES` is
-cut into shards named the Hugging Face way (`model-00001-of-00003.safetensors`...), and a
-sharded model gets `model.safetensors.index.json`, with which `from_pretrained` loads it.
-The shards are the canonical encoding `core.hashing` hashes, so a snapshot's state hash
-follows from its files. Snapshots and `zocheck-ray recover --to DIR` both write this layout.
+The shards are the canonical encoding `core.hashing` hashes, so a snapshot's state hash follows
+from its files, and `from_pretrained` loads the directory. Snapshots and `recover --to DIR` write it.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ MODEL_INDEX_FILE = "model.safetensors.index.json"
 HF_CONFIG_FILE = "config.json"
 """The Hugging Face model config, when there is one: with it `from_pretrained` loads the directory."""
 ADAPTER_CONFIG_FILE = "adapter_config.json"
-"""A peft adapter's config: with it (and `adapter_model.safetensors`) `PeftModel.from_pretrained` loads the directory."""
+"""A peft adapter's config: with it and `adapter_model.safetensors`, `PeftModel.from_pretrained` loads the directory."""
 ADAPTER_KIND = "adapter_model"
 """The parameters' file of an adapter, `adapter_model.safetensors`, where a model's is `model.safetensors`."""
 
@@ -40,8 +36,7 @@ def shard_file_names(kind: str, count: int) -> list[str]:
 
 
 def file_layout(tensors: Mapping[str, torch.Tensor], model_kind: str = "model") -> dict[str, dict[str, torch.Tensor]]:
-    """File name -> the tensors it holds, model shards first: the canonical encoding of `core.hashing`.
-    `model_kind`: `ADAPTER_KIND` names the parameters' file the way peft does."""
+    """File name -> the tensors it holds, model shards first; `model_kind=ADAPTER_KIND` names the file as peft does."""
     layout: dict[str, dict[str, torch.Tensor]] = {}
     for kind, part in zip((model_kind, "optimizer"), split_state(tensors)):
         parts = shards(part)

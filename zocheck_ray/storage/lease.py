@@ -4,35 +4,23 @@
     lease.acquire()                     # LeaseHeldError names the holder when another writer is live
     lease.start_heartbeat()             # renews every lease_seconds / 3 on a thread of its own
     store = SnapshotStore("s3://bucket/run", storage_options, lease=lease)
-    log = StepLog("s3://bucket/run", storage_options, lease=lease)
     ...
     lease.release()
 
-The lease lives in the run's storage as one small JSON object per generation,
-`lease/gen-000000000007.json` (owner, host, pid, heartbeat time, generation); the highest
-generation is the lease. Taking the lease means creating the next generation's object *if
-it does not exist yet* (`Storage.create_exclusive`), so of two writers racing for it
-exactly one wins where the store has an atomic create: locally a hard link (`os.link`
-fails on an existing name), on S3 a PUT with `If-None-Match: *` (AWS S3, MinIO and moto
-honour it). The holder renews by rewriting its own generation's object; a lease whose
-heartbeat is older than `lease_seconds` (by the reader's clock) is stale, and the next
-writer takes it over with generation + 1 and a log line. The holder notices on its next
-renewal that a newer generation exists and raises `LeaseLostError`; it also counts itself
-lost, without any I/O, once `lease_seconds` pass without a successful renewal (`check()`),
-since by then another writer may rightly have taken over.
+The lease is one JSON object per generation, `lease/gen-000000000007.json`, the highest current.
+Taking it creates the next generation's object only if none exists (`Storage.create_exclusive`),
+so of two racing writers one wins. A heartbeat older than `lease_seconds` is stale and the next
+writer takes over; the holder counts itself lost, without I/O, once `lease_seconds` pass without
+a renewal, since by then another may rightly have taken over.
 
 What it does not promise:
 
-- An object store that ignores `If-None-Match` lets two writers both create the same
-  generation; the later PUT wins. Each writer reads its generation back after writing,
-  so the loser of an ordered race sees the winner's owner and refuses; two writes that
-  interleave exactly can both read back their own, and the loser then learns it at its
-  first renewal (within `lease_seconds / 3`). Such a store is reported once, in the log.
-- Staleness compares the holder's wall clock with the reader's: clocks must agree to
-  well within `lease_seconds` (NTP does).
-- A holder paused longer than `lease_seconds` (a stopped VM) may write once more before
-  it checks: writes are checked against the lease before each destructive step and each
-  commit, not fenced by the store.
+- On a store that ignores `If-None-Match` two writers may create one generation; each reads it
+  back, and of two exactly interleaved writes the loser learns it at its first renewal.
+- Staleness compares the holder's wall clock with the reader's: they must agree to well within
+  `lease_seconds`.
+- A holder paused past `lease_seconds` may write once more: writes are checked against the lease
+  before each destructive step, not fenced by the store.
 """
 
 from __future__ import annotations
@@ -60,11 +48,8 @@ _GENERATION = re.compile(r"^gen-(\d{12,})\.json$")
 
 
 class LeaseError(ZOCheckError):
-    """The single-writer lease of a run's storage is not held as the caller needs.
-
-    Not a `StorageError`: a retry loop that waits out an outage must not retry a lost
-    lease, since another writer now owns the run and this one must stop writing.
-    """
+    """The single-writer lease of a run's storage is not held as the caller needs. Not a `StorageError`,
+    so that a loop retrying through an outage stops on it."""
 
 
 class LeaseHeldError(LeaseError):
@@ -83,7 +68,7 @@ class LeaseLostError(LeaseError):
 
 
 class LeaseRequiredError(LeaseError):
-    """A write that deletes or rewrites what another writer may be using was asked for without a held lease."""
+    """A deletion or rewrite that another writer's work may depend on was asked for without a held lease."""
 
 
 def generation_name(generation: int) -> str:
@@ -97,7 +82,7 @@ class LeaseInfo:
     owner: str
     """Who holds it, as the holder named itself (e.g. `shadow:run-1`)."""
     token: str
-    """Unique per `Lease` object: two holders with the same owner name are told apart by it."""
+    """Unique per `Lease` object: tells apart two holders of the same owner name."""
     host: str
     pid: int
     generation: int
@@ -135,7 +120,7 @@ class LeaseInfo:
 
 
 def read_lease(storage: Storage) -> LeaseInfo | None:
-    """The current lease of the run rooted at `storage` (the highest generation), or None."""
+    """The current lease of the run rooted at `storage`, or None."""
     for generation in reversed(_generations(storage)):
         rel = generation_name(generation)
         try:
@@ -147,11 +132,8 @@ def read_lease(storage: Storage) -> LeaseInfo | None:
 
 
 def check_no_live_writer(url: str, storage_options: dict | None = None) -> LeaseInfo | None:
-    """Raise `LeaseHeldError` naming the holder when a writer holds a fresh lease on the run at `url`.
-
-    For a driver's early check, before it starts a writer of its own; reads only. Returns the
-    (stale or released) lease found, or None for a run without one.
-    """
+    """Raise `LeaseHeldError` naming the holder where a writer holds a fresh lease on the run at `url` (reads only);
+    returns the stale or released lease found, or None."""
     try:
         storage = open_storage(url, storage_options, create=False)
     except StorageError:
@@ -167,11 +149,8 @@ def check_no_live_writer(url: str, storage_options: dict | None = None) -> Lease
 
 def release_dead_holder(url: str, storage_options: dict | None = None, *, owner: str,
                         lease_seconds: float = DEFAULT_LEASE_SECONDS) -> bool:
-    """Release the lease `owner` holds on the run at `url`, for a holder known to be dead (its process was
-    killed before it could release it), so the next writer takes it at once instead of waiting
-    `lease_seconds` for it to go stale. Takes it over as a restarted holder would (`reclaim`) and releases
-    it; a lease of another owner, or one already released or stale, is left alone. Returns whether it
-    released one."""
+    """Release the lease `owner` holds on the run at `url`, for a holder known to be dead, so that the next writer
+    need not wait for it to go stale; returns whether it released one."""
     storage = open_storage(url, storage_options, create=False)
     current = read_lease(storage)
     if current is None or current.owner != owner or current.stale():
@@ -189,12 +168,7 @@ def _generations(storage: Storage) -> list[int]:
 
 
 class Lease:
-    """The single-writer lease of the run rooted at `url`.
-
-    `owner` names the writer's role (shown to a refused writer); `lease_seconds` is how
-    long a lease lives without renewal (renew every third of it, `start_heartbeat` does).
-    Thread-safe: the heartbeat thread renews while writers call `check()`.
-    """
+    """The single-writer lease of the run rooted at `url` (thread-safe)."""
 
     def __init__(self, url: str | Storage, storage_options: dict | None = None, *, owner: str = "zocheck-ray",
                  lease_seconds: float = DEFAULT_LEASE_SECONDS):
@@ -215,7 +189,7 @@ class Lease:
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
         self.last_error: str | None = None
-        """The last renewal failure of the heartbeat thread (None after a success)."""
+        """The heartbeat thread's last renewal failure (None after a success)."""
 
     def __repr__(self) -> str:
         return f"Lease({self.url!r}, owner={self.owner!r}, generation={self.generation})"
@@ -229,7 +203,7 @@ class Lease:
 
     @property
     def heartbeat_seconds(self) -> float:
-        """How often to renew: a third of `lease_seconds`, so one missed renewal is survived."""
+        """A third of `lease_seconds`, so one missed renewal is survived."""
         return self.lease_seconds / 3
 
     @property
@@ -253,7 +227,7 @@ class Lease:
                 and time.monotonic() - self._renewed_mono < self.lease_seconds)
 
     def check(self) -> None:
-        """Raise `LeaseLostError` unless the lease is held (see `held`); call before a destructive write."""
+        """Raise `LeaseLostError` unless the lease is held; call before a destructive write."""
         with self._lock:
             if self._held_locked():
                 return
@@ -266,14 +240,8 @@ class Lease:
     # ------------------------------------------------------------------ acquire, renew, release
 
     def acquire(self, *, reclaim: bool = False, wait_seconds: float = 0.0) -> "Lease":
-        """Take the lease: free, released, stale, or (with `reclaim`) held by an earlier instance of `owner`.
-
-        `reclaim`: the caller knows the previous holder of the same `owner` name is dead
-        (Ray restarted this actor); a live holder of another owner name is still refused.
-        `wait_seconds`: keep trying that long for a fresh lease to go stale (a host that
-        died with the lease takes up to `lease_seconds` to time out).
-        Returns the lease itself (`lease = Lease(url).acquire()`); raises `LeaseHeldError` naming the holder.
-        """
+        """Take the lease: free, released, stale, or (`reclaim`) held by a dead earlier instance of `owner`.
+        `wait_seconds`: keep trying that long for a fresh lease to go stale. Returns the lease itself."""
         deadline = time.monotonic() + max(0.0, wait_seconds)
         while True:
             try:
@@ -295,8 +263,8 @@ class Lease:
             if not (reclaim and current.owner == self.owner):
                 raise self._held_error(current)
         generation = 1 if current is None else current.generation + 1
-        # The holder's clock starts before the heartbeat is taken, so it never thinks itself
-        # the holder longer than a reader, who measures from that heartbeat, would.
+        # The clock starts before the heartbeat is taken, so the holder never counts itself
+        # the holder longer than a reader would.
         written_mono = time.monotonic()
         info = self._new_info(generation)
         self.storage.make_dirs(LEASE_DIR)
@@ -328,7 +296,7 @@ class Lease:
             f"storage/run_id", holder)
 
     def renew(self) -> LeaseInfo:
-        """Write a new heartbeat; raises `LeaseLostError` when another writer took the lease over."""
+        """Write a new heartbeat; `LeaseLostError` when another writer took the lease over."""
         with self._lock:
             info, lost = self._info, self._lost
         if info is None or lost is not None:
@@ -356,9 +324,8 @@ class Lease:
         return fresh
 
     def release(self) -> bool:
-        """Stop the heartbeat and mark the lease released, so the next writer takes it at once; returns
-        whether the stored lease now says so (False: not held, lost, or the store could not be written,
-        in which case it goes stale by itself after `lease_seconds`)."""
+        """Stop the heartbeat and mark the lease released so that the next writer takes it at once; returns whether
+        the stored lease says so (else it goes stale by itself)."""
         self.stop_heartbeat()
         with self._lock:
             info, self._info = self._info, None
@@ -380,12 +347,8 @@ class Lease:
     # ------------------------------------------------------------------ heartbeat thread
 
     def start_heartbeat(self, on_lost: Callable[[LeaseLostError], None] | None = None) -> None:
-        """Renew every `heartbeat_seconds` on a daemon thread until `release` or loss.
-
-        A failed write (store unreachable) is retried at the next beat and kept in
-        `last_error`; once the lease is lost, `on_lost(error)` is called once and the
-        thread ends (writers find out from `check()` as well).
-        """
+        """Renew every `heartbeat_seconds` on a daemon thread until `release` or loss; failures are retried and kept
+        in `last_error`, a loss calls `on_lost(error)` once and ends the thread."""
         self.check()
         if self._heartbeat is not None and self._heartbeat.is_alive():
             return
@@ -430,7 +393,7 @@ class Lease:
 
 
 def check_lease_for(lease: Lease | None, storage: Storage) -> None:
-    """For a writer given `lease=`: the lease must be of the same storage root and held now."""
+    """For a writer given `lease=`: the lease must be of the same storage root, and held."""
     if lease is None:
         return
     if not isinstance(lease, Lease):
@@ -442,7 +405,7 @@ def check_lease_for(lease: Lease | None, storage: Storage) -> None:
 
 
 def require_lease(lease: Lease | None, storage: Storage, action: str) -> None:
-    """Raise unless `lease` is held: `action` (a deletion or rewrite) may destroy another writer's work."""
+    """Raise unless `lease` is held: `action` may destroy another writer's work."""
     if lease is None:
         raise LeaseRequiredError(
             f"cannot {action} under {storage.url} without the run's lease: another writer may be using it. "

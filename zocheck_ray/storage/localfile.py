@@ -3,14 +3,9 @@
     with contextlib.closing(open_local_write(path)) as f:
         f.write(data); f.flush()          # then fsync f.fileno() for durability
 
-Files are written with direct I/O (`O_DIRECT`) where the file system allows it: the
-bytes go from a reused, page-aligned staging buffer to the disk, writer threads writing
-full buffers while the caller fills the next. A snapshot then leaves no second copy of
-the state in the page cache (the host memory the shadow's replica lives in) and costs no
-page-cache allocation, which on a busy or virtualized host can take longer than the disk
-itself. Where direct I/O is refused (tmpfs, some network file systems), files are written
-unbuffered and each range is handed to writeback as soon as it is written
-(`sync_file_range`). Either way only an fsync makes a file durable.
+Direct I/O leaves no second copy of the state in the page cache, the host memory the replica lives
+in. Where it is refused (tmpfs, some network file systems) files are written unbuffered and each
+range handed to writeback at once. Only an fsync makes a file durable.
 """
 
 from __future__ import annotations
@@ -29,19 +24,17 @@ from contextlib import contextmanager
 logger = logging.getLogger(__name__)
 
 WRITEBACK_BYTES = 8 << 20
-"""A buffered file asks the kernel to start writing its pages to disk after every this many bytes."""
+"""A buffered file starts writeback after every this many bytes."""
 
 DIRECT_ALIGN = 4096
-"""Offsets, sizes and buffer addresses of direct I/O are multiples of this (any block size up to 4 KiB)."""
+"""Offsets, sizes and buffer addresses of direct I/O are multiples of this."""
 DIRECT_BUFFER_BYTES = 2 << 20
 DIRECT_BUFFERS = 4
-"""Staging buffers per file: up to three writes in flight while the caller fills the fourth. 2 MiB writes
-reach the disk's bandwidth here as 4 MiB ones do (1 GiB through `open_local_write`, 1.7-2.8 GB/s either
-way), in half the memory: 8 MiB a file."""
+"""Staging buffers per file: three writes in flight while the caller fills the fourth (larger writes gain nothing)."""
 
 
 def open_local_write(path: str):
-    """A new local file to write (truncated): a `_DirectFile`, or a `_WritebackFile` where O_DIRECT is refused."""
+    """A new local file to write: a `_DirectFile`, or a `_WritebackFile` where O_DIRECT is refused."""
     flag = getattr(os, "O_DIRECT", 0)
     if flag:
         try:
@@ -61,8 +54,7 @@ _writers: ThreadPoolExecutor | None = None
 
 
 def _take_staging_buffers() -> list[mmap.mmap]:
-    """A set of page-aligned staging buffers, reused from an earlier file of the same `staging_reuse` scope when
-    one is free (fresh memory costs page faults on first touch, on a virtualized host many times the copy)."""
+    """Page-aligned staging buffers, reused within a `staging_reuse` scope (fresh memory costs page faults)."""
     with _staging_lock:
         if _free_staging:
             return _free_staging.pop()
@@ -80,10 +72,8 @@ def _return_staging_buffers(buffers: list[mmap.mmap]) -> None:
 
 @contextmanager
 def staging_reuse() -> Iterator[None]:
-    """Within this scope (a snapshot's files), a file's staging buffers are kept for the next file; at the end
-    of the outermost scope the idle ones are let go. Outside any scope a file's buffers go with it: they are
-    the writer's memory only while it writes (8 MiB a file), not a resident cost of the shadow between
-    snapshots."""
+    """Within this scope (a snapshot's files) staging buffers pass from file to file; at the outermost scope's end
+    the idle ones go, so they are memory only while a snapshot is written."""
     global _reuse_scopes
     with _staging_lock:
         _reuse_scopes += 1
@@ -109,12 +99,8 @@ def _direct_writers() -> ThreadPoolExecutor:
 
 
 class _DirectFile:
-    """A local file written with O_DIRECT through a ring of aligned staging buffers.
-
-    `write` copies into the current buffer; a full buffer goes to the writer threads
-    (several writes in flight keep the device busy) while the caller fills the next one.
-    `flush` writes the tail padded to the alignment and truncates the file to its true
-    size. An error of a writer thread surfaces in a later `write`, `flush` or `close`."""
+    """A local file written with O_DIRECT through a ring of aligned staging buffers, a full one written by the
+    writer threads while the caller fills the next; a writer's error surfaces in a later call."""
 
     def __init__(self, fd: int):
         self._fd = fd
@@ -172,10 +158,7 @@ class _DirectFile:
         return self._fd
 
     def flush(self) -> None:
-        """Write out everything, the tail padded and the file truncated to its size, and wait.
-
-        This ends the file: `open_write` flushes, fsyncs and closes, and nothing is
-        written after a flush."""
+        """Write out everything (the tail padded, the file truncated to its size) and wait; this ends the file."""
         if self._finished:
             return
         tail = self._fill
@@ -205,7 +188,7 @@ class _DirectFile:
 
 
 class _WritebackFile:
-    """A local file written unbuffered (no copy through a buffer) that starts writeback as it goes."""
+    """A local file written unbuffered that starts writeback as it goes."""
 
     def __init__(self, path: str):
         self._raw = open(path, "wb", buffering=0)
@@ -252,7 +235,7 @@ if sys.platform.startswith("linux"):
 
 
 def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing a range to disk, without waiting; a hint, so failures are ignored."""
+    """Ask the kernel to start writing a range to disk (a hint: failures are ignored)."""
     global _sync_file_range
     if _sync_file_range is not None and _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) != 0:
         logger.debug("sync_file_range is unavailable here (errno %d); relying on the final fsync", ctypes.get_errno())

@@ -1,9 +1,7 @@
 """The snapshot manifest: the commit marker and table of contents of a snapshot directory.
 
-`manifest.json` lists every tensor in canonical order (name, file, dtype, shape, bytes),
-the SHA-256 and size of every file, the `state_hash` of the whole state and the ZO
-config needed to replay the log onto it. It carries a SHA-256 of its own canonical
-JSON (`manifest_sha256`), so a damaged manifest is never mistaken for a commit.
+It lists every tensor in canonical order, every file's SHA-256 and size, the `state_hash` and the ZO
+config, and carries a SHA-256 of its own canonical JSON, so a damaged one is never taken for a commit.
 """
 
 from __future__ import annotations
@@ -31,8 +29,8 @@ class SnapshotMeta(BaseModel):
     hf_config: dict[str, Any] | None = None
     """A Hugging Face model config, written as `config.json` so `from_pretrained` loads the directory."""
     adapter_config: dict[str, Any] | None = None
-    """A peft adapter config, written as `adapter_config.json`; the parameters are then written as
-    `adapter_model.safetensors`, so `PeftModel.from_pretrained(base, directory)` loads the directory."""
+    """A peft adapter config, written as `adapter_config.json`; the parameters then go to
+    `adapter_model.safetensors`."""
     user: dict[str, Any] = Field(default_factory=dict)
     """Any other JSON metadata."""
 

@@ -3,12 +3,8 @@
     state, step = recover_state("s3://bucket/run", storage_options=opts)
     result = recover("s3://bucket/run", storage_options=opts)   # and how: snapshot, records, problems
 
-The newest snapshot that loads with every hash intact, plus the durable log records
-after it replayed with the core's fused kernel: the state the trainer had after step
-`step - 1`, bit for bit. A corrupt snapshot is reported by name and the next older
-one is used; a corrupt log segment is reported by name and the records before it are
-used. Both only move the image back in time: a deterministic trainer recomputes the
-steps in between exactly, so no number changes.
+The newest intact snapshot plus the durable records after it, replayed. A damaged snapshot or log
+segment is named and an older state used instead: a deterministic trainer recomputes the rest.
 """
 
 from __future__ import annotations
@@ -34,25 +30,20 @@ class RecoveredState:
 
     state: dict[str, torch.Tensor]
     step: int
-    """The step the state is at: the next step to run (snapshot step + records replayed)."""
+    """The step the state is at (the next to run)."""
     snapshot: SnapshotInfo
     meta: SnapshotMeta
     config: ZOConfig
     records_replayed: int
     problems: list[str] = field(default_factory=list)
-    """What was skipped on the way (corrupt snapshots, a damaged log segment), by name."""
+    """What was skipped on the way, by name."""
 
 
 def recover(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *, storage_options: dict | None = None,
             config: ZOConfig | None = None, threads: int | None = None,
             out: Mapping[str, torch.Tensor] | None = None) -> RecoveredState:
-    """Rebuild the newest exact state from a snapshot store and the step log.
-
-    `snapshots` is a store or its URL (the run's root); `log` a `StepLog` or URL, by
-    default the same root. `config` overrides the ZO config saved in the manifest.
-    `out`: CPU tensors of the snapshot's layout to read and replay into (the one copy of the
-    state this takes; without it, one is allocated).
-    """
+    """Rebuild the newest exact state from a snapshot store and the step log (by default under the same root);
+    `out`: CPU tensors to read and replay into."""
     store = snapshots if isinstance(snapshots, SnapshotStore) else SnapshotStore(
         snapshots, storage_options, create=False)
     problems: list[str] = []
@@ -77,7 +68,7 @@ def recover(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *,
 def recover_state(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *,
                    storage_options: dict | None = None, config: ZOConfig | None = None,
                    threads: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
-    """`(state, step)`: the newest valid snapshot plus the replayed log suffix (see `recover`)."""
+    """`(state, step)` of `recover`."""
     result = recover(snapshots, log, storage_options=storage_options, config=config, threads=threads)
     return result.state, result.step
 

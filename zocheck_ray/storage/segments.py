@@ -1,15 +1,9 @@
 """Log segments: their names, their format, and how the open one reaches the store.
 
-A segment is the 8-byte magic `ZOLOG\\0\\0\\1` followed by `StepRecord` encodings (each with
-its CRC), named by its first step: `log/seg-000000000123.zlog` once sealed. A `StepLog`
-writes through one `SegmentWriter`, of which there are two, because stores differ in one
-way that matters here:
-
-- `LocalSegmentWriter`: local disk can append, so the segment being written is
-  `seg-000000000123.open`, appended to and fsync'd (per the log's policy) at every flush,
-  and renamed when sealed. A crash can leave it with a torn tail, which `repair` cuts.
-- `ObjectSegmentWriter`: an object store has no append, so the open segment stays in the
-  log's memory and a sealed one is uploaded as one immutable object; nothing is ever torn.
+A segment is the 8-byte magic `ZOLOG\\0\\0\\1` followed by `StepRecord` encodings, named by its first
+step. Local disk appends to `seg-N.open` (fsync'd at every flush, renamed to `seg-N.zlog` when
+sealed; a crash can tear its tail, which `repair` cuts); an object store has no append, so there a
+segment is uploaded whole when sealed and never torn.
 """
 
 from __future__ import annotations
@@ -58,17 +52,14 @@ def list_segments(storage: Storage) -> list[Segment]:
 
 
 def first_logged_step(storage: Storage) -> int | None:
-    """The first step of the oldest segment (retention collects the log below the oldest snapshot), or None."""
+    """The first step of the oldest segment, or None."""
     segments = list_segments(storage)
     return segments[0].first_step if segments else None
 
 
 def parse_segment(data: bytes, segment: Segment, url: str, torn_tail_ok: bool) -> tuple[list[StepRecord], int]:
-    """The records of one segment and the byte length of its valid part.
-
-    With `torn_tail_ok`, a last record cut short (or a zero-filled tail) ends the
-    segment silently; otherwise it, like any damage, raises `CorruptLogError`.
-    """
+    """The records of one segment and the length of its valid part; with `torn_tail_ok` a record cut short at
+    the end is dropped silently, otherwise it raises `CorruptLogError` like any damage."""
     records: list[StepRecord] = []
     if data[: len(SEGMENT_MAGIC)] != SEGMENT_MAGIC[: len(data)] or (len(data) < len(SEGMENT_MAGIC) and not torn_tail_ok):
         raise CorruptLogError(f"{url} is not a step-log segment (bad magic)", url, step=segment.first_step, offset=0)
@@ -85,8 +76,7 @@ def parse_segment(data: bytes, segment: Segment, url: str, torn_tail_ok: bool) -
                                   step=segment.first_step + len(records), offset=offset) from exc
         except CorruptRecordError as exc:
             if torn_tail_ok and not _intact_record_after(data, offset + 1):
-                # Damage with nothing intact after it, at the end of the segment being written:
-                # a write cut short (a power loss can leave garbage or zeros), not a lost record.
+                # Damage with nothing intact after it, at the end of the segment being written: a write cut short.
                 logger.warning("ignoring the damaged tail of %s from byte %d: %s", url, offset, exc)
                 break
             raise CorruptLogError(f"{url}: corrupt record at byte {offset}: {exc}", url, records,
@@ -116,27 +106,23 @@ def _intact_record_after(data: bytes, start: int) -> bool:
 
 
 class SegmentWriter(Protocol):
-    """How a log's open segment reaches its store; one per `StepLog`, called from its writer's thread.
-
-    `data` is whole records: the writer adds the magic and never splits a record."""
+    """How a log's open segment reaches its store; `data` is whole records."""
 
     appends: bool
-    """True: `append` makes records durable in the open segment (local disk); False: the store cannot
-    append (object stores), and records become durable when their segment is sealed."""
+    """True: `append` makes records durable (local disk); False: only sealing does."""
 
     def append(self, first_step: int, data: bytes) -> None:
-        """Add records to the open segment that begins at `first_step` (created by the first append)."""
+        """Add records to the open segment that begins at `first_step`."""
 
     def seal(self, first_step: int, data: bytes) -> None:
-        """Add `data` (the records not appended yet) and close the segment for good under its sealed name."""
+        """Add `data` and close the segment for good under its sealed name."""
 
     def repair(self, segment: Segment, valid_bytes: int, records: int) -> None:
-        """Seal an open segment a crashed writer left, cut to its first `valid_bytes` (or remove it when it
-        holds no record)."""
+        """Seal a crashed writer's open segment, cut to its first `valid_bytes` (removed if it holds no record)."""
 
 
 class LocalSegmentWriter:
-    """Appends to `seg-N.open`, fsync'd per append when `fsync`; sealing renames it to `seg-N.zlog`."""
+    """Appends to `seg-N.open`; sealing renames it to `seg-N.zlog`."""
 
     appends = True
 
@@ -202,7 +188,7 @@ class LocalSegmentWriter:
 
 
 class ObjectSegmentWriter:
-    """Uploads each segment whole, as one immutable object, when it is sealed."""
+    """Uploads each segment whole when it is sealed."""
 
     appends = False
 

@@ -4,21 +4,13 @@
     info = store.save(step, state, {"run_id": "r1", "zo_config": config.model_dump(mode="json")})
     tensors, meta = store.load(store.latest())
 
-A snapshot is a directory `snapshots/step-000000001234/` holding
-`model.safetensors` (the parameters under their Hugging Face names), `optimizer.safetensors`
-(tensors named `optimizer.*`, when there are any), `config.json` (a Hugging Face model
-config, when given; then `from_pretrained` loads the directory) and `manifest.json`.
-A part larger than `core.hashing.SHARD_BYTES` is sharded the Hugging Face way
-(`model-00001-of-00003.safetensors`..., with `model.safetensors.index.json`; see
-`hf_layout.py`), so its files are written and hashed side by side.
-The manifest lists every tensor in canonical order and the SHA-256 of every file, and
-is written last: it is the commit marker. A directory without one was never committed
-and is never loaded; a manifest carries its own checksum, so a damaged one is never
-trusted. Retention deletes an old snapshot's manifest first, so it stops being
-committed before any of its files go; on local disk the uncommitted directory is then
-moved to `.deleted-snapshots/` and its files are deleted on a background thread (freeing
-gigabytes takes the filesystem a while, and nothing waits for it); what a crash leaves
-there is removed when the store is next opened by the run's writer, under its lease.
+A snapshot is a directory `snapshots/step-000000001234/` that `from_pretrained` can load
+(`model.safetensors`, sharded the Hugging Face way, `optimizer.safetensors`, `config.json`) plus
+`manifest.json`, which lists every tensor and every file's SHA-256 and is written last: it is the
+commit marker. A directory without one was never committed and is never loaded, and a manifest
+carries its own checksum, so a damaged one is never trusted. Retention deletes the manifest first,
+so a snapshot is uncommitted before any of its files go; locally the files are then deleted in the
+background, and what a crash leaves is removed at the writer's next open.
 """
 
 from __future__ import annotations
@@ -54,7 +46,7 @@ logger = logging.getLogger(__name__)
 SNAPSHOTS_DIR = "snapshots"
 MANIFEST_FILE = "manifest.json"
 DELETED_DIR = ".deleted-snapshots"
-"""Local disk: uncommitted snapshot directories waiting for their files to be deleted."""
+"""Local disk: uncommitted snapshot directories whose files are being deleted."""
 _STEP_DIR = re.compile(r"^step-(\d{12,})$")
 _HEX_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -80,14 +72,9 @@ class SnapshotInfo:
 class SnapshotStore:
     """Snapshots under `<url>/snapshots/`, committed by their manifest, newest `keep` retained.
 
-    One writer per store: `save` is not safe to call from two threads or processes at once.
-    The run's writer passes its held `Lease` (`lease=`): only then does opening remove what
-    killed saves left (`clean_uncommitted`, then retention past `keep`), and every commit and deletion first checks the
-    lease is still held (`LeaseLostError` otherwise). Without a lease the store saves and
-    prunes but never removes uncommitted directories at open (a tool or benchmark on a
-    directory of its own). `create=False` opens an existing store read-only (no cleanup, no test write).
-    `close()` (or leaving a `with` block) waits for the background deletion of pruned snapshots.
-    """
+    One writer per store. Only a store given the run's held `Lease` removes what killed saves left,
+    since otherwise an uncommitted directory may be another writer's save in flight; it checks the
+    lease before every commit and deletion. `create=False` opens read-only."""
 
     def __init__(self, url: str, storage_options: dict | None = None, *, keep: int = 2, create: bool = True,
                  lease: Lease | None = None):
@@ -100,7 +87,7 @@ class SnapshotStore:
         self.url = self.storage.url
         check_lease_for(lease, self.storage)
         self.lease = lease
-        """The run's single-writer lease, when this store is its writer; checked before every commit and deletion."""
+        """The run's single-writer lease, when this store is its writer."""
         self._hashers: ThreadPoolExecutor | None = None
         self._deleter: ThreadPoolExecutor | None = None
         self._deletions: list[Future] = []
@@ -124,7 +111,7 @@ class SnapshotStore:
         self.close()
 
     def close(self) -> None:
-        """Wait for the background deletion of pruned snapshots and stop idle threads; the store stays usable."""
+        """Wait for the background deletions and stop idle threads; the store stays usable."""
         self.wait_for_deletions()
         with self._deleter_lock:
             for pool in (self._hashers, self._deleter):
@@ -133,7 +120,7 @@ class SnapshotStore:
             self._hashers = self._deleter = None
 
     def _hash_pool(self) -> ThreadPoolExecutor:
-        # Kept between saves: starting threads costs a save milliseconds on a busy machine.
+        # Kept between saves: starting threads costs a save time on a busy machine.
         with self._deleter_lock:
             if self._hashers is None:
                 self._hashers = ThreadPoolExecutor(3, thread_name_prefix="zocheck-snapshot-hash")
@@ -151,10 +138,8 @@ class SnapshotStore:
         return sorted(out, reverse=True)
 
     def _info(self, step: int, directory: str, strict: bool = False) -> SnapshotInfo | None:
-        """The snapshot in `directory` if it is committed and its manifest is sound, else None.
-
-        With `strict`, a manifest that exists but is damaged raises `CorruptSnapshotError`.
-        """
+        """The snapshot in `directory` if committed with a sound manifest, else None (`strict`: a damaged one
+        raises)."""
         rel = f"{directory}/{MANIFEST_FILE}"
         url = self.storage.url_of(rel)
         try:
@@ -177,7 +162,7 @@ class SnapshotStore:
         return [info for step, d in self._steps() if (info := self._info(step, d)) is not None]
 
     def scan(self) -> tuple[list[SnapshotInfo], list[CorruptSnapshotError]]:
-        """`committed()`, plus the damaged manifests it skips (for an audit that must name them)."""
+        """`committed()`, plus the damaged manifests it skips."""
         found, damaged = [], []
         for step, directory in self._steps():
             try:
@@ -209,15 +194,9 @@ class SnapshotStore:
              meta: SnapshotMeta | Mapping[str, Any] | None = None, *, state_hash: str | None = None) -> SnapshotInfo:
         """Write a snapshot of `tensors` (canonical order) at `step`, commit it, then prune old ones.
 
-        Returns once the snapshot is durable. Saving a step that is already committed
-        with the same `state_hash` returns it unchanged; with another state, raises.
-        The tensors must not change while this runs (pass a frozen copy).
-
-        The manifest's `state_hash` follows from the SHA-256 of the two files (see
-        `zocheck_ray.core.hashing`), so the state is read once, by the writes and their hashes.
-        `state_hash`: what the caller expects `zocheck_ray.core.state_hash(tensors)` to be;
-        a save whose tensors hash otherwise raises `ValueError` and commits nothing.
-        """
+        Returns once it is durable; a step committed already returns unchanged if the state is the same, and
+        raises otherwise. The tensors must not change meanwhile. `state_hash`: what the caller expects
+        `core.state_hash(tensors)` to be; a mismatch raises `ValueError` and commits nothing."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if state_hash is not None and (not isinstance(state_hash, str) or not _HEX_SHA256.match(state_hash)):
@@ -267,9 +246,8 @@ class SnapshotStore:
         return SnapshotInfo(step, self.storage.url_of(directory), manifest)
 
     def _remove_torn(self, directory: str) -> None:
-        """Remove what a failed save wrote, at once: on a full disk its files would keep the step log (and the
-        lease's renewals) from the space they need. Not where the writer lost its lease: the directory may
-        be the next writer's by now; and a commit that failed after its manifest was written stays."""
+        """Remove a failed save's files at once (on a full disk they would starve the log and the lease), unless the
+        lease is lost or the manifest was written."""
         if self.lease is not None and not self.lease.held:
             return
         try:
@@ -280,11 +258,8 @@ class SnapshotStore:
 
     def _write_files(self, directory: str, tensors: Mapping[str, torch.Tensor], meta: SnapshotMeta
                      ) -> tuple[dict[str, FileEntry], dict[str, str]]:
-        """Write the snapshot's files into `directory`, durably; returns each file's entry (SHA-256, size)
-        and each tensor's file.
-
-        Each shard is hashed from tensor memory beside the writes (hashlib releases the GIL),
-        several at once; the state hash follows from their digests, so the state is hashed once."""
+        """Write the snapshot's files durably, each shard hashed from memory beside its write; returns each file's
+        entry and each tensor's file."""
         layout = file_layout(tensors, ADAPTER_KIND if meta.adapter_config is not None else "model")
         files: dict[str, FileEntry] = {}
         pool = self._hash_pool()
@@ -323,12 +298,8 @@ class SnapshotStore:
 
     def load(self, which: SnapshotInfo | int, out: Mapping[str, torch.Tensor] | None = None
              ) -> tuple[dict[str, torch.Tensor], SnapshotMeta]:
-        """The tensors (canonical order) and metadata of a committed snapshot, every hash verified.
-
-        With `out`, the data is read into those CPU tensors in place (names, order, dtypes
-        and shapes must match); their contents are undefined if the load raises.
-        Raises `CorruptSnapshotError` naming the damaged object.
-        """
+        """The tensors and metadata of a committed snapshot, every hash verified; with `out`, read into those CPU
+        tensors in place. Raises `CorruptSnapshotError` naming the damaged object."""
         info = which if isinstance(which, SnapshotInfo) else self.get(which)
         directory = snapshot_dir(info.step)
         manifest = info.manifest
@@ -367,8 +338,7 @@ class SnapshotStore:
         return tensors, meta
 
     def check(self, which: SnapshotInfo | int) -> SnapshotInfo:
-        """Every file of a committed snapshot read back and hashed, without loading its tensors (the
-        memory of one read chunk); returns its info. Raises `CorruptSnapshotError` naming what is damaged."""
+        """Every file of a committed snapshot read back and hashed, without loading its tensors."""
         info = which if isinstance(which, SnapshotInfo) else self.get(which)
         directory = snapshot_dir(info.step)
         for name, entry in info.manifest.files.items():
@@ -405,11 +375,7 @@ class SnapshotStore:
     # ------------------------------------------------------------------ retention and cleanup
 
     def prune(self) -> list[int]:
-        """Delete all but the newest `keep` committed snapshots (and older debris); returns the steps removed.
-
-        On return the removed snapshots are uncommitted and gone from `snapshots/`; on local
-        disk their files are then deleted in the background (see `wait_for_deletions`).
-        """
+        """Delete all but the newest `keep` committed snapshots; returns the steps removed."""
         check_lease_for(self.lease, self.storage)
         kept: list[int] = []
         removed, doomed = [], []
@@ -421,8 +387,8 @@ class SnapshotStore:
             # Uncommit first: once the manifest is gone, no reader can pick a half-deleted snapshot.
             self.storage.remove(f"{directory}/{MANIFEST_FILE}")
             if self.storage.local:
-                # No file is deleted before the move out of snapshots/ is durable (the sync below),
-                # so after a crash the directory is either whole where it was or gone from there.
+                # No file is deleted before the move out of snapshots/ is durable, so after a crash
+                # the directory is either whole where it was or gone.
                 self.storage.make_dirs(DELETED_DIR)
                 doomed.append(f"{DELETED_DIR}/{directory.rsplit('/', 1)[-1]}-{uuid.uuid4().hex[:8]}")
                 self.storage.rename(directory, doomed[-1])
@@ -457,11 +423,8 @@ class SnapshotStore:
             future.result()
 
     def clean_uncommitted(self) -> list[str]:
-        """Remove what killed saves left: directories without a manifest, temporary files, open uploads.
-
-        Needs the held lease (`lease=`): an uncommitted directory may be a live writer's save
-        in progress. Raises `LeaseRequiredError` without one, `LeaseLostError` once lost.
-        """
+        """Remove what killed saves left (directories without a manifest, temporary files, open uploads); needs the
+        held lease, since an uncommitted directory may be a live writer's save."""
         require_lease(self.lease, self.storage, "remove uncommitted snapshots")
         removed = []
         for _, directory in self._steps():

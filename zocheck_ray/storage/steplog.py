@@ -1,19 +1,13 @@
 """`StepLog`: the durable log of step records, so a host failure loses no logged step.
 
     log = StepLog("s3://bucket/run", seal_records=4096, seal_seconds=60)
-    log.append(record)          # buffered, a few microseconds
+    log.append(record)          # buffered
     log.flush()                 # durable: fsync locally; on S3, seals and uploads the segment
     records = read_log("s3://bucket/run", after_step=snapshot.step - 1)
 
-The log is a sequence of segments under `<url>/log/` (`segments.py`: their format, and
-the two ways one is written), each named by its first step, `seg-000000000123.zlog` once
-sealed (by record count or age). Locally the segment being appended is
-`seg-000000000123.open`, fsync'd on `flush`; object stores have no append, so there the
-open segment stays in memory and a sealed one is uploaded as one immutable object.
-
-Reading tolerates a torn tail only where one can happen, at the end of a local open
-segment; anything else that does not parse is corruption and is reported with the
-segment's URL (`CorruptLogError`, carrying the records read before it).
+Segments under `<url>/log/` (`segments.py`) are sealed by record count or age. Reading tolerates a
+torn tail only where one can happen, at the end of a local open segment; anything else is
+corruption, reported with the segment's URL.
 """
 
 from __future__ import annotations
@@ -35,11 +29,7 @@ AUTO_SEAL_RETRY_SECONDS = 5.0
 
 
 def read_log(url: str, after_step: int, storage_options: dict | None = None) -> list[StepRecord]:
-    """The contiguous records after `after_step` (steps after_step+1, after_step+2, ...).
-
-    Stops at a gap; raises `CorruptLogError` naming the segment on damage. Use
-    `after_step = snapshot.step - 1` to get the records a snapshot needs.
-    """
+    """The contiguous records after `after_step`; stops at a gap, raises `CorruptLogError` naming a damaged segment."""
     _check_after_step(after_step)
     return read_records(open_storage(url, storage_options, create=False), after_step)
 
@@ -50,14 +40,11 @@ def _check_after_step(after_step: int) -> None:
 
 
 LISTING_ATTEMPTS = 5
-"""How often `read_records` lists the log again when a listed segment is gone before it is read."""
+"""How often `read_records` lists the log again when a listed segment went before it was read."""
 
 
 def read_records(storage: Storage, after_step: int) -> list[StepRecord]:
-    """`read_log` on an opened `Storage` (the run's root).
-
-    A live writer may seal (rename) or collect a listed segment before it is read: the log is
-    then listed and read again."""
+    """`read_log` on an opened `Storage`, listing again where a live writer sealed or collected a segment."""
     _check_after_step(after_step)
     for _ in range(LISTING_ATTEMPTS - 1):
         try:
@@ -103,19 +90,12 @@ def _extend(out: list[StepRecord], records: list[StepRecord], after_step: int, u
 
 
 class StepLog:
-    """Append-only, segmented, CRC'd log of `StepRecord`s under `<url>/log/`.
+    """Append-only, segmented, CRC'd log of `StepRecord`s under `<url>/log/`; one writer, not thread-safe.
 
-    Records must be appended in step order without gaps. On opening, a local open
-    segment left by a crash is repaired (torn tail cut, segment sealed), and appends
-    continue after the last durable step. `resume_step` declares where the caller's
-    state resumes instead: logged records from that step on are dropped (a deterministic
-    trainer regenerates them identically), which also removes a corrupt tail.
-    Repair and `resume_step` truncation are writes that need the run's held `lease`.
-    On an object store records are durable once sealed (see the module's durability window).
-    `auto_seal=False` keeps every write out of `append` (a slow store then never blocks the
-    thread that appends): only `flush`, `seal` and `close` write.
-    One writer per log, and not thread-safe: serialize `append`, `flush` and `seal`.
-    """
+    Opening repairs a local open segment a crash left and continues after the last durable step, or
+    from `resume_step`, dropping the records from there on (a deterministic trainer regenerates them)
+    and any damaged tail, under the held `lease`. `auto_seal=False` keeps every write out of `append`,
+    so a slow store never blocks the appending thread."""
 
     def __init__(self, url: str, storage_options: dict | None = None, *, seal_records: int = 4096,
                  seal_seconds: float = 60.0, fsync: bool = True, resume_step: int | None = None,
@@ -129,7 +109,7 @@ class StepLog:
             raise ValueError(f"resume_step must be a non-negative integer, got {resume_step!r}")
         self.seal_records = seal_records
         self.auto_seal = bool(auto_seal)
-        """False: `append` only buffers, never writes; `flush` (a persistence stage's) seals what is due."""
+        """False: `append` only buffers; `flush` seals what is due."""
         self.seal_seconds = float(seal_seconds)
         self.fsync = bool(fsync)
         self.storage = open_storage(url, storage_options, create=True)
@@ -147,8 +127,7 @@ class StepLog:
         self._repair()
         last = self._truncate_from(resume_step) if resume_step is not None else self._last_durable_step()
         self.durable_step: int | None = last
-        """The last step known durable (None if the log is empty): fsync'd locally (written, with
-        fsync=False), in a sealed, uploaded segment on an object store."""
+        """The last step known durable (None if empty)."""
         self._next_step: int | None = resume_step if resume_step is not None else (None if last is None else last + 1)
 
     def __repr__(self) -> str:
@@ -168,7 +147,7 @@ class StepLog:
     # ------------------------------------------------------------------ appending
 
     def append(self, record: StepRecord) -> None:
-        """Buffer one record (durable after `flush` or a seal); seals by count or age."""
+        """Buffer one record (durable after `flush` or a seal)."""
         if self._next_step is not None and record.step != self._next_step:
             raise RecordSequenceError(f"step log {self.url} expects step {self._next_step}, got step {record.step} "
                                       "(records are appended in order, without gaps or repeats)")
@@ -187,18 +166,13 @@ class StepLog:
             try:
                 self.seal()
             except StorageError as exc:
-                # The record is accepted and stays buffered; an explicit flush or seal reports the
-                # failure. Appends must stay cheap, so the next automatic attempt waits a while.
+                # Accepted and kept buffered; an explicit flush or seal reports the failure, and appends stay cheap.
                 self._next_auto_seal = now + min(self.seal_seconds, AUTO_SEAL_RETRY_SECONDS)
                 logger.warning("could not seal a segment of %s, will retry: %s", self.url, exc)
 
     def flush(self) -> None:
-        """Locally: write and fsync every appended record. On an object store: seal the segment if it is due.
-
-        On an object store a segment is uploaded once it holds `seal_records` records or is
-        `seal_seconds` old, not at every flush, so a run makes few objects; `durable_step`
-        says what is durable. `seal()` forces the upload.
-        """
+        """Locally: write and fsync every appended record. On an object store: seal the segment if it is due, so a
+        run makes few objects."""
         check_lease_for(self.lease, self.storage)
         if self._writer.appends and self._buffer:
             self._append()
@@ -215,7 +189,7 @@ class StepLog:
         self.durable_step = self._next_step - 1
 
     def seal(self) -> None:
-        """Close the current segment for good: rename it locally, upload it as one object elsewhere."""
+        """Close the current segment for good: rename it locally, upload it elsewhere."""
         if self._segment_first is None:
             return
         check_lease_for(self.lease, self.storage)
@@ -236,7 +210,7 @@ class StepLog:
         return read_records(self.storage, after_step)
 
     def collect_garbage(self, keep_from_step: int) -> list[str]:
-        """Delete sealed segments holding only steps before `keep_from_step` (the oldest retained snapshot)."""
+        """Delete sealed segments holding only steps before `keep_from_step` (the oldest retained snapshot's)."""
         check_lease_for(self.lease, self.storage)
         removed = []
         segments = list_segments(self.storage)

@@ -1,16 +1,9 @@
 """Streaming safetensors files: written straight from tensor memory, read straight into tensors.
 
-The format (https://huggingface.co/docs/safetensors) is small enough to say in one
-paragraph: an unsigned little-endian 64-bit header length N, N bytes of JSON mapping
-each tensor name to its dtype, shape and `[begin, end)` byte offsets in the data
-section (plus an optional `__metadata__` map of strings), then the data section, the
-tensors' raw little-endian bytes. Files written here load with `safetensors` and
-Hugging Face `from_pretrained`.
-
-Writing it here rather than with `safetensors.torch.save_file` lets a save stream each
-tensor's memory to the store while hashing it on a second thread, with no serialized
-copy of the state; reading fills preallocated tensors chunk by chunk while hashing.
-Nothing here unpickles anything.
+The format (https://huggingface.co/docs/safetensors): a little-endian u64 header length, a JSON
+header of dtypes, shapes and offsets, then the raw bytes. Written here rather than by
+`safetensors.torch.save_file` so that a save streams and hashes tensor memory with no serialized
+copy of the state. Nothing here unpickles anything.
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ from zocheck_ray.core.hashing import file_sha256, raw_bytes, safetensors_header
 from zocheck_ray.storage.errors import CorruptSnapshotError
 
 CHUNK_BYTES = 16 << 20
-"""Bytes written or read (and hashed) at a time: large enough for full speed, small enough to pipeline."""
+"""Bytes written or read (and hashed) at a time: full speed, yet small enough to pipeline."""
 MAX_HEADER_BYTES = 100 << 20
 
 
@@ -41,12 +34,8 @@ class FileDigest:
 
 
 def write_tensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor], pool: ThreadPoolExecutor) -> Future:
-    """Stream the canonical safetensors file of `tensors` to `f` (`core.hashing.safetensors_header`);
-    returns the future `FileDigest` that `pool` computes meanwhile.
-
-    The digest is hashed from tensor memory, not read back, so hashing, writing and the
-    caller's fsync overlap. The tensors must not change until the future is done.
-    """
+    """Stream the safetensors file of `tensors` to `f`; returns the future `FileDigest` that `pool` computes
+    meanwhile. The tensors must not change until it is done."""
     header = safetensors_header(tensors)
     digest = pool.submit(lambda: FileDigest(*file_sha256(tensors, header)))  # hashlib releases the GIL
     try:
@@ -79,11 +68,7 @@ def _fill(f: BinaryIO, target: memoryview, url: str) -> None:
 
 def read_tensors(f: BinaryIO, url: str, out: Mapping[str, torch.Tensor], size: int,
                  pool: ThreadPoolExecutor) -> FileDigest:
-    """Fill the preallocated CPU tensors `out` from the safetensors stream `f`; returns its digest.
-
-    The file must hold exactly the tensors of `out`, with their dtypes and shapes.
-    Every deviation raises `CorruptSnapshotError` naming `url`.
-    """
+    """Fill the preallocated CPU tensors `out` from the safetensors stream `f`; returns its digest."""
     h = hashlib.sha256()
     prefix = _read_exact(f, 8, url, "the header length")
     (n,) = struct.unpack("<Q", prefix)
