@@ -1,6 +1,6 @@
 """The ZOCheck cost model: how many replayed steps between snapshots, and when to resync.
 
-Symbols (DESIGN.md section 5), all in seconds unless a name says otherwise:
+Symbols (DESIGN.md section 5), in seconds unless a name says otherwise:
 
     T_gpu   gpu_step_seconds       trainer step on the accelerator (forward passes + update)
     T_rep   replay_step_seconds    shadow replay of one step record on the CPU
@@ -9,34 +9,12 @@ Symbols (DESIGN.md section 5), all in seconds unless a name says otherwise:
     N       snapshot interval      replayed steps between snapshots
     M       MTBF                   mean training time between failures (mtbf_hours * 3600)
 
-Bounds on N:
-
     pacing       T_rep + C_snap / N <= T_gpu   ->  N >= C_snap / (T_gpu - T_rep)   (T_rep < T_gpu)
     persistence  N * T_rep >= T_per            ->  N >= T_per / T_rep
 
-The persistence bound assumes the shadow replays at full speed (as after a backlog), the
-conservative case; a paced shadow has even more time per snapshot.
-
-Regimes: keep-pace when T_rep < T_gpu, lag when T_rep >= T_gpu (the pacing bound has no
-solution). In keep-pace, N* = max(1, ceil(pacing), ceil(persistence)): no snapshot-induced
-lag, and no dependence on M. After a failure the trainer replays the records since the
-newest usable snapshot: 1 + N/2 on average (the failure's phase in the snapshot period is
-uniform, and the snapshot is usable one step after its boundary). In the lag regime (or
-below the pacing bound) the shadow falls behind at
-
-    r(N) = 1 / T_t - 1 / (T_rep + C_snap / N)     steps per second, T_t = T_gpu + logging
-
-(equivalently the replay backlog grows by (T_rep + C_snap/N - T_t) / T_t seconds per
-second; progress is treated as fluid, in fractional steps, in the lag terms). Snapshotting
-less often slows the lag but lengthens the residual replay, so N minimises
-J(N) = W * C_snap / (N * T_rep) + N * T_rep / 2 over a window W:
-N ~ sqrt(2 * W * C_snap) / T_rep, the Young-Daly square root (`lag_interval`). A resync
-(one blocking copy of the trainer's state, cost C_copy) caps the lag at L steps; it is due
-every L / r(N) seconds, and the L that balances resync copies against lag replay is again
-Young-Daly: L* = sqrt(2 * M * r(N) * C_copy / T_rec). With resyncs the window in J is not
-M but W = M * C_copy / (L * T_rec) (`lag_window_seconds`); N and L are solved together.
-
-Expected wasted time per failure window, for ZOCheck and the baselines, is in `waste.py`.
+Keep-pace (T_rep < T_gpu): N* = max(1, ceil(pacing), ceil(persistence)), whatever M. Lag: the
+shadow falls behind at r(N) = 1 / T_t - 1 / (T_rep + C_snap / N) steps per second; N and the
+resync bound L are Young-Daly square roots, solved together. `waste.py` has the expected waste.
 
     >>> t = Timings(gpu_step_seconds=8.65, replay_step_seconds=6.59,
     ...             snapshot_cost_seconds=4.0, persist_seconds=20.0)
@@ -60,7 +38,7 @@ SECONDS_PER_HOUR = 3600.0
 
 
 class PolicyInputError(ZOCheckError, ValueError):
-    """Inputs that are valid one by one but not together (e.g. an MTBF shorter than a step)."""
+    """Inputs that are valid one by one but not together (an MTBF shorter than a step)."""
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
@@ -75,33 +53,32 @@ _OPTIONAL_TIMES = (
 
 
 class Timings(BaseModel):
-    """Measured (or assumed) costs; the first four are the DESIGN.md section 5 inputs."""
+    """Measured (or assumed) costs; the first four are the cost model's inputs."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     gpu_step_seconds: float
     """T_gpu: one trainer step on the accelerator, without logging."""
     replay_step_seconds: float
-    """T_rep: one step record replayed by the shadow on the CPU at its chosen thread count."""
+    """T_rep: one record replayed by the shadow at its chosen thread count."""
     snapshot_cost_seconds: float
-    """C_snap: the shadow's copy of its replica into an in-memory snapshot (replay waits)."""
+    """C_snap: the shadow's copy of its replica into a snapshot (replay waits)."""
     persist_seconds: float
-    """T_per: writing one snapshot to durable storage (local path or object store)."""
+    """T_per: writing one snapshot to durable storage."""
     restart_seconds: float = 0.0
-    """Restarting a failed trainer (software) or rescheduling the placement group (host)."""
+    """Restarting a failed trainer, or rescheduling the placement group after a host failure."""
     load_seconds: float | None = None
-    """Copying a host-memory image into the trainer; None: same as snapshot_cost_seconds."""
+    """Copying a host-memory image into the trainer; None: snapshot_cost_seconds."""
     storage_read_seconds: float | None = None
-    """Reading a durable image (snapshot, full checkpoint, base model); None: persist_seconds."""
+    """Reading a durable image (snapshot, checkpoint, base model); None: persist_seconds."""
     recovery_replay_step_seconds: float | None = None
     """T_rec: replaying one record on the recovering trainer's device; None: replay_step_seconds."""
     log_step_seconds: float = 0.0
-    """Critical-path cost of publishing one step record (ZOCheck and log-only)."""
+    """Critical-path cost of publishing one step record."""
     state_copy_seconds: float | None = None
-    """C_copy: blocking device-to-host copy of the trainer's state (async staging, ZOCheck
-    resync); None: same as snapshot_cost_seconds."""
+    """C_copy: blocking copy of the trainer's state (resync); None: snapshot_cost_seconds."""
     checkpoint_save_seconds: float | None = None
-    """Writing one full checkpoint to storage (sync baseline; the async write); None: persist_seconds."""
+    """Writing one full checkpoint; None: persist_seconds."""
 
     @field_validator(*_REQUIRED_TIMES)
     @classmethod
@@ -146,7 +123,7 @@ class Timings(BaseModel):
 
 
 class FailureModel(BaseModel):
-    """Failures arrive as a Poisson process on the training clock (recovery time excluded)."""
+    """Failures arrive as a Poisson process on the training clock."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -155,7 +132,7 @@ class FailureModel(BaseModel):
     failure_kind: FailureKind = "software"
     """`software`: the trainer process dies, the shadow survives; `host`: the node is lost."""
     run_hours: float | None = None
-    """Training hours of the whole run (log-only replays since its start); None: one MTBF."""
+    """Training hours of the whole run (log-only replays from its start); None: one MTBF."""
 
     @field_validator("mtbf_hours")
     @classmethod
@@ -181,7 +158,7 @@ class FailureModel(BaseModel):
 
 
 def check_failure_model(timings: Timings, failures: FailureModel) -> None:
-    """Reject an MTBF that does not cover one training step (the model needs M > T_t)."""
+    """Reject an MTBF that does not cover one training step (M > T_t)."""
     if failures.mtbf_seconds <= timings.trainer_step:
         raise PolicyInputError(
             "mtbf_hours",
@@ -208,31 +185,24 @@ def regime(timings: Timings) -> Regime:
 
 
 def pacing_bound(timings: Timings) -> float | None:
-    """C_snap / (T_gpu - T_rep): the least N at which snapshots do not slow the shadow
-    below the trainer; None in the lag regime, where no N achieves it."""
+    """C_snap / (T_gpu - T_rep): the least N at which snapshots keep the shadow at the trainer's pace; None in lag."""
     if regime(timings) == "lag":
         return None
     return timings.snapshot_cost_seconds / (timings.gpu_step_seconds - timings.replay_step_seconds)
 
 
 def persistence_bound(timings: Timings) -> float:
-    """T_per / T_rep: the least N at which one snapshot write is in flight at a time."""
+    """T_per / T_rep: the least N with one snapshot write in flight at a time."""
     return timings.persist_seconds / timings.replay_step_seconds
 
 
 DEFAULT_STORAGE_SHARE = 0.1
-"""The most of a run's time the shadow spends writing snapshots to durable storage, by default."""
+"""The most of a run's time the shadow spends writing snapshots, by default."""
 
 
 def durable_interval(timings: Timings, n: int, storage_share: float = DEFAULT_STORAGE_SHARE) -> int:
-    """Steps between durable snapshots: the smallest multiple of N at which writing one (T_per) takes at
-    most `storage_share` of the training time between them (N_d * T_t >= T_per / share).
-
-    In-memory snapshots are a memory copy; a durable one writes the whole state to storage. Where the
-    shadow keeps pace with a small N, persisting every image would write the state at the training's
-    own pace (a 2 GB image to S3 every few steps). Between durable snapshots the step log is durable
-    on its own: a lost node replays it from the last durable snapshot.
-    """
+    """Steps between durable snapshots: the smallest multiple of N whose write (T_per) takes at most `storage_share`
+    of the training time; between them the step log is durable on its own."""
     n = _check_interval(n)
     _check_positive(storage_share, "storage_share")
     if storage_share > 1:
@@ -242,11 +212,7 @@ def durable_interval(timings: Timings, n: int, storage_share: float = DEFAULT_ST
 
 
 def keep_pace_interval(timings: Timings) -> int:
-    """N*: the smallest integer N >= 1 meeting both bounds (keep-pace regime only).
-
-    It does not depend on the failure rate: in keep-pace the shadow is never behind, so a
-    larger N only lengthens the replay after a failure.
-    """
+    """N*: the smallest N >= 1 meeting both bounds (keep-pace only; a larger N only lengthens recovery)."""
     pacing = pacing_bound(timings)
     if pacing is None:
         raise PolicyInputError(
@@ -258,17 +224,14 @@ def keep_pace_interval(timings: Timings) -> int:
 
 
 def lag_objective(timings: Timings, n: int, window_seconds: float) -> float:
-    """J(N) = W * C_snap / (N * T_rep) + N * T_rep / 2: snapshot-induced lag over a window W
-    plus the mean residual replay since the newest snapshot, both in seconds of replay."""
+    """J(N) = W * C_snap / (N * T_rep) + N * T_rep / 2: snapshot-induced lag over a window W plus the mean
+    residual replay."""
     t_rep = timings.replay_step_seconds
     return window_seconds * timings.snapshot_cost_seconds / (n * t_rep) + n * t_rep / 2
 
 
 def lag_interval(timings: Timings, window_seconds: float) -> int:
-    """N for the lag regime: the integer minimiser of `lag_objective` over the failure
-    window W, at least the persistence bound. The real minimiser sqrt(2 W C_snap) / T_rep
-    grows as the square root of W (Young-Daly); J is convex, so its floor or ceiling wins.
-    """
+    """N for the lag regime: the integer minimiser of the convex `lag_objective`, at least the persistence bound."""
     window_seconds = _check_positive(window_seconds, "window_seconds")
     x = math.sqrt(2 * window_seconds * timings.snapshot_cost_seconds) / timings.replay_step_seconds
     candidates = {max(1, math.floor(x)), max(1, math.ceil(x))}
@@ -277,12 +240,7 @@ def lag_interval(timings: Timings, window_seconds: float) -> int:
 
 
 def lag_window_seconds(timings: Timings, failures: FailureModel, lag_bound_steps: float) -> float:
-    """The window W to put in `lag_interval` when resyncs cap the lag at L steps.
-
-    Snapshots only raise the lag growth rate r(N) ~ r_inf + C_snap / (N T_rep^2), and with
-    a bound L that costs resyncs, M r(N) C_copy / L per failure window; N's residual replay
-    costs N T_rec / 2. Their sum is J(N) (times T_rec / T_rep) for W = M C_copy / (L T_rec).
-    """
+    """The window W = M C_copy / (L T_rec) to put in `lag_interval` when resyncs cap the lag at L steps."""
     lag_bound_steps = _check_positive(lag_bound_steps, "lag_bound_steps")
     return failures.mtbf_seconds * timings.state_copy / (lag_bound_steps * timings.recovery_replay_step)
 
@@ -290,14 +248,8 @@ def lag_window_seconds(timings: Timings, failures: FailureModel, lag_bound_steps
 def snapshot_interval(
     timings: Timings, failures: FailureModel | None = None, lag_bound_steps: float | None = None
 ) -> int:
-    """The policy's N in closed form.
-
-    keep-pace: `keep_pace_interval`. lag, no failure model: the persistence bound (snapshot
-    as often as storage allows; resyncs cap the lag). lag with a failure model: the fixed
-    point of N = lag_interval(W) and W = `lag_window_seconds` at the resync bound L (given,
-    or `optimal_lag_bound_steps` at N), started from W = M. `waste.configure` then polishes
-    N on the exact expected waste.
-    """
+    """The policy's N in closed form: `keep_pace_interval`; in lag the persistence bound without a failure model,
+    else the fixed point of N = lag_interval(W(L)). `waste.configure` then polishes N on the exact waste."""
     if regime(timings) == "keep-pace":
         return keep_pace_interval(timings)
     if lag_bound_steps is not None:
@@ -316,29 +268,26 @@ def snapshot_interval(
 
 
 def shadow_step_seconds(timings: Timings, n: int) -> float:
-    """T_eff = T_rep + C_snap / N: the shadow's mean time per step, snapshots amortised."""
+    """T_eff = T_rep + C_snap / N: the shadow's mean time per step."""
     n = _check_interval(n)
     return timings.replay_step_seconds + timings.snapshot_cost_seconds / n
 
 
 def lag_growth_steps_per_second(timings: Timings, n: int) -> float:
-    """r(N) = 1 / T_t - 1 / T_eff: how fast the shadow falls behind, in steps per second of
-    training (0 when it keeps pace). T_t includes the per-step logging cost."""
+    """r(N) = 1 / T_t - 1 / T_eff: how fast the shadow falls behind, in steps per second (0: it keeps pace)."""
     return max(0.0, 1.0 / timings.trainer_step - 1.0 / shadow_step_seconds(timings, n))
 
 
 def resync_interval_seconds(timings: Timings, n: int, lag_bound_steps: float) -> float | None:
-    """Training seconds between resyncs that keep the lag under L steps: L / r(N); None
-    when the shadow keeps pace and never needs one."""
+    """Training seconds between resyncs that keep the lag under L steps (None: it keeps pace)."""
     lag_bound_steps = _check_positive(lag_bound_steps, "lag_bound_steps")
     rate = lag_growth_steps_per_second(timings, n)
     return None if rate == 0 else lag_bound_steps / rate
 
 
 def optimal_lag_bound_steps(timings: Timings, n: int, failures: FailureModel) -> float | None:
-    """L* = sqrt(2 * M * r(N) * C_copy / T_rec), at least one step: resync copies cost
-    M * r * C_copy / L per window, the lag replayed after a failure L * T_rec / 2 on
-    average; L* balances them. None when the shadow keeps pace."""
+    """L* = sqrt(2 * M * r(N) * C_copy / T_rec), at least 1: resync copies balanced against the lag replayed
+    after a failure. None when the shadow keeps pace."""
     check_failure_model(timings, failures)
     rate = lag_growth_steps_per_second(timings, n)
     if rate == 0:
@@ -353,8 +302,7 @@ def should_resync(lag_steps: float, lag_bound_steps: float | None) -> bool:
 
 
 def young_daly_interval(checkpoint_seconds: float, mtbf_seconds: float, step_seconds: float) -> int:
-    """K = sqrt(2 * C * M) / T_step rounded to the nearest integer, at least 1: the
-    first-order optimum of C / (K T_step) * M (checkpoints) + K T_step / 2 (lost work)."""
+    """K = sqrt(2 * C * M) / T_step rounded, at least 1 (Young-Daly)."""
     _check_positive(checkpoint_seconds, "checkpoint_seconds")
     _check_positive(mtbf_seconds, "mtbf_seconds")
     _check_positive(step_seconds, "step_seconds")
@@ -362,18 +310,14 @@ def young_daly_interval(checkpoint_seconds: float, mtbf_seconds: float, step_sec
 
 
 def availability_delay_steps(timings: Timings, failure_kind: FailureKind) -> float:
-    """Steps of trainer progress before a keep-pace snapshot can be recovered from: the
-    shadow trails by the record in flight (1 step); after a host failure the snapshot must
-    also be durable, T_per later (T_per / T_t more steps)."""
+    """Steps before a keep-pace snapshot is usable: 1, plus T_per / T_t after a host failure."""
     if failure_kind == "software":
         return 1.0
     return 1.0 + timings.persist_seconds / timings.trainer_step
 
 
 def expected_replay_distance(n: int, delay_steps: float = 1.0) -> float:
-    """Mean records replayed after a keep-pace failure: N / 2 + delay (1 + N / 2 for a
-    software failure). The failure's phase in the snapshot period is uniform; a snapshot
-    `delay` steps old is not yet usable, so the distance is ((p - delay) mod N) + delay."""
+    """Mean records replayed after a keep-pace failure: N / 2 + delay."""
     n = _check_interval(n)
     if not (math.isfinite(delay_steps) and delay_steps >= 0):
         raise PolicyInputError("delay_steps", f"must be a finite number >= 0, got {delay_steps!r}")
@@ -381,12 +325,8 @@ def expected_replay_distance(n: int, delay_steps: float = 1.0) -> float:
 
 
 def keep_pace_recovery_seconds(timings: Timings, n: int, failure_kind: FailureKind = "software") -> float:
-    """Expected recovery after a keep-pace failure.
-
-    software: restart + load the shadow's image + replay (N/2 + 1) records on the trainer (T_rec).
-    host: restart + read the durable snapshot + the new shadow replays (N/2 + 1 + T_per/T_t)
-    records on the CPU (T_rep) + the trainer loads the image.
-    """
+    """Expected recovery after a keep-pace failure: restart, load and replay on the trainer (software), or
+    restart, storage read, replay on the CPU and load (host)."""
     distance = expected_replay_distance(n, availability_delay_steps(timings, failure_kind))
     if failure_kind == "software":
         return timings.restart_seconds + timings.load + distance * timings.recovery_replay_step

@@ -82,10 +82,8 @@ def plan(
 ) -> Plan:
     """Bounds, regime, N, resync bound and expected waste for every strategy.
 
-    Without a failure model the keep-pace plan is complete (N* does not depend on the MTBF);
-    a lag-regime plan then snapshots at the persistence bound and leaves the resync bound to
-    the caller (`lag_bound_steps`), as the optimal bound needs the MTBF.
-    """
+    Without a failure model a keep-pace plan is complete (N* does not depend on the MTBF); a lag
+    plan snapshots at the persistence bound and leaves the resync bound to the caller."""
     if lag_bound_steps is not None:
         _check_positive(lag_bound_steps, "lag_bound_steps")
     if checkpoint_interval_steps is not None:

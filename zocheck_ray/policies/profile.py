@@ -1,23 +1,15 @@
 """The startup profile: measure the cost model's inputs in the first training steps, set N.
 
-The controller runs it once, right after the trainer and the shadow start. It is Ray-free:
-the caller passes callables, which for the controller wrap remote calls and in tests are
-plain Python functions.
+Ray-free: the controller passes callables wrapping remote calls, tests plain functions.
 
     trainer_step(i)           run training step i; the trainer publishes its record
     replay_step(i, threads)   the shadow replays record i with `threads` threads
     snapshot_copy()           the shadow copies its replica into a snapshot
     persist()                 the newest snapshot is written to durable storage
 
-Each is timed with `clock` (`time.perf_counter`); a callable may instead return its own measurement
-in seconds (e.g. a CUDA-synchronised time taken inside the actor, which leaves out the
-remote-call overhead). A number already known is passed in `known` and not measured.
-
-Budget: the first `warmup_steps` trainer steps are not timed (compilation, allocator
-warm-up); every replay consumes one record, and a record exists only once its trainer step
-ran, so the trainer runs max(warmup + timed steps, replays needed) steps, which must not
-exceed `max_training_steps` (30). Each thread count gets one untimed replay, then
-`replay_repeats` timed ones; the fastest median wins (ties go to fewer threads).
+Each is timed with `clock` unless it returns its own seconds (a CUDA-synchronised time taken in
+the actor). Warm-up steps are not timed; each thread count gets an untimed replay, then timed ones,
+and the fastest median wins.
 
     >>> import time
     >>> report = profile_startup(
@@ -45,7 +37,7 @@ MAX_PROFILE_STEPS = 30
 
 
 class ProfileSettings(BaseModel):
-    """How much to measure; the defaults fit in 30 training steps with six thread counts."""
+    """How much to measure; the defaults fit in 30 training steps."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -54,7 +46,7 @@ class ProfileSettings(BaseModel):
     warmup_steps: int = 2
     """First trainer steps left out of the timing."""
     timed_steps: int = 5
-    """Trainer steps timed at least (more run if the replay scan needs records)."""
+    """Trainer steps timed at least."""
     replay_repeats: int = 2
     """Timed replays per thread count, after one untimed."""
     snapshot_repeats: int = 2
@@ -129,7 +121,7 @@ class ProfileReport(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     training_steps: int
-    """Trainer steps run by the profile (0 when T_gpu and T_rep were both known)."""
+    """Trainer steps run by the profile."""
     gpu_step_samples: list[float]
     """Timed trainer steps, seconds (empty when known)."""
     replay_seconds_by_threads: dict[int, float]
@@ -153,7 +145,7 @@ class ProfileReport(BaseModel):
 
 
 def _timed(name: str, call: Callable[[], object], clock: Callable[[], float]) -> float:
-    """Run `call`; its own number of seconds if it returns one, else the time `clock` saw pass."""
+    """Run `call`: the seconds it returns, else the time `clock` saw pass."""
     start = clock()
     result = call()
     elapsed = clock() - start
@@ -187,14 +179,9 @@ def profile_startup(
     storage_share: float = DEFAULT_STORAGE_SHARE,
     clock: Callable[[], float] = time.perf_counter,
 ) -> ProfileReport:
-    """Measure T_gpu, T_rep per thread count, C_snap and T_per, pick the fastest thread
-    count, and plan N (and the resync bound, given `failures`).
-
-    `extra_timings` fills the other `Timings` fields (restart_seconds, load_seconds, ...). `clock`
-    times the calls that return no measurement of their own (seconds, monotonic).
-    Raises `PolicyInputError` naming the callable that is missing or misbehaves, or the
-    setting that does not fit in `max_training_steps`.
-    """
+    """Measure what is not `known`, pick the fastest thread count, and plan N (and the resync bound, given
+    `failures`). Raises `PolicyInputError` naming a missing or misbehaving callable, or a setting that does
+    not fit in `max_training_steps`."""
     known = known or KnownTimings()
     settings = settings or ProfileSettings()
     if (known.replay_step_seconds is None) != (known.replay_threads is None):

@@ -1,20 +1,7 @@
 """Monte-Carlo estimate of wasted time under exponentially distributed failures.
 
-Each trial is one failure window: the training time X to the next failure is drawn from
-an exponential with mean MTBF, and the strategy's mechanics turn it into wasted time
-(see `waste.py` for the mechanics and their closed forms):
-
-- zocheck: the snapshot phase at a keep-pace failure is uniform (stationary); the replay
-  distance is ((p - a) mod N) + a for progress p. In the lag regime the window is folded
-  into resync cycles and the lag and snapshot age are read off the cycle position.
-- log-only: the failure falls uniformly in a run of H training hours; everything before
-  it is replayed.
-- sync / async checkpoints: windows start at a checkpoint; the progress kept is that of
-  the checkpoints completed (sync) or made durable (async) before X.
-
-Windows are independent, so the mean over trials estimates the expected waste per window
-with a normal confidence interval, and the ratio of summed waste to summed wall-clock
-time estimates the long-run share wasted over a long run (renewal-reward).
+Each trial samples one failure window and runs the strategy's mechanics on it, so that the closed
+forms of `waste.py` are checked against sampling rather than trusted.
 
     >>> from zocheck_ray.policies import Timings, FailureModel, configure, simulate_waste
     >>> t = Timings(gpu_step_seconds=8.65, replay_step_seconds=6.59,

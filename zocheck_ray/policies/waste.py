@@ -1,41 +1,15 @@
 """Expected wasted time per failure window, for ZOCheck and the baselines, in closed form.
 
-A failure window is the training time X between the end of one recovery and the next
-failure; failures are Poisson on the training clock, so X ~ Exponential(mean M) and the
-windows are independent. Wasted time of a window = wall-clock time (X plus the recovery)
-minus the training progress it keeps, in GPU seconds. It is the critical-path overhead
-paid during X (logging, checkpoint saves or staging, resync copies) plus the recovery
-(restart, reload, replay or recompute of lost work). The long-run fraction of wall-clock
-wasted is E[waste] / E[wall] (renewal-reward). The expectations below are exact for the
-mechanics stated, which `simulator.py` samples directly; where a mechanism is modelled as
-fluid (progress in fractional steps) it says so.
+A window is the training time X ~ Exponential(M) from one recovery's end to the next failure; its
+waste is the critical-path overhead during X plus the recovery (renewal-reward gives the long-run
+fraction). The forms are exact for these mechanics, which `simulator.py` samples:
 
-Strategies (symbols of `cost_model`; T = T_gpu, T_t = T_gpu + logging, R0 = restart + load):
-
-zocheck, shadow keeps pace (N at or above the pacing bound; fluid): overhead =
-    M * log / T_t. The snapshot phase at a failure is uniform (uniform is stationary under
-    any window length), so the replay distance has mean N/2 + a, a = 1 step (software) or
-    1 + T_per / T_t (host: the snapshot must be durable); `keep_pace_recovery_seconds`.
-    After a host failure the new shadow replays on the CPU; the baselines recover from
-    storage the same way for both failure kinds.
-zocheck, shadow lags (lag regime, or N below the pacing bound; fluid): a window starts
-    level (recovery ends with a resync, C_copy); the lag grows at r steps/s until it
-    reaches L, then a blocking resync (C_copy) resets it: cycles of P = L/r + C_copy. At
-    a failure the replay is the lag plus the shadow's progress since its newest snapshot
-    ((t / T_eff) mod N since the reset; + T_per / T_eff for a host failure). With
-    Y = X mod P (a truncated exponential) every term has a closed form.
-log-only: the only durable image is the run's start, so recovery replays every record so
-    far: over a run of H training hours, failures are uniform in it and the mean replay
-    is H / 2 of training, H / (2 T_t) records at T_rec each (H = one MTBF by default).
-sync-checkpoint, every K steps: cycles of P = K T + C_save; a failure loses everything
-    since the last completed save. E[completed cycles] = 1 / (e^{P/M} - 1), so
-    E[waste] = M - K T / (e^{P/M} - 1) + restart + storage read.
-async-checkpoint, every K steps: staging C_copy on the critical path (plus waiting for the
-    previous write when C_save > K T); the write makes checkpoint j durable C_save after its
-    staging, so E[durable] = e^{-C_save/M} / (e^{P/M} - 1).
-
-First order (P << M) the checkpoint forms reduce to M C / P + K T / 2 + ..., whose
-optimum is Young-Daly's K = sqrt(2 C M) / T.
+zocheck, keeping pace: overhead M * log / T_t; mean replay N/2 + 1 (+ T_per / T_t after a host failure).
+zocheck, lagging: the lag grows at r steps/s to L, then a resync (C_copy) resets it: cycles of
+    P = L/r + C_copy, each term closed-form in Y = X mod P.
+log-only: recovery replays every record since the run's start.
+sync-checkpoint every K steps: E[waste] = M - K T / (e^{P/M} - 1) + restart + read, P = K T + C_save.
+async-checkpoint: staging C_copy on the critical path; E[durable] = e^{-C_save/M} / (e^{P/M} - 1).
 """
 
 from __future__ import annotations
@@ -70,7 +44,7 @@ STRATEGIES: tuple[str, ...] = ("zocheck", "log-only", "sync-checkpoint", "async-
 
 
 class StrategyConfig(BaseModel):
-    """One strategy with its parameters fixed (what both the closed form and the simulator take)."""
+    """One strategy with its parameters fixed (for the closed form and the simulator)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -96,13 +70,13 @@ class WasteEstimate(BaseModel):
     failure_kind: FailureKind
     """Software or host failures."""
     overhead_seconds: float
-    """Critical-path overhead paid during a window (logging, saves, staging, resyncs)."""
+    """Critical-path overhead paid during a window."""
     recovery_seconds: float
-    """Per failure: restart, reload and replay, or recompute of the lost work."""
+    """Per failure: restart, reload and replay, or recompute."""
     waste_seconds: float
     """Total wasted time per failure window: overhead + recovery."""
     waste_fraction: float
-    """Long-run share of wall-clock time wasted: waste / (window + recovery time)."""
+    """Long-run share of wall-clock time wasted."""
     replay_distance_steps: float | None = None
     """Mean records replayed at recovery (zocheck, log-only); None for checkpoints."""
 
@@ -116,13 +90,8 @@ def configure(
     lag_bound_steps: float | None = None,
     checkpoint_interval_steps: int | None = None,
 ) -> StrategyConfig:
-    """Fill in a strategy's parameters by policy where not given: N from the cost model,
-    L = `optimal_lag_bound_steps` when the shadow lags, K = Young-Daly for the checkpoint
-    cost on the critical path (C_save for sync, C_copy for async).
-
-    In the lag regime the closed-form N is then polished: N moves one step at a time (L
-    re-optimised at each N unless given) while the exact expected waste falls.
-    """
+    """Fill in a strategy's parameters by policy where not given (N, L* and Young-Daly's K); in the lag regime N
+    is then polished on the exact waste."""
     check_failure_model(timings, failures)
     if lag_bound_steps is not None:
         _check_positive(lag_bound_steps, "lag_bound_steps")
@@ -177,15 +146,14 @@ def _polish(timings, failures, config: StrategyConfig, lag_bound_steps: float | 
 
 
 def _h(z: float) -> float:
-    """1 - (1 + z) e^{-z} = (1/M) * integral_0^{zM} y e^{-y/M} / M dy; series near 0."""
+    """1 - (1 + z) e^{-z}, with its series near 0."""
     if z < 1e-4:
         return z * z / 2 - z ** 3 / 3 + z ** 4 / 8
     return -math.expm1(-z) - z * math.exp(-z)
 
 
 def _cycles(period: float, mtbf: float) -> float:
-    """E[floor(X / P)] = 1 / (e^{P/M} - 1), written as e^{-P/M} / (1 - e^{-P/M}): a period hundreds of
-    times the MTBF gives 0, not an overflow of e^{P/M}."""
+    """E[floor(X / P)] = 1 / (e^{P/M} - 1), written so that a huge period gives 0, not an overflow."""
     z = period / mtbf
     return math.exp(-z) / -math.expm1(-z)
 
@@ -202,7 +170,7 @@ def _mean_min(a: float, period: float, mtbf: float) -> float:
 
 
 def _mean_min_mod(a: float, q: float, period: float, mtbf: float) -> float:
-    """E[min(Y, a) mod Q] for a <= P: K = floor(a/Q) whole periods, a partial one, the tail."""
+    """E[min(Y, a) mod Q] for a <= P."""
     whole = math.floor(a / q)
     rest = a - whole * q
     ratio = math.expm1(-whole * q / mtbf) / math.expm1(-q / mtbf) if whole else 0.0
@@ -261,7 +229,7 @@ def _log_only(timings: Timings, failures: FailureModel, config: StrategyConfig) 
 
 
 def checkpoint_cycle(timings: Timings, strategy: str, k: int) -> tuple[float, float]:
-    """(critical-path cost per checkpoint, cycle length P) for a checkpoint baseline."""
+    """(critical-path cost per checkpoint, cycle length P)."""
     work = k * timings.gpu_step_seconds
     if strategy == "sync-checkpoint":
         cost = timings.checkpoint_save
@@ -284,7 +252,7 @@ def _checkpoint(timings: Timings, failures: FailureModel, config: StrategyConfig
 
 
 def expected_waste(timings: Timings, failures: FailureModel, config: StrategyConfig) -> WasteEstimate:
-    """Expected wasted time per failure window of one configured strategy (see the module doc).
+    """Expected wasted time per failure window of one configured strategy.
 
         >>> t = Timings(gpu_step_seconds=8.65, replay_step_seconds=6.59,
         ...             snapshot_cost_seconds=4.0, persist_seconds=20.0)
