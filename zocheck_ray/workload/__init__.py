@@ -60,5 +60,4 @@ __getattr__, __dir__ = on_first_use(globals(), {
     "tasks": ("LanguageModelingTask", "PromptClassificationTask", "SequenceClassificationTask", "Task", "split_rows"),
     "tokenization": ("ByteTokenizer", "HFTokenizer", "load_tokenizer"),
 })
-"""The names load with their modules on first use (`core/lazy.py`): the job's schema (`zocheck_ray.config`: the
-task's config, the model names, the adapter's settings) loads without torch and the model's libraries."""
+"""The names load with their modules on first use: the job's schema loads without torch and the model's libraries."""

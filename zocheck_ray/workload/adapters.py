@@ -5,23 +5,10 @@
     wrapped = wrap_model(model, PeftSettings(method="lora", r=8), seed=0)
     params = adapter_parameters(wrapped)                     # what ZO perturbs and updates, peft's names
 
-With a job's `peft:` section the trainable set is the adapter's parameters only (LoRA's A and B
-matrices, prefix tuning's virtual-token embeddings, and on a classification model the head peft
-trains beside them), in `named_parameters()` order and under the names `PeftModel.save_pretrained`
-gives them. So the trainer perturbs and updates only them, and the shadow's replica, its images,
-the snapshots and the step log's fingerprints hold only them: the shadow's memory and a snapshot's
-size scale with the adapter, not with the model. A snapshot of such a run is a peft adapter
-directory (`adapter_config.json`, `adapter_model.safetensors`): `PeftModel.from_pretrained(base,
-snapshot_dir)` loads it on top of the base.
-
-The frozen base does not travel with the state: every trainer builds it (from the model directory,
-or from the seed) and a recovering one loads it too, then takes the adapter from the shadow's image.
-The run records the SHA-256 of the base's weights (`base_identity`) with its first image; a trainer
-whose base hashes otherwise is refused (`BaseModelMismatchError`) before it takes a step.
-
-Adapters are initialised from the run's seed (peft draws from torch's global generator: it is
-forked and seeded), and kept in peft's dtype: LoRA and prefix weights are float32 over a bf16 or
-fp16 base, as `get_peft_model` and `PeftModel.from_pretrained` make them.
+With `peft:` only the adapter's parameters are trained, under peft's names, so the shadow's
+memory and the snapshots scale with the adapter, and a snapshot is an adapter directory that
+`PeftModel.from_pretrained` loads. The frozen base never travels with the state: every trainer
+builds it, and one whose base hashes otherwise than the run recorded is refused.
 """
 
 from __future__ import annotations
@@ -41,8 +28,7 @@ class BaseModelMismatchError(WorkloadError):
 
 
 def check_adapter(settings: PeftSettings, name: str) -> None:
-    """Raise `WorkloadError` where `settings` cannot wrap model `name`: a LoRA target module it lacks. The
-    model is built on the meta device (no memory, no weights) to read its module names."""
+    """Raise `WorkloadError` where `settings` names a LoRA target module that model `name` lacks."""
     if settings.method != "lora" or not settings.target_modules:
         return
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -62,8 +48,7 @@ def check_adapter(settings: PeftSettings, name: str) -> None:
 
 
 def base_identity(model: torch.nn.Module) -> str:
-    """SHA-256 of the base model's weights: `state_hash` of its parameters in `named_parameters()` order
-    (tied weights once), taken before it is wrapped."""
+    """SHA-256 of the base model's weights, taken before it is wrapped."""
     return state_hash({name: p.detach() for name, p in model.named_parameters()})
 
 
@@ -84,8 +69,7 @@ def wrap_model(model: torch.nn.Module, settings: PeftSettings, seed: int, task_t
 
 
 def adapter_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
-    """The adapter's trainable parameters in `named_parameters()` order, under the names
-    `get_peft_model_state_dict` (and so `save_pretrained`) gives them."""
+    """The adapter's trainable parameters in order, under the names `save_pretrained` gives them."""
     from peft import get_peft_model_state_dict
 
     saved = get_peft_model_state_dict(model)
@@ -117,8 +101,8 @@ def adapter_config(model) -> dict:
 
 
 class TrainableModel:
-    """A job's model as a trainer holds it: the module, the parameters ZO trains (in canonical order, under
-    their canonical names) and, with an adapter, what identifies the frozen base and the adapter."""
+    """A trainer's model: the module, the parameters ZO trains and, with an adapter, the base's and adapter's
+    identity."""
 
     def __init__(self, model: torch.nn.Module, parameters: list[tuple[str, torch.nn.Parameter]],
                  base_hash: str | None = None, adapter_config: dict | None = None):
@@ -127,10 +111,8 @@ class TrainableModel:
 
 def build_trainable(name: str, dtype: str, seed: int, peft: PeftSettings | None = None,
                     device: str | torch.device = "cpu", weights: str = "load") -> TrainableModel:
-    """The model a trainer trains: `build_model(...)` and all its `requires_grad` parameters, or, with
-    `peft`, the base (always with its weights: they never come from an image) wrapped with the adapter,
-    whose parameters alone are trained. `weights="none"`: a skeleton where the image fills every
-    trained parameter (full fine-tuning only; an adapter's base is loaded regardless)."""
+    """The model a trainer trains: `build_model(...)`'s, or with `peft` the loaded base wrapped with the adapter.
+    `weights="none"`: a skeleton whose trained parameters an image fills."""
     from zocheck_ray.workload.models import build_model, model_kind, trainable_parameters
 
     if peft is None:

@@ -2,9 +2,8 @@
 
     task = build_task(TaskConfig(kind="rte", data_path="rte/", k_shot=16), "tiny-opt")
 
-Every error about the data, the labels or the model's fit is raised here, before any model is built or
-any actor started. The shipped kinds (`sst2`, `lm`, `classification`) read rows of one text field and a
-label (`datafiles.read_rows`); MeZO's tasks read whole records (`mezo_tasks.build_mezo_task`).
+Every error about the data, the labels or the model's fit is raised here, before any model is built
+or any actor started.
 """
 
 from __future__ import annotations
@@ -78,12 +77,8 @@ def _check_fit(config: TaskConfig, name: str, kind: str, hf: dict, tokenizer: Te
 
 def build_task(config: TaskConfig, model: str, overrides: dict | None = None,
                tokenizer: TextTokenizer | None = None) -> Task:
-    """The task `config` for model `model` (a name `build_model` accepts, with the same `overrides`).
-
-    Reads and checks every row, the labels and the model's fit without building the
-    model, so bad input fails here, before training starts. `tokenizer` replaces
-    the one `config.tokenizer` selects.
-    """
+    """The task `config` for model `model` (a name `build_model` accepts, with the same `overrides`), every row,
+    label and the model's fit checked without building the model; `tokenizer` replaces `config.tokenizer`'s."""
     kind = model_kind(model, overrides)
     hf = model_config_dict(model, overrides)
     if tokenizer is None:

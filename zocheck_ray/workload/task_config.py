@@ -17,7 +17,7 @@ from zocheck_ray.workload.tokenization import TokenizerChoice
 
 TaskKind = Literal["sst2", "lm", "classification", "rte", "cb", "boolq", "wsc", "wic", "multirc", "copa", "squad"]
 MEZO_KINDS = ("rte", "cb", "boolq", "wsc", "wic", "multirc", "copa", "squad")
-"""MeZO's tasks beyond SST-2: their fields, prompt templates and verbalizers are MeZO's (`workload/mezo_tasks.py`)."""
+"""MeZO's tasks beyond SST-2, with MeZO's fields, templates and verbalizers (`workload/mezo_tasks.py`)."""
 
 
 class TaskConfig(BaseModel):
@@ -26,59 +26,45 @@ class TaskConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: TaskKind = "sst2"
-    """`sst2`: a causal LM scores each verbalizer word after the prompt (MeZO's prompt-based
-    classification); `lm`: next-token loss on the text; `classification`: an encoder's
-    classification head on the text; MeZO's `rte`, `cb`, `boolq`, `wsc`, `wic`, `multirc`, `copa`
-    (prompt-based classification with MeZO's templates and verbalizers, accuracy) and `squad`
-    (the answer's tokens after MeZO's prompt; F1 and exact match of greedy answers), read from the
-    SuperGLUE / SQuAD fields of local files."""
+    """`sst2`: a causal LM scores each verbalizer word after the prompt; `lm`: next-token loss; `classification`:
+    a classification head; MeZO's `rte`, `cb`, `boolq`, `wsc`, `wic`, `multirc`, `copa` and `squad`."""
     data_path: str | None = None
-    """Training rows: a JSONL, CSV or Parquet file, or a folder written by `datasets`' `save_to_disk`;
-    None uses the shipped SST-2 style dataset (`sst2`, `lm`, `classification` only)."""
+    """Training rows: a JSONL, CSV or Parquet file or a `save_to_disk` folder; None: the shipped SST-2 style data."""
     eval_path: str | None = None
-    """Held-out rows in their own file (or folder); None takes the `eval_split` of a `save_to_disk` folder that
-    has one, else holds out `eval_size` rows of `data_path` (see `split_rows`)."""
+    """Held-out rows in their own file; None: the folder's `eval_split`, else `eval_size` rows held out."""
     data_format: DataFormat = "auto"
-    """`jsonl`, `csv`, `parquet`, `dataset` (a `save_to_disk` folder), or `auto` (by the suffix; a folder is a
-    `dataset`)."""
+    """`jsonl`, `csv`, `parquet`, `dataset` (a `save_to_disk` folder), or `auto` (by the suffix)."""
     split: str = "train"
     """The training split of a `save_to_disk` folder holding several (a `DatasetDict`)."""
     eval_split: str = "validation"
-    """The held-out split of such a folder, used when `eval_path` is None and the folder has it."""
+    """The held-out split of such a folder."""
     k_shot: int | None = Field(None, ge=1)
-    """MeZO's k-shot sampling: train on k examples per class (`squad`: k in all), drawn with `data_seed`
-    (e.g. 16 or 512); None trains on every row."""
+    """MeZO's k-shot sampling: k training rows per class (`squad`: in all); None: every row."""
     text_field: str = Field("sentence", min_length=1)
     """The field (JSONL) or column (CSV) holding the text."""
     label_field: str = Field("label", min_length=1)
     """The field or column holding the label (not read by `lm`)."""
     verbalizer: dict[int | str, str] = Field(default_factory=lambda: {0: "terrible", 1: "great"})
-    """Label -> word, in class order: the labels a row may carry. `sst2` scores the words;
-    `classification` uses only the keys (class i is the i-th key)."""
+    """Label -> word, in class order: `sst2` scores the words; `classification` uses only the keys."""
     template: str = "{text} It was"
-    """`sst2` prompt; `{text}` is replaced by the row's text and each candidate is
-    appended as " <word>" (MeZO's SST-2 template for causal LMs)."""
+    """`sst2` prompt: `{text}` is the row's text; each candidate follows as " <word>"."""
     batch_size: int = Field(16, ge=1)
     """Rows per training step."""
     max_length: int = Field(64, ge=2)
-    """Tokens per sequence at most (prompt and word for `sst2`); longer prompts lose their start,
-    longer `lm`/`classification` texts their end."""
+    """Tokens per sequence at most; prompts lose their start, other texts their end."""
     data_seed: int = Field(0, ge=0)
     """The batch of step t is a pure function of (data_seed, t)."""
     eval_size: int = Field(96, ge=1)
     """Held-out rows evaluated by `Task.evaluate` (at most this many from `eval_path`)."""
     eval_interval: int = Field(50, ge=1)
-    """Steps between held-out evaluations in the progress output (the trainer also evaluates at the end)."""
+    """Steps between held-out evaluations (the trainer also evaluates at the end)."""
     micro_batch_size: int | None = Field(None, ge=1)
-    """Gradient accumulation for small devices: rows per forward pass of a training step (None: the whole
-    batch, or a data-parallel rank's slice, at once). The step's loss at each perturbation is then the
-    sum of the micro-batches' loss sums over the sum of their counts, added in order in float64, so the
-    same step gives the same projected gradient on every device and after every recovery."""
+    """Rows per forward pass of a training step, for small devices (None: all at once). The loss sums add up in
+    float64, in order, so the projected gradient does not depend on it."""
     eval_batch_size: int = Field(64, ge=1)
-    """Rows per forward pass during evaluation (memory only; the metrics do not depend on it)."""
+    """Rows per forward pass during evaluation (memory only)."""
     tokenizer: TokenizerChoice = "auto"
-    """`auto`: the model directory's tokenizer if it has one, else byte-level; `model`: require
-    the directory's; `byte`: byte-level ids folded into the model's vocabulary."""
+    """`auto`: the model directory's tokenizer if it has one, else byte-level; `model`; `byte`."""
 
     @field_validator("template")
     @classmethod
@@ -124,5 +110,5 @@ class TaskConfig(BaseModel):
 
     @property
     def labels(self) -> list[str]:
-        """The labels in class order, as text (how rows are matched to classes)."""
+        """The labels in class order, as text."""
         return [str(k) for k in self.verbalizer]

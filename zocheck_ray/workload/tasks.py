@@ -8,24 +8,10 @@
         opt.step(lambda: task.loss(model, batch), seed=step_seed(run_seed, t))
     task.evaluate(model)                                   # {"accuracy": ..., "loss": ...}
 
-Kinds:
-
-- `sst2` (causal LMs): MeZO's prompt-based classification. Each row becomes the prompt
-  `template` ("<text> It was") followed by each verbalizer word (" great", " terrible");
-  a candidate's score is the mean log-probability of its tokens after the prompt
-  (length-normalised, as MeZO's `train_as_classification`; tokens all candidates share, such
-  as a byte tokenizer's leading space, count as prompt), and the loss is the cross-
-  entropy of the correct candidate among the candidates' scores. Accuracy: the argmax
-  of the scores (the first candidate wins a tie).
-- `lm` (causal LMs): mean next-token cross-entropy over the text's tokens; evaluation
-  reports the token-weighted loss and its perplexity.
-- `classification` (models with a classification head, e.g. BERT-style encoders):
-  cross-entropy of the head's logits; accuracy by argmax.
-
-Batches are padded on the right to the longest sequence of the batch; padding is
-masked from attention and loss. Every error about the data, the labels or the
-model's fit is raised by `build_task` (`builder.py`), before training starts. MeZO's SuperGLUE
-and SQuAD tasks (`rte`, ..., `squad`) are in `mezo_tasks.py`.
+`sst2` is MeZO's prompt-based classification: each candidate word after the prompt is scored by the
+mean log-probability of its tokens (as MeZO's `train_as_classification`), the loss is the correct
+candidate's cross-entropy. `lm` is next-token cross-entropy, `classification` a head's logits;
+MeZO's SuperGLUE and SQuAD tasks are in `mezo_tasks.py`.
 """
 
 from __future__ import annotations
@@ -53,11 +39,8 @@ IGNORE = -100
 
 
 def split_rows(rows: Sequence[Row], eval_size: int) -> tuple[list[Row], list[Row]]:
-    """(train, held-out): the held-out rows are the `eval_size` rows whose text has the smallest SHA-256.
-
-    So the split depends on the texts only, not on the file's order, and a row never
-    moves between splits when others are added elsewhere in the file. Both keep file order.
-    """
+    """(train, held-out): the held-out rows are the `eval_size` rows whose text has the smallest SHA-256, so the
+    split depends on the texts only. Both keep file order."""
     if eval_size >= len(rows):
         raise WorkloadError(f"task.eval_size={eval_size} holds out every row of {rows[0].path} ({len(rows)} rows); "
                             "lower eval_size or give held-out rows in task.eval_path")
@@ -78,7 +61,7 @@ def _pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torc
 
 
 def _target_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) at every position with a target, 0 elsewhere; float32 whatever the model's dtype."""
+    """log p(target) at every position with a target, 0 elsewhere, in float32."""
     picked = targets != IGNORE
     out = torch.zeros(targets.shape, dtype=torch.float32, device=logits.device)
     rows = logits[picked].float().log_softmax(-1)
@@ -116,12 +99,12 @@ class Task(ABC):
         return len(self.eval_examples)
 
     def batch(self, step: int, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        """The batch of step `step`: a pure function of (data_seed, step), on `device` (CPU if None)."""
+        """The batch of step `step`, a pure function of (data_seed, step), on `device`."""
         rows = batch_indices(self.config.data_seed, step, self.config.batch_size, self.n_train)
         return _to(self._collate([self.train_examples[i] for i in rows]), device)
 
     def _micro_batches(self, rows: list[int], device) -> list[dict[str, torch.Tensor]]:
-        """The rows' examples in `micro_batch_size` pieces, in order, each collated (padded) on its own."""
+        """The rows' examples in `micro_batch_size` pieces, each collated on its own."""
         size = self.config.micro_batch_size
         return [_to(self._collate([self.train_examples[i] for i in rows[a:a + size]]), device)
                 for a in range(0, len(rows), size)]
@@ -140,8 +123,7 @@ class Task(ABC):
         return self._loss(model, _to(batch, _device_of(model)))
 
     def closure(self, model: torch.nn.Module, step: int) -> Callable[[], torch.Tensor | float]:
-        """`ZOOptimizer.step`'s closure for step `step`: one batch, evaluated at each perturbation (in
-        `micro_batch_size` pieces when set: their accumulated mean, a float)."""
+        """`ZOOptimizer.step`'s closure for step `step`."""
         if self.config.micro_batch_size is not None:
             rows = batch_indices(self.config.data_seed, step, self.config.batch_size, self.n_train)
             batches = self._micro_batches(rows, _device_of(model))
@@ -155,7 +137,7 @@ class Task(ABC):
 
     def batch_slice(self, step: int, rank: int, ranks: int,
                     device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        """Rank `rank`'s contiguous slice of step `step`'s batch (of `ranks` equal slices), on `device`."""
+        """Rank `rank`'s contiguous slice of step `step`'s batch, on `device`."""
         if self.config.batch_size % ranks:
             raise WorkloadError(f"task.batch_size={self.config.batch_size} does not divide among {ranks} ranks")
         rows = batch_indices(self.config.data_seed, step, self.config.batch_size, self.n_train)
@@ -163,14 +145,13 @@ class Task(ABC):
         return _to(self._collate([self.train_examples[i] for i in rows[rank * size:(rank + 1) * size]]), device)
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
-        """(summed loss, count it is a mean over) on `batch`: what data-parallel ranks add up in float64."""
+        """(summed loss, count) on `batch`: what data-parallel ranks add up in float64."""
         total, count = self._loss_sum(model, _to(batch, _device_of(model)))
         return float(total), float(count)
 
     def slice_closure(self, model: torch.nn.Module, step: int, rank: int,
                       ranks: int) -> Callable[[], tuple[float, float]]:
-        """A data-parallel rank's closure: (loss sum, count) on its slice of step `step`'s batch (in
-        `micro_batch_size` pieces when set, accumulated in float64)."""
+        """A data-parallel rank's closure: (loss sum, count) on its slice of step `step`'s batch."""
         if self.config.micro_batch_size is not None:
             if self.config.batch_size % ranks:
                 raise WorkloadError(f"task.batch_size={self.config.batch_size} does not divide among {ranks} ranks")
@@ -183,7 +164,7 @@ class Task(ABC):
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        """Metrics on the held-out rows, in `eval_batch_size` chunks (the chunking does not change them)."""
+        """Metrics on the held-out rows, in `eval_batch_size` chunks."""
         device = _device_of(model)
         sums: dict[str, float] = {}
         size = self.config.eval_batch_size
@@ -229,7 +210,7 @@ class PromptExample:
 
 
 class PromptClassificationTask(Task):
-    """`sst2`: a causal LM scores the verbalizer words after the prompt (see the module docstring)."""
+    """`sst2`: a causal LM scores the verbalizer words after the prompt."""
 
     metric = "accuracy"
     higher_is_better = True
@@ -301,8 +282,7 @@ class SequenceClassificationTask(Task):
 
 
 class TokenLossTask(Task):
-    """A task whose loss is the mean cross-entropy of its batches' `targets` tokens (IGNORE elsewhere), and whose
-    evaluation sums that loss's numerator and denominator (`nll`, `tokens`) over the held-out batches."""
+    """A task whose loss is the mean cross-entropy of its `targets` tokens."""
 
     def _nll(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -341,8 +321,8 @@ class LanguageModelingTask(TokenLossTask):
 
 
 def split_prompt(prompt: list[int], whole: list[int]) -> tuple[list[int], list[int]]:
-    # Tokenise prompt and prompt+word, and take what follows the shared prefix as the word's
-    # tokens (as lm-evaluation-harness does): robust to tokenizers that merge across the boundary.
+    # What follows the shared prefix of prompt and prompt+word is the word's tokens (as lm-evaluation-harness
+    # does): robust to tokenizers that merge across the boundary.
     n = 0
     while n < min(len(prompt), len(whole)) and prompt[n] == whole[n]:
         n += 1
@@ -350,8 +330,8 @@ def split_prompt(prompt: list[int], whole: list[int]) -> tuple[list[int], list[i
 
 
 def _shared_prefix(options: list[list[int]]) -> int:
-    # Tokens every candidate starts with (a byte tokenizer's leading space) say nothing about the
-    # label but would weigh differently in each length-normalised score: they join the prompt.
+    # Tokens every candidate starts with say nothing about the label but would weigh differently in each
+    # length-normalised score: they join the prompt.
     n = 0
     while n < min(len(o) for o in options) - 1 and all(o[n] == options[0][n] for o in options):
         n += 1
@@ -360,8 +340,8 @@ def _shared_prefix(options: list[list[int]]) -> int:
 
 def candidate_examples(config: TaskConfig, tokenizer: TextTokenizer, prompts: list[str],
                        options: list[Sequence[str]], labels: list[int], what: str = "candidate") -> list[PromptExample]:
-    """Prompt-classification examples: each prompt followed by each of its candidates' texts (class order),
-    the candidates' tokens taken as what follows the prompt's (`split_prompt`)."""
+    """Prompt-classification examples: each prompt followed by each candidate's text, the candidate's tokens
+    being what follows the prompt's (`split_prompt`)."""
     prompt_ids = tokenizer.encode(prompts)
     width = max(len(o) for o in options)
     per_option = [tokenizer.encode([p + (o[k] if k < len(o) else "") for p, o in zip(prompts, options)])

@@ -1,11 +1,5 @@
 """Text to token ids: a byte-level tokenizer for models built from config, or the model's own.
 
-Models built from a named config (tiny-opt, tiny-bert, ...) have no pretrained
-tokenizer, so they read text as UTF-8 bytes folded into their vocabulary, exactly
-as `data.encode` does: id 0 pads, id 1 starts a sequence, byte b is 2 + b % (V - 2).
-A model directory that carries tokenizer files (tokenizer.json, vocab.txt, ...)
-is read with its own Hugging Face tokenizer, loaded from the directory only.
-
     tok = load_tokenizer("tiny-opt", vocab_size=128)
     tok.encode(["It was great"])[0]       # [1, 75, 118, 34, ...]
 """
@@ -28,7 +22,7 @@ class TextTokenizer(Protocol):
     """What a task needs from a tokenizer."""
 
     pad_id: int
-    """Id used for padding (always masked out by the attention mask and the loss)."""
+    """Id used for padding (masked out of attention and loss)."""
     vocab_size: int
     """Ids are below this; it must not exceed the model's embedding rows."""
 
@@ -58,7 +52,7 @@ class ByteTokenizer:
         return f"byte-level (vocab {self.vocab_size})"
 
     def decode(self, ids: Sequence[int]) -> str:
-        """The text of generated ids (exact when vocab_size >= 258; a folded id reads as its lowest byte)."""
+        """The text of generated ids (exact when vocab_size >= 258)."""
         return bytes((i - 2) % 256 for i in ids if i >= 2).decode("utf-8", errors="replace")
 
 
@@ -93,12 +87,7 @@ def has_tokenizer(directory: str | Path | None) -> bool:
 
 
 def load_tokenizer(model_dir: str | Path | None, vocab_size: int, choice: TokenizerChoice = "auto") -> TextTokenizer:
-    """The tokenizer for a model: `model_dir` is None for models built from a named config.
-
-    `auto` uses the directory's own tokenizer when it has one and the byte-level one
-    otherwise (e.g. a snapshot of a model built from config); `model` requires the
-    directory's; `byte` always uses the byte-level one.
-    """
+    """The tokenizer for a model: `auto` the directory's own if it has one, else byte-level; `model` requires it."""
     if choice == "byte" or (choice == "auto" and not has_tokenizer(model_dir)):
         return ByteTokenizer(vocab_size)
     if not has_tokenizer(model_dir):

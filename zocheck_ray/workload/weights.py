@@ -1,20 +1,10 @@
 """A model's skeleton, and a Hugging Face checkpoint streamed straight into it.
 
-A trainer's host memory is its model plus a small constant. Two things in the usual way
-of loading break that: building a model allocates and initialises every parameter before
-the checkpoint overwrites it, and `from_pretrained` maps the safetensors files, whose pages
-then count in the process's resident set beside the parameters. Here:
-
-- `skeleton(...)` constructs the model with its parameters on the meta device (no memory,
-  no initialisation) and its buffers real, then gives every parameter uninitialised memory
-  on the target device, ties kept. Its values come from a checkpoint or a shadow's image;
-- `load_checkpoint(model, directory)` reads the directory's safetensors files (one, or the
-  shards of an index) with plain reads into the parameters' memory, converting dtypes a
-  chunk at a time, so nothing state-sized exists beside the model.
-
-The skeleton is built the way `from_pretrained` builds its model (`from_config` in the
-checkpoint's dtype), so its buffers (rotary frequencies, position ids) are the ones a
-loaded model has; `tests/` holds both paths equal, tensor for tensor.
+A trainer's host memory should be its model plus a small constant, which the usual loading breaks
+twice: it initialises every parameter the checkpoint then overwrites, and `from_pretrained` maps
+the files beside the parameters. So `skeleton` builds the model on the meta device and then gives
+its parameters uninitialised memory, and `load_checkpoint` reads the files straight into it. The
+skeleton is built as `from_pretrained` builds its model, so their buffers are the same.
 """
 
 from __future__ import annotations
@@ -39,13 +29,12 @@ MAX_HEADER_BYTES = 100 << 20
 
 
 class CheckpointError(ValueError):
-    """A checkpoint file that cannot be loaded into the model; the message names the file and tensor."""
+    """A checkpoint file that cannot be loaded into the model (the message names the file and tensor)."""
 
 
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """Parameters registered inside are moved to the meta device as they are registered (their
-    initialisation then costs nothing); buffers stay real."""
+    """Parameters registered inside go to the meta device (initialising them costs nothing)."""
     register = torch.nn.Module.register_parameter
 
     def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
@@ -98,11 +87,8 @@ def checkpoint_files(directory: Path) -> list[Path] | None:
 
 
 def load_checkpoint(model: torch.nn.Module, files: list[Path], prefix: str = "") -> list[str]:
-    """Read every tensor of `files` into `model`'s parameters and buffers of the same name; returns
-    the model's parameters the files lack (a new head, for the caller to initialise).
-
-    A name is matched as it is, with `prefix.` added (an encoder's checkpoint under a model with a
-    head) or removed; names the model lacks are skipped, as `from_pretrained` does."""
+    """Read every tensor of `files` into `model`'s parameters and buffers of the same name (or with `prefix.`
+    added or removed); returns the parameters the files lack (a new head)."""
     targets = dict(model.named_parameters(remove_duplicate=False))
     targets.update(model.named_buffers())
     loaded: set[str] = set()
