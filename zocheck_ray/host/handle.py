@@ -1,7 +1,4 @@
-"""`ImageHandle`: how another process reaches an image of the shadow's (`host/image.py`), without torch.
-
-The shadow's metrics carry handles (`messages.ShadowMetrics`), and `status` reads those metrics: a
-process that only asks for them loads neither torch nor the image's code."""
+"""`ImageHandle`: how another process reaches an image of the shadow's, without torch (`status` reads handles)."""
 
 from __future__ import annotations
 
@@ -35,7 +32,6 @@ class ImageHandle(BaseModel):
 
     @classmethod
     def of(cls, buffer, layout, token: str, step: int | None, node_id: str | None = None) -> "ImageHandle":
-        """The handle of this process's `buffer` (an `image.SharedBuffer`) holding `layout` (an `image.ImageLayout`:
-        `image.handle_layout` makes it again from the handle)."""
+        """The handle of this process's `buffer` (an `image.SharedBuffer`) holding `layout` (an `image.ImageLayout`)."""
         return cls(pid=os.getpid(), fd=buffer.fd, node_id=node_id, token=token, step=step, names=layout.names,
                    dtypes=layout.dtypes, shapes=layout.shapes)

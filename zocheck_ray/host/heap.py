@@ -1,14 +1,8 @@
 """The cyclic garbage collector around an actor's start-up.
 
-A trainer's or shadow's constructor imports torch, numba and (a trainer) the model's library, and builds
-the model: hundreds of thousands of long-lived objects. Python's cyclic collector runs every few hundred
-allocations and walks the young objects each time, and the older generations ever more often as they
-grow: about a quarter of a trainer's start-up CPU here (5.9 CPU-s with it, 4.5 without, for the default
-job). So the collector is paused while the constructor runs (`settling_heap`); at its end one pass
-frees the start-up's cyclic garbage and what survives is frozen out of the collector's reach, so that
-its later passes walk only what the loops allocate (the shadow once spent a tenth of its CPU in `gc`
-walking start-up objects). Reference counting frees everything else (tensors included) as before:
-only objects in reference cycles wait for the one pass.
+An actor's constructor makes hundreds of thousands of long-lived objects (torch, numba, the model)
+that the cyclic collector would walk again and again. So it is paused during the constructor, and
+at its end one pass collects and the survivors are frozen out of its reach.
 """
 
 from __future__ import annotations
@@ -19,9 +13,7 @@ from contextlib import contextmanager
 
 @contextmanager
 def settling_heap():
-    """Run the block (an actor's start-up) with the cyclic collector paused; then free the cyclic garbage it
-    made, move what survives (modules, model, kernels: alive as long as the process) out of the collector's
-    reach and resume the collector (where it ran before). Also where the block raises."""
+    """Run the block with the cyclic collector paused; then collect, freeze the survivors and resume it."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

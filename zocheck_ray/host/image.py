@@ -1,27 +1,11 @@
 """State images: a state as one flat buffer, kept in shared memory that the shadow owns.
 
-`ImageLayout` places each tensor of a canonical state at a 64-byte-aligned offset of one
-buffer, so an image is one object to copy, hand over and persist, and every tensor is a
-view of it.
-
-The shadow keeps its images in memfds (anonymous shared memory, Linux), not in Ray's
-object store. The object store frees an object asynchronously and the pages of a freed
-object stay mapped in the process that wrote it (four puts of 1 GB, each after dropping
-the previous reference, left 3 GB resident in the writer), so a shadow that snapshots into
-it cannot hold itself to its budget of two copies of the state. A memfd is freed exactly
-when its last holder closes it. It is handed over without serialisation:
-
-- a trainer on the same node opens the shadow's memfd through `/proc/<pid>/fd/<n>`
-  (`ImageHandle.path`), so the image is never resident in the trainer: its memory is its model.
-  The trainer reads it into its tensors (`transfer`: `preadv`, a window per call); a CUDA trainer
-  maps one window at a time into pinned staging;
-- the same windows carry a trainer's state the other way, into an intake buffer the shadow
-  hands out (a fresh run's initial state, a resync);
-- an image handed to a trainer is lent: the shadow never writes it again, and a trainer
-  that holds its descriptor keeps the pages alive however long it takes.
-
-A reader on another node cannot open the descriptor; the Ray transport streams the image
-to it in windows instead (`link.py`).
+`ImageLayout` places each tensor at a 64-byte-aligned offset of one buffer, so an image is one
+object to copy, hand over and persist. The images are memfds, not objects in Ray's store: the
+store frees asynchronously and the writer's freed pages stay mapped, so a shadow could not hold
+its budget of two copies of the state, while a memfd is freed when its last holder closes it. A
+trainer on the same node reads it through `/proc/<pid>/fd/<n>` a window at a time, so it is never
+resident there; a reader on another node gets it streamed (`link.py`).
 """
 
 from __future__ import annotations
@@ -46,14 +30,13 @@ from zocheck_ray.host.memory import aligned_offsets, frombuffer, huge_page_mappi
 logger = logging.getLogger(__name__)
 
 WINDOW_BYTES = 64 << 20
-"""What a transfer copies of an image per call (and maps, into a CUDA trainer's staging)."""
+"""What a transfer copies per call (and maps, into a CUDA trainer's staging)."""
 TRANSFER_THREADS_MAX = 8
-"""A copy at memory bandwidth: more threads than this add nothing on the machines we know."""
+"""A copy at memory bandwidth gains nothing from more threads."""
 
 
 def transfer_threads() -> int:
-    """Threads for a restore or an intake: every CPU this process may run on, up to `TRANSFER_THREADS_MAX`.
-    A trainer that restores or hands over its state does nothing else meanwhile, whatever CPUs it reserved."""
+    """Threads for a restore or an intake: the process's CPUs, up to `TRANSFER_THREADS_MAX`."""
     return min(TRANSFER_THREADS_MAX, process_cpus())
 
 
@@ -71,7 +54,7 @@ class ImageLayout:
 
     @classmethod
     def from_specs(cls, specs: list[tuple[str, str, tuple[int, ...]]]) -> "ImageLayout":
-        """From (name, dtype name, shape) in canonical order (e.g. a snapshot's manifest)."""
+        """From (name, dtype name, shape) in canonical order."""
         offsets, total = aligned_offsets(_numel(shape) * _itemsize(dtype) for _, dtype, shape in specs)
         return cls(tuple(n for n, _, _ in specs), tuple(d for _, d, _ in specs),
                    tuple(tuple(s) for _, _, s in specs), tuple(offsets), total)
@@ -95,7 +78,7 @@ class ImageLayout:
         return out
 
     def matches(self, state: Mapping[str, torch.Tensor]) -> str | None:
-        """None when `state` has this layout's names, order, dtypes and shapes; else what differs."""
+        """None when `state` has this layout's names, order, dtypes and shapes, else what differs."""
         if tuple(state) != self.names:
             missing = sorted(set(self.names) - set(state))[:3]
             extra = sorted(set(state) - set(self.names))[:3]
@@ -129,9 +112,8 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def anonymous_buffer(nbytes: int) -> tuple[torch.Tensor, mmap.mmap | None]:
-    """A private uint8 buffer of `nbytes`, with its pages faulted now and huge pages where the kernel
-    offers them (a replica is read and written whole every step: fewer TLB misses). Returns the
-    tensor and the mapping that owns its memory (keep it referenced while the tensor lives)."""
+    """A private uint8 buffer of `nbytes`, faulted now, on huge pages where offered; returns the tensor and the
+    mapping that owns its memory."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8), None
     flat, region = huge_page_mapping(nbytes)
@@ -140,12 +122,8 @@ def anonymous_buffer(nbytes: int) -> tuple[torch.Tensor, mmap.mmap | None]:
 
 
 class SharedBuffer:
-    """A memfd of `nbytes` whose pages are allocated up front, mapped read-write in this process.
-
-    Allocating up front (`posix_fallocate`) makes a machine out of memory fail here with an error,
-    not later with SIGBUS inside a copy. `close()` unmaps it and closes the descriptor; the memory
-    is freed once no other process holds it open.
-    """
+    """A memfd of `nbytes`, allocated up front (so that a lack of memory fails here, not with SIGBUS in a copy)
+    and mapped read-write; freed once no process holds it open."""
 
     def __init__(self, nbytes: int, name: str = "zocheck-image"):
         self.nbytes = nbytes
@@ -162,11 +140,11 @@ class SharedBuffer:
             raise
         self._map = mmap.mmap(self.fd, nbytes) if nbytes else None
         self.bytes = frombuffer(self._map) if nbytes else torch.empty(0, dtype=torch.uint8)
-        """The whole buffer as a uint8 tensor (views of it must be dropped before `close`)."""
+        """The whole buffer as a uint8 tensor (its views must go before `close`)."""
 
     @property
     def path(self) -> str:
-        """Where another process on this node opens it (while this one keeps it open)."""
+        """Where another process on this node opens it."""
         return f"/proc/{os.getpid()}/fd/{self.fd}"
 
     @property
@@ -196,11 +174,11 @@ def handle_layout(handle: ImageHandle) -> ImageLayout:
 
 
 class ImageGoneError(RuntimeError):
-    """The image's owner closed it (a newer snapshot replaced it) or died before it was opened: ask again."""
+    """The image's owner replaced it or died before it was opened: ask again."""
 
 
 def open_image(handle: ImageHandle, write: bool = False) -> int:
-    """Open the owner's buffer on this node; raises `ImageGoneError` when it is no longer there."""
+    """Open the owner's buffer on this node (`ImageGoneError` when it is gone)."""
     try:
         fd = os.open(handle.path, os.O_RDWR if write else os.O_RDONLY)
     except FileNotFoundError as exc:
@@ -219,15 +197,9 @@ Direction = Literal["from_image", "to_image"]
 
 def transfer(fd: int, layout: ImageLayout, tensors: Mapping[str, torch.Tensor], direction: Direction,
              threads: int = 1, window: int = WINDOW_BYTES, staged: bool | None = None) -> None:
-    """Copy between the image in `fd` and `tensors` (any device, `layout`'s order), a window at a time.
-
-    `from_image` fills the tensors (a restore); `to_image` writes them into the buffer (an
-    intake). Host tensors are read or written by the kernel (`WindowPlan.copy_direct`), nothing
-    mapped; for CUDA tensors windows are mapped one by one and unmapped when copied, so the
-    caller's resident memory grows by at most `threads` windows, and restores go through two
-    pinned staging windows, host-to-device copies overlapped with the next window's staging
-    (`staged`: force the staging on or off; on the CPU it is the same code, without pinning).
-    """
+    """Copy between the image in `fd` and `tensors`, a window at a time: `from_image` (a restore) or `to_image`
+    (an intake). Host tensors go by `preadv`/`pwritev`; CUDA tensors through mapped windows and two pinned
+    staging buffers, each upload overlapping the next window's staging."""
     plan = WindowPlan(layout, tensors, window, staged)
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if direction == "to_image" else 0)
 
@@ -252,7 +224,7 @@ def transfer(fd: int, layout: ImageLayout, tensors: Mapping[str, torch.Tensor], 
 
 
 class WindowPlan:
-    """Which bytes of which tensor each window of an image holds, and the copies between them."""
+    """Which bytes of which tensor each window of an image holds."""
 
     def __init__(self, layout: ImageLayout, tensors: Mapping[str, torch.Tensor], window: int = WINDOW_BYTES,
                  staged: bool | None = None):
@@ -281,8 +253,7 @@ class WindowPlan:
         return min(self.window, self.nbytes - start)
 
     def copy(self, win: torch.Tensor, start: int, direction: Direction) -> None:
-        """Copy window `start` (`win`: its bytes) into the tensors, or the tensors into it. Once this returns,
-        nothing reads `win` any more (staged bytes are read from the staging buffers)."""
+        """Copy window `start` (`win`) into the tensors, or the tensors into it."""
         for name, at, a, b in self.pieces[start]:
             target, source = self.targets[name][a:b], win[at: at + b - a]
             if direction == "to_image":
@@ -293,9 +264,8 @@ class WindowPlan:
                 target.copy_(source)
 
     def copy_direct(self, fd: int, start: int, direction: Direction) -> None:
-        """Window `start` between the buffer `fd` and host tensors, by `preadv`/`pwritev` straight into or out of
-        the tensors' memory: one kernel copy, without mapping the window (mapping and unmapping it cost more
-        than the copy: page-table entries set up, then torn down with a TLB flush on every thread)."""
+        """Window `start` between `fd` and host tensors by `preadv`/`pwritev`: one copy, no mapping (mapping costs
+        more)."""
         for name, at, a, b in self.pieces[start]:
             view = memoryview(self.targets[name][a:b].numpy())
             offset, done = start + at, 0
@@ -309,14 +279,13 @@ class WindowPlan:
                 done += n
 
     def finish(self) -> None:
-        """Wait for the copies in flight (CUDA: the last staged windows' host-to-device copies)."""
+        """Wait for the copies in flight."""
         if self.staging is not None:
             self.staging.finish()
 
 
 class _Staging:
-    """Two host buffers of a window each (pinned, on CUDA): while one's bytes go to the device, the next
-    window is staged into the other; a buffer is reused once its copies have reached the device."""
+    """Two host buffers of a window each (pinned, on CUDA): one uploads while the other is filled."""
 
     def __init__(self, window: int, pinned: bool):
         self.buffers = [torch.empty(window, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
@@ -366,10 +335,8 @@ def _libc() -> ctypes.CDLL:
 
 
 def prepare_skeleton(tensors: Mapping[str, torch.Tensor]) -> int:
-    """Fault the pages of a skeleton's host tensors now (their contents are dropped), on 2 MiB pages where the
-    kernel allows them (`transparent_hugepage/enabled` madvise or always), so that a later restore is a
-    plain copy into memory that costs the kernel one lookup per 2 MiB. Returns the bytes put on huge pages
-    (advised: the kernel may still give 4 KiB pages)."""
+    """Fault a skeleton's host pages now, on 2 MiB pages where allowed, so that a later restore is a plain copy;
+    returns the bytes advised onto huge pages."""
     advised = 0
     libc = _libc()
     for t in tensors.values():
@@ -390,7 +357,7 @@ def prepare_skeleton(tensors: Mapping[str, torch.Tensor]) -> int:
 
 
 def copy_state(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor], threads: int = 1) -> None:
-    """`dst[k].copy_(src[k])` for every tensor, large tensors split so `threads` threads share the work."""
+    """`dst[k].copy_(src[k])` for every tensor, split so that `threads` threads share the work."""
     jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, target in dst.items():
         t, s = byte_view(target), byte_view(src[name])

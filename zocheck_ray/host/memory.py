@@ -1,8 +1,7 @@
-"""A state as one host buffer: tensors at 64-byte-aligned offsets (`aligned_offsets`) of one anonymous
-mapping advised onto 2 MiB pages (`huge_page_mapping`).
-
-The shadow's replica and images and a trainer's skeleton share this layout, so a skeleton's tensors lie
-where the image's do and an image is written into it in long runs (`host/image.py`)."""
+"""A state as one host buffer: tensors at 64-byte-aligned offsets of one anonymous mapping advised onto 2 MiB
+pages. The replica, the images and a trainer's skeleton share this layout, so an image is written into a
+skeleton in long runs.
+"""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ def aligned_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
 
 def huge_page_mapping(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
     """A private anonymous mapping of `nbytes` (> 0) as a uint8 tensor, advised onto huge pages where the kernel
-    offers them (`transparent_hugepage/enabled` madvise or always), nothing faulted yet. Returns the tensor and
-    the mapping (its views keep it alive)."""
+    offers them, nothing faulted yet. Returns the tensor and the mapping (its views keep it alive)."""
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(AttributeError, OSError):  # no transparent huge pages: 4 KiB pages
         region.madvise(mmap.MADV_HUGEPAGE)
