@@ -4,15 +4,9 @@
     group.join("127.0.0.1", 29512)                    # the port rank 0's `listen` opened
     loss_plus, loss_minus = reduce_in_rank_order(group.gather((s_plus, n_plus, s_minus, n_minus)))
 
-Set up the way Ray Train sets up its workers: rank 0 opens a TCP store on a free port of its
-node's address (`listen`), every rank joins the group through it. A ZO step exchanges four float64
-numbers per rank (the loss sums and counts at +eps and -eps), so gloo serves CPU and GPU
-ranks alike. Every rank reduces the gathered numbers in rank order in float64, so all
-ranks (and every rerun) form the same g, bit for bit.
-
-When a peer dies, its sockets close and the pending `gather` raises `RankLostError` on
-every survivor; the group is then left and formed again (a new port) once Ray has
-restarted the lost rank.
+Rank 0 opens a TCP store, every rank joins through it (as Ray Train does). A step exchanges four
+float64 numbers per rank, so gloo serves CPU and GPU ranks alike, and every rank adds them in rank
+order, so all form the same g. A dead peer's sockets close and `gather` raises `RankLostError`.
 """
 
 from __future__ import annotations
@@ -26,9 +20,7 @@ import torch
 import torch.distributed as dist
 
 TIMEOUT_SECONDS = 600.0
-"""How long a join or a gather waits for the other ranks. Long, because the other ranks wait in the
-gather while rank 0 evaluates the held-out rows; a dead peer is seen at once (its sockets close), a
-peer cut off without closing them after this long."""
+"""How long a join or a gather waits: long, as ranks wait in the gather while rank 0 evaluates."""
 
 
 class RankLostError(RuntimeError):
@@ -36,8 +28,8 @@ class RankLostError(RuntimeError):
 
 
 def reduce_in_rank_order(gathered: list[tuple[float, float, float, float]]) -> tuple[float, float]:
-    """(loss+, loss-) of the global batch from every rank's (sum+, count+, sum-, count-), in float64,
-    added in rank order (never a tree or a library reduction, whose order may vary)."""
+    """(loss+, loss-) of the global batch from every rank's (sum+, count+, sum-, count-), added in float64 in
+    rank order (a library reduction's order may vary)."""
     sum_plus = count_plus = sum_minus = count_minus = 0.0
     for s_plus, n_plus, s_minus, n_minus in gathered:
         sum_plus += s_plus
@@ -53,7 +45,7 @@ class LossGroup:
     def __init__(self, rank: int, ranks: int):
         self.rank, self.ranks = rank, ranks
         self.generation = 0
-        """How often the group was formed (a re-formed group after a lost rank counts again)."""
+        """How often the group was formed."""
         self._store: dist.TCPStore | None = None
         """Rank 0's listening rendezvous between `listen` and `join`."""
 
@@ -62,17 +54,14 @@ class LossGroup:
         return dist.is_initialized()
 
     def listen(self, address: str, timeout: float = TIMEOUT_SECONDS) -> int:
-        """Rank 0: open the group's rendezvous (a TCP store on a free port of `address`) before any rank
-        joins; returns the port. A rank whose connection is refused (the store not up yet) retries after
-        a backoff of up to a second, so the store listens first."""
+        """Rank 0: open the group's rendezvous (a TCP store on a free port of `address`); returns the port."""
         self.leave()
         self._store = dist.TCPStore(address, 0, self.ranks, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout))
         return self._store.port
 
     def join(self, address: str, port: int, timeout: float = TIMEOUT_SECONDS) -> float:
-        """Join (or re-join) the group whose rendezvous rank 0 opened at address:port (`listen`); returns
-        the seconds."""
+        """Join (or re-join) the group at rank 0's address:port; returns the seconds."""
         began = time.perf_counter()
         store, self._store = self._store, None
         self.leave()

@@ -1,10 +1,8 @@
 """The seams where tests and the demonstration reach into a trainer or a shadow process.
 
-Production runs pass nothing and get `NO_HOOKS`; `zocheck_ray.testing` implements these
-to inject faults (a process that dies at a step, a slow replay). An implementation is
-handed to the actors at construction, travels to their processes with them, and comes
-back with every restart (Ray restarts an actor with its constructor's arguments), so
-it keeps its own record of what it already did.
+Production passes `NO_HOOKS`; `zocheck_ray.testing` injects faults through them. Ray restarts an
+actor with its constructor's arguments, so an implementation comes back with every restart and
+keeps its own record of what it already did.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """`RecordLedger`: the shadow's accepted records and its newest image, shared by its stages.
 
-Ingest is the only writer of records (`accept`, in step order, no gaps); the replay
-stage reads from its cursor and publishes images; the persistence stage reads from
-the log's cursor. Each reader holds a *floor* (the oldest record it still needs):
-a record is dropped once every floor has passed it. The image and its records are
-read together (`recovery_view`), so a recovering trainer never sees a gap between an
-image and the records after it.
-
-The ledger also knows who reads the image, because the shadow holds one image and
-writes the next one into the same memory when nobody does: the persistence stage *pins*
-it while it writes it to storage, a recovering trainer *borrows* it (`recovery_view`)
-until it gives it back. The replay stage *claims* the image's memory before it writes a
-new snapshot or an intake into it (`claim`): a pinned image defers the snapshot, a borrowed
-one is replaced rather than rewritten, and while the memory is being written no image is
-offered (a recovery waits for the new one, which is a few hundred milliseconds away).
-
-All methods are thread-safe; the lock is the ledger's own and is never held while
-a caller does work (replay, copies, storage I/O).
+Ingest alone writes records (in step order, no gaps); each reading stage holds a floor, the oldest
+record it still needs, and a record goes once every floor has passed it. The image and its records
+are read together, so a recovering trainer never sees a gap between them. The shadow writes each
+image into the previous one's memory when nobody reads it, so the ledger knows who does:
+persistence pins it, a recovering trainer borrows it, and the replay stage claims the memory
+before writing into it. The lock is never held while a caller does work.
 """
 
 from __future__ import annotations
@@ -32,17 +21,16 @@ REPLAY, LOG = "replay", "log"
 """The readers whose floors keep records alive."""
 
 Claim = Literal["new", "reuse", "replace", "busy"]
-"""What `claim` found: no image yet (`new` memory), an image nobody reads (`reuse` its memory),
-a borrowed one (`replace` it: never written again), or one being persisted or written (`busy`)."""
+"""What `claim` found: no image yet (`new`), an image nobody reads (`reuse`), a borrowed one (`replace`),
+or one being persisted or written (`busy`)."""
 
 
 READ_SECONDS = 30.0
-"""How long a borrowed image defers the shadow's next snapshots at most (a borrower that died never gives it
-back; then a snapshot takes new memory, as it does for an image lent longer)."""
+"""How long a borrowed image defers the next snapshots at most (a dead borrower never gives it back)."""
 
 
 class NoImageError(RuntimeError):
-    """The shadow holds records but no image to recover from (its snapshot could not be taken)."""
+    """The shadow holds records but no image to recover from (its snapshot failed)."""
 
 
 class RecordLedger:
@@ -51,16 +39,16 @@ class RecordLedger:
         self._records: deque[StepRecord] = deque()
         self._first = next_step          # step of self._records[0] (when any)
         self.next_step = next_step
-        """The step the next accepted record must carry (read without the lock: an int)."""
+        """The step the next accepted record must carry."""
         self._floors = {REPLAY: next_step, LOG: next_step}
         self.image = None
-        """The newest image offered (any object with `.step`, `.lent` and `.pinned`), set by `publish`."""
+        """The newest image offered (any object with `.step`, `.lent` and `.pinned`)."""
         self._writing = False             # the image's memory is claimed: no image is offered meanwhile
         self._missing: str | None = None  # why an initialized shadow holds no image
         self.generation_start = next_step
-        """The step this generation of records starts at (the replica's step at the last reset)."""
+        """The step this generation of records starts at (the replica's at the last reset)."""
         self.generation = 0
-        """Increases on every `reset`: a reader whose cursor belongs to an older generation restarts."""
+        """Increases on every `reset`: a reader of an older generation restarts."""
         self._on_accept = on_accept or (lambda: None)
 
     # ------------------------------------------------------------------ ingest
@@ -85,8 +73,7 @@ class RecordLedger:
         return accepted, refused
 
     def reset(self, step: int) -> None:
-        """Start over at `step` (a fresh replica, or a resync past the records received): nothing older is
-        kept. The image, if any, is the caller's to replace (its memory is claimed)."""
+        """Start over at `step` (a fresh replica, or a resync past the records received); the image is the caller's."""
         with self._lock:
             self._records.clear()
             self._first = self.next_step = step
@@ -98,7 +85,7 @@ class RecordLedger:
     # ------------------------------------------------------------------ readers
 
     def read(self, start: int, stop: int | None = None, limit: int | None = None) -> list[StepRecord]:
-        """Records with `start <= step < stop`, at most `limit` of them (empty when none has arrived)."""
+        """Records with `start <= step < stop`, at most `limit` of them."""
         with self._lock:
             if start < self._first:
                 raise LookupError(f"records before step {self._first} are no longer held (asked from {start})")
@@ -109,7 +96,7 @@ class RecordLedger:
             return [self._records[i] for i in range(begin, end)] if end > begin else []
 
     def wait_for(self, step: int, timeout: float) -> bool:
-        """Wait until the record of `step - 1` has been accepted (so `next_step >= step`)."""
+        """Wait until `next_step >= step`."""
         with self._lock:
             return self._lock.wait_for(lambda: self.next_step >= step, timeout)
 
@@ -130,8 +117,7 @@ class RecordLedger:
     # ------------------------------------------------------------------ the image
 
     def publish(self, image) -> None:
-        """Offer `image` (its memory was claimed and is written); records before its step are no longer
-        needed for replay."""
+        """Offer `image` (written into claimed memory); records before its step are no longer needed for replay."""
         with self._lock:
             self.image, self._writing, self._missing = image, False, None
             self._release(REPLAY, image.step)
@@ -140,9 +126,8 @@ class RecordLedger:
     def claim(self, wait: bool = False, timeout: float = 300.0) -> tuple[Claim, object]:
         """Claim the image's memory for writing; returns what was found and the image it held.
 
-        `busy`: the image is being persisted, or its memory is already claimed, or (with `wait=False`, a
-        snapshot that can wait for the next boundary) a borrower is reading it; nothing changes. Otherwise no
-        image is offered until `publish` (or `unclaim`)."""
+        `busy` (pinned, claimed, or with `wait=False` being read) changes nothing; otherwise no image is
+        offered until `publish` or `unclaim`."""
         with self._lock:
             if wait and not self._lock.wait_for(lambda: not self._busy(), timeout):
                 raise TimeoutError(f"the image stayed pinned by persistence for {timeout:.0f} s")
@@ -154,7 +139,7 @@ class RecordLedger:
             return ("replace" if image.lent else "reuse"), image
 
     def writable_now(self) -> bool:
-        """Whether `claim(wait=False)` would find the image's memory free now (a peek: nothing is claimed)."""
+        """Whether `claim(wait=False)` would find the image's memory free now (claims nothing)."""
         with self._lock:
             return not (self._busy() or self._read_now())
 
@@ -166,9 +151,8 @@ class RecordLedger:
             self._lock.notify_all()
 
     def _read_now(self) -> bool:
-        """A borrower is reading the image (lent, not given back, for at most `READ_SECONDS`): the next
-        snapshot waits for the next boundary rather than write a new buffer beside it (fresh memory, its
-        pages faulted in, and a third copy of the state on the node) while the two copies compete."""
+        """A borrower is reading the image: the next snapshot waits for the next boundary rather than allocate a
+        third copy of the state beside it."""
         image = self.image
         return image is not None and image.lent > 0 and time.monotonic() < image.read_until
 
@@ -176,8 +160,7 @@ class RecordLedger:
         return self._writing or (self.image is not None and self.image.pinned)
 
     def pin(self, skip_step: int | None, due: Callable[[int], bool] = lambda step: True):
-        """The newest image for the persistence stage (pinned until `unpin`), unless it is at `skip_step` or
-        its step is not `due` to be persisted."""
+        """The newest image for the persistence stage, pinned until `unpin`, unless at `skip_step` or not `due`."""
         with self._lock:
             image = self.image
             if image is None or image.step == skip_step or not due(image.step):
@@ -191,8 +174,8 @@ class RecordLedger:
             self._lock.notify_all()
 
     def recovery_view(self, lend: bool = False, timeout: float = 300.0):
-        """(the newest image, every accepted record after it), read together; `lend` marks the image
-        borrowed (see `give_back`). Waits while the image's memory is being written."""
+        """(the newest image, every accepted record after it), read together, waiting while the memory is written;
+        `lend` marks the image borrowed until `give_back`."""
         with self._lock:
             if not self._lock.wait_for(lambda: not self._writing, timeout):
                 raise TimeoutError(f"no image was offered for {timeout:.0f} s: the snapshot being written did "
@@ -211,15 +194,14 @@ class RecordLedger:
             return image, [self._records[i] for i in range(begin, len(self._records))]
 
     def wait_newer(self, token: str | None, timeout: float) -> int | None:
-        """Wait until an image other than `token` is offered (written and published); its step, or None where
-        none was within `timeout` seconds."""
+        """Wait until an image other than `token` is offered; its step, or None after `timeout` seconds."""
         with self._lock:
             if self._lock.wait_for(lambda: self.image is not None and self.image.token != token, timeout):
                 return self.image.step
             return None
 
     def give_back(self, token: str) -> bool:
-        """A borrower is done with the image named `token`; True when it was the offered image."""
+        """A borrower is done with the image `token`; True when it was the offered image."""
         with self._lock:
             image = self.image
             if image is None or image.token != token or not image.lent:

@@ -1,18 +1,10 @@
 """The trainer's side of the record stream: ordered sends, acknowledgements, re-sends.
 
-The training loop only appends a record to a queue. The publishing thread encodes
-and sends the queue in batches, then checks the shadow's replies without waiting
-for them. Every reply says which shadow answered (its incarnation), the step it
-expects next and how far its step log is durable. The publisher keeps every record
-the durable log does not hold yet, so when a shadow comes back from durable storage
-(its process was killed and Ray restarted it) and expects an older step, the
-publisher re-sends what it lacks; the run stays exact. A shadow that expects a step
-older than anything held reports a gap: records no process holds any more, which the
-controller repairs by restoring every rank from the shadow's durable state.
-
-With data-parallel ranks only rank 0 publishes; every other rank's publisher only holds
-(`publishing=False`): it keeps the records the controller has not reported durable
-(`acknowledge`), so when rank 0 dies a survivor hands the shadow what it missed (`deliver`).
+The training loop only appends a record to a queue; the publishing thread sends batches and reads
+the replies without waiting. It keeps every record until the shadow says it is durable, so a shadow
+Ray restarted from storage gets what it lacks again and the run stays exact; a record nobody holds
+any more is a gap, which the controller repairs from the durable state. With data-parallel ranks
+only rank 0 sends; the others hold, so that a survivor can `deliver` what a dead rank 0 had not.
 """
 
 from __future__ import annotations
@@ -32,27 +24,20 @@ from zocheck_ray.core import StepRecord
 logger = logging.getLogger(__name__)
 
 FLUSH_SECONDS = 0.1
-"""Records are sent in batches at most this often (one remote call per batch, never per step; the end
-of every `run` segment sends too). Each push costs both processes about a millisecond of CPU (Ray's
-task path and the shadow's replay call), so pushing every 5 ms took a fifth of a core from CPU-bound
-trainers; a trainer that dies loses at most this long of unsent steps, which it trains again."""
+"""Records go in batches at most this often (a push costs both processes CPU); a trainer that dies loses at
+most this long of unsent steps, which it trains again."""
 PING_SECONDS = 0.25
-"""With no reply for this long and records not yet durable (or a new trainer step to report), ask."""
+"""With no reply for this long and records not yet durable (or a new step to report), ask."""
 
 
 class ShadowLink(Protocol):
     """How the trainer reaches its shadow (a Ray actor, or an in-process one in tests)."""
 
     def borrow_image(self, fresh: bool = False, held: str | None = None):
-        """The shadow's newest image, opened for reading (`.step`, `.layout`, `.records`, `.source`,
-        `.copy_into(tensors)`, `.release()`, `.adapter`: the run's `AdapterIdentity` or None, `.token`: the
-        image's name, new for every snapshot, or None), or None when the shadow has none (a fresh run).
-        `fresh`: for a recovery, a snapshot of the replica where the shadow can take one now
-        (`JobConfig.recovery_snapshot`); links that cannot offer the newest image and its records.
-        `held`: the token of the image the caller holds already (`Shadow.offer`)."""
+        """The shadow's newest image opened for reading, or None when it has none. `fresh`: a snapshot of the
+        replica where the shadow can take one now; `held`: the token of the image the caller holds."""
     def initialize(self, state: dict[str, torch.Tensor], step: int, adapter=None, model_config=None) -> None:
-        """Hand the shadow the initial state (written into its intake; no copy kept here) and, for a
-        parameter-efficient run, its `AdapterIdentity`, for a full one its model's Hugging Face config."""
+        """Hand the shadow the initial state and the adapter's identity or the model's config."""
     def write_state(self, state: dict[str, torch.Tensor]) -> None:
         """Write `state` into the shadow's intake (a resync follows)."""
     def push(self, data: bytes, trainer_step: int) -> object:
@@ -62,8 +47,7 @@ class ShadowLink(Protocol):
 
 
 class StateOffer:
-    """An image that is already a state in this process (a checkpoint read from disk, an in-process
-    shadow's image): what `ShadowLink.borrow_image` returns for links without shared memory."""
+    """An image that is already a state in this process."""
 
     def __init__(self, state: dict[str, torch.Tensor], step: int, records: list[StepRecord], source: str,
                  release: Callable[[], None] | None = None, adapter=None):
@@ -96,13 +80,13 @@ class Publisher:
                  held: list[StepRecord] | tuple = (), publishing: bool = True):
         self.link = link
         self.publishing = publishing
-        """False on a data-parallel rank other than 0: records are held, never sent unless `deliver`ed."""
+        """False on a data-parallel rank other than 0: records are held, sent only by `deliver`."""
         self._trainer_step = trainer_step
-        # One producer, one consumer: the training loop only appends, the publishing thread only pops from
-        # the left, and a deque's append and popleft are atomic (documented): no lock on the loop's path.
+        # One producer, one consumer: the loop only appends, the publishing thread only pops from the left,
+        # and deque's append and popleft are atomic: no lock on the loop's path.
         self._pending: deque[StepRecord] = deque()
         self.append: Callable[[StepRecord], None] = self._pending.append
-        """The training loop's whole cost of publishing: a deque append (no Python frame)."""
+        """The training loop's whole cost of publishing: a deque append."""
         self._held: deque[StepRecord] = deque(held)   # sent, not yet known durable
         self.sent_next = next_step
         self._durable_next = held[0].step if held else next_step
@@ -161,10 +145,8 @@ class Publisher:
                     self._held.popleft()
 
     def deliver(self, timeout: float = 60.0) -> int:
-        """Hand the shadow, now, every held record it lacks; returns the step it then expects.
-
-        After a lost rank: whichever rank died, the survivors together hold every record the
-        shadow lacks (the records not yet durable), so the shadow's log keeps no gap."""
+        """Hand the shadow every held record it lacks; returns the step it then expects. After a lost rank the
+        survivors together hold every record not yet durable, so the log keeps no gap."""
         with self._lock:
             self._send_pending()
             expected = self._ask([], timeout).next_step  # pushes are answered in order: after those in flight
@@ -212,7 +194,7 @@ class Publisher:
             self._absorb(number, reply, expected)
 
     def _absorb(self, number: int, reply: PushReply, expected: int) -> None:
-        """`expected`: the shadow's next step once this push is in, had nothing been lost (pushes arrive in order)."""
+        """`expected`: the shadow's next step once this push is in, had nothing been lost."""
         if reply.incarnation != self.incarnation:
             if self.incarnation is not None:
                 self.shadow_restarts_seen += 1

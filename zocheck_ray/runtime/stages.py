@@ -1,9 +1,8 @@
-"""The shadow's replay and persistence stages (see `shadow.py` for the pipeline they form).
+"""The shadow's replay and persistence stages (`shadow.py` describes the pipeline they form).
 
-`ReplayStage` owns the replica: it applies the ledger's records and snapshots at multiples
-of N; other threads reach it only through `call`. `PersistStage` owns the snapshot store,
-the step log and the run's lease: it makes records and images durable, retrying through
-any storage outage, and stops for good only when another writer holds the run.
+`ReplayStage` owns the replica and the image memory; other threads reach it only through `call`.
+`PersistStage` owns the snapshot store, the step log and the lease: it retries through any storage
+outage and stops for good only when another writer holds the run.
 """
 
 from __future__ import annotations
@@ -36,39 +35,33 @@ MAX_REPLAY_BATCH = 64
 COPY_HISTORY = 32
 """How many of the newest snapshot copies `ShadowMetrics.snapshot_seconds_median` is taken over."""
 LOG_FLUSH_SECONDS = 0.05
-"""The persistence stage writes the log (and looks for a new image) at least this often."""
+"""How often, at least, persistence writes the log and looks for a new image."""
 MAX_BACKOFF_SECONDS = 5.0
 """Retries of a failing store wait 0.1 s, 0.2 s, ... up to this."""
 STARTUP_STORAGE_SECONDS = 120.0
-"""How long a shadow coming back from durable storage waits for the store to answer."""
+"""How long a shadow coming back from durable storage waits for the store."""
 
 
 class Image:
-    """A frozen copy of the replica at `step`, in a `SharedBuffer` of the shadow's.
-
-    `lent` (trainers that borrowed it) and `pinned` (the persistence stage writes it) are
-    changed only by the ledger, under its lock; the replay stage reads them through `claim`."""
+    """A frozen copy of the replica at `step`; `lent` and `pinned` change only in the ledger, under its lock."""
 
     def __init__(self, step: int, buffer: SharedBuffer, layout: ImageLayout, token: str):
         self.step, self.buffer, self.layout, self.token = step, buffer, layout, token
         self.lent = 0
         self.read_until = 0.0
-        """While lent: until when a snapshot defers to the borrower's read (`RecordLedger.claim`)."""
         self.pinned = False
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The image's tensors (views of its buffer: read them, never write)."""
+        """The image's tensors: views of its buffer, never written."""
         return self.layout.views(self.buffer.bytes)
 
 
 class StageError(RuntimeError):
-    """A stage cannot go on (the message says which and why)."""
+    """A stage cannot go on; the message says which and why."""
 
 
 class Budget:
-    """The shadow's bytes of state-sized memory, by purpose, and their peak (read by `metrics`).
-
-    Written only by the replay thread, which allocates and frees all of it."""
+    """The shadow's bytes of state-sized memory by purpose, and their peak (written by the replay thread only)."""
 
     def __init__(self):
         self.held: dict[str, int] = {"replica": 0, "image": 0, "scratch": 0}
@@ -90,7 +83,6 @@ class ReplayStage:
 
     def __init__(self, ledger: RecordLedger, job: JobConfig, on_image: Callable[[Image], None],
                  threads: int | None, hooks: ShadowHooks, token_prefix: str = "", nice: int = 0):
-        """`nice`: the niceness of the replay thread and of the workers it starts (see `priority.py`)."""
         self.ledger = ledger
         self._nice = nice
         self.zo = job.zo
@@ -104,7 +96,7 @@ class ReplayStage:
         self._replica_memory = None
         self.layout: ImageLayout | None = None
         self.intake: SharedBuffer | None = None
-        """Memory handed out for a trainer to write its state into (`open_intake`), until committed."""
+        """Memory a trainer writes its state into, until committed."""
         self._intake_layout: ImageLayout | None = None
         self.budget = Budget()
         self.replayed_step = 0
@@ -112,19 +104,14 @@ class ReplayStage:
         self.replay_ema = 0.0
         self.snapshots_taken = 0
         self.snapshots_deferred = 0
-        """Snapshots not taken at their boundary because the image was being persisted (see `_snapshot`)."""
         self.recovery_snapshots = 0
-        """Snapshots taken for a recovering trainer (`snapshot_caught_up`), out of `snapshots_taken`."""
         self.snapshot_error: str | None = None
         self.last_copy_seconds: float | None = None
-        """Seconds of the last copy between the replica and an image (a snapshot, an intake's adoption)."""
         self.last_copy_bytes = 0
         self.last_copy_fresh: bool | None = None
-        """Whether that copy wrote into memory allocated for it (its pages faulted in as it went)."""
         self.last_copy_threads: int | None = None
         self.touched_copies: collections.deque[float] = collections.deque(maxlen=COPY_HISTORY)
-        """Seconds of the newest copies into memory already in use (an image reused): one copy is one sample,
-        taken beside whatever else the node ran then (a CPU trainer's step); their median is the figure."""
+        """The newest copies into memory in use: one copy is a noisy sample, so their median is the figure."""
         self.resync_count = 0
         self.error: str | None = None
         self.last_record: StepRecord | None = None
@@ -142,7 +129,7 @@ class ReplayStage:
         self._wake.set()
 
     def call(self, fn: Callable[[], object], timeout: float | None = 300.0):
-        """Run `fn` on the replay thread between batches; returns its result (or raises its error)."""
+        """Run `fn` on the replay thread between batches; returns its result or raises its error."""
         if not self._thread.is_alive():
             return fn()  # not started yet (construction) or stopped: nobody else touches the replica
         future: Future = Future()
@@ -215,8 +202,8 @@ class ReplayStage:
     # ------------------------------------------------------------------ images
 
     def _snapshot(self, wait: bool) -> Image | None:
-        """Copy the replica into the image memory and offer it; None when deferred (the image is being
-        persisted: a second image would break the budget, so the next boundary takes the snapshot)."""
+        """Copy the replica into the image memory and offer it; None when deferred (a second image would break the
+        budget)."""
         kind, old = self.ledger.claim(wait=wait)
         if kind == "busy":
             self.snapshots_deferred += 1
@@ -233,8 +220,7 @@ class ReplayStage:
         return self._offer(buffer, self.replayed_step)
 
     def _memory_for(self, kind: str, old: Image | None, layout: ImageLayout) -> SharedBuffer:
-        """The claimed image's memory, or new memory when there is none or it is borrowed (a borrowed image
-        is never written again: its borrower holds its own descriptor; this process lets go of it first)."""
+        """The claimed image's memory, or new memory where there is none or it is borrowed (never written again)."""
         if kind == "reuse" and old.layout == layout:
             return old.buffer
         if old is not None:
@@ -252,7 +238,6 @@ class ReplayStage:
         return image
 
     def _copy(self, dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor], fresh: bool) -> None:
-        """`fresh`: `dst` is memory allocated for this copy (a new image, a rebuilt replica), not yet touched."""
         started = time.perf_counter()
         threads = self.threads or 1
         copy_state(dst, src, threads=threads)
@@ -265,8 +250,7 @@ class ReplayStage:
     # ------------------------------------------------------------------ commands (run on the thread)
 
     def open_intake(self, layout: ImageLayout, timeout: float = 300.0) -> SharedBuffer:
-        """Memory for a trainer's state of `layout` (a fresh run's, a resync's), taken from the image's:
-        no image is offered until `commit_intake` or `abort_intake`."""
+        """Memory for a trainer's state of `layout`, taken from the image's (no image is offered meanwhile)."""
         if self.intake is not None and self._intake_layout == layout:
             return self.intake  # a second request (the first writer was lost): the same memory
         if self.intake is not None:
@@ -284,7 +268,7 @@ class ReplayStage:
         return self.adopt(buffer, layout, step, source)
 
     def abort_intake(self) -> None:
-        """Give the intake's memory back to the image: a snapshot of the replica, where there is one."""
+        """Give the intake's memory back: a snapshot of the replica, where there is one."""
         if self.intake is None:
             return
         buffer, self.intake, self._intake_layout = self.intake, None, None
@@ -297,8 +281,7 @@ class ReplayStage:
             self.ledger.unclaim()
 
     def adopt(self, buffer: SharedBuffer, layout: ImageLayout, step: int, source: str) -> Image:
-        """`buffer` (claimed image memory of `layout`) holds the state at `step`: the replica becomes a copy
-        of it and it becomes the newest image. A fresh, durable or resynced replica."""
+        """`buffer` holds the state at `step`: the replica becomes a copy of it, and it the newest image."""
         rebuilt = self.layout != layout
         if rebuilt:
             if self.replica is not None:
@@ -324,7 +307,7 @@ class ReplayStage:
         return self._offer(buffer, step)
 
     def snapshot_now(self, step: int) -> Image:
-        """The image at `step` (the replica must be there), taken unless the newest one is it."""
+        """The image at `step`, where the replica is; taken unless the newest one is it."""
         if self.replayed_step != step:
             raise StageError(f"the replica is at step {self.replayed_step}, not {step}")
         image = self.ledger.image
@@ -336,15 +319,10 @@ class ReplayStage:
         return image
 
     def snapshot_caught_up(self) -> Image | None:
-        """For a recovering trainer: the records received and not yet replayed are replayed here, then the
-        replica's snapshot is taken (the trainer then copies the state and replays nothing), where the replica
-        has replayed some of the records after the newest image: it lags by fewer records than the trainer
-        would replay, and each record saved costs several copies of the state. None where it has replayed none
-        of them (the trainer would replay as many, and copy nothing where a standby holds that image already),
-        there is nothing newer to take, the replica cannot catch up (its replay stopped or is held), or the
-        image's memory is busy (being persisted, written or read: a second image beside it would break the
-        budget); the trainer is then offered the newest image and the records after it. Both run on every
-        thread the replay may use: the trainer trains no step while it waits for them."""
+        """For a recovering trainer: replay what was received, then snapshot the replica, so that the trainer
+        copies a state and replays nothing. Only where the replica has replayed some records past the newest
+        image; None otherwise, or where it cannot catch up or the image's memory is busy. It takes every
+        thread the replay may use, since the trainer waits for it."""
         image = self.ledger.image
         if image is None or self.replayed_step <= image.step or not self.ledger.writable_now():
             return None  # (pinned now: no catch-up whose snapshot could not be taken)
@@ -365,8 +343,8 @@ class ReplayStage:
         return image
 
     def profile_replay(self, threads: int) -> float | None:
-        """Seconds to replay the newest record with `threads` threads on all of the replica, estimated from
-        a scratch copy of its first `scratch_limit(state)` bytes (a copy of the whole replica would break the budget)."""
+        """Seconds to replay the newest record with `threads` threads on the whole replica, estimated on a scratch
+        copy of part of it."""
         record = self.last_record
         if record is None:
             return None
@@ -380,7 +358,6 @@ class ReplayStage:
         return (time.perf_counter() - started) / self._scratch.fraction
 
     def profile_snapshot(self) -> float:
-        """Seconds of a snapshot's copy: the last copy between the replica and an image, as measured."""
         if self.last_copy_seconds is None:
             raise StageError("no copy between the replica and an image has been timed yet")
         return self.last_copy_seconds
@@ -394,7 +371,7 @@ class ReplayStage:
         return self.replayed_step, state_hash(self.replica)
 
     def close(self) -> None:
-        """Let go of the image memory (a stopped shadow); borrowers keep what they opened."""
+        """Let go of the image memory; borrowers keep what they opened."""
         image = self.ledger.image
         for buffer in (image.buffer if image is not None else None, self.intake):
             if buffer is not None:
@@ -402,28 +379,24 @@ class ReplayStage:
 
 
 SCRATCH_BYTES = 64 << 20
-"""The most the startup profile copies of the replica to time replays on (bounded, not state-sized)."""
+"""The most the startup profile copies of the replica."""
 SCRATCH_SHARE = 32
-"""Nor more than 1/32 of the state (the budget is two copies of the state: the scratch stays within 3% of one
-from 2 MiB of state up; a 1 MB LoRA adapter's is 6%)."""
+"""Nor more than 1/32 of the state, so that the scratch stays small beside the budget of two copies."""
 
 
 SCRATCH_MIN = 64 << 10
-"""But 64 KiB at least (or all of a smaller state): a replay's fixed cost, scaled up with the bytes, would
-otherwise swamp the profile of a small state (a 100 kB model's replay estimated 6x its steady state)."""
+"""But 64 KiB at least: a replay's fixed cost, scaled up, would swamp a small state's profile."""
 
 
 def scratch_limit(state_bytes: int) -> int:
-    """The profile's scratch bytes for a state of `state_bytes`: 1/32 of it, within [64 KiB, 64 MiB] (and one
-    row of the first tensor at least, whatever this says: `ProfileScratch`)."""
+    """The profile's scratch bytes for a state of `state_bytes`: 1/32 of it, within [64 KiB, 64 MiB]."""
     return min(SCRATCH_BYTES, max(SCRATCH_MIN, state_bytes // SCRATCH_SHARE))
 
 
 class ProfileScratch:
-    """A copy of the replica's leading parameters (and their moments), `scratch_limit` bytes at most, to time
-    replays on without touching the replica. A large tensor is cut along its first dimension (its rank,
-    so its weight decay, is kept); replay time is proportional to elements, and `fraction` scales a
-    timing up to the whole state. Records are re-keyed to the scratch's layout (`record_for`)."""
+    """A copy of the replica's leading parameters (and moments), `scratch_limit` bytes at most, to time replays on.
+    Large tensors are cut along their first dimension (keeping their rank, so their weight decay), and
+    `fraction` scales a timing up to the whole state."""
 
     def __init__(self, replica: dict[str, torch.Tensor], zo: ZOConfig):
         moments = moment_prefixes(zo.optimizer)
@@ -463,7 +436,6 @@ class ProfileScratch:
 
 
 def _longer(backoff: float) -> float:
-    """The next wait of a retry loop: doubled, from 0.1 s up to `MAX_BACKOFF_SECONDS`."""
     return min(max(2 * backoff, 0.1), MAX_BACKOFF_SECONDS)
 
 
@@ -473,9 +445,7 @@ class PersistStage:
 
     def __init__(self, ledger: RecordLedger, job: JobConfig, store: SnapshotStore, lease: Lease,
                  meta: Callable[[], dict], nice: int = 0):
-        """`meta`: what the next snapshot carries besides its tensors (asked once per save: a parameter-efficient
-        run learns its adapter, a run its model's config, from its first trainer). `nice`: the niceness of the
-        persistence thread and of the workers it starts (see `priority.py`)."""
+        """`meta()`: what the next snapshot carries besides its tensors."""
         self.ledger = ledger
         self._nice = nice
         self.job = job
@@ -494,9 +464,8 @@ class PersistStage:
         self.error: str | None = None
         self.failing_since: float | None = None
         self.stopped: str | None = None
-        """Why persistence stopped for good (another writer took the run's lease), if it did."""
         self.durable_interval = job.durable_interval or job.snapshot_interval or 1
-        """Images at multiples of this step are made durable (and the first of a generation, and a drain's)."""
+        """Images at multiples of this step are made durable (and a generation's first, and a drain's)."""
         self._wanted_step: int | None = None
         self._seal_requested = False
         self._durable = threading.Condition()
@@ -508,7 +477,7 @@ class PersistStage:
         self._thread.start()
 
     def wake(self) -> None:
-        """A new image is offered: the next pass persists it (the newest wins; older ones are skipped)."""
+        """A new image is offered: the next pass persists it (the newest wins)."""
         self._wake.set()
 
     def wait_durable(self, step: int, timeout: float) -> bool:
@@ -534,9 +503,8 @@ class PersistStage:
     # ------------------------------------------------------------------ the thread
 
     def _loop(self) -> None:
-        # The log first, in every pass; an image after it. A failing log holds up the whole pass (backoff);
-        # a failing image (a snapshot that does not fit on a full disk) only its own retries, so the log
-        # goes on being written at its pace meanwhile.
+        # The log first in every pass, an image after it: a failing log holds up the whole pass, a failing
+        # image (a full disk) only its own retries, so the log keeps its pace.
         background_thread(self._thread.name, self._nice)
         log_backoff = image_backoff = image_retry_at = 0.0
         while True:
@@ -573,8 +541,7 @@ class PersistStage:
         logger.warning("persistence failed (%d so far), retrying: %s", self.failures, self.error)
 
     def _reacquire(self, lost: LeaseError) -> bool:
-        """After the lease lapsed (an outage longer than `lease_seconds`), take it again unless another
-        writer holds it; False when persistence must stop for good."""
+        """After the lease lapsed, take it again unless another writer holds it; False: stop for good."""
         self.failures += 1
         self.error = f"{type(lost).__name__}: {lost}"
         try:
@@ -594,8 +561,7 @@ class PersistStage:
         return True
 
     def _recovered(self) -> None:
-        """A snapshot, or a whole pass (the log and any image due), went through: the outage, if any, is
-        over. A log written while snapshots still fail (a full disk: the log has priority) leaves their error."""
+        """A snapshot, or a whole pass, went through: the outage is over."""
         if self.failing_since is not None:
             logger.info("persistence works again after %.1f s", time.monotonic() - self.failing_since)
         self.failing_since, self.error = None, None
@@ -625,8 +591,7 @@ class PersistStage:
     def _publish_log_step(self) -> None:
         durable = self.log.durable_step
         if durable is not None and durable < self.ledger.generation_start - 1:
-            # Records of an earlier generation (before a resync past them) say nothing of this one; the
-            # record just before it (a resumed run's last logged step) still is the last durable one.
+            # An earlier generation's records say nothing of this one.
             durable = None
         with self._durable:
             self.durable_log_step = durable
