@@ -6,10 +6,8 @@
     zocheck-ray status RUN_ID             a running job's shadow metrics
     zocheck-ray bench all --out DIR       every benchmark as JSON, Markdown and figures (from a checkout)
 
-Each feature module registers its own subcommands (`register(subparsers)`), so this file
-only lists them. The benchmarks are a program of the repository (`benchmarks/`, beside the
-package, not installed): `zocheck-ray bench ...` hands its arguments to `python -m
-benchmarks ...` when it runs from a checkout.
+Each feature module registers its own subcommands (`register(subparsers)`). The benchmarks are a
+program of the repository, not installed: `bench` hands its arguments to `python -m benchmarks`.
 """
 
 from __future__ import annotations

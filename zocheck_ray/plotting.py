@@ -2,9 +2,7 @@
 
     pip install 'zocheck-ray[bench]'      # or, in a checkout: pip install -e '.[bench]'
 
-Every benchmark prints its tables and writes its JSON without matplotlib; only the
-figures need it. A command asked for a figure (`simulate --plot`) says so before it
-starts; `bench all` writes everything else and names the figures it left out.
+Benchmarks print tables and write JSON without it; a command asked for a figure says so before it starts.
 """
 
 from __future__ import annotations

@@ -5,22 +5,11 @@
     assert result.verified
     print(result.audit)                    # steps 150..300 proven: 2 snapshots, 150 records, 0 mismatches
 
-Independent rebuilds, each compared by `state_hash` with what the trainer had:
-
-- **audit** (`zocheck_ray.storage.audit_run`, also `zocheck-ray verify RUN_URL`): from the
-  oldest retained snapshot whose log suffix is complete, the log replayed forward by the
-  fused kernel and compared with every later snapshot, every step the summary holds a
-  hash for (with `hash_every_step`: every step) and the final state. Retention collects
-  the log below the oldest snapshot, so this is what remains to prove after a long run,
-  a host failure or on S3; the result states the step range proven.
-- **from the initial state**, when the durable log still holds every record from step 0:
-  the job's initial state (the model built from `model` and `run_seed`, as every trainer
-  builds it) with the whole log replayed, compared at every hashed step and the last.
-- **recovery image**: `zocheck_ray.storage.recover_state`, the newest committed
-  snapshot plus the log suffix after it: what a host failure would recover. It must be
-  at the last step with the trainer's final hash.
-
-Nothing here trusts the shadow's memory: all read only durable storage.
+Three independent rebuilds, each compared by `state_hash` with what the trainer had, all from
+durable storage only: the audit (`storage.audit_run`: the log from the oldest provable snapshot,
+what remains to prove after retention); the job's initial state with the whole log replayed,
+while the log still starts at step 0; and `recover_state`'s image, which must be at the last
+step with the trainer's final hash.
 """
 
 from __future__ import annotations
@@ -51,9 +40,9 @@ class Verification(BaseModel):
     log_records: int
     """Records replayed: from step 0 when the log is complete from there, else from the audit's snapshot."""
     from_initial_state: bool
-    """Whether the durable log still held every record from step 0, so the initial state was replayed too."""
+    """Whether the log still held every record from step 0, so the initial state was replayed too."""
     steps_checked: int
-    """Distinct steps whose replayed state was compared with the trainer's state_hash (by either replay)."""
+    """Distinct steps whose replayed state was compared with the trainer's state_hash."""
     recovery_image_step: int
     """The step of the state rebuilt from the newest snapshot plus the log suffix."""
     audit: str

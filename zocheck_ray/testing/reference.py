@@ -1,8 +1,5 @@
-"""The runs a recovered run must equal: plain, uninterrupted ZO loops, without Ray and without failures.
-
-Every recovered run is compared with one of these at every step (`state_hash`, bit for bit). A process
-computes each reference once: the runs of a test module mostly share one job (their run ids and storage
-differ, which the hashes do not depend on).
+"""The runs a recovered run must equal, bit for bit at every step: plain ZO loops without Ray or failures,
+each computed once per process (a test module's runs mostly share one job).
 """
 
 from __future__ import annotations
@@ -25,8 +22,8 @@ def _model_and_optimizer(job: JobConfig):
 
 
 def _computed_once(fn: Callable[[JobConfig], dict[int, str]]):
-    """`fn`'s hashes for the job, computed once per process for what they depend on (the fields `fn` reads).
-    A job that reads files (a model directory, data files) is computed each time: they may have changed."""
+    """`fn`'s hashes for the job, computed once per process for the fields it reads (each time for a job that reads
+    files)."""
     memo: dict[str, dict[int, str]] = {}
 
     @functools.wraps(fn)
