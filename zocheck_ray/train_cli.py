@@ -12,15 +12,12 @@ With no --config, `train` runs the embedded default: one injected trainer failur
 step). With a --config, nothing is injected unless --fail-at says so.
 Exit status: 0 when the shadow equals the trainer (and the verification passed),
 1 when not, 2 for a configuration that cannot run, 143 (SIGTERM) or 130 (SIGINT) when
-stopped by that signal: the run stops at the next step boundary, what the shadow holds is
-made durable, the run's lease is released, one line says where it stopped, and the same
-command resumes it (a second signal stops at once; the durable state still resumes it).
+stopped by that signal at a step boundary with its state durable; the same command
+resumes it.
 
 `train` joins the cluster of `--address`, of RAY_ADDRESS or of a `ray start` on this machine,
-else starts a local instance for the run (`--address local`: in any case) and says which
-on its `ray:` line. `status` finds a run on such a local instance while its driver runs
-(the driver records the address), and answers within `--timeout` seconds or says in one
-line which actor did not answer and what Ray reports of it.
+else starts a local instance for the run, and says which on its `ray:` line. `status` also
+finds a run on such a local instance while its driver runs.
 """
 
 from __future__ import annotations
@@ -45,7 +42,7 @@ def _fail_at(text: str) -> list[int]:
 
 
 def _losses_text(losses) -> str:
-    """The training loss at the end of the first and the last segment, each with its step (one segment: its own)."""
+    """The training loss at the end of the first and the last segment, with their steps."""
     if not losses:
         return "-"
     (first_step, first), (last_step, last) = losses[0], losses[-1]
@@ -115,12 +112,12 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
 
 
 STATUS_SECONDS = 30.0
-"""How long `zocheck-ray status` waits for the shadow's metrics by default (`--timeout`)."""
+"""Default seconds `zocheck-ray status` waits for the shadow's metrics."""
 
 
 def train(args: argparse.Namespace) -> int:
     embedded = args.config is None
-    try:  # the job is checked before torch, Ray's control code and the model's libraries load (seconds)
+    try:  # checked before the heavy libraries load, so a bad job fails at once
         job = load_job_config(args.config, args.set, base=EMBEDDED_DEFAULT if embedded else None,
                               steps=args.steps, storage=args.storage)
         check_job_environment(job)  # a relative path in a submitted job: refused before Ray starts

@@ -8,15 +8,11 @@
 
     zocheck-ray tune --config deploy/examples/sst2-opt.yaml --grid zo.lr=1e-3,3e-3 --grid zo.eps=1e-3,1e-2
 
-Each trial reserves one STRICT_PACK placement group (`trial_resources`): a bundle for the
-trial's controller, one for the trainer (with a GPU where there is one), one for the
-shadow, and one for each further data-parallel rank (`trainers: k`). The trial runs `controller.run` in that group and reports the trainer's progress
-and the shadow's metrics with `tune.report` after every segment. Whenever the shadow has
-made a newer snapshot durable, the report carries a Tune checkpoint: a directory holding
-one small JSON pointer (`CheckpointPointer`: storage URL, run id, step, state_hash), never
-the weights. A trial that Tune restores after a failure reads the pointer, checks it
-against the durable storage and resumes the same run from its newest durable snapshot plus
-the step log, so it ends with the state an uninterrupted trial reaches, bit for bit.
+Each trial runs one job in its own placement group (controller, trainer, shadow, further
+ranks) and reports after every segment. A Tune checkpoint is a small JSON pointer to the
+run's newest durable snapshot, never the weights: a trial that Tune restores resumes the
+same run from that snapshot plus the step log, and ends with the state an uninterrupted
+trial reaches, bit for bit.
 """
 
 from __future__ import annotations
@@ -46,7 +42,7 @@ POINTER_FILE = "zocheck_pointer.json"
 """The only file in a ZOCheck Tune checkpoint."""
 
 TRAINABLE_BUNDLE = {"CPU": 1}
-"""The trial's own process (the controller): it waits on the actors most of the time."""
+"""The trial's controller process, which mostly waits on the actors."""
 
 
 class CheckpointPointerError(ValueError):
@@ -65,13 +61,13 @@ class CheckpointPointer(BaseModel):
     format: Literal["zocheck-ray/durable-image"] = "zocheck-ray/durable-image"
     """Identifies the file."""
     storage: str
-    """The job's storage root (credentials live in the job's `storage_options`, never here)."""
+    """The job's storage root (credentials stay in the job's `storage_options`)."""
     run_id: str
     """The run, under `<storage>/<run_id>`."""
     step: int = Field(ge=0)
-    """The newest durable snapshot when the checkpoint was reported."""
+    """The newest durable snapshot at the report."""
     state_hash: str = Field(min_length=64, max_length=64)
-    """That snapshot's state_hash (from its manifest)."""
+    """That snapshot's state_hash."""
 
     @property
     def run_url(self) -> str:
@@ -85,7 +81,7 @@ def write_pointer(pointer: CheckpointPointer, directory: str | Path) -> Path:
 
 
 def read_pointer(directory: str | Path) -> CheckpointPointer:
-    """The pointer in a checkpoint directory (JSON only; nothing else in it is read)."""
+    """The pointer in a checkpoint directory."""
     path = Path(directory) / POINTER_FILE
     if not path.is_file():
         raise CheckpointPointerError(f"{path} does not exist: the checkpoint is not a ZOCheck trial's")
@@ -125,9 +121,8 @@ def check_pointer(pointer: CheckpointPointer, storage_options: dict) -> None:
 
 
 def trial_resources(job: JobConfig, gpus: int = 0):
-    """The placement-group factory of one trial: controller, trainer (`gpus` GPUs), shadow, then the other
-    data-parallel ranks (`trainers`); one node (STRICT_PACK), or with `placement: spread`, PACK (together
-    where they fit, otherwise the ranks go to other nodes)."""
+    """One trial's placement-group factory: controller, trainer (`gpus` GPUs), shadow, further ranks;
+    STRICT_PACK, or PACK with `placement: spread`."""
     from ray.tune import PlacementGroupFactory
 
     from zocheck_ray.control.placement import job_bundles
@@ -137,8 +132,8 @@ def trial_resources(job: JobConfig, gpus: int = 0):
 
 
 def check_cluster_fits_a_trial(job: JobConfig, gpus: int, nodes: list[dict]) -> None:
-    """Raise `TrialResourcesError` unless one alive node of `nodes` (as `ray.nodes()` lists them) holds a
-    whole trial: its STRICT_PACK group needs every bundle on one node, or Tune leaves it PENDING forever."""
+    """Raise `TrialResourcesError` unless one alive node of `nodes` (`ray.nodes()`) holds a whole trial,
+    which Tune would otherwise leave PENDING forever."""
     bundles = trial_resources(job, gpus).bundles
     need = {kind: sum(b.get(kind, 0) for b in bundles) for kind in ("CPU", "GPU")}
     alive = [n["Resources"] for n in nodes if n.get("Alive")]
@@ -190,8 +185,7 @@ def _scalars(values: dict) -> dict:
 
 
 def train_trial(config: dict, job: dict, callbacks: Sequence = ()) -> None:
-    """The Tune trainable: one ZOCheck job, reported after each segment, restorable exactly
-    (`callbacks`: `RunCallback`s that see every event of the trial's run)."""
+    """The Tune trainable: one ZOCheck job, reported after each segment, restorable exactly."""
     import ray
     from ray import tune
 
@@ -263,11 +257,10 @@ def sweep(job: JobConfig, grid: dict[str, list], *, tune_storage: str | None = N
           max_failures: int = 1, max_concurrent_trials: int | None = None, metric: str = "loss",
           mode: Literal["min", "max"] = "min", param_space: dict[str, Any] | None = None,
           callbacks: Sequence = ()):
-    """Run one trial per point of `grid` (dotted JobConfig fields -> values) and return Tune's `ResultGrid`.
+    """Run one trial per point of `grid` (dotted JobConfig fields -> values); returns Tune's `ResultGrid`.
 
-    `param_space` adds raw Tune search entries (e.g. `{"zo.lr": tune.loguniform(1e-4, 1e-2)}`);
-    `tune_storage` holds Tune's own experiment state (default: `~/ray_results`); `callbacks`: `RunCallback`s
-    that each trial's run calls (they travel to the trials' processes).
+    `param_space` adds raw Tune search entries (`{"zo.lr": tune.loguniform(1e-4, 1e-2)}`);
+    `tune_storage` holds Tune's experiment state (default `~/ray_results`).
     """
     import ray
     from ray import tune
@@ -360,7 +353,7 @@ def _cell(value) -> str:
 
 
 def format_table(rows: list[dict], keys: list[str], metric: str) -> str:
-    """The sweep's final table: one line per trial, every column as wide as its widest cell."""
+    """The sweep's final table, one line per trial."""
     header = [*keys, "run_id", "step", metric, "exact", "state_hash"]
     cells = [header] + [[_cell(row.get(h)) if h != "state_hash" else (row.get(h) or "-")[:16] for h in header]
                         for row in rows]

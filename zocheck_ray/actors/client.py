@@ -1,8 +1,7 @@
 """`ShadowClient`: the driver's synchronous facade over a run's `ShadowActor`.
 
-Callers call methods, not `.remote()`: the client waits through Ray's restart of the shadow's process,
-and turns Ray's errors into the run's own (`runtime/errors.py`, `ShadowRestartedError`), so the controller
-decides on failures without knowing Ray.
+It waits through Ray's restart of the shadow and turns Ray's errors into the run's own, so the
+controller decides on failures without knowing Ray.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from zocheck_ray.runtime.shadow import ShadowRestartedError
 
 
 class ShadowClient:
-    """The run's shadow, called from the driver (see the module docstring)."""
+    """The run's shadow, called from the driver."""
 
     def __init__(self, actor, run_id: str):
         self.actor = actor
@@ -34,8 +33,8 @@ class ShadowClient:
         return self._call(lambda: self.actor.metrics.remote(trainers))
 
     def drain(self, step: int, timeout: float, incarnation: str | None = None) -> ShadowMetrics:
-        """Every record before `step` replayed, its image taken and durable (`Shadow.drain`). Raises
-        `ShadowRestartedError` where the call reached the next incarnation, `DrainFailedError` where it failed."""
+        """Replay to `step` and make its image durable (`Shadow.drain`). Raises `ShadowRestartedError`
+        if a new incarnation answered, `DrainFailedError` if it failed."""
         try:
             return self._call(lambda: self.actor.drain.remote(step, timeout, incarnation))
         except RayTaskError as exc:
@@ -72,7 +71,7 @@ class ShadowClient:
         ray.kill(self.actor, no_restart=False)
 
     def close(self, timeout: float) -> tuple[bool, str | None]:
-        """Seal the log and release the run's lease: (released, why not); a shadow that is not alive is not asked."""
+        """Seal the log and release the run's lease; returns (released, why not)."""
         status = actor_status(self.name)
         if status is not None and status.state != "ALIVE":
             return False, None

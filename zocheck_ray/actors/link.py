@@ -1,14 +1,9 @@
 """Ray transport for `Trainer` and `Shadow`: actors and the link between them.
 
-Records travel trainer -> shadow in batches from one publishing thread (so Ray keeps
-them in order); every push is answered with what the shadow holds, and the trainer
-re-sends what a restarted shadow lacks (see `runtime/publisher.py`). Images stay in the
-shadow's shared memory (`host/image.py`): a trainer on the shadow's node opens the
-image and copies it in windows; a trainer elsewhere streams the same windows through
-Ray. A trainer failure finds the image alive; a shadow failure is repaired from durable
-storage plus the trainer's re-sent records; a node loss from the durable snapshot and log.
-`TrainerActor` and `ShadowActor` live in `trainer_actor.py` and `shadow_actor.py`, which import
-nothing but Ray (see there).
+Records travel trainer -> shadow in batches from one publishing thread, so Ray keeps them
+in order; each reply says what the shadow holds, so the trainer re-sends what a restarted
+shadow lacks. Images stay in the shadow's shared memory (`host/image.py`): a trainer on its
+node opens the image, one elsewhere streams the same windows through Ray.
 """
 
 from __future__ import annotations
@@ -32,13 +27,12 @@ from zocheck_ray.core.record import decode_records
 logger = logging.getLogger(__name__)
 
 POLL_FIRST_SECONDS, POLL_MOST_SECONDS = 0.005, 0.05
-"""The pauses between two looks at a state that is to come (`pauses`)."""
+"""Seconds of the first and the longest pause of `pauses`."""
 
 
 def pauses(first: float = POLL_FIRST_SECONDS, most: float = POLL_MOST_SECONDS):
-    """The pauses between polls of a state that is to come: `first` at first (a state that comes at once is
-    seen at once), each half as long again as the last, up to `most`: a long wait asks seldom, so that the
-    polling takes little CPU from the processes it waits for."""
+    """Pauses from `first` growing by half up to `most`: a quick state is seen at once, and a long
+    wait costs little CPU."""
     pause = first
     while True:
         yield pause
@@ -59,19 +53,16 @@ def call_when_alive(submit, timeout: float = 300.0):
 
 
 def died_since(name: str, restarts: int | None) -> bool:
-    """Whether Ray's state API says the actor named `name` died since it had `restarts` restarts: it is
-    restarting or dead, or (a restart can be quicker than a caller's poll) it was restarted already. False
-    where the state API cannot say: the call to the actor then fails in its time."""
+    """Whether the state API says actor `name` died since it had `restarts` restarts; False where it
+    cannot say."""
     status = actor_status(name)
     return status is not None and (status.state in ("RESTARTING", "DEAD") or (
         restarts is not None and status.restarts > restarts))
 
 
 def wait_until_restarted(name: str, restarts: int | None, timeout: float = 300.0) -> None:
-    """Return once the state API reports the actor named `name` alive after more than `restarts` restarts (or
-    dead, or after `timeout`): a call then reaches the new process at once, where one sent during the restart
-    waits on Ray's retry timer. With `restarts` unknown, as `wait_until_alive`; at once where the state API
-    cannot say (callers then call until the new process answers)."""
+    """Return once actor `name` is alive after more than `restarts` restarts (or dead, or after
+    `timeout`), as a call sent during the restart waits on Ray's retry timer."""
     if restarts is None:
         return wait_until_alive(name, timeout)
     deadline, waits = time.monotonic() + timeout, pauses()
@@ -83,8 +74,7 @@ def wait_until_restarted(name: str, restarts: int | None, timeout: float = 300.0
 
 
 def wait_until_alive(name: str, timeout: float = 300.0) -> None:
-    """Return once the state API reports the actor named `name` alive (or dead, or after `timeout`; at once
-    where it cannot say: callers then call until the actor answers)."""
+    """Return once the state API reports actor `name` alive or dead, or after `timeout`."""
     deadline, waits = time.monotonic() + timeout, pauses()
     while time.monotonic() < deadline:
         status = actor_status(name)
@@ -94,8 +84,8 @@ def wait_until_alive(name: str, timeout: float = 300.0) -> None:
 
 
 def wait_until_dead(probes: list[Callable[[], ray.ObjectRef]], timeout: float = 60.0) -> bool:
-    """Whether every actor that `probes` call (each a cheap method of one actor) is dead within `timeout`, as
-    a call to a killed actor says it: it raises `ActorDiedError`. A call that still returns is sent again."""
+    """Whether every actor that `probes` call (a cheap method each) raises `ActorDiedError` within
+    `timeout`; a probe that still returns is sent again."""
     deadline, waits, alive = time.monotonic() + timeout, pauses(), list(probes)
     while alive:
         left = deadline - time.monotonic()
@@ -129,8 +119,7 @@ class RayShadowLink:
 
     def borrow_image(self, fresh: bool = False, held: str | None = None,
                      timeout: float = 300.0) -> "OfferedImage | None":
-        # The image may belong to a shadow that is dying right now (both processes lost), or be replaced
-        # by a newer one before it is opened: ask again until an image is opened.
+        # The image's shadow may be dying, or the image replaced before it is opened: ask again.
         deadline = time.monotonic() + timeout
         while True:
             offer: RecoveryOffer | None = call_when_alive(lambda: self.actor.offer_image.remote(fresh, held))
@@ -145,11 +134,11 @@ class RayShadowLink:
                 time.sleep(0.05)
 
     def newer_image(self, token: str | None, timeout: float) -> int | None:
-        """Wait (at most `timeout` s) until the shadow offers an image other than `token`; its step, or None."""
+        """The step of an image other than `token` the shadow offers within `timeout` s, or None."""
         return ray.get(self.actor.newer_image.remote(token, timeout))
 
     def write_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Write `state` into the shadow's intake (it must be on this node: rank 0 shares the shadow's)."""
+        """Write `state` into the shadow's intake, which must be on this node."""
         layout = ImageLayout.of(state)
         handle = call_when_alive(lambda: self.actor.open_intake.remote(layout.names, layout.dtypes, layout.shapes))
         if handle.node_id != self.node_id:
@@ -181,8 +170,7 @@ class RayShadowLink:
 
 
 class OfferedImage:
-    """A shadow's image as the trainer reads it: opened on the shadow's node (kept alive by the open
-    descriptor however long the copy takes), or streamed in windows from another node."""
+    """A shadow's image as a trainer reads it: opened on the shadow's node, else streamed in windows."""
 
     def __init__(self, actor, offer: RecoveryOffer, local: bool, threads: int = 1):
         self.actor, self.handle, self.threads = actor, offer.image, threads
@@ -195,7 +183,7 @@ class OfferedImage:
         self.fd = open_image(self.handle) if local else None
 
     def copy_into(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Fill `tensors` with the image: read from the shadow's memory on its node, else streamed in windows."""
+        """Fill `tensors` with the image."""
         if self.fd is not None:
             transfer(self.fd, self.layout, tensors, "from_image", threads=self.threads)
             return
@@ -206,7 +194,7 @@ class OfferedImage:
         plan.finish()
 
     def release(self) -> None:
-        """Done reading: close it here and give it back to the shadow (which may then reuse its memory)."""
+        """Close the image and give it back, so the shadow may reuse its memory."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None

@@ -1,9 +1,8 @@
-"""The actors' names, and what Ray's state API says of an actor, without torch: read by `status`, which must
-answer without loading the trainer's libraries (`tests/unit/test_setup.py`), as well as by the controller.
+"""The actors' names, and what Ray's state API says of an actor, without torch, so `status` answers
+without loading the trainer's libraries.
 
-The state API is served by the cluster's dashboard. Where the cluster runs without one, `actor_status` answers
-None and callers learn of a death from the calls that fail (`ActorDiedError`, `ActorUnavailableError`), which
-is slower (Ray first waits for the death's details) but tells the same.
+Without a dashboard there is no state API: `actor_status` answers None, and callers learn of a death,
+later, from the calls that fail.
 """
 
 from __future__ import annotations
@@ -16,9 +15,9 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "zocheck"
 STATE_API_TIMEOUT_SECONDS = 10
-"""The longest one question to the state API may take (a busy dashboard answers late; none answers None)."""
+"""The longest one state-API question may take."""
 STATE_API_RETRY_SECONDS = 30.0
-"""How long a cluster whose state API did not answer is taken to have none before it is asked again."""
+"""Seconds before a state API that did not answer is asked again."""
 
 
 def shadow_name(run_id: str) -> str:
@@ -26,8 +25,7 @@ def shadow_name(run_id: str) -> str:
 
 
 def trainer_name(run_id: str, rank: int | str = 0) -> str:
-    """The process created for rank 0 keeps the single trainer's name; rank r > 0's is `...-rank{r}`, the
-    standby's `...-standby`. After a promotion the controller's group knows which process serves a rank."""
+    """Rank 0 keeps the single trainer's name; rank r > 0 is `...-rank{r}`, the standby `...-standby`."""
     return f"zocheck-trainer-{run_id}" + (f"-rank{rank}" if rank else "")
 
 
@@ -48,20 +46,16 @@ class ActorStatus:
 
 
 class ActorStates:
-    """The connected cluster's state API through one `StateApiClient`, reused for every question (making one
-    resolves the dashboard's address through the GCS). Actors are found by name, once, then by id: a name is
-    filtered in the dashboard over every actor it knows, an id in the GCS."""
+    """The connected cluster's state API through one reused `StateApiClient`, since making one resolves
+    the dashboard through the GCS. Actors are found by name once, then by id, which is cheaper."""
 
     def __init__(self, client):
         self._client = client
         self._ids: dict[tuple[str, str], str] = {}
-        """(namespace, name) -> the id of the live actor of that name when it was last looked up."""
 
     @classmethod
     def connect(cls, say=logger.info) -> ActorStates | None:
-        """A client for the cluster this process is connected to, or None where its state API does not answer
-        for it (no dashboard, or the dashboard's port is another cluster's: it must know this node); `say`
-        tells which."""
+        """A client for the connected cluster, or None where its state API does not answer for it."""
         import ray
         from ray.util.state import StateApiClient
         from ray.util.state.common import GetApiOptions, StateResource
@@ -82,7 +76,7 @@ class ActorStates:
         return cls(client)
 
     def by_id(self, actor_id: str) -> ActorStatus | None:
-        """The actor `actor_id` now; None where it is unknown or the state API does not answer."""
+        """The actor `actor_id` now, or None."""
         from ray.util.state.common import GetApiOptions, StateResource
 
         try:
@@ -93,9 +87,8 @@ class ActorStates:
         return _status(found) if found is not None else None
 
     def named(self, name: str, namespace: str = NAMESPACE) -> ActorStatus | None:
-        """The actor named `name` now: the live one of that name (one at most), else a dead one; None where
-        there is none or the state API does not answer. A dead actor's name may be taken by a new actor (a run
-        resumed under its run id): the name is looked up again once the actor it named is dead."""
+        """The live actor named `name`, else a dead one, else None. The name is looked up again once its
+        actor is dead, as a resumed run reuses it."""
         key = (namespace, name)
         if key in self._ids:
             status = self.by_id(self._ids[key])
@@ -124,12 +117,11 @@ def _status(actor) -> ActorStatus:
 
 
 _connected: tuple[str, float, ActorStates | None] | None = None
-"""(the cluster's GCS address, when it was connected, its `ActorStates` or None)."""
+"""(GCS address, when connected, its `ActorStates` or None)."""
 
 
 def actor_states() -> ActorStates | None:
-    """The connected cluster's `ActorStates`, made once per cluster (and asked again a while after it did not
-    answer); None where there is none (Ray not connected, or its state API does not answer)."""
+    """The connected cluster's `ActorStates`, made once per cluster; None without one."""
     global _connected
     import ray
 
@@ -144,14 +136,13 @@ def actor_states() -> ActorStates | None:
 
 
 def actor_status(name: str, namespace: str = NAMESPACE) -> ActorStatus | None:
-    """What the state API says of the actor named `name` now (`ActorStates.named`); None where it cannot say."""
+    """The state API's status of actor `name` now; None where it cannot say."""
     states = actor_states()
     return states.named(name, namespace) if states is not None else None
 
 
 def describe_actor(name: str, namespace: str = NAMESPACE) -> str:
-    """What Ray's state API says of the actor named `name`, in words: its state (ALIVE, RESTARTING, DEAD, ...),
-    its process and its restarts."""
+    """Actor `name`'s state, process and restarts, in words."""
     status = actor_status(name, namespace)
     if status is not None:
         return status.describe()
@@ -161,11 +152,11 @@ def describe_actor(name: str, namespace: str = NAMESPACE) -> str:
 
 
 PROBE_SECONDS = 2.0
-"""How long `describe_actor` waits for an actor's own answer where Ray's state API does not answer."""
+"""Seconds `describe_actor` waits for an actor's own answer without a state API."""
 
 
 def _ask_actor(name: str, namespace: str) -> str:
-    """The actor's own answer (its `pid`), where Ray's state API does not answer (no dashboard)."""
+    """The actor's own answer (its `pid`), for a cluster without a state API."""
     import ray
 
     try:

@@ -1,9 +1,7 @@
 """`ShadowActor`: the shadow's Ray actor, in a module that imports nothing but Ray.
 
-The shadow's set-up (torch, numba, the storage's libraries) runs in its constructor, with Python's
-cyclic collector paused until the heap settles (`host/heap.py`). Everything the shadow does is
-`Shadow`'s (`runtime/shadow.py`); this is its Ray face: pushes on one thread in order, everything else
-beside them.
+Everything the shadow does is `Shadow`'s (`runtime/shadow.py`); this is its Ray face, with pushes
+on one thread so they apply in order, and everything else beside them.
 """
 
 from __future__ import annotations
@@ -20,14 +18,14 @@ if TYPE_CHECKING:
 
 
 def shadow_writer(run_id: str) -> str:
-    """The shadow's name in its run's storage lease. An actor name is unique in a cluster, so a
-    holder of this name is a dead predecessor (a restart, a lost node): the new shadow reclaims it."""
+    """The shadow's name in its run's lease. Actor names are unique in a cluster, so a holder of this
+    name is a dead predecessor, whose lease the new shadow reclaims."""
     return f"shadow:{run_id}@{ray.get_runtime_context().gcs_address}"
 
 
 @ray.remote(num_gpus=0, concurrency_groups={"inbox": 1, "control": 4, "watch": 2})
 class ShadowActor:
-    """CPU-only shadow (see `Shadow`): pushes on one thread in order, everything else beside them."""
+    """The CPU-only shadow's actor."""
 
     def __init__(self, job: dict, hooks=None):
         from zocheck_ray.host.heap import settling_heap
@@ -41,7 +39,7 @@ class ShadowActor:
             from zocheck_ray.config import JobConfig
 
             self.job = JobConfig.model_validate(job)
-            # replay and persistence at `shadow_nice`; Ray's threads and this actor's methods keep Ray's niceness
+            # replay and persistence run at `shadow_nice`; Ray's threads and the actor's methods do not
             self.shadow = Shadow(self.job, threads=threads, hooks=hooks or NO_HOOKS,
                                  writer=shadow_writer(self.job.run_id), nice=self.job.shadow_nice)
         self._gauges = None
@@ -56,7 +54,7 @@ class ShadowActor:
 
     @ray.method(concurrency_group="control")
     def open_intake(self, names: tuple, dtypes: tuple, shapes: tuple) -> ImageHandle:
-        """Memory on this node for a trainer to write its state into (see `Shadow.open_intake`)."""
+        """Memory on this node for a trainer to write its state into."""
         from zocheck_ray.host.handle import ImageHandle
         from zocheck_ray.host.image import ImageLayout
 
@@ -78,9 +76,8 @@ class ShadowActor:
 
     @ray.method(concurrency_group="control")
     def offer_image(self, fresh: bool = False, held: str | None = None) -> RecoveryOffer | None:
-        """The newest image (lent until `give_back`) and the records after it; None for a fresh run.
-        `fresh`: a recovering trainer's request, a snapshot of the replica first where one can be taken now;
-        `held`: the image the trainer holds already (`Shadow.offer`)."""
+        """The newest image (lent until `give_back`) and the records after it; None for a fresh run
+        (`fresh`, `held`: see `Shadow.offer`)."""
         from zocheck_ray.host.handle import ImageHandle
         from zocheck_ray.runtime.messages import RecoveryOffer
 
@@ -94,8 +91,7 @@ class ShadowActor:
 
     @ray.method(concurrency_group="watch")  # long waits, on threads of their own
     def newer_image(self, token: str | None, timeout: float) -> int | None:
-        """Wait (at most `timeout` s) until the shadow offers an image other than `token`; its step, or None.
-        A standby follows the shadow's images this way (`TrainerActor.follow`)."""
+        """The step of an image other than `token` offered within `timeout` s, or None."""
         return self.shadow.newer_image(token, timeout)
 
     @ray.method(concurrency_group="control")
@@ -109,7 +105,7 @@ class ShadowActor:
 
     @ray.method(concurrency_group="control")
     def metrics(self, trainers: TrainerTimes | None = None) -> ShadowMetrics:
-        """The shadow's metrics; `trainers` (from the controller): the ranks' step times to report with them."""
+        """The shadow's metrics, reporting the ranks' step times `trainers` with them."""
         if trainers is not None:
             self.shadow.note_trainers(trainers)
         m = self.shadow.metrics()
@@ -158,8 +154,7 @@ class ShadowActor:
 
     @ray.method(concurrency_group="control")
     def drain(self, step: int, timeout: float = 300.0, incarnation: str | None = None) -> ShadowMetrics:
-        """Every record before `step` replayed, the image of `step` taken and durable; returns the metrics
-        (`incarnation`: see `Shadow.drain`)."""
+        """Replay to `step` and make its image durable; returns the metrics (see `Shadow.drain`)."""
         m = self.shadow.drain(step, timeout, incarnation)
         self._export(m)
         return m

@@ -1,5 +1,5 @@
-"""The driver: the controller's state machine over a trainer group and its shadow, the failure policy,
-placement and start-up checks, and the callbacks through which a run reports (see controller.py)."""
+"""The driver: the controller's state machine, the failure policy, placement, start-up checks and
+the callbacks through which a run reports."""
 
 from __future__ import annotations
 
@@ -24,5 +24,4 @@ __getattr__, __dir__ = on_first_use(globals(), {
     "stop": ("RunStopped",),
     "summary": ("Recovery", "RunFailedError", "RunSummary"),
 })
-"""The names load with their modules on first use (`core/lazy.py`): `zocheck_ray.control.connect` alone (the command
-line's `status`) loads neither the controller nor torch."""
+"""Names load with their modules on first use, so `status` (which needs only `connect`) loads no torch."""

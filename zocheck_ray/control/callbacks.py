@@ -1,8 +1,5 @@
-"""What a run tells the world, as callbacks: the summary's record, the progress lines, Tune's reports,
-and (in `zocheck_ray.testing`) the faults tests inject.
-
-The controller calls every callback at each event, in order; a callback sees the controller
-(`run`: the job, the step, the trainer group, the shadow) and the event's typed message.
+"""What a run tells the world, as callbacks: the summary's record, the progress lines, Tune's
+reports and the tests' injected faults. The controller calls every callback at each event, in order.
 """
 
 from __future__ import annotations
@@ -18,61 +15,56 @@ from zocheck_ray.policies import ProfileReport
 
 
 class Controller(Protocol):
-    """What a callback sees of the run (the controller, `control/controller.py`)."""
+    """What a callback sees of the run."""
 
     job: JobConfig
     task: object
-    """The job's task (`workload.tasks.Task`)."""
     step: int
     """The step every trainer has reached."""
     group: object
-    """The `TrainerGroup`: its ranks' actors (`ranks`, `leader`) and standby."""
+    """The `TrainerGroup`."""
     shadow: object
-    """The shadow's actor."""
     max_lag_steps: int
     monitor: object
-    """What the shadow's metrics said so far (`control/monitor.py`: its restarts)."""
 
     def warn(self, message: str) -> None: ...
 
 
 @dataclass(frozen=True)
 class Segment:
-    """A segment of steps every rank ran, and what the shadow said after it."""
+    """A segment of steps every rank ran, and the shadow's metrics after it."""
 
     start: int
-    """The step the segment started at."""
     progress: TrainerProgress
     """Rank 0's report."""
     ranks: dict[int, TrainerProgress]
     """Every rank's report."""
     metrics: ShadowMetrics
     seconds: float
-    """Wall time of the segment seen by the controller, evaluation excluded."""
+    """Wall time of the segment, evaluation excluded."""
 
 
 class RunCallback:
-    """Hooks into a run's events; every method is optional (this base does nothing)."""
+    """Hooks into a run's events; override any (this base does nothing)."""
 
     def on_state(self, run: Controller, state: str) -> None:
         """The controller enters `state`."""
 
     def on_start(self, run: Controller, started: RecoveryInfo) -> None:
-        """The actors are up; `started` is rank 0's first state (fresh, or resumed from storage)."""
+        """The actors are up; `started` is rank 0's first state."""
 
     def on_profile(self, run: Controller, report: ProfileReport) -> None:
         """The startup profile chose the snapshot interval and the replay threads."""
 
     def stop_at(self, run: Controller, step: int, target: int) -> int:
-        """The step the next segment (from `step`) ends at; `target` unless a callback cuts it shorter."""
+        """The step the next segment ends at; `target` unless a callback cuts it shorter."""
         return target
 
     def on_segment(self, run: Controller, segment: Segment) -> None:
         """A segment ended without a failure."""
 
     def on_failure(self, run: Controller, failure: Failure) -> Failure:
-        """A failure was seen, before it is decided on; a callback may say more of it (an injected one's
-        step and mode) by returning another."""
+        """A failure was seen; a callback may return a more precise one before the policy decides."""
         return failure
 
     def on_decision(self, run: Controller, failure: Failure, decision: Decision) -> None:
@@ -82,17 +74,17 @@ class RunCallback:
         """Lost trainers are back, every rank at the same step."""
 
     def on_resync(self, run: Controller, step: int, reason: str, lag_steps: int) -> None:
-        """The shadow was reset from the trainer's state at `step` (why: `reason`); its lag is now `lag_steps`."""
+        """The shadow was reset from the trainer's state at `step`, because of `reason`."""
 
     def on_warning(self, run: Controller, message: str) -> None:
         """Something went wrong without ending the run."""
 
     def on_stopped(self, run: Controller, line: str) -> None:
-        """A stop signal ended the run at a step boundary; `line` says where and what is durable."""
+        """A stop signal ended the run; `line` says where and what is durable."""
 
 
 class ProgressPrinter(RunCallback):
-    """The run's progress lines, through `say` (print, a job's log, a test's list)."""
+    """The run's progress lines, through `say`."""
 
     def __init__(self, say: Callable[[str], None]):
         self.say = say
@@ -157,7 +149,7 @@ class ProgressPrinter(RunCallback):
 
 @dataclass
 class RunRecord(RunCallback):
-    """What the summary reports, recorded as the run goes (see `RunSummary`)."""
+    """What the `RunSummary` reports, recorded as the run goes."""
 
     states: list[str] = field(default_factory=list)
     losses: list[tuple[int, float]] = field(default_factory=list)
@@ -185,7 +177,7 @@ class RunRecord(RunCallback):
         self.profile = report
 
     def absorb(self, run, progress: TrainerProgress) -> None:
-        """A rank's hashes and evaluations (the profile's steps too): every rank's hash of a step must agree."""
+        """Record a rank's hashes and evaluations, warning where ranks' hashes of a step differ."""
         for step, digest in progress.step_hashes.items():
             seen = self.step_hashes.setdefault(step, digest)
             if seen != digest:
@@ -213,7 +205,7 @@ class RunRecord(RunCallback):
         self.warnings.append(f"step {run.step}: {message}")
 
     def profile_pairs(self, metrics: ShadowMetrics) -> dict[str, tuple[float, float]]:
-        """(profiled, steady-state) seconds of the trainer step and the replay step, where both are known."""
+        """(profiled, steady) seconds of the trainer and replay steps, where both are known."""
         if self.profile is None:
             return {}
         t = self.profile.timings
@@ -248,7 +240,7 @@ class RunRecord(RunCallback):
 
 
 class SegmentFunction(RunCallback):
-    """`on_segment(progress, metrics)` as a callback (what Tune's trials report through)."""
+    """`on_segment(progress, metrics)` as a callback."""
 
     def __init__(self, fn: Callable[[TrainerProgress, ShadowMetrics], None]):
         self.fn = fn
@@ -258,5 +250,5 @@ class SegmentFunction(RunCallback):
 
 
 def _step_or_dash(step: int | None) -> str:
-    """A step for a progress line: `-` before there is one (no snapshot taken yet, nothing durable yet)."""
+    """A step for a progress line, `-` before there is one."""
     return "-" if step is None else str(step)

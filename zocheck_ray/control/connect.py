@@ -1,14 +1,9 @@
 """Which Ray cluster a run uses, and how a later `zocheck-ray status` finds it.
 
-`connect_ray` joins the cluster it is told of (`--address`, `RAY_ADDRESS`, the one `ray
-start` runs on this machine) or starts a local instance, and says which in one line; a
-local instance is recorded with the run's id so `status RUN` finds it. A cluster that
-cannot be reached, or refuses this process, is named in one line.
-
-Only what Ray documents is used: `ray.init`'s address rules, its errors, and the token
-variables (RAY_AUTH_MODE, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token). Ray reads
-RAY_AUTH_MODE when it is imported, so `use_token_at_hand` runs before `import ray`, and this
-module imports Ray only in `connect_ray`.
+`connect_ray` joins the cluster it is told of or starts a local instance, and says which in
+one line. Only what Ray documents is used: `ray.init`'s address rules and errors, and the
+token variables. Ray reads RAY_AUTH_MODE when it is imported, so this module imports Ray
+only in `connect_ray`.
 """
 
 from __future__ import annotations
@@ -27,13 +22,11 @@ RAY_START_WHY = "the cluster `ray start` runs on this machine"
 
 
 class RayConnectionError(ConnectionError):
-    """The Ray cluster to use cannot be found or reached, or refuses this process; the message says
-    which address and what to do."""
+    """The Ray cluster cannot be found or reached, or refuses this process; the message says what to do."""
 
 
 def _ray_start_address() -> str | None:
-    """The GCS address the latest `ray start` on this machine recorded, where `ray.init` documents it looks:
-    /tmp/ray/ray_current_cluster, with RAY_TMPDIR (else TMPDIR) for /tmp where set, as Ray places it."""
+    """The GCS address the latest `ray start` here recorded, read where `ray.init` documents it looks."""
     temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
     try:
         return Path(temp, "ray", "ray_current_cluster").read_text().strip() or None
@@ -42,17 +35,15 @@ def _ray_start_address() -> str | None:
 
 
 def _host_port(address: str) -> tuple[str, int] | None:
-    """(host, port) of HOST:PORT or ray://HOST:PORT; None for anything else (a dashboard's http:// URL)."""
+    """(host, port) of HOST:PORT or ray://HOST:PORT; None for anything else."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
     host = host.strip("[]")  # an IPv6 host
     return (host, int(port)) if host and "/" not in host and port.isdigit() else None
 
 
 def cluster_to_join(address: str | None) -> tuple[str | None, str]:
-    """(the address `ray.init(address)` connects to, why that one), or (None, "") when it starts a local
-    instance, by `ray.init`'s documented rules: "local" starts one; any other `address` but None and "auto"
-    is used as it is; else RAY_ADDRESS, else the cluster `ray start` runs on this machine, else a local
-    instance for None and `RayConnectionError` for "auto"."""
+    """(address, why) that `ray.init(address)` joins by its documented rules; (None, "") for a local
+    instance."""
     if address == "local":
         return None, ""
     if address not in (None, "auto"):
@@ -75,8 +66,7 @@ def cluster_to_join(address: str | None) -> tuple[str | None, str]:
 
 
 def _auth_token() -> tuple[str | None, str]:
-    """The token Ray would present, and where it comes from (Ray's documented order: the variable, the file
-    it names, ~/.ray/auth_token)."""
+    """(token, source) that Ray would present, in Ray's documented order."""
     if os.environ.get("RAY_AUTH_TOKEN"):
         return os.environ["RAY_AUTH_TOKEN"].strip(), "RAY_AUTH_TOKEN"
     for path, source in ((os.environ.get("RAY_AUTH_TOKEN_PATH"), "RAY_AUTH_TOKEN_PATH"),
@@ -88,11 +78,8 @@ def _auth_token() -> tuple[str | None, str]:
 
 
 def use_token_at_hand(address: str | None) -> None:
-    """Set RAY_AUTH_MODE=token where `address` leads to a cluster to join, a token is at hand and the mode
-    is unset: Ray presents its token only in that mode, as it sets it itself only for a cluster it finds
-    without an address. Ray reads the mode when it is imported: call this before `import ray`.
-
-    A cluster without token authentication accepts a process that presents one."""
+    """Set RAY_AUTH_MODE=token when joining a cluster with a token at hand and the mode unset, since
+    Ray presents a token only in that mode. Call before `import ray`."""
     try:
         joined, _ = cluster_to_join(address)
     except RayConnectionError:
@@ -103,8 +90,8 @@ def use_token_at_hand(address: str | None) -> None:
 
 
 def check_reachable(address: str, why: str, timeout: float = 5.0) -> None:
-    """Raise `RayConnectionError` unless something accepts a TCP connection at `address` within `timeout`
-    seconds: Ray itself retries an address where nothing answers for many seconds, a warning each time."""
+    """Raise `RayConnectionError` unless `address` accepts TCP within `timeout` seconds, because Ray
+    itself retries a dead address for a long time."""
     host, port = _host_port(address)
     try:
         socket.create_connection((host, port), timeout=timeout).close()
@@ -115,8 +102,7 @@ def check_reachable(address: str, why: str, timeout: float = 5.0) -> None:
 
 
 def _check_token(address: str) -> None:
-    """Raise `RayConnectionError` where RAY_AUTH_MODE=token and no token is at hand (Ray's
-    `AuthenticationError`, said here before Ray logs its first line)."""
+    """Raise `RayConnectionError` if RAY_AUTH_MODE=token and no token is at hand."""
     if os.environ.get("RAY_AUTH_MODE") == "token" and _auth_token()[0] is None:
         raise RayConnectionError(f"RAY_AUTH_MODE=token but no token was found for the Ray cluster at {address}: "
                                  "set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to its token (`ray get-auth-token` "
@@ -124,8 +110,7 @@ def _check_token(address: str) -> None:
 
 
 def _refused(address: str) -> RayConnectionError:
-    """What to do about a cluster that answers at `address` but did not let this process connect: with
-    token authentication (Ray reports it only as a failed connection), its token or the mode is missing."""
+    """The error, with its fix, for a cluster that answers but refused this process."""
     token, source = _auth_token()
     mode = os.environ.get("RAY_AUTH_MODE")
     get_token = "(`ray get-auth-token` on its head prints it)"
@@ -146,9 +131,8 @@ def _local_runs_dir() -> Path:
 
 
 def record_local_instance(run_id: str, address: str) -> None:
-    """Note, for `zocheck-ray status RUN_ID` on this machine, that `run_id` runs on the local instance at
-    `address`, which this process started (a local instance is not found as a `ray start` cluster is).
-    The note goes when this process ends; one left by a killed process is recognised by its pid."""
+    """Note that `run_id` runs on the local instance at `address`, for `zocheck-ray status` here to
+    find; the note goes when this process ends."""
     directory = _local_runs_dir()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{run_id}.json"
@@ -157,7 +141,7 @@ def record_local_instance(run_id: str, address: str) -> None:
 
 
 def recorded_address(run_id: str) -> str | None:
-    """The address of the local instance a running process started for `run_id` (`record_local_instance`)."""
+    """The address `record_local_instance` noted for `run_id`, if its process still runs."""
     try:
         record = json.loads((_local_runs_dir() / f"{run_id}.json").read_text())
         os.kill(record["pid"], 0)  # the process that started it still runs
@@ -168,13 +152,8 @@ def recorded_address(run_id: str) -> str | None:
 
 def connect_ray(address: str | None = None, say: Callable[[str], None] | None = None, run_id: str | None = None,
                 **kwargs) -> str | None:
-    """`ray.init` in our namespace, worker logs kept out of the driver's output, and one line (`say`) that
-    says what was joined and why, or the address of the local instance started.
-
-    Returns the address of the cluster joined, or None when a local instance was started for this
-    process (`address` None and no cluster to join, or "local"); `zocheck-ray status` then finds run
-    `run_id` there (`record_local_instance`). Raises `RayConnectionError` when the cluster to join
-    cannot be found or reached (before `ray.init`) or does not let this process connect."""
+    """`ray.init` in our namespace without worker logs, saying what was joined and why; returns the
+    joined address, or None for a local instance. Raises `RayConnectionError`."""
     import ray
 
     joined, why = cluster_to_join(address)
@@ -182,7 +161,7 @@ def connect_ray(address: str | None = None, say: Callable[[str], None] | None = 
         check_reachable(joined, why)
         if not joined.startswith("ray://"):
             _check_token(joined)
-    # None and "auto" go to `ray.init` as given: it then presents a token at hand, as it does for a cluster it finds
+    # None and "auto" go as given, so Ray presents a token at hand as it does for a cluster it finds
     init_address = "local" if joined is None else address if address in (None, "auto") else joined
     refusals = (ConnectionError, *(() if (auth := getattr(ray.exceptions, "AuthenticationError", None)) is None
                                    else (auth,)))  # Ray 2.52 and later

@@ -3,18 +3,11 @@
     import zocheck_ray
     summary = zocheck_ray.run(zocheck_ray.JobConfig(steps=100))
 
-STARTING (the shadow, the trainer group, rank 0's first state: fresh, or resumed from
-storage) -> PROFILING (the startup profile sets the snapshot interval) -> RUNNING (poll:
-the group trains a segment of `log_interval` steps; check: what the shadow's metrics say)
--> FINISHING (the final state replayed and made durable) -> DONE. A failure met in any
-state becomes a `Failure`, carried on the controller while `decide` (control/policy.py)
-turns it into RECOVERING (the group replaces lost ranks and restores them at the shadow's
-step), RESYNCING (the shadow takes the trainer's state) or FAILED. SIGTERM or SIGINT
-(control/stop.py) turns the next step boundary into STOPPING (what the shadow holds made
-durable) -> STOPPED. However a run ends, the shadow seals its log and releases the run's
-lease before its actors are killed. Everything the run reports goes through callbacks
-(control/callbacks.py): the summary's record, the progress lines, Tune's reports, and the
-faults that `zocheck_ray.testing` injects.
+STARTING -> PROFILING (sets the snapshot interval) -> RUNNING (one segment of
+`log_interval` steps per turn) -> FINISHING (the final state made durable) -> DONE. A
+failure in any state becomes a `Failure` that `decide` (control/policy.py) turns into
+RECOVERING, RESYNCING or FAILED; a stop signal turns the next step boundary into STOPPING
+-> STOPPED. Everything the run reports goes through callbacks (control/callbacks.py).
 """
 
 from __future__ import annotations
@@ -41,9 +34,9 @@ PROFILE_TOLERANCE = 3.0
 DEFAULT_MAX_LAG_STEPS = 64
 """Resync bound when the job sets none and the startup profile gives none."""
 DRAIN_ATTEMPTS = 5
-"""How often the end of a run hands the shadow the trainers' records again after its process restarted."""
+"""How often the end of a run re-delivers the records to a shadow that restarted meanwhile."""
 CLOSE_SECONDS = 60.0
-"""How long the end of a run waits for the shadow to seal its log and release the run's lease."""
+"""Seconds the end of a run waits for the shadow to seal its log and release the lease."""
 
 
 class State(enum.Enum):
@@ -73,18 +66,16 @@ class Parts(Protocol):
 
 
 class Controller:
-    """Drives one run through its states (`zocheck_ray.run` is the facade, `control/launch.py`). It holds no Ray
-    type: its shadow client and trainer group come from `parts`, and report failures as values and errors of
-    the run's own, so every row of the failure table is driven in the unit tests without Ray."""
+    """Drives one run through its states. It holds no Ray type (its shadow client and trainer group come
+    from `parts`), so the unit tests drive every row of the failure table without Ray."""
 
     def __init__(self, job: JobConfig, task, parts: Parts, callbacks: Iterable[RunCallback] = (),
                  stop: StopRequest | None = None, writer: str | None = None):
-        """`writer`: the shadow's name in the run's storage lease (released here where the shadow could not)."""
+        """`writer`: the shadow's name in the run's lease, released here if the shadow could not."""
         self.job, self.task, self.parts, self.writer = job, task, parts, writer
         self.stop = stop or StopRequest()
-        """SIGTERM and SIGINT, once `launch` installed its handlers: the next step boundary stops the run."""
         self.stopped: str | None = None
-        """Where a stopped run stopped and what is durable (the line it ends with)."""
+        """A stopped run's last line: where it stopped and what is durable."""
         self.record = RunRecord()
         self.callbacks: list[RunCallback] = [self.record, *callbacks]
         self.state = State.STARTING
@@ -92,7 +83,6 @@ class Controller:
         self.group = None
         self.shadow = None
         self.failure: Failure | None = None
-        """The failure being handled (recovering, resyncing), as the policy saw it."""
         self.resync_reason = ""
         self.error: str | None = None
         self.budget = FailureBudget(job.max_restarts)
@@ -258,11 +248,8 @@ class Controller:
         return State.DONE
 
     def _make_durable(self) -> tuple[list[tuple[int, str]], ShadowMetrics] | Failure:
-        """Every rank's final (step, state_hash) and the shadow's metrics once it holds that state durably.
-
-        The trainers first hand the shadow every record it lacks: a shadow that still lacks some then
-        lacks records no process holds (`records_lost`), never waited for. A shadow restarted meanwhile
-        (the drain reached its next process) is handed the records again."""
+        """Every rank's final (step, state_hash) and the shadow's metrics once that state is durable.
+        Records the shadow still lacks after delivery are held by no process (`records_lost`)."""
         for _ in range(DRAIN_ATTEMPTS):
             incarnation = self._metrics().incarnation  # waits while Ray restarts the shadow
             try:
@@ -289,7 +276,7 @@ class Controller:
                                                   f"{DRAIN_ATTEMPTS} times while it was handed the final records")
 
     def _stopping(self) -> State:
-        """A stop signal: the trainers are at a step boundary; what the shadow holds is made durable."""
+        """Make durable what the shadow holds; the trainers are at a step boundary."""
         url, name = self.job.run_url, signal_name(self.stop.signum)
         try:
             self.group.deliver(self.step)  # every record a trainer holds, to the shadow
@@ -309,7 +296,7 @@ class Controller:
     # ------------------------------------------------------------------ helpers
 
     def _check_profile(self, metrics: ShadowMetrics) -> None:
-        """Warn where the startup profile's timings are far off the run's steady state (recorded as well)."""
+        """Warn where the startup profile's timings are far off the run's steady state."""
         for name, (profiled, steady) in self.record.profile_pairs(metrics).items():
             ratio = steady / profiled
             if not 1 / PROFILE_TOLERANCE <= ratio <= PROFILE_TOLERANCE:
@@ -323,10 +310,9 @@ class Controller:
             raise _ShadowGone(Failure("shadow_gone", self.step, str(exc))) from exc
 
     def _stop_actors(self, graceful: bool = True) -> bool:
-        """However the run ended: the shadow seals its log and releases the run's lease (`graceful`), every
-        actor is killed and the placement groups removed. A lease the shadow could not release (its process
-        is gone, or hangs) is released here once its process is dead, so a rerun takes it at once. Returns
-        whether the lease was released."""
+        """End every process of the run, the shadow first sealing its log and releasing the lease
+        (`graceful`). A lease it could not release is released here once it is dead, so a rerun takes it
+        at once. Returns whether the lease was released."""
         released = False
         try:
             if graceful:

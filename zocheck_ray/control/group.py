@@ -1,18 +1,9 @@
 """`TrainerGroup`: a run's trainer processes, driven and recovered together.
 
-A single trainer is a group of one; data parallel is a group of k ranks whose gloo process
-group the group forms. The group owns its actors and knows three things:
-
-- `run(target)`: every rank trains to `target`; a rank that dies (seen in Ray's state API at
-  once, not after Ray's wait for the death's details; where the cluster has no state API, when
-  its call fails), or a gather that breaks, comes back as a `Failure` (the step boundary every
-  rank had reached);
-- `recover(failure)`: the survivors hand the shadow the records it lacks; each lost rank is
-  replaced, by the warm standby when there is one (promoted at once: the failed call already
-  said the process is gone, nothing waits on Ray's death timer) or else by Ray's restart of
-  its process; every rank then rejoins at the shadow's step (image plus records) and the
-  process group is formed again. A lost process that Ray restarts becomes the next standby;
-- `form()`: the ranks' process group (k > 1).
+A single trainer is a group of one; data parallel is k ranks in one gloo process group.
+`run` returns a lost rank as a `Failure` value, so the controller decides what to do.
+`recover` replaces a lost rank by the ready standby (the restarted process becomes the next
+one) or by Ray's restart, and rejoins every rank at the shadow's step.
 """
 
 from __future__ import annotations
@@ -37,46 +28,36 @@ logger = logging.getLogger(__name__)
 
 
 DEATH_POLL_SECONDS = 0.1
-"""How often a segment's wait asks Ray's state API whether a rank's process died (one query per rank)."""
+"""Seconds between a segment's state-API checks for a dead rank."""
 READINESS_WAIT_SECONDS = 0.05
-"""How long `prepare_standby` waits for the standby's report (an idle process answers at once; one that is
-starting answers at a later call)."""
+"""Seconds `prepare_standby` waits for the standby's report before asking again at its next call."""
 PROBE_SECONDS = 5.0
-"""How long `lost_ranks` waits for the ranks' answers where there is no state API (a busy rank is alive)."""
+"""Seconds `lost_ranks` waits for answers without a state API."""
 
 
 class TrainerGroup:
-    """The trainer ranks of a run and its optional warm standby (see the module docstring)."""
+    """The trainer ranks of a run and its optional warm standby."""
 
     def __init__(self, job: JobConfig, ranks: list, start_standby: Callable[[str], object] | None = None):
         self.job = job
         self.k = job.trainers
         self.ranks = list(ranks)
-        """The actor serving each rank (a promoted standby takes a lost rank's place)."""
         self.names = [trainer_name(job.run_id, r) for r in range(self.k)]
-        """The name of the actor serving each rank (Ray's state API finds an actor by name)."""
         self.standby_name = trainer_name(job.run_id, "standby")
         self.incarnations: list[str | None] = [None] * self.k
         self._start_standby = start_standby
         self._standbys_started = 0
-        """Each standby has a name of its own: one ended before it was ready may not be gone yet."""
+        """Each standby gets its own name, as an ended one may not be gone yet."""
         self.standby = None
-        """The waiting process a lost rank is replaced by (None: no standby, or not started yet)."""
         self._preparing = None
-        """The standby's `prepare` call in flight."""
         self._asking = None
-        """The standby's `readiness` call in flight (its process's own report: whether it has built)."""
         self._standby_built = False
-        """Whether the standby's process said it has built its model, with no call to it lost since."""
         self._prepare_failed = False
-        """The standby's `prepare` raised: it is not asked again."""
         self._following = None
-        """The standby's `follow` call in flight (it copies each new image of the shadow's in while it waits)."""
         self.durable_next: int | None = None
-        """Every record before this step is durable (the holding ranks drop them)."""
+        """Records before this step are durable, so the ranks drop them."""
         self._restarts: dict[str, int] = {}
-        """Each actor's restarts, by name, as Ray's state API last reported them: a lost one is back once they
-        grow."""
+        """Restart counts by actor name: a lost actor is back once its count grows."""
         self.times = StepTimes([0.0] * self.k, [0] * self.k)
 
     @property
@@ -94,7 +75,7 @@ class TrainerGroup:
     # ------------------------------------------------------------------ starting
 
     def start(self) -> RecoveryInfo:
-        """Every rank's first state (fresh, or the shadow's image of a resumed run); returns rank 0's."""
+        """Give every rank its first state; returns rank 0's."""
         infos = [call_when_alive(lambda rank=rank: rank.recovery.remote()) for rank in self.ranks]
         if any(info.step != infos[0].step for info in infos[1:]):  # a rank asked before rank 0 initialized
             infos[1:] = ray.get([rank.rejoin.remote(infos[0].step) for rank in self.ranks[1:]])
@@ -109,9 +90,7 @@ class TrainerGroup:
                           if (status := actor_status(name)) is not None}
 
     def start_standby(self) -> None:
-        """Start the warm standby (once the run is steady); it builds its skeleton while training goes on.
-        Called after every segment: a standby process Ray restarted is asked to build (`prepare_standby`), a
-        built one to follow the shadow's images (`_follow`)."""
+        """Start the warm standby, or move it on (build, then follow the shadow's images)."""
         if self._start_standby is None:
             return
         if self.standby is None:
@@ -124,21 +103,19 @@ class TrainerGroup:
             self._follow()
 
     def standby_state(self) -> str:
-        """`none` (no standby, or not started yet), `starting` (building its model) or `ready` (a lost rank is
-        replaced by it at once): what `status` reports."""
+        """`none`, `starting` or `ready`, as `status` reports it."""
         if self.standby is None:
             return "none"
         return "ready" if self._standby_built else "starting"
 
     def trainer_times(self) -> TrainerTimes | None:
-        """The ranks' step times over the last segment, and the standby's state, for the shadow's metrics."""
+        """The last segment's step times and the standby's state, for the shadow's metrics."""
         recent = self.times.recent
         return recent.model_copy(update={"standby": self.standby_state()}) if recent is not None else None
 
     def _drop_unready_standby(self) -> None:
-        """End a standby that is still building when a rank is lost: its set-up would take the cores from Ray's
-        restart of the lost process, so a loss before the standby is ready costs what it costs without one. A
-        new standby starts once the run is steady again."""
+        """End a standby still building when a rank is lost, so that its set-up leaves the cores to
+        Ray's restart."""
         try:
             ray.kill(self.standby, no_restart=True)
         except Exception:  # gone already
@@ -149,10 +126,8 @@ class TrainerGroup:
         self._standby_built = self._prepare_failed = False
 
     def prepare_standby(self) -> bool:
-        """Ask the standby's process to build its model where it waits to (a process Ray restarted: the one lost
-        before a promotion, or a standby that died; see `trainer_actor.py`); True once the process that
-        answers has built it. Which process answers, and whether it has built, is its own report (`readiness`,
-        which a process Ray restarts answers once it is up), so a restart needs no one to see it happen."""
+        """Ask the standby to build its model; True once it has, by the process's own report, so its
+        restart needs no watching."""
         if self.standby is None:
             return False
         if self._preparing is not None:
@@ -178,8 +153,7 @@ class TrainerGroup:
         return self._standby_built
 
     def _standby_ready(self) -> bool:
-        """Whether a lost rank is best replaced by the standby: Ray's state API reports its process alive or,
-        without one, the process said it has built its model and no call to it was lost since."""
+        """Whether the standby is ready to replace a lost rank."""
         if self.standby is None:
             return False
         status = actor_status(self.standby_name)
@@ -188,9 +162,7 @@ class TrainerGroup:
         return self._standby_built
 
     def _follow(self) -> None:
-        """Ask the built standby to copy each new image of the shadow's in while it waits (one call in flight,
-        asked again where it ended: its shadow restarted, or it failed; a CPU standby then only replays the
-        records after the newest image when it is promoted, see `TrainerActor.follow`)."""
+        """Keep one `follow` call in flight: the standby copies each new image in while it waits."""
         if self._following is not None:  # lost or failed: a promotion copies the image as a restart does
             outcome = _outcome(self._following, "could not copy the shadow's images in advance")
             if outcome == "pending":
@@ -200,15 +172,14 @@ class TrainerGroup:
         self._following = self.standby.follow.remote()
 
     def form(self) -> None:
-        """(Re-)form the ranks' gloo process group: rank 0 offers a fresh port, every rank joins (over
-        loopback when `pack` placed them all on one node)."""
+        """(Re-)form the ranks' gloo process group on a fresh port of rank 0's."""
         address, port = ray.get(self.leader.group_address.remote(self.job.placement == "pack"))
         ray.get([rank.join_group.remote(address, port) for rank in self.ranks])
 
     # ------------------------------------------------------------------ training
 
     def run(self, target: int, step: int) -> tuple[dict[int, TrainerProgress], Failure | None]:
-        """Every rank trains from `step` to `target`; (progress by rank, the failure if a rank was lost)."""
+        """Train every rank from `step` to `target`; returns (progress by rank, the failure or None)."""
         refs = {r: rank.run.remote(target, self.durable_next) for r, rank in enumerate(self.ranks)}
         results, lost = self._gather(refs)
         self.times.add(results, self.k)
@@ -220,9 +191,8 @@ class TrainerGroup:
         return results, None
 
     def _gather(self, pending: dict[int, ray.ObjectRef]) -> tuple[dict[int, TrainerProgress], list[int]]:
-        """The ranks' results, and the ranks lost. A rank whose process died is lost as soon as Ray's state API
-        says so: its call itself fails only after Ray's wait for the death's details, which every software
-        failure would otherwise add to its recovery (and does, where the cluster has no state API)."""
+        """The ranks' results and the lost ranks. Polls the state API, because a dead rank's call fails
+        only after Ray's wait for death details."""
         results, lost = {}, []
         poll = DEATH_POLL_SECONDS if actor_states() is not None else None
         while pending:
@@ -246,8 +216,7 @@ class TrainerGroup:
     # ------------------------------------------------------------------ recovering
 
     def recover(self, failure: Failure) -> Restored | Failure:
-        """Replace the lost ranks and bring every rank to the shadow's step (see the module docstring);
-        a failure met on the way (a replacement lost too) comes back as a new `Failure`."""
+        """Replace the lost ranks and rejoin every rank at the shadow's step, or a new `Failure`."""
         marks: list[tuple[str, float]] = []
         lost = sorted(failure.ranks)
         survivors = [r for r in range(self.k) if r not in lost]
@@ -283,7 +252,7 @@ class TrainerGroup:
         return Restored(rank, infos[rank], how, _phases(failure.seen_at, marks, constructed, infos[rank]))
 
     def _replace(self, r: int, step: int) -> tuple[object, str, RecoveryInfo | None]:
-        """The process that takes lost rank `r`'s place: (actor, `standby` or `restart`, its set-up info)."""
+        """(actor, how, its set-up info) of the process taking lost rank `r`'s place."""
         lost, name = self.ranks[r], self.names[r]
         if self._standby_ready():
             promoted, self.standby = self.standby, lost  # Ray restarts the lost process: the next standby
@@ -305,8 +274,7 @@ class TrainerGroup:
             time.sleep(0.02)
 
     def lost_ranks(self) -> tuple[int, ...]:
-        """The ranks whose process Ray's state API does not report alive now or, without one, whose call
-        fails as a lost actor's does (a rank too busy to answer within `PROBE_SECONDS` is alive)."""
+        """The ranks not alive now, by the state API or, without one, by a probe call."""
         if actor_states() is not None:
             return tuple(r for r in range(self.k)
                          if (status := actor_status(self.names[r])) is None or status.state != "ALIVE")
@@ -324,8 +292,7 @@ class TrainerGroup:
     # ------------------------------------------------------------------ the rest
 
     def export_to_shadow(self, step: int) -> int | Failure:
-        """Rank 0 writes its state into the shadow's intake (a resync); returns its step, or the `Failure` of
-        rank 0's loss."""
+        """Resync: rank 0 writes its state to the shadow; returns its step, or the `Failure` of its loss."""
         try:
             return ray.get(self.leader.export_to_shadow.remote())
         except RayActorError as exc:
@@ -335,9 +302,8 @@ class TrainerGroup:
         ray.get(self.leader.resynced.remote(step))
 
     def deliver(self, step: int) -> int | Failure:
-        """Every rank hands the shadow the records it holds and the shadow lacks; returns the step the shadow
-        then expects (before the step the ranks are at: records no process holds any more), or the `Failure`
-        of a lost rank. Raises `ShadowRestartedError` where the shadow went away under the delivery."""
+        """Hand the shadow the records it lacks; returns the step it then expects, or a lost rank's
+        `Failure`. Raises `ShadowRestartedError` if the shadow went away."""
         try:
             return max(call_when_alive(lambda r=rank: r.deliver.remote()) for rank in self.ranks)
         except RayActorError as exc:
@@ -346,8 +312,7 @@ class TrainerGroup:
             raise ShadowRestartedError(f"the shadow went away during a delivery: {exc.cause or exc}") from exc
 
     def state_hashes(self, step: int) -> list[tuple[int, str]] | Failure:
-        """Every rank's (step, state_hash), in rank order; a `Failure` when a rank was lost (or waits to
-        rejoin: Ray restarted its process) since every rank reached `step`."""
+        """Every rank's (step, state_hash), in rank order, or a `Failure` if a rank was lost since `step`."""
         refs = [rank.state_hash.remote() for rank in self.ranks]
         hashes, lost = [], []
         for r, ref in enumerate(refs):
@@ -371,7 +336,7 @@ class TrainerGroup:
         return ray.get(self.leader.kernel.remote())
 
     def kill(self) -> list:
-        """End every trainer process of the run (no restart); returns the actors, for a wait on their deaths."""
+        """End every trainer process (no restart); returns the actors, to wait on their deaths."""
         actors = self.all_actors()
         for actor in actors:
             try:
@@ -382,8 +347,7 @@ class TrainerGroup:
 
 
 def _outcome(call: ray.ObjectRef, failed: str) -> str:
-    """How a call to the standby ended, without waiting: `pending`, `done`, `lost` (its process died) or
-    `failed` (it raised: logged as "the standby `failed`: ...")."""
+    """How a standby call ended, without waiting: `pending`, `done`, `lost` or `failed` (logged)."""
     if not ray.wait([call], timeout=0)[0]:
         return "pending"
     try:
@@ -406,8 +370,7 @@ class _Gone(Exception):
 
 def _phases(started: float, marks: list[tuple[str, float]], constructed: RecoveryInfo | None,
             restored: RecoveryInfo) -> dict[str, float]:
-    """`Recovery.phases`: the seconds of each step of a recovery, in order, and the replacement process's
-    constructor (a restarted one's) and restore (parts of `restart` and `rejoin`)."""
+    """`Recovery.phases` from the marks and the replacement's own timings."""
     phases, last = {}, started
     for name, at in marks:
         phases[name], last = at - last, at
@@ -416,8 +379,7 @@ def _phases(started: float, marks: list[tuple[str, float]], constructed: Recover
     if restored.restore_seconds is not None:
         phases["restore"] = restored.restore_seconds
         if "rejoin" in phases and restored.seconds is not None:
-            # the rejoin call's time outside the process's restore: the call's way there and back, and its wait
-            # behind a copy the process had begun (a standby's copy of a new image, `TrainerActor.follow`)
+            # the call's round trip, and its wait behind a copy the standby had begun
             phases["waited"] = max(phases["rejoin"] - restored.seconds, 0.0)
     for name in ("fetch", "install", "copy", "replay", "hash"):
         seconds = getattr(restored, f"{name}_seconds")

@@ -22,16 +22,11 @@ def run(job: JobConfig, progress: Callable[[str], None] | None = print, callback
         placement_group: PlacementGroup | None = None, first_bundle: int = 0) -> RunSummary:
     """Run `job` to completion on the connected Ray cluster (a local one is started if none).
 
-    A run whose storage already holds a snapshot of `job.run_id` resumes from it (the newest
-    durable image plus the log, exactly). `placement_group`: an existing, reserved group (a Ray
-    Tune trial's) whose bundles `first_bundle` (trainer) and `first_bundle + 1` (shadow) the
-    actors use (and the next `trainers - 1` bundles, the other ranks); it is left in place.
-    `progress(line)` gets the progress lines; `on_segment(progress, metrics)` is called after each
-    segment with rank 0's `TrainerProgress` and the shadow's `ShadowMetrics`; `callbacks` see
-    every event (`RunCallback`). Raises `JobConfigError` before any actor starts for a job that
-    cannot run, `RunFailedError` for a run that cannot go on, and `RunStopped` (a `SystemExit` with
-    128 + the signal's number) once SIGTERM or SIGINT stopped it at a step boundary, its state durable.
-    However it ends, the run's lease is released and none of its actors is left.
+    A run whose storage holds a snapshot of `job.run_id` resumes from it, exactly.
+    `placement_group`: a reserved group (a Tune trial's) whose bundles from `first_bundle` on
+    the actors use. `on_segment(progress, metrics)` is called after each segment; `callbacks`
+    see every event. Raises `JobConfigError` before any actor starts, `RunFailedError`, or
+    `RunStopped` after a stop signal. However it ends, no actor of the run is left.
     """
     return launch(job, progress, callbacks, on_segment, placement_group, first_bundle)
 
@@ -39,7 +34,7 @@ def run(job: JobConfig, progress: Callable[[str], None] | None = print, callback
 def launch(job: JobConfig, progress: Callable[[str], None] | None, callbacks: Iterable[RunCallback] = (),
            on_segment: Callable | None = None, placement_group: PlacementGroup | None = None,
            first_bundle: int = 0, hooks=None) -> RunSummary:
-    """`run`, with `hooks` handed to the actors' processes (`zocheck_ray.testing` injects faults so)."""
+    """`run`, with `hooks` handed to the actors (how `zocheck_ray.testing` injects faults)."""
     say = progress or (lambda line: None)
     chain = [ProgressPrinter(say), *callbacks, *([SegmentFunction(on_segment)] if on_segment else [])]
     with StopRequest().installed() as stop:

@@ -1,4 +1,4 @@
-"""What a trainer group reports to the controller: a recovery it carried out, and its ranks' step times."""
+"""What a trainer group reports to the controller: a recovery, and its ranks' step times."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from zocheck_ray.runtime.messages import RecoveryInfo, TrainerProgress, TrainerT
 
 @dataclass
 class Restored:
-    """A recovery the group carried out: the lost rank's restore, and where the time went."""
+    """A recovery: the lost rank's restore, and where the time went."""
 
     rank: int
     info: RecoveryInfo
@@ -21,7 +21,7 @@ class Restored:
 
 @dataclass
 class StepTimes:
-    """The ranks' step and collective times: over the whole run, and over the last segment."""
+    """The ranks' step and collective times over the run and over the last segment."""
 
     rank_seconds: list[float]
     rank_steps: list[int]
@@ -30,7 +30,7 @@ class StepTimes:
     recent: TrainerTimes | None = None
     held_out_step: int | None = None
     held_out: dict[str, float] = field(default_factory=dict)
-    """The newest held-out evaluation the ranks reported (rank 0 evaluates), and its step."""
+    """The newest held-out evaluation and its step."""
 
     def add(self, results: dict[int, TrainerProgress], k: int) -> None:
         for r, progress in results.items():

@@ -1,5 +1,4 @@
-"""Where a run's actors go, how they start and how they end: the cluster check, the placement groups of
-the trainer ranks and the shadow, the actors themselves."""
+"""Where a run's actors go, how they start and how they end."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ from zocheck_ray.control.group import TrainerGroup
 from zocheck_ray.core.kernel_cache import cache_env
 
 STANDBY_GPU_SHARE = 0.01
-"""With `standby: true` on a GPU node the standby shares rank 0's GPU: it reserves this fraction and rank 0
-the rest of the bundle's GPU. It allocates no device memory until it is promoted."""
+"""The fraction of rank 0's GPU the standby reserves; it allocates no device memory until promoted."""
 
 
 def _check_resources(job: JobConfig) -> int:
@@ -49,12 +47,12 @@ def _check_resources(job: JobConfig) -> int:
 
 
 def group_name(run_id: str) -> str:
-    """The name of the placement group of a run's rank 0 and shadow (unique in a cluster, like the actors')."""
+    """The name of the placement group of a run's rank 0 and shadow."""
     return f"zocheck-{run_id}"
 
 
 def running_here(job: JobConfig, holder: str) -> JobConfigError:
-    """The refusal of a second job with a running job's run id on this cluster (`holder`: that job, named)."""
+    """The error for a second job of a running run on this cluster (`holder` names the first)."""
     return JobConfigError(f"run {job.run_id!r} is already running on this Ray cluster: {holder}. One job per run: "
                           f"stop that job (SIGTERM or Ctrl-C to its driver, or `ray job stop`) and run this one "
                           f"again to resume the run, or give this job another run_id")
@@ -73,9 +71,8 @@ def rank_placements(job: JobConfig, gpus: int, pg: PlacementGroup | None = None,
                     first_bundle: int = 0) -> tuple[list[PlacementGroup], list[tuple[PlacementGroup, int]]]:
     """(the groups created here, (group, bundle) of the shadow then of each rank).
 
-    `pack`: one STRICT_PACK group for everything. `spread`: rank 0 and the shadow in a
-    STRICT_PACK group, the other ranks in a SPREAD group (any node). A given `pg` (a Tune
-    trial's) holds them all from `first_bundle` on, as `job_bundles` orders them."""
+    `pack`: one STRICT_PACK group. `spread`: rank 0 and the shadow STRICT_PACK, the other ranks
+    SPREAD. A given `pg` (a Tune trial's) holds them all from `first_bundle` on."""
     if pg is not None:
         return [], [(pg, first_bundle + 1), (pg, first_bundle)] + [(pg, first_bundle + 1 + r)
                                                                   for r in range(1, job.trainers)]
@@ -93,7 +90,7 @@ def rank_placements(job: JobConfig, gpus: int, pg: PlacementGroup | None = None,
 
 
 class Placement:
-    """Where a run's actors go (its placement groups and bundles), and how each is started there."""
+    """A run's placement groups, and how each actor is started in them."""
 
     def __init__(self, job: JobConfig, gpus: int, pg: PlacementGroup | None = None, first_bundle: int = 0,
                  hooks=None):
@@ -105,12 +102,11 @@ class Placement:
                 raise
             raise running_here(job, f"its placement group {group_name(job.run_id)} exists (the job is starting)") \
                 from None
-        """The placement groups created here (a given one, a Tune trial's, is not among them)."""
         self._given = pg
         self._shadow_place, self._rank_places = places[0], places[1:]
         self._payload = job.model_dump(mode="json")
         self._options = {"runtime_env": {"env_vars": env}} if (env := cache_env()) else {}
-        """The user's `NUMBA_CACHE_DIR`, handed to every actor (the default is each node's own)."""
+        """Hands the user's `NUMBA_CACHE_DIR` to every actor."""
         self._shadow = None
         self._group: TrainerGroup | None = None
 
@@ -118,10 +114,8 @@ class Placement:
         return PlacementGroupSchedulingStrategy(place[0], placement_group_bundle_index=place[1])
 
     def start(self) -> tuple[ShadowClient, TrainerGroup]:
-        """The shadow and the trainer ranks, started side by side (a trainer's process imports and builds its
-        model while the shadow's starts; its first call to the shadow waits for it); returns the shadow's client
-        and the trainer group once the shadow is up. A shadow that cannot start raises its own error, and no
-        trainer is left behind."""
+        """Start the shadow and the trainers side by side, so their set-ups overlap; returns the shadow's
+        client and the group once the shadow is up. If the shadow cannot start, no trainer is left behind."""
         for group in self.groups or [self._given]:
             ray.get(group.ready(), timeout=120)
         job = self.job
@@ -148,8 +142,7 @@ class Placement:
         return ShadowClient(shadow, job.run_id), self._group
 
     def start_standby(self, name: str):
-        """The warm standby (actor `name`), beside rank 0 and the shadow: no CPU of its own (it waits), a sliver
-        of rank 0's GPU where there is one (`STANDBY_GPU_SHARE`)."""
+        """Start the warm standby in rank 0's bundle: it waits, so it takes no CPU of its own."""
         job = self.job
         return TrainerActor.options(
             **self._options,
@@ -159,8 +152,7 @@ class Placement:
         ).remote(self._payload, self.hooks, 0, True)
 
     def stop(self) -> bool:
-        """End every process of the run (no restart) and remove the placement groups created here; returns
-        whether every process is gone (a rerun at once then finds the names free)."""
+        """End every process (no restart) and remove the groups created here; returns whether all are gone."""
         actors = [*(self._group.kill() if self._group is not None else []),
                   *([self._shadow] if self._shadow is not None else [])]
         if self._shadow is not None:

@@ -1,9 +1,7 @@
 """What happens after a failure: the failures a run meets, and one table that decides.
 
-`decide` is the one place where a failure becomes what happens next; a new failure mode is
-a new row here, not a branch elsewhere. The decision is pure: it reads the failure, the
-job and how much of the run's failure budget is spent, and the controller records both in
-`RunSummary.states` and the progress output.
+`decide` is pure and the one place where a failure becomes what happens next, so a new
+failure mode is a new row here, not a branch elsewhere.
 """
 
 from __future__ import annotations
@@ -23,16 +21,14 @@ FailureKind = Literal["trainer_lost", "trainer_gone", "shadow_gone", "shadow_lag
 class Failure:
     kind: FailureKind
     step: int
-    """The step the run was at: the last step boundary every trainer had reached."""
+    """The last step boundary every trainer had reached."""
     detail: str
     mode: Literal["software", "host", "unplanned"] = "unplanned"
-    """For a lost trainer: `software` or `host` when injected (tests, the demonstration), else `unplanned`."""
+    """For a lost trainer: `software` or `host` when injected, else `unplanned`."""
     ranks: tuple[int, ...] = ()
-    """For `trainer_lost`: the ranks whose processes were lost (rank 0 for a single trainer); empty when
-    only the ranks' collective broke (every process lives, some states are torn). For `records_lost`: empty
-    (every rank restores)."""
+    """The ranks whose processes were lost; empty for a torn collective or `records_lost`."""
     seen_at: float = field(default_factory=time.perf_counter, compare=False)
-    """When the controller saw it: a recovery's seconds count from here."""
+    """When the controller saw it; a recovery's seconds count from here."""
 
 
 class Action(enum.Enum):
@@ -49,7 +45,7 @@ class Decision:
 
 @dataclass
 class FailureBudget:
-    """How many lost trainers a run survives: `max_restarts`, as many as Ray restarts a trainer process."""
+    """How many lost trainers a run survives: `max_restarts`, as Ray restarts a process."""
 
     limit: int
     spent: int = 0

@@ -9,7 +9,7 @@ from zocheck_ray.policies import ProfileReport, ProfileSettings, profile_startup
 from zocheck_ray.runtime.messages import TrainerProgress
 
 DRAIN_SECONDS = 300.0
-"""How long the end of a run (or the profile of a resumed one) waits for the shadow to replay and persist."""
+"""Seconds a drain waits for the shadow to replay and persist."""
 
 
 def profile_settings(job: JobConfig, remaining_steps: int | None = None) -> ProfileSettings:
@@ -19,16 +19,15 @@ def profile_settings(job: JobConfig, remaining_steps: int | None = None) -> Prof
 
 
 def profile_steps(job: JobConfig) -> int:
-    """The training steps the startup profile takes (a run with fewer steps left runs without one)."""
+    """The training steps the startup profile takes."""
     settings = profile_settings(job)
     return max(settings.warmup_steps + settings.timed_steps, settings.replays_needed)
 
 
 def startup_profile(job: JobConfig, shadow, train_to: Callable[[int], TrainerProgress],
                     first_step: int = 0) -> ProfileReport:
-    """`shadow`: the run's `ShadowClient`. Measure the trainer step, the replay per thread count, the snapshot copy and the
-    persistence time in the first training steps (at most 30) and choose N and the threads.
-    `train_to(step)`: trains every rank to `step` and returns rank 0's progress (it is timed)."""
+    """Measure the trainer step, the replay per thread count, the snapshot copy and persistence in the
+    first training steps, and choose N and the threads. `train_to(step)` trains every rank to `step`."""
     settings = profile_settings(job, job.steps - first_step)
     reached = [first_step]
 
@@ -43,7 +42,7 @@ def startup_profile(job: JobConfig, shadow, train_to: Callable[[int], TrainerPro
 
     def persist() -> float:
         seconds = shadow.last_persist_seconds()
-        if seconds is None:  # a shadow rebuilt from storage (a resumed run) has written nothing yet: write one
+        if seconds is None:  # a resumed run's shadow has written nothing yet
             shadow.drain(reached[0], DRAIN_SECONDS)
             seconds = shadow.last_persist_seconds()
         return seconds

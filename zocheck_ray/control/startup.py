@@ -1,5 +1,4 @@
-"""Everything a job is checked for before any actor starts: its task and data, its storage, another
-writer of its run, the cluster's resources or the placement group it is given."""
+"""The checks a job passes before any actor starts, so that a job that cannot run fails at once."""
 
 from __future__ import annotations
 
@@ -20,10 +19,9 @@ from zocheck_ray.storage.fs import open_storage
 def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group: PlacementGroup | None = None,
               first_bundle: int = 0):
     """(the job's task, the GPUs each trainer gets); raises `JobConfigError` naming what cannot work.
-
-    Connects to Ray (a local instance when none is running) once the job itself is sound."""
-    task = check_task(job)  # bad data, labels or a task/model mismatch fail here, before any actor starts
-    try:  # an unusable storage URL fails here, before any actor starts
+    Connects to Ray once the job itself is sound."""
+    task = check_task(job)
+    try:
         open_storage(job.run_url, job.storage_options, create=True)
     except StorageError as exc:
         raise JobConfigError(f"storage={job.storage!r} cannot be used: {exc}") from exc
@@ -50,9 +48,8 @@ def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group
 
 
 def check_not_running_here(job: JobConfig, held: LeaseHeldError | None = None, creates_group: bool = True) -> None:
-    """Refuse a job whose run id a job on this cluster already uses (its shadow lives, or its placement group
-    exists: it is starting), naming that job as the lease names a writer on another cluster. `held`: the
-    lease of this job's storage, held by this cluster's shadow of the run."""
+    """Refuse a job whose run id a job on this cluster already uses, naming that job. `held`: the lease
+    of this job's storage, held by this cluster's shadow of the run."""
     name = shadow_name(job.run_id)
     try:
         ray.get_actor(name, namespace=NAMESPACE)

@@ -1,17 +1,8 @@
-"""How a run is asked to stop: SIGTERM (Kubernetes, KubeRay, `ray job stop`, a scheduler) and SIGINT
-(Ctrl-C), the same way.
+"""How a run is asked to stop: SIGTERM and SIGINT, the same way.
 
-The first signal is noted, nothing more: the controller stops at the next step boundary every
-trainer has reached (the end of the segment in flight), makes what the shadow holds durable,
-releases the run's lease, says so in one line and raises `RunStopped`, which exits the process
-with 128 + the signal's number (143 for SIGTERM, 130 for SIGINT) and no traceback. A second
-signal stops at once (`RunStopped` raised where the driver is): the actors are killed (further
-signals are ignored meanwhile) and the durable state resumes the run.
-
-Handlers are installed only while a run is driven from the main thread (a Tune trial's driver
-is not: its trial's own stop applies), and the ones found are put back afterwards. They are
-installed before the run's checks and again once Ray is connected (`ray.init` installs a
-SIGTERM handler of its own): a signal while `ray.init` itself runs meets Ray's handler.
+The first signal stops the run at the next step boundary with its state durable and its lease
+released, exiting with 128 + the signal's number; a second stops it at once, and the durable
+state resumes it. Handlers are installed only from the main thread, and the previous ones put back.
 """
 
 from __future__ import annotations
@@ -25,8 +16,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class RunStopped(SystemExit):
-    """The run was stopped by a signal; uncaught, the process exits with `code` (128 + the signal's number)
-    without a traceback. `str()` is the one line that says where the run stopped and what is durable."""
+    """The run was stopped by a signal; uncaught, the process exits with 128 + the signal's number and
+    no traceback. `str()` says where the run stopped and what is durable."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(128 + signum)
@@ -42,15 +33,12 @@ def signal_name(signum: int) -> str:
 
 
 class StopRequest:
-    """The stop signals of one run: `signum` once the first arrived; a second one raises `RunStopped`."""
+    """The stop signals of one run: the first is noted in `signum`; a second raises `RunStopped`."""
 
     def __init__(self):
         self.signum: int | None = None
-        """The first stop signal received (None: keep going)."""
         self.hurried = False
-        """A second signal came: stop at once, without waiting for anything."""
         self.describe_now = lambda: "the durable state resumes the run"
-        """What to say if a second signal stops the run at once (set by the controller)."""
 
     @property
     def requested(self) -> bool:
@@ -66,14 +54,13 @@ class StopRequest:
         raise RunStopped(f"stopped at once by a second {signal_name(signum)}: {self.describe_now()}", self.signum)
 
     def before_start(self) -> RunStopped:
-        """The stop of a run whose signal came before any of its actors started."""
+        """The stop of a run signalled before any actor started."""
         return RunStopped(f"stopped by {signal_name(self.signum)} before the run started: nothing of it was started "
                           "or written", self.signum)
 
     @contextmanager
     def installed(self) -> Iterator["StopRequest"]:
-        """Handle SIGTERM and SIGINT for the duration of the block (from the main thread only); the handlers
-        found are put back afterwards."""
+        """Handle SIGTERM and SIGINT for the block (main thread only)."""
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
@@ -86,7 +73,7 @@ class StopRequest:
                 signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
     def install(self) -> None:
-        """(Re-)install the handlers: `ray.init` installs a SIGTERM handler of its own (it exits at once)."""
+        """(Re-)install the handlers, since `ray.init` installs a SIGTERM handler of its own."""
         if threading.current_thread() is threading.main_thread():
             for s in STOP_SIGNALS:
                 signal.signal(s, self._handle)

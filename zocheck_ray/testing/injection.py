@@ -1,11 +1,8 @@
 """`FaultInjection`: the faults a run's trainer and shadow processes inject into themselves.
 
-It travels to those processes as a constructor argument (`runtime/hooks.py`), and Ray restarts a
-process with its arguments: unpickling it imports this module, before anything else of the
-package. So it imports nothing but pydantic: a trainer process that Ray restarts where the run has
-a standby defers importing torch and the model's libraries until the promotion is over
-(`actors/trainer_actor.py`), and an import of `zocheck_ray.testing` here (torch, Ray's control
-code) would bring them back into the promotion's window, on the cores it copies and replays on.
+It travels to the processes as a constructor argument, so a restarted process unpickles it
+first. It imports nothing but pydantic, so that a restarted trainer's heavy imports stay out of
+a standby promotion's window.
 """
 
 from __future__ import annotations
@@ -24,14 +21,13 @@ class FaultInjection(BaseModel):
     replay_delay_seconds: float = Field(0.0, ge=0)
     """Extra seconds the shadow spends per replayed step (makes it lag)."""
     replay_stalled: bool = False
-    """The shadow's replay applies no record: only resyncs move its replica (a shadow that falls behind
-    however slow the trainer is)."""
+    """The shadow's replay applies no record, so only resyncs move its replica."""
     crash_in_recovery_marker: str | None = None
-    """A file path: the first recovering trainer that finds it missing creates it and dies mid-recovery."""
+    """A path: the first recovering trainer that finds it missing creates it and dies mid-recovery."""
     die_at: dict[int, list[int]] = {}
-    """Rank -> steps: the process serving that rank exits before running each step (once per step)."""
+    """Rank -> steps at which the process serving that rank exits, once each."""
     marker_dir: str | None = None
-    """Where each exit leaves a marker, so the restarted process does not exit at the same step again."""
+    """Where each exit leaves a marker, so the restarted process does not exit there again."""
 
     @property
     def steps_hooked(self) -> bool:
