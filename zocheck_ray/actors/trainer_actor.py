@@ -1,9 +1,6 @@
-"""`TrainerActor`: the trainer's Ray actor, in a module that imports nothing but Ray and the standard library.
-
-Ray loads an actor's module before the constructor runs. In a run with a warm standby, the process Ray
-restarts after a loss becomes the next standby and defers its set-up (torch, the model's skeleton) until
-the controller asks it to `prepare`, so that it takes no cores from the promotion running beside it.
-Its constructor's arguments travel unpickled before it runs: they must not import torch either.
+"""`TrainerActor`, the trainer's Ray actor. The module imports only Ray and the standard library: the
+process Ray restarts beside a standby's promotion defers torch and its model until `prepare`, so it
+takes no cores from the promotion (its constructor's arguments must not import torch either).
 """
 
 from __future__ import annotations
@@ -25,21 +22,12 @@ Prepared = Literal["constructor", "prepare", "first use"]
 
 
 RECOVERY_THREADS = 8
-"""A trainer process's numba pool: this many threads, or one per core where it has more cores
-(`size_numba_pool`). Its recovery's replay runs on all of them; its steps' kernels on at most one per core
-(`core.fused.compute_threads`).
-
-The replay's workers claim chunks one at a time, so threads beyond the cores cost nothing where the cores are
-free, and where other processes run on them the replay keeps the share the scheduler gives its threads against
-theirs. A recovery has such neighbours: a promotion, the process Ray restarts (its interpreter and imports) and
-the shadow replaying the same records. One record on 100M parameters, 2 cores, on 2 / 4 / 8 threads: fp32 alone
-0.109 / 0.107 / 0.107 s, beside one busy process 0.157 / 0.138 / 0.122 s; bf16 alone 0.144 / 0.146 / 0.146 s,
-beside it 0.220 / 0.176 / 0.164 s."""
+"""A trainer's numba threads, or one per core where more (`size_numba_pool`). The replay uses them all, to
+keep its share of cores shared with a recovery's neighbours (docs/benchmarks.md); a step uses one per core."""
 
 
 def size_numba_pool() -> None:
-    """`NUMBA_NUM_THREADS` = the larger of `RECOVERY_THREADS` and the CPUs this process may run on, before numba
-    is imported here; where the environment sets it, or numba is already imported, nothing changes."""
+    """`NUMBA_NUM_THREADS` = max(`RECOVERY_THREADS`, this process's CPUs), unless set or numba is loaded."""
     if "numba" in sys.modules or os.environ.get("NUMBA_NUM_THREADS"):
         return
     from zocheck_ray.core.cpus import process_cpus  # the standard library only: the core's names load on first use
@@ -48,21 +36,13 @@ def size_numba_pool() -> None:
 
 
 FOLLOW_WAIT_SECONDS = 2.0
-"""How long one wait of `TrainerActor.follow` for the shadow's next image lasts (it ends within this once the
-standby is promoted)."""
+"""One wait of `TrainerActor.follow` for the shadow's next image (a promotion ends it within this)."""
 
 
 @ray.remote(concurrency_groups={"standby": 1})
 class TrainerActor:
-    """Runs the ZO loop on its GPU (or the CPU) as one rank of the run, or waits as its standby.
-
-    Created as a rank, it recovers (or starts fresh) in its constructor. Restarted by Ray, or created
-    as the standby, it builds its model's skeleton and waits for the controller's `rejoin`; restarted
-    where the run has a standby, it builds only when asked (`prepare`, see the module).
-
-    Every method runs on one thread, in order, except `follow` (a CPU standby copying each new image of
-    the shadow's in while it waits), on a thread of its own: a promotion (`rejoin`) does not queue behind
-    it, and waits only for the copy in progress, if any (it holds `_state` while it copies)."""
+    """One `Trainer`, a rank or the standby. Methods run in order on one thread; `follow` on its own, so a
+    promotion (`rejoin`) waits only for the copy in progress (`_state`)."""
 
     def __init__(self, job: dict, hooks=None, rank: int = 0, standby: bool = False):
         size_numba_pool()  # before anything imports numba in this process
@@ -71,12 +51,9 @@ class TrainerActor:
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._args = (job, hooks, rank, standby or restarted)
         self._trainer: Trainer | None = None
-        self.prepared_by: Prepared | None = None
-        """Which call built the trainer (None: not yet)."""
-        self._state = threading.Lock()
-        """Held while the state is written: a copy of `follow`'s, and a `rejoin`."""
-        self._rejoined = threading.Event()
-        """Set by `rejoin`: a `follow` in progress ends."""
+        self.prepared_by: Prepared | None = None  # which call built the trainer
+        self._state = threading.Lock()  # held while `follow` copies or `rejoin` restores
+        self._rejoined = threading.Event()  # ends a `follow`
         if not (restarted and job.get("standby")):
             self._prepare("constructor")
 
@@ -117,14 +94,13 @@ class TrainerActor:
 
     @ray.method(max_task_retries=-1)  # sent while Ray restarts the process, it waits for the new one
     def prepare(self) -> Prepared:
-        """Build the trainer now, if it is not built (a restarted process the controller made the standby);
-        returns which call built it."""
+        """Build the trainer if not built yet; returns which call built it."""
         self._prepare("prepare")
         return self.prepared_by
 
     @ray.method(max_task_retries=-1)
     def readiness(self) -> Prepared | None:
-        """Which call built the trainer, or None while it waits to be asked (builds nothing)."""
+        """Which call built the trainer; None: not yet."""
         return self.prepared_by
 
     def pid(self) -> int:
@@ -138,8 +114,7 @@ class TrainerActor:
         return self.trainer.run(until_step, durable_next)
 
     def group_address(self, loopback: bool = False) -> tuple[str, int]:
-        """Rank 0: open the ranks' rendezvous on this node's address (127.0.0.1 with `loopback`: every rank
-        is on this node) and return it with the port it listens on."""
+        """Rank 0: open the ranks' rendezvous here (127.0.0.1 with `loopback`); returns address and port."""
         address = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         return address, self.trainer.group.listen(address)
 
@@ -155,39 +130,36 @@ class TrainerActor:
             return self.trainer.rejoin(step, rank)
 
     def preinstall(self) -> int | None:
-        """The standby, while it waits: copy the shadow's newest image in now (see `Trainer.preinstall`)."""
+        """The standby: copy the shadow's newest image in now (`Trainer.preinstall`)."""
         with self._state:
             return self._trainer.preinstall() if self._trainer is not None else None
 
     @ray.method(concurrency_group="standby")
     def follow(self) -> None:
-        """The standby, while it waits on the CPU: copy each image the shadow offers in as soon as it is made
-        (`Trainer.preinstall`), until it is promoted (`rejoin`), so that a promotion finds the newest image
-        held (and replays only the records after it) whenever the failure comes, not only where the controller
-        asked between two of its segments. It ends at once where there is nothing to hold: not built yet, a GPU
-        standby, a process serving a rank."""
+        """The CPU standby: copy in each new image of the shadow's until `rejoin`, so a promotion replays only
+        the records after the newest. Ends at once where nothing is held (unbuilt, GPU, a rank)."""
         trainer, offered = self._trainer, None
         while trainer is not None:
             with self._state:
                 if self._rejoined.is_set() or not trainer.holds_images:
                     return
                 trainer.preinstall()
-                held = trainer.held_image
+                held = trainer.standby.token
             if held is None and offered is not None:
                 return  # an image was offered that cannot be held (one without a name): nothing to follow
             try:  # the next image (the wait is the shadow's: no CPU here), or the end of the wait
-                offered = trainer.shadow.newer_image(held[0] if held else None, FOLLOW_WAIT_SECONDS)
+                offered = trainer.shadow.newer_image(held, FOLLOW_WAIT_SECONDS)
             except ray.exceptions.RayError:  # the shadow is lost or restarting: the controller asks again later
                 return
 
     @ray.method(max_task_retries=-1)
     def held_image(self) -> int | None:
-        """The step of the shadow's image the standby holds (`follow`, `preinstall`); None: none."""
+        """The step of the image the standby holds; None: none."""
         held = self._trainer.held_image if self._trainer is not None else None
         return held[1] if held is not None else None
 
     def export_to_shadow(self) -> int:
-        """Write the state into the shadow's intake (a resync); returns its step."""
+        """A resync: the state into the shadow's intake; returns its step."""
         return self.trainer.export_to_shadow()
 
     def resynced(self, step: int) -> None:
