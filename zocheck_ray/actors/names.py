@@ -167,4 +167,6 @@ def _ask_actor(name: str, namespace: str) -> str:
         return f"not answering within {PROBE_SECONDS:g} s (busy, or being restarted)"
     except ray.exceptions.RayError as exc:
         return f"not answering: {str(exc).splitlines()[0]}"
+    except AttributeError:  # an actor of another kind under the name
+        return "an actor that is not zocheck-ray's (it has no `pid`)"
     return f"ALIVE (pid {pid}, by its own answer: Ray's state API does not answer without a dashboard)"
