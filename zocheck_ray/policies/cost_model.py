@@ -38,7 +38,7 @@ SECONDS_PER_HOUR = 3600.0
 
 
 class PolicyInputError(ZOCheckError, ValueError):
-    """Inputs that are valid one by one but not together (an MTBF shorter than a step)."""
+    """Inputs valid one by one but not together (an MTBF shorter than a step)."""
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
@@ -53,7 +53,7 @@ _OPTIONAL_TIMES = (
 
 
 class Timings(BaseModel):
-    """Measured (or assumed) costs; the first four are the cost model's inputs."""
+    """Measured (or assumed) costs, in seconds."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -66,7 +66,7 @@ class Timings(BaseModel):
     persist_seconds: float
     """T_per: writing one snapshot to durable storage."""
     restart_seconds: float = 0.0
-    """Restarting a failed trainer, or rescheduling the placement group after a host failure."""
+    """Restarting a failed trainer (or rescheduling the placement group after a host failure)."""
     load_seconds: float | None = None
     """Copying a host-memory image into the trainer; None: snapshot_cost_seconds."""
     storage_read_seconds: float | None = None
@@ -130,7 +130,7 @@ class FailureModel(BaseModel):
     mtbf_hours: float
     """Mean time between failures, in hours of training."""
     failure_kind: FailureKind = "software"
-    """`software`: the trainer process dies, the shadow survives; `host`: the node is lost."""
+    """`software`: the trainer process dies; `host`: the node is lost."""
     run_hours: float | None = None
     """Training hours of the whole run (log-only replays from its start); None: one MTBF."""
 
@@ -180,19 +180,19 @@ def _check_positive(value: float, name: str) -> float:
 
 
 def regime(timings: Timings) -> Regime:
-    """`keep-pace` when replay is faster than the GPU step (T_rep < T_gpu), else `lag`."""
+    """`keep-pace` when replay is faster than the GPU step, else `lag`."""
     return "keep-pace" if timings.replay_step_seconds < timings.gpu_step_seconds else "lag"
 
 
 def pacing_bound(timings: Timings) -> float | None:
-    """C_snap / (T_gpu - T_rep): the least N at which snapshots keep the shadow at the trainer's pace; None in lag."""
+    """C_snap / (T_gpu - T_rep): the least N that keeps the shadow at the trainer's pace; None in lag."""
     if regime(timings) == "lag":
         return None
     return timings.snapshot_cost_seconds / (timings.gpu_step_seconds - timings.replay_step_seconds)
 
 
 def persistence_bound(timings: Timings) -> float:
-    """T_per / T_rep: the least N with one snapshot write in flight at a time."""
+    """T_per / T_rep: the least N with one snapshot write in flight."""
     return timings.persist_seconds / timings.replay_step_seconds
 
 
@@ -201,8 +201,8 @@ DEFAULT_STORAGE_SHARE = 0.1
 
 
 def durable_interval(timings: Timings, n: int, storage_share: float = DEFAULT_STORAGE_SHARE) -> int:
-    """Steps between durable snapshots: the smallest multiple of N whose write (T_per) takes at most `storage_share`
-    of the training time; between them the step log is durable on its own."""
+    """Steps between durable snapshots: the smallest multiple of N whose write takes at most `storage_share` of
+    the training time (the step log is durable in between)."""
     n = _check_interval(n)
     _check_positive(storage_share, "storage_share")
     if storage_share > 1:
@@ -212,7 +212,7 @@ def durable_interval(timings: Timings, n: int, storage_share: float = DEFAULT_ST
 
 
 def keep_pace_interval(timings: Timings) -> int:
-    """N*: the smallest N >= 1 meeting both bounds (keep-pace only; a larger N only lengthens recovery)."""
+    """N*: the smallest N >= 1 meeting both bounds (keep-pace only)."""
     pacing = pacing_bound(timings)
     if pacing is None:
         raise PolicyInputError(
@@ -248,8 +248,8 @@ def lag_window_seconds(timings: Timings, failures: FailureModel, lag_bound_steps
 def snapshot_interval(
     timings: Timings, failures: FailureModel | None = None, lag_bound_steps: float | None = None
 ) -> int:
-    """The policy's N in closed form: `keep_pace_interval`; in lag the persistence bound without a failure model,
-    else the fixed point of N = lag_interval(W(L)). `waste.configure` then polishes N on the exact waste."""
+    """The policy's N in closed form (lag with a failure model: the fixed point of N = lag_interval(W(L)));
+    `waste.configure` then polishes it on the exact waste."""
     if regime(timings) == "keep-pace":
         return keep_pace_interval(timings)
     if lag_bound_steps is not None:
@@ -274,7 +274,7 @@ def shadow_step_seconds(timings: Timings, n: int) -> float:
 
 
 def lag_growth_steps_per_second(timings: Timings, n: int) -> float:
-    """r(N) = 1 / T_t - 1 / T_eff: how fast the shadow falls behind, in steps per second (0: it keeps pace)."""
+    """r(N) = 1 / T_t - 1 / T_eff: how fast the shadow falls behind, in steps per second."""
     return max(0.0, 1.0 / timings.trainer_step - 1.0 / shadow_step_seconds(timings, n))
 
 
@@ -286,8 +286,8 @@ def resync_interval_seconds(timings: Timings, n: int, lag_bound_steps: float) ->
 
 
 def optimal_lag_bound_steps(timings: Timings, n: int, failures: FailureModel) -> float | None:
-    """L* = sqrt(2 * M * r(N) * C_copy / T_rec), at least 1: resync copies balanced against the lag replayed
-    after a failure. None when the shadow keeps pace."""
+    """L* = sqrt(2 * M * r(N) * C_copy / T_rec), at least 1: resync copies against the lag replayed after a
+    failure. None when the shadow keeps pace."""
     check_failure_model(timings, failures)
     rate = lag_growth_steps_per_second(timings, n)
     if rate == 0:
@@ -325,8 +325,8 @@ def expected_replay_distance(n: int, delay_steps: float = 1.0) -> float:
 
 
 def keep_pace_recovery_seconds(timings: Timings, n: int, failure_kind: FailureKind = "software") -> float:
-    """Expected recovery after a keep-pace failure: restart, load and replay on the trainer (software), or
-    restart, storage read, replay on the CPU and load (host)."""
+    """Expected recovery after a keep-pace failure (software: restart, load, replay on the trainer; host:
+    restart, storage read, replay on the CPU, load)."""
     distance = expected_replay_distance(n, availability_delay_steps(timings, failure_kind))
     if failure_kind == "software":
         return timings.restart_seconds + timings.load + distance * timings.recovery_replay_step

@@ -3,10 +3,9 @@
     storage = open_storage("s3://bucket/run", {"endpoint_url": "http://127.0.0.1:9000"})
     storage.write_atomic("snapshots/step-000000000010/manifest.json", data)
 
-Local paths, `s3://` (s3fs) and `memory://` (tests) map to one `Storage`. Opening one test-writes
-it, so a bad URL or credential fails before training starts; credentials never appear in a message.
-A local file is written, fsync'd and renamed, with its directory fsync'd; an object appears whole
-or not at all.
+Local paths, `s3://` and `memory://` (tests) map to one `Storage`. Opening one test-writes it, so a
+bad URL or credential fails before training starts. A local file is written, fsync'd and renamed;
+an object appears whole or not at all.
 """
 
 from __future__ import annotations
@@ -61,11 +60,11 @@ def _reason(exc: BaseException) -> str:
 
 
 class Storage(Protocol):
-    """The operations snapshots and the log use; paths are relative to the store's root."""
+    """The operations snapshots and the log use, on paths relative to the store's root."""
 
     url: str
     local: bool
-    """True for a local filesystem (files fsync'd and renamed), else objects are PUT whole."""
+    """True for a local filesystem, False for an object store."""
 
     def url_of(self, rel: str) -> str: ...
     def local_path(self, rel: str) -> str: ...
@@ -88,7 +87,7 @@ class Storage(Protocol):
 
 
 class FsspecStorage:
-    """`Storage` over an fsspec filesystem rooted at `root`; local files use `os` directly."""
+    """`Storage` over an fsspec filesystem; local files use `os` directly."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, local: bool):
         self.fs = fs
@@ -115,7 +114,7 @@ class FsspecStorage:
         return self._path(rel)
 
     def error(self, action: str, rel: str, exc: BaseException) -> StorageError:
-        """A `StorageError` naming the object (never the credentials) and the cause."""
+        """A `StorageError` naming the object and the cause."""
         target = self.url_of(rel)
         if isinstance(exc, StorageError):
             return exc
@@ -148,8 +147,8 @@ class FsspecStorage:
 
     @contextmanager
     def open_write(self, rel: str, durable: bool = True) -> Iterator[BinaryIO]:
-        """A file or object to write; whole and durable on a clean exit, discarded on an error
-        (`durable=False`: locally not yet fsync'd, for `make_durable` to fsync many at once)."""
+        """A file or object to write: whole and durable on a clean exit, discarded on an error (`durable=False`:
+        locally not yet fsync'd, for `make_durable` to fsync many at once)."""
         path = self._path(rel)
         with self.guard("write", rel):
             f = open_local_write(path) if self.local else self.fs.open(path, "wb")
@@ -177,7 +176,7 @@ class FsspecStorage:
             pass
 
     def make_durable(self, rels: list[str]) -> None:
-        """fsync the local files `rels` side by side (one journal commit can serve them all)."""
+        """fsync the local files `rels` side by side."""
         if not self.local or not rels:
             return
 
@@ -197,7 +196,7 @@ class FsspecStorage:
                 future.result()
 
     def rename(self, rel: str, new_rel: str) -> None:
-        """Move a local file or directory (the parent of `new_rel` must exist); local filesystems only."""
+        """Move a local file or directory."""
         if not self.local:
             raise StorageError(f"{self.url} is an object store: objects cannot be renamed")
         with self.guard("rename", rel):
@@ -215,11 +214,8 @@ class FsspecStorage:
             _fsync_dir(os.path.dirname(path))
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
-        """Create `rel` holding `data`, durably, unless it exists; False when it does.
-
-        Of two racers exactly one gets True where the store has an atomic create (a hard link locally,
-        `If-None-Match: *` on S3); where it refuses conditional PUTs (logged once) both may, so a caller
-        that must know reads the object back."""
+        """Create `rel` holding `data`, durably, unless it exists; False when it does. Of two racers exactly one
+        gets True, where the store creates atomically (a hard link locally, `If-None-Match: *` on S3)."""
         path = self._path(rel)
         with self.guard("write", rel):
             if self.local:
@@ -330,13 +326,13 @@ class FsspecStorage:
         # Object stores have no directories: a prefix exists once an object is under it.
 
     def sync_dir(self, rel: str) -> None:
-        """Make a directory's entries (creations, renames, removals) durable; no-op off local disk."""
+        """Make a directory's entries durable (local disk only)."""
         if self.local:
             with self.guard("sync", rel):
                 _fsync_dir(self._path(rel))
 
     def abort_uploads(self, rel: str) -> int:
-        """Abort unfinished multipart uploads under `rel` (left by a killed writer); returns how many."""
+        """Abort unfinished multipart uploads under `rel`; returns how many."""
         if self.local or not hasattr(self.fs, "call_s3"):
             return 0
         bucket, _, prefix = self._path(rel).partition("/")
@@ -439,7 +435,7 @@ def parse_url(url: str | os.PathLike) -> tuple[str, str]:
 
 
 def open_storage(url: str | os.PathLike, storage_options: dict | None = None, *, create: bool = True) -> FsspecStorage:
-    """Open (and with `create`, make and test-write) the store at `url`; raises `StorageError` naming it."""
+    """Open (and with `create`, make and test-write) the store at `url`."""
     scheme, root = parse_url(url)
     shown = redact(os.fspath(url))
     options = dict(storage_options or {})
@@ -471,8 +467,8 @@ _DESCRIPTIONS: dict[str | None, object] = {}
 
 
 def _with_shared_descriptions(s3fs, options: dict) -> dict:
-    """`options` with a botocore session of its own that takes the service descriptions from the process's one
-    loader (parsing them per store costs a start-up); options that name a session are left as they are."""
+    """`options` with a botocore session of its own that takes the service descriptions from one loader per
+    process (parsing them per store costs a start-up)."""
     from aiobotocore.session import AioSession
 
     if "session" in options or not set(options) <= _filesystem_parameters(s3fs.S3FileSystem):
@@ -485,7 +481,7 @@ def _with_shared_descriptions(s3fs, options: dict) -> dict:
 
 @functools.cache
 def _filesystem_parameters(cls) -> frozenset[str]:
-    """The keyword arguments `cls` takes itself; the others go to the botocore session it makes."""
+    """The keyword arguments `cls` takes itself."""
     import inspect
 
     return frozenset(inspect.signature(cls.__init__).parameters)

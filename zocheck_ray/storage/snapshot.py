@@ -4,13 +4,11 @@
     info = store.save(step, state, {"run_id": "r1", "zo_config": config.model_dump(mode="json")})
     tensors, meta = store.load(store.latest())
 
-A snapshot is a directory `snapshots/step-000000001234/` that `from_pretrained` can load
-(`model.safetensors`, sharded the Hugging Face way, `optimizer.safetensors`, `config.json`) plus
+A snapshot is a directory `snapshots/step-000000001234/` that `from_pretrained` can load, plus
 `manifest.json`, which lists every tensor and every file's SHA-256 and is written last: it is the
-commit marker. A directory without one was never committed and is never loaded, and a manifest
-carries its own checksum, so a damaged one is never trusted. Retention deletes the manifest first,
-so a snapshot is uncommitted before any of its files go; locally the files are then deleted in the
-background, and what a crash leaves is removed at the writer's next open.
+commit marker. A directory without one is never loaded, and a manifest carries its own checksum,
+so a damaged one is never trusted. Retention deletes the manifest first, so a snapshot is
+uncommitted before any of its files go.
 """
 
 from __future__ import annotations
@@ -58,7 +56,7 @@ def snapshot_dir(step: int) -> str:
 
 @dataclass(frozen=True)
 class SnapshotInfo:
-    """A committed snapshot: its step, where it is, and its parsed manifest."""
+    """A committed snapshot: its step, its URL and its manifest."""
 
     step: int
     url: str
@@ -70,11 +68,11 @@ class SnapshotInfo:
 
 
 class SnapshotStore:
-    """Snapshots under `<url>/snapshots/`, committed by their manifest, newest `keep` retained.
+    """Snapshots under `<url>/snapshots/`, committed by their manifest, newest `keep` retained; one writer.
 
-    One writer per store. Only a store given the run's held `Lease` removes what killed saves left,
-    since otherwise an uncommitted directory may be another writer's save in flight; it checks the
-    lease before every commit and deletion. `create=False` opens read-only."""
+    Only a store given the run's held `Lease` removes what killed saves left (else an uncommitted
+    directory may be another writer's save in flight), and it checks the lease before every commit
+    and deletion. `create=False` opens read-only."""
 
     def __init__(self, url: str, storage_options: dict | None = None, *, keep: int = 2, create: bool = True,
                  lease: Lease | None = None):
@@ -87,7 +85,6 @@ class SnapshotStore:
         self.url = self.storage.url
         check_lease_for(lease, self.storage)
         self.lease = lease
-        """The run's single-writer lease, when this store is its writer."""
         self._hashers: ThreadPoolExecutor | None = None
         self._deleter: ThreadPoolExecutor | None = None
         self._deletions: list[Future] = []
@@ -111,7 +108,7 @@ class SnapshotStore:
         self.close()
 
     def close(self) -> None:
-        """Wait for the background deletions and stop idle threads; the store stays usable."""
+        """Wait for the background deletions and stop idle threads."""
         self.wait_for_deletions()
         with self._deleter_lock:
             for pool in (self._hashers, self._deleter):
@@ -129,7 +126,7 @@ class SnapshotStore:
     # ------------------------------------------------------------------ listing
 
     def _steps(self) -> list[tuple[int, str]]:
-        """(step, directory) of every snapshot directory, committed or not, newest first."""
+        """(step, directory) of every snapshot directory, newest first."""
         out = []
         for name in self.storage.list_dir(SNAPSHOTS_DIR):
             match = _STEP_DIR.match(name)
@@ -192,11 +189,10 @@ class SnapshotStore:
 
     def save(self, step: int, tensors: Mapping[str, torch.Tensor],
              meta: SnapshotMeta | Mapping[str, Any] | None = None, *, state_hash: str | None = None) -> SnapshotInfo:
-        """Write a snapshot of `tensors` (canonical order) at `step`, commit it, then prune old ones.
+        """Write a snapshot of `tensors` at `step`, commit it, then prune old ones; returns once it is durable.
 
-        Returns once it is durable; a step committed already returns unchanged if the state is the same, and
-        raises otherwise. The tensors must not change meanwhile. `state_hash`: what the caller expects
-        `core.state_hash(tensors)` to be; a mismatch raises `ValueError` and commits nothing."""
+        A step committed already with the same state returns unchanged (with another, raises). The tensors
+        must not change meanwhile. `state_hash`: what the caller expects; a mismatch commits nothing."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if state_hash is not None and (not isinstance(state_hash, str) or not _HEX_SHA256.match(state_hash)):
@@ -246,8 +242,8 @@ class SnapshotStore:
         return SnapshotInfo(step, self.storage.url_of(directory), manifest)
 
     def _remove_torn(self, directory: str) -> None:
-        """Remove a failed save's files at once (on a full disk they would starve the log and the lease), unless the
-        lease is lost or the manifest was written."""
+        """Remove a failed save's files at once (on a full disk they would starve the log and the lease), unless
+        the lease is lost or the manifest was written."""
         if self.lease is not None and not self.lease.held:
             return
         try:
@@ -258,8 +254,8 @@ class SnapshotStore:
 
     def _write_files(self, directory: str, tensors: Mapping[str, torch.Tensor], meta: SnapshotMeta
                      ) -> tuple[dict[str, FileEntry], dict[str, str]]:
-        """Write the snapshot's files durably, each shard hashed from memory beside its write; returns each file's
-        entry and each tensor's file."""
+        """Write the snapshot's files durably, each shard hashed beside its write; returns the file entries and
+        each tensor's file."""
         layout = file_layout(tensors, ADAPTER_KIND if meta.adapter_config is not None else "model")
         files: dict[str, FileEntry] = {}
         pool = self._hash_pool()
@@ -298,8 +294,7 @@ class SnapshotStore:
 
     def load(self, which: SnapshotInfo | int, out: Mapping[str, torch.Tensor] | None = None
              ) -> tuple[dict[str, torch.Tensor], SnapshotMeta]:
-        """The tensors and metadata of a committed snapshot, every hash verified; with `out`, read into those CPU
-        tensors in place. Raises `CorruptSnapshotError` naming the damaged object."""
+        """The tensors and metadata of a committed snapshot, every hash verified; `out`: CPU tensors to read into."""
         info = which if isinstance(which, SnapshotInfo) else self.get(which)
         directory = snapshot_dir(info.step)
         manifest = info.manifest
@@ -423,8 +418,8 @@ class SnapshotStore:
             future.result()
 
     def clean_uncommitted(self) -> list[str]:
-        """Remove what killed saves left (directories without a manifest, temporary files, open uploads); needs the
-        held lease, since an uncommitted directory may be a live writer's save."""
+        """Remove what killed saves left (directories without a manifest, temporary files, open uploads), under
+        the held lease."""
         require_lease(self.lease, self.storage, "remove uncommitted snapshots")
         removed = []
         for _, directory in self._steps():
