@@ -319,10 +319,9 @@ class ReplayStage:
         return image
 
     def snapshot_caught_up(self) -> Image | None:
-        """For a recovering trainer: replay what was received, then snapshot the replica, so that the trainer
-        copies a state and replays nothing. Only where the replica has replayed some records past the newest
-        image; None otherwise, or where it cannot catch up or the image's memory is busy. It takes every
-        thread the replay may use, since the trainer waits for it."""
+        """For a recovering trainer: replay what was received, then snapshot the replica, so that the trainer copies
+        a state and replays nothing; None where the replica replayed nothing past the newest image, cannot catch
+        up, or the image's memory is busy. It takes every replay thread: the trainer waits for it."""
         image = self.ledger.image
         if image is None or self.replayed_step <= image.step or not self.ledger.writable_now():
             return None  # (pinned now: no catch-up whose snapshot could not be taken)
@@ -394,9 +393,8 @@ def scratch_limit(state_bytes: int) -> int:
 
 
 class ProfileScratch:
-    """A copy of the replica's leading parameters (and moments), `scratch_limit` bytes at most, to time replays on.
-    Large tensors are cut along their first dimension (keeping their rank, so their weight decay), and
-    `fraction` scales a timing up to the whole state."""
+    """A copy of the replica's leading parameters, `scratch_limit` bytes at most, to time replays on (large
+    tensors cut along their first dimension, keeping their weight decay); `fraction` scales a timing up."""
 
     def __init__(self, replica: dict[str, torch.Tensor], zo: ZOConfig):
         moments = moment_prefixes(zo.optimizer)
