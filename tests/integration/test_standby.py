@@ -102,6 +102,42 @@ def test_a_lost_trainer_is_replaced_by_the_standby_and_the_restarted_process_sta
     assert_exact(summary, uninterrupted_hashes(job))
 
 
+class StandbyLate(RunCallback):
+    """The first standby builds only once `marker` exists: the loss meets it not ready. After the recovery the
+    marker is made, and the run is held until the next standby has built (waited for as a state)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+        self.reported: list[str] = []
+        """The standby's state in the shadow's metrics after each segment (what `status` shows)."""
+        self.dropped: bool | None = None
+
+    def on_recovery(self, run, recovery):
+        self.dropped = run.group.standby is None  # ended, not promoted, so it leaves the cores to the restart
+        self.marker.write_text("build")
+
+    def on_segment(self, run, segment):
+        self.reported.append(segment.metrics.standby)
+        if self.dropped:
+            assert wait_until(lambda: run.group.standby is not None, timeout=300) or run.group.start_standby()
+            assert wait_until(run.group.prepare_standby, timeout=300)
+
+
+def test_a_loss_before_the_standby_is_ready_ends_it_and_ray_restarts_the_rank(tmp_path):
+    """A standby still building when a rank is lost is not waited for and not promoted: it is ended (its set-up
+    would take the cores from Ray's restart of the lost process), the rank comes back through that restart, and
+    a new standby starts once the run is steady again; the shadow's metrics (`status`) say which it was."""
+    marker = tmp_path / "standby-may-build"
+    job = job_for(tmp_path, standby=True)
+    late = StandbyLate(marker)
+    summary = run(job, fail_at=[8], progress=None, callbacks=[late],
+                  faults=FaultInjection(standby_builds_after=str(marker)))
+    (recovery,) = summary.recoveries
+    assert recovery.replaced_by == "restart" and late.dropped is True
+    assert late.reported[0] == "starting" and late.reported[-1] == "ready"
+    assert_exact(summary, uninterrupted_hashes(job))
+
+
 class ImageHeld(StandbyReady):
     """A `StandbyReady` that, once the run passed `at`, has the standby copy the shadow's image in and waits
     for it (as the controller asks after every segment, without waiting)."""

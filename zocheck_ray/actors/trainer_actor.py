@@ -50,6 +50,7 @@ class TrainerActor:
         self.incarnation = uuid.uuid4().hex  # tells a restarted trainer from the one before
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._args = (job, hooks, rank, standby or restarted)
+        self._created_as_standby = standby
         self._trainer: Trainer | None = None
         self.prepared_by: Prepared | None = None  # which call built the trainer
         self._state = threading.Lock()  # held while `follow` copies or `rejoin` restores
@@ -75,6 +76,7 @@ class TrainerActor:
         from zocheck_ray.config import JobConfig
 
         job, hooks, rank, waits = self._args
+        (hooks or NO_HOOKS).before_build(self._created_as_standby)
         job = JobConfig.model_validate(job)
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
         if job.trainers > 1:  # k ranks on a node share its cores: each uses the CPUs it reserved

@@ -20,6 +20,9 @@ class TrainerHooks(Protocol):
     def after_restore(self) -> None:
         """Called once a restored state is in place, before its records are replayed."""
 
+    def before_build(self, standby: bool) -> None:
+        """Called before a trainer process builds its model (`standby`: it was created as the warm standby)."""
+
 
 class ShadowHooks(Protocol):
     replay_stalled: bool
@@ -39,6 +42,9 @@ class NoHooks:
         pass
 
     def after_restore(self) -> None:
+        pass
+
+    def before_build(self, standby: bool) -> None:
         pass
 
     def after_replay(self, steps: int) -> None:

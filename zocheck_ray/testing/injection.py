@@ -28,6 +28,9 @@ class FaultInjection(BaseModel):
     """Rank -> steps at which the process serving that rank exits, once each."""
     marker_dir: str | None = None
     """Where each exit leaves a marker, so the restarted process does not exit there again."""
+    standby_builds_after: str | None = None
+    """A path: a process created as the standby builds its model only once the file exists (a loss meets a
+    standby that is not ready)."""
 
     @property
     def steps_hooked(self) -> bool:
@@ -45,6 +48,10 @@ class FaultInjection(BaseModel):
         if marker and not os.path.exists(marker):
             open(marker, "w").close()
             os._exit(1)  # die with the image loaded and its records not yet replayed
+
+    def before_build(self, standby: bool) -> None:
+        while standby and self.standby_builds_after and not os.path.exists(self.standby_builds_after):
+            time.sleep(0.05)
 
     def after_replay(self, steps: int) -> None:
         if self.replay_delay_seconds:
