@@ -160,7 +160,8 @@ def _ask_actor(name: str, namespace: str) -> str:
     import ray
 
     try:
-        pid = ray.get(ray.get_actor(name, namespace=namespace).pid.remote(), timeout=PROBE_SECONDS)
+        actor = ray.get_actor(name, namespace=namespace)  # held: a handle dropped mid-call is lost (Ray < 2.5x)
+        pid = ray.get(actor.pid.remote(), timeout=PROBE_SECONDS)
     except ValueError:
         return "unknown to Ray (no actor of that name)"
     except ray.exceptions.GetTimeoutError:
