@@ -16,7 +16,7 @@ is durable. Per run:
   and that over the state's bytes;
 - the peak a run with the startup profile adds to it while the profile lasts: the profile times
   replays on a scratch copy of the state's leading tensors (`runtime.stages.ProfileScratch`: 1/32 of
-  the state, within [64 KiB, 64 MiB]); the runs here set `snapshot_interval`,
+  the state, within [64 KiB, 64 MiB]); the runs here set `shadow.snapshot_interval`,
   so they take no profile;
 - the base model's bytes, for scale.
 
@@ -45,8 +45,9 @@ def _job(model_dir: str, storage: str, data: str, method: str, args):
     peft = {"full": None, "lora": {"method": "lora", "r": args.rank, "target_modules": ["q_proj", "v_proj"]},
             "prefix": {"method": "prefix", "num_virtual_tokens": args.virtual_tokens}}[method]
     return JobConfig.model_validate(dict(
-        model=model_dir, dtype=args.dtype, steps=args.steps, storage=storage, snapshot_interval=2, durable_interval=2,
-        log_interval=2, max_lag_steps=10**6, peft=peft, zo=dict(optimizer="zo-sgd", lr=1e-4, eps=1e-3),
+        model=model_dir, dtype=args.dtype, steps=args.steps, storage=storage,
+        shadow=dict(snapshot_interval=2, max_lag_steps=10**6), durability=dict(durable_interval=2),
+        log_interval=2, peft=peft, zo=dict(optimizer="zo-sgd", lr=1e-4, eps=1e-3),
         task=dict(kind="lm", data_path=data, text_field="text", batch_size=1, max_length=16, eval_size=1,
                   eval_interval=10**9)))
 

@@ -146,14 +146,15 @@ class DurableLink:
         # trainer restarted after an injected failure is the same writer: it reclaims the
         # lease its killed predecessor still held.
         self.lease = Lease(self.log_url, job.storage_options, owner=f"bench-log:{job.run_id}",
-                           lease_seconds=job.lease_seconds).acquire(reclaim=True) if log_writable else None
+                           lease_seconds=job.durability.lease_seconds).acquire(reclaim=True) if log_writable else None
         self.log: StepLog | None = None
         self.timing: dict = {}
         self._next = 0
 
     def _open_log(self, resume_step: int) -> None:
         if self.log_writable:
-            self.log = StepLog(self.log_url, self.job.storage_options, seal_records=self.job.log_seal_records,
+            self.log = StepLog(self.log_url, self.job.storage_options,
+                               seal_records=self.job.durability.log_seal_records,
                                resume_step=resume_step, lease=self.lease)
 
     def borrow_image(self, fresh: bool = False, held: str | None = None):  # a checkpoint: nothing fresher to take

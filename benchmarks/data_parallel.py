@@ -89,8 +89,8 @@ def _run(trainers: int, batch_per_rank: int, steps: int, fail_at: int, model: st
     from zocheck_ray.config import JobConfig
     from zocheck_ray.testing import run_with_faults
 
-    job = JobConfig(model=model, steps=steps, storage=storage, snapshot_interval=snapshot_interval, log_interval=10,
-                    trainers=trainers, run_id=f"dp-bench-k{trainers}-{time.time_ns()}",
+    job = JobConfig(model=model, steps=steps, storage=storage, shadow={"snapshot_interval": snapshot_interval},
+                    log_interval=10, scaling={"trainers": trainers}, run_id=f"dp-bench-k{trainers}-{time.time_ns()}",
                     task={**BENCH_TASK, "batch_size": batch_per_rank * trainers})
     marks: list[tuple[int, float]] = []  # (step, wall clock) at the end of each segment before the failure
 

@@ -119,7 +119,8 @@ def run_with_failures(job: JobConfig, strategy: Strategy, fail_at: list[int], ur
     if any(not 0 < f < job.steps for f in failures):
         raise ValueError(f"fail_at steps must lie in (0, {job.steps}), got {failures}")
     url = url or job.run_url.rstrip("/") + "-" + strategy.slug
-    actor = StrategyActor.options(num_cpus=1, num_gpus=gpus, max_restarts=len(failures) + job.max_restarts).remote(
+    restarts = len(failures) + job.failure.max_restarts
+    actor = StrategyActor.options(num_cpus=1, num_gpus=gpus, max_restarts=restarts).remote(
         job.model_dump(mode="json"), url, strategy.name)
     recoveries = []
     try:

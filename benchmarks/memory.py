@@ -90,8 +90,8 @@ def _strategy_child(spec: dict) -> dict:
     _warm_kernel()
     strategy, steps, storage, every = spec["strategy"], spec["steps"], spec["storage"], spec["every"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    job = JobConfig(model=spec["model"], steps=steps, storage=storage, snapshot_interval=spec["snapshot_interval"],
-                    run_id=f"memory-{strategy}")
+    job = JobConfig(model=spec["model"], steps=steps, storage=storage,
+                    shadow={"snapshot_interval": spec["snapshot_interval"]}, run_id=f"memory-{strategy}")
     started = time.perf_counter()
     model = build_model(job.model, "fp32", seed=0).to(device)
     opt = ZOOptimizer(trainable_parameters(model), job.zo)
@@ -171,8 +171,8 @@ def _shadow_child(spec: dict) -> list[dict]:
         if len(spec["sizes"]) > 1 and not reset_peak():
             raise RuntimeError("the peak resident set cannot be reset here: measure one size per process")
         before = peak_host_bytes()
-        job = JobConfig(model="tiny-opt", zo=zo, snapshot_interval=spec["snapshot_interval"], storage=spec["storage"],
-                        run_id="memory-shadow")
+        job = JobConfig(model="tiny-opt", zo=zo, shadow={"snapshot_interval": spec["snapshot_interval"]},
+                        storage=spec["storage"], run_id="memory-shadow")
         shadow = Shadow(job, threads=1, persist=False)
         shadow.initialize(0, state)
         shadow.push(b"".join(r.to_bytes() for r in records))

@@ -55,7 +55,7 @@ def measure_strategies(model: str = "tiny-opt", steps: int = 2100, intervals: tu
         for strategy in paper_strategies(tuple(intervals)):
             say(f"  {strategy.name}: {steps} steps ...")
             job = bench_job(model=model, steps=steps, storage=directory, run_id=f"overhead-{strategy.slug}",
-                            snapshot_interval=16)
+                            shadow={"snapshot_interval": 16})
             trainer = StrategyTrainer(job, os.path.join(directory, strategy.slug), strategy)
             trainer.run(steps)
             trainer.close()

@@ -117,7 +117,8 @@ def run_scenario(scenario: Scenario, storage: str, every: int = CHECKPOINT_EVERY
     failures = scenario.failures
     job = bench_job(model=scenario.model, steps=failures[-1] + TAIL_STEPS, storage=storage,
                     run_id=f"bench-recovery-{scenario.name}-{uuid.uuid4().hex[:6]}",
-                    snapshot_interval=snapshot_interval, log_interval=log_interval, max_restarts=len(failures) + 2)
+                    shadow={"snapshot_interval": snapshot_interval}, log_interval=log_interval,
+                    failure={"max_restarts": len(failures) + 2})
     say(f"  {scenario.name}: {scenario.params:,} parameters, {job.steps:,} steps, failures at {failures}")
     say("    zocheck ...")
     summary, zocheck = run_zocheck(job, failures)

@@ -150,7 +150,8 @@ def compare_recovery(model: str, params: int, failure_step: int, strategies: lis
         raise ValueError(f"modes {bad}: expected software and/or host")
     run_id = f"bench-compare-{uuid.uuid4().hex[:6]}"
     job = bench_job(model=model, steps=failure_step + 1, storage=storage, run_id=run_id,
-                    snapshot_interval=snapshot_interval, log_interval=log_interval, max_restarts=4)
+                    shadow={"snapshot_interval": snapshot_interval}, log_interval=log_interval,
+                    failure={"max_restarts": 4})
     baselines = [s for s in strategies if s.kind != "zocheck"]
     rows, reference, next_reference = [], None, {}
     url = os.path.join(storage, run_id + "-baselines")

@@ -248,9 +248,10 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: t
     from zocheck_ray.control import RunCallback
     from zocheck_ray.testing import run_with_faults
 
-    job = JobConfig(model=model, dtype=dtype, steps=STEPS, storage=storage, snapshot_interval=SNAPSHOT_INTERVAL, zo=ZO,
-                    durable_interval=3 * SNAPSHOT_INTERVAL, log_interval=LOG_INTERVAL, standby=standby,
-                    run_id=f"scale-{uuid.uuid4().hex[:8]}", task=TASK)
+    job = JobConfig(model=model, dtype=dtype, steps=STEPS, storage=storage,
+                    shadow={"snapshot_interval": SNAPSHOT_INTERVAL}, zo=ZO,
+                    durability={"durable_interval": 3 * SNAPSHOT_INTERVAL}, log_interval=LOG_INTERVAL,
+                    failure={"standby": standby}, run_id=f"scale-{uuid.uuid4().hex[:8]}", task=TASK)
     sampler = MemorySampler().start()
     metrics: list = []
 
@@ -418,7 +419,7 @@ def _row(size, dtype, params, copies, hot, cold, base, footprints) -> dict:
         "recovery_standby_replaced_by": hot["recovery"].replaced_by,
         "recovery_standby_preinstalled": hot["recovery"].preinstalled,
         # where each recovery resumed: the image it was offered and the records after it that it replayed (none
-        # after a recovery snapshot, `JobConfig.recovery_snapshot`)
+        # after a recovery snapshot, `shadow.recovery_snapshot`)
         **{f"recovery_{name}_{key}": getattr(run["recovery"], key)
            for name, run in (("standby", hot), ("restart", cold))
            for key in ("recovered_step", "image_step", "replayed_records")},

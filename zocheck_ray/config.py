@@ -30,10 +30,118 @@ class JobConfigError(ValueError):
     """A job configuration that cannot run; the message names the field or file."""
 
 
-MOVED_FIELDS = {"batch_size": "task.batch_size", "seq_len": "task.max_length", "data_seed": "task.data_seed"}
+MOVED_FIELDS = {
+    "batch_size": "task.batch_size", "seq_len": "task.max_length", "data_seed": "task.data_seed",
+    "shadow_cpus": "shadow.cpus", "shadow_nice": "shadow.nice", "snapshot_interval": "shadow.snapshot_interval",
+    "max_lag_steps": "shadow.max_lag_steps", "recovery_snapshot": "shadow.recovery_snapshot",
+    "durable_interval": "durability.durable_interval", "storage_share": "durability.storage_share",
+    "max_undurable_steps": "durability.max_undurable_steps", "log_seal_records": "durability.log_seal_records",
+    "lease_seconds": "durability.lease_seconds",
+    "max_restarts": "failure.max_restarts", "standby": "failure.standby",
+    "trainers": "scaling.trainers", "placement": "scaling.placement", "use_gpu": "scaling.use_gpu",
+}
 """Fields an older job file may still carry, and where each setting lives now."""
 REMOVED_FIELDS = {"process_template": "Ray starts every process itself; delete the line"}
 """Fields an older job file may still carry that no longer exist, and what to do."""
+
+
+class ShadowSettings(BaseModel):
+    """The shadow actor: its CPUs and priority, how often it snapshots, how far it may lag."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpus: int = Field(1, ge=1)
+    """CPUs reserved for the shadow (its replay threads)."""
+    nice: int = Field(19, ge=0, le=19)
+    """The niceness of the shadow's background work (Linux): its replay and persistence threads and the
+    workers they start (numba's). Ray runs actors' methods at niceness 15 (the trainers' too) and its own
+    threads at 0, and the shadow leaves those as they are, so its `metrics()` (`zocheck-ray status`) and
+    its ingest of the trainers' records answer on a busy node. At 19 replay and persistence yield where
+    the node's CPUs are all busy: the trainers run first, the shadow's pipeline takes what is left (a
+    shadow that falls too far behind is resynced). 0 leaves Ray's niceness as it is."""
+    snapshot_interval: int | None = Field(None, ge=1)
+    """Steps between shadow snapshots; None lets the startup profile choose."""
+    max_lag_steps: int | None = Field(None, ge=1)
+    """Resync the shadow from the trainer when it falls this many steps behind; None: the cost model's
+    bound from the startup profile (64 without one)."""
+    recovery_snapshot: bool = True
+    """A trainer that recovers on the CPU is offered a snapshot of the shadow's replica taken then (the shadow
+    replays the records it lags by, then copies the state once), rather than the newest image and the records
+    after it (each record a pass of the generator over the whole state, several times a copy's work), where the
+    replica has replayed some of those records (it lags by fewer than the trainer would replay) and the image's
+    memory is free (not being persisted or read: a second image would break the shadow's budget); for a
+    promoted standby that holds the newest image already, only where the replica has no record left to replay
+    (else the standby replays the records after the image at once, at its own priority). False:
+    always the newest image and the records after it. A GPU trainer replays its records on the device, faster
+    than the shadow copies the state."""
+
+
+class DurabilitySettings(BaseModel):
+    """What reaches durable storage and when: durable snapshots, the step log, the writer's lease."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    durable_interval: int | None = Field(None, ge=1)
+    """Steps between durable snapshots, a multiple of `shadow.snapshot_interval` (the step log is durable
+    between them); None: chosen by the startup profile from `durability.storage_share`, or every snapshot when
+    `shadow.snapshot_interval` is set."""
+    storage_share: float = Field(0.1, gt=0, le=1)
+    """The most of the run's time the shadow spends writing snapshots to durable storage: the startup profile
+    spaces durable snapshots so that writing one takes at most this share of the steps between them."""
+    max_undurable_steps: int = Field(5000, ge=1)
+    """Fail the run when this many of the trainer's steps are not durable in the step log (storage down
+    or too slow), beyond the `durability.log_seal_records` an object store's open log segment holds by design;
+    a warning comes at a tenth of it. A node lost now would recompute that many steps."""
+    log_seal_records: int = Field(1024, ge=1)
+    """Records per durable log segment. On S3 a segment is uploaded once full (or 60 s old), so a host
+    failure can lose up to this many unsealed records; the trainer recomputes them exactly."""
+    lease_seconds: float = Field(30.0, gt=0)
+    """How long the shadow's single-writer lease on the run's storage lives without renewal (renewed every
+    third of it). A second writer is refused while it is fresh and takes it over once it is stale."""
+
+
+class FailureSettings(BaseModel):
+    """How the run answers a lost process: Ray's restart budget and the warm standby."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_restarts: int = Field(10, ge=0)
+    """How often Ray may restart the trainer or the shadow."""
+    standby: bool = False
+    """Keep a warm standby trainer: a second process beside rank 0 and the shadow, started once the run is
+    steady, with its imports done and its model's skeleton allocated (on the CPU, its pages touched: one more
+    copy of the state in host memory, into which it copies each new image of the shadow's while it waits; on a
+    GPU, a sliver of rank 0's GPU and no device memory until it is needed). A lost trainer is replaced by it
+    at once, without waiting for Ray to restart the process; the process Ray restarts becomes the next
+    standby, and builds only once the promotion is done (its set-up would take cores and memory bandwidth
+    from it)."""
+
+
+class ScalingSettings(BaseModel):
+    """How many trainer ranks, on which devices, placed where."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    trainers: int = Field(1, ge=1)
+    """Data-parallel trainer ranks (one GPU each, or one CPU). Rank r evaluates slice r of each step's global
+    batch (`task.batch_size` rows, which must divide by `scaling.trainers`); the ranks all-gather their loss
+    sums and stay bit-identical replicas, served by one shadow."""
+    placement: Literal["pack", "spread"] = "pack"
+    """Where the ranks go: `pack` puts every rank and the shadow on one node (STRICT_PACK); `spread` keeps
+    rank 0 with the shadow and lets the other ranks go to any node."""
+    use_gpu: Literal["auto", "yes", "no"] = "auto"
+    """Train on a GPU: `auto` uses one when the cluster has one, `yes` requires one."""
+
+
+def retired_field(doc: Mapping[str, Any]) -> str | None:
+    """The one line that refuses an older job file's field (`MOVED_FIELDS`, `REMOVED_FIELDS`), or None."""
+    for old, new in MOVED_FIELDS.items():
+        if old in doc:
+            return f"{old} is no longer a job field: set {new} (one place for each setting)"
+    for old, why in REMOVED_FIELDS.items():
+        if old in doc:
+            return f"{old} is no longer a job field: {why}"
+    return None
 
 
 class JobConfig(BaseModel):
@@ -68,97 +176,41 @@ class JobConfig(BaseModel):
     <storage>/<run_id>. A job submitted with `ray job submit` needs an absolute path or s3://."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """fsspec options for `storage` (e.g. endpoint_url); credentials are never logged."""
-    snapshot_interval: int | None = Field(None, ge=1)
-    """Steps between shadow snapshots; None lets the startup profile choose."""
-    durable_interval: int | None = Field(None, ge=1)
-    """Steps between durable snapshots, a multiple of `snapshot_interval` (the step log is durable between
-    them); None: chosen by the startup profile from `storage_share`, or every snapshot when
-    `snapshot_interval` is set."""
-    storage_share: float = Field(0.1, gt=0, le=1)
-    """The most of the run's time the shadow spends writing snapshots to durable storage: the startup profile
-    spaces durable snapshots so that writing one takes at most this share of the steps between them."""
-    shadow_cpus: int = Field(1, ge=1)
-    """CPUs reserved for the shadow (its replay threads)."""
-    shadow_nice: int = Field(19, ge=0, le=19)
-    """The niceness of the shadow's background work (Linux): its replay and persistence threads and the
-    workers they start (numba's). Ray runs actors' methods at niceness 15 (the trainers' too) and its own
-    threads at 0, and the shadow leaves those as they are, so its `metrics()` (`zocheck-ray status`) and
-    its ingest of the trainers' records answer on a busy node. At 19 replay and persistence yield where
-    the node's CPUs are all busy: the trainers run first, the shadow's pipeline takes what is left (a
-    shadow that falls too far behind is resynced). 0 leaves Ray's niceness as it is."""
-    max_lag_steps: int | None = Field(None, ge=1)
-    """Resync the shadow from the trainer when it falls this many steps behind; None: the cost model's
-    bound from the startup profile (64 without one)."""
-    max_undurable_steps: int = Field(5000, ge=1)
-    """Fail the run when this many of the trainer's steps are not durable in the step log (storage down
-    or too slow), beyond the `log_seal_records` an object store's open log segment holds by design; a
-    warning comes at a tenth of it. A node lost now would recompute that many steps."""
-    use_gpu: Literal["auto", "yes", "no"] = "auto"
-    """Train on a GPU: `auto` uses one when the cluster has one, `yes` requires one."""
+    shadow: ShadowSettings = ShadowSettings()
+    """The shadow (`shadow.cpus`, `shadow.snapshot_interval`, `shadow.max_lag_steps`, ...)."""
+    durability: DurabilitySettings = DurabilitySettings()
+    """Durable snapshots, the step log and the lease (`durability.durable_interval`, `durability.lease_seconds`,
+    ...)."""
+    failure: FailureSettings = FailureSettings()
+    """Restarts and the warm standby (`failure.max_restarts`, `failure.standby`)."""
+    scaling: ScalingSettings = ScalingSettings()
+    """Data-parallel ranks and their placement (`scaling.trainers`, `scaling.placement`, `scaling.use_gpu`)."""
     log_interval: int = Field(10, ge=1)
     """Steps between progress lines (and metric polls)."""
-    max_restarts: int = Field(10, ge=0)
-    """How often Ray may restart the trainer or the shadow."""
-    log_seal_records: int = Field(1024, ge=1)
-    """Records per durable log segment. On S3 a segment is uploaded once full (or 60 s old), so a host
-    failure can lose up to this many unsealed records; the trainer recomputes them exactly."""
-    lease_seconds: float = Field(30.0, gt=0)
-    """How long the shadow's single-writer lease on the run's storage lives without renewal (renewed every
-    third of it). A second writer is refused while it is fresh and takes it over once it is stale."""
     hash_every_step: bool = False
     """Record the trainer's `state_hash` after every step (for verification; costs a hash per step)."""
-    trainers: int = Field(1, ge=1)
-    """Data-parallel trainer ranks (one GPU each, or one CPU). Rank r evaluates slice r of each step's global
-    batch (`task.batch_size` rows, which must divide by `trainers`); the ranks all-gather their loss sums and
-    stay bit-identical replicas, served by one shadow."""
-    standby: bool = False
-    """Keep a warm standby trainer: a second process beside rank 0 and the shadow, started once the run is
-    steady, with its imports done and its model's skeleton allocated (on the CPU, its pages touched: one more
-    copy of the state in host memory, into which it copies each new image of the shadow's while it waits; on a
-    GPU, a sliver of rank 0's GPU and no device memory until it is needed). A lost trainer is replaced by it
-    at once, without waiting for Ray to restart the process; the process Ray restarts becomes the next
-    standby, and builds only once the promotion is done (its set-up would take cores and memory bandwidth
-    from it)."""
-    recovery_snapshot: bool = True
-    """A trainer that recovers on the CPU is offered a snapshot of the shadow's replica taken then (the shadow
-    replays the records it lags by, then copies the state once), rather than the newest image and the records
-    after it (each record a pass of the generator over the whole state, several times a copy's work), where the
-    replica has replayed some of those records (it lags by fewer than the trainer would replay) and the image's
-    memory is free (not being persisted or read: a second image would break the shadow's budget); for a
-    promoted standby that holds the newest image already, only where the replica has no record left to replay
-    (else the standby replays the records after the image at once, at its own priority). False:
-    always the newest image and the records after it. A GPU trainer replays its records on the device, faster
-    than the shadow copies the state."""
-    placement: Literal["pack", "spread"] = "pack"
-    """Where the ranks go: `pack` puts every rank and the shadow on one node (STRICT_PACK); `spread` keeps
-    rank 0 with the shadow and lets the other ranks go to any node."""
 
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for old, new in MOVED_FIELDS.items():
-                if old in data:
-                    raise ValueError(f"{old} is no longer a job field: set {new} (one place for each setting)")
-            for old, why in REMOVED_FIELDS.items():
-                if old in data:
-                    raise ValueError(f"{old} is no longer a job field: {why}")
+        if isinstance(data, dict) and (line := retired_field(data)) is not None:
+            raise ValueError(line)
         return data
 
     @model_validator(mode="after")
     def _durable_interval(self) -> "JobConfig":
-        if self.durable_interval is not None and self.snapshot_interval is not None \
-                and self.durable_interval % self.snapshot_interval:
-            raise ValueError(f"durable_interval={self.durable_interval} is not a multiple of snapshot_interval="
-                             f"{self.snapshot_interval}: a durable snapshot is one of the shadow's snapshots")
+        durable, snapshot = self.durability.durable_interval, self.shadow.snapshot_interval
+        if durable is not None and snapshot is not None and durable % snapshot:
+            raise ValueError(f"durability.durable_interval={durable} is not a multiple of shadow.snapshot_interval="
+                             f"{snapshot}: a durable snapshot is one of the shadow's snapshots")
         return self
 
     @model_validator(mode="after")
     def _batch_divides(self) -> "JobConfig":
-        if self.task.batch_size % self.trainers:
-            raise ValueError(f"task.batch_size={self.task.batch_size} does not divide among trainers={self.trainers} "
-                             "ranks: every rank evaluates an equal slice of the batch; make task.batch_size a "
-                             "multiple of trainers")
+        if self.task.batch_size % self.scaling.trainers:
+            raise ValueError(f"task.batch_size={self.task.batch_size} does not divide among scaling.trainers="
+                             f"{self.scaling.trainers} ranks: every rank evaluates an equal slice of the batch; "
+                             "make task.batch_size a multiple of scaling.trainers")
         return self
 
     @field_validator("model")
@@ -312,6 +364,8 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | None 
     for key, value in fields.items():
         if value is not None:
             _set(doc, key, value)
+    if (line := retired_field(doc)) is not None:  # one line, not pydantic's report
+        raise JobConfigError(line)
     try:
         job = JobConfig.model_validate(doc)
     except ValidationError as exc:

@@ -96,7 +96,7 @@ def undocumented_fields() -> list[str]:
 
 def _sections():
     from zocheck_ray.runtime.messages import ShadowMetrics
-    from zocheck_ray.config import JobConfig
+    from zocheck_ray.config import DurabilitySettings, FailureSettings, JobConfig, ScalingSettings, ShadowSettings
     from zocheck_ray.control.summary import Recovery, RunSummary
     from zocheck_ray.core.config import ZOConfig
     from zocheck_ray.workload.task_config import TaskConfig
@@ -105,6 +105,11 @@ def _sections():
         ("`JobConfig`: the job (YAML file, `--set key=value`)", JobConfig, "", True),
         ("`zo`: the zeroth-order optimizer (`ZOConfig`)", ZOConfig, "zo.", True),
         ("`task`: data, prompt, batches, evaluation (`TaskConfig`)", TaskConfig, "task.", True),
+        ("`shadow`: the shadow's CPUs, snapshots and lag (`ShadowSettings`)", ShadowSettings, "shadow.", True),
+        ("`durability`: durable snapshots, the step log, the lease (`DurabilitySettings`)", DurabilitySettings,
+         "durability.", True),
+        ("`failure`: restarts and the warm standby (`FailureSettings`)", FailureSettings, "failure.", True),
+        ("`scaling`: data-parallel ranks and placement (`ScalingSettings`)", ScalingSettings, "scaling.", True),
         ("Shadow metrics (`ShadowMetrics`: `zocheck-ray status`, Prometheus gauges `ray_zocheck_shadow_*`)",
          ShadowMetrics, "", False),
         ("Run summary (`RunSummary`: `zocheck_ray.run(...)`, `zocheck-ray train --json`)", RunSummary, "", False),

@@ -140,7 +140,7 @@ def train(args: argparse.Namespace) -> int:
     try:
         fail_at = args.fail_at
         if fail_at is None:
-            first_allowed = 1 if job.snapshot_interval else profile_steps(job) + 1
+            first_allowed = 1 if job.shadow.snapshot_interval else profile_steps(job) + 1
             fail_at = default_failures(job.steps, first_allowed) if embedded else []
         verify = embedded if args.verify is None else args.verify
         if embedded:

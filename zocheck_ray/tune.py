@@ -122,13 +122,13 @@ def check_pointer(pointer: CheckpointPointer, storage_options: dict) -> None:
 
 def trial_resources(job: JobConfig, gpus: int = 0):
     """One trial's placement-group factory: controller, trainer (`gpus` GPUs), shadow, further ranks;
-    STRICT_PACK, or PACK with `placement: spread`."""
+    STRICT_PACK, or PACK with `scaling.placement: spread`."""
     from ray.tune import PlacementGroupFactory
 
     from zocheck_ray.control.placement import job_bundles
 
     return PlacementGroupFactory([TRAINABLE_BUNDLE, *job_bundles(job, gpus)],
-                                 strategy="STRICT_PACK" if job.placement == "pack" else "PACK")
+                                 strategy="STRICT_PACK" if job.scaling.placement == "pack" else "PACK")
 
 
 def check_cluster_fits_a_trial(job: JobConfig, gpus: int, nodes: list[dict]) -> None:
@@ -143,19 +143,19 @@ def check_cluster_fits_a_trial(job: JobConfig, gpus: int, nodes: list[dict]) -> 
     have_cpus, have_gpus = largest.get("CPU", 0), largest.get("GPU", 0)
     wanted = f"{need['CPU']:g} CPUs" + (f" and {need['GPU']:g} GPU" if need["GPU"] else "")
     fixes = []
-    if job.shadow_cpus > 1 and have_cpus >= 3:
-        fixes.append(f"lower shadow_cpus to {max(1, int(have_cpus) - 2)} (--set shadow_cpus=N)")
-    elif job.shadow_cpus > 1:
-        fixes.append("lower shadow_cpus (--set shadow_cpus=1)")
+    if job.shadow.cpus > 1 and have_cpus >= 3:
+        fixes.append(f"lower shadow.cpus to {max(1, int(have_cpus) - 2)} (--set shadow.cpus=N)")
+    elif job.shadow.cpus > 1:
+        fixes.append("lower shadow.cpus (--set shadow.cpus=1)")
     if have_cpus < need["CPU"]:
         fixes.append(f"give Ray {need['CPU']:g} logical CPUs on a node (a local instance: zocheck-ray tune "
                      f"--num-cpus {need['CPU']:g}, or ray.init(num_cpus={need['CPU']:g}); a cluster node: "
                      f"ray start --num-cpus={need['CPU']:g})")
     if need["GPU"] and have_gpus < need["GPU"]:
-        fixes.append("add a node with a GPU, or set use_gpu=no")
+        fixes.append("add a node with a GPU, or set scaling.use_gpu=no")
     raise TrialResourcesError(
         f"a trial needs {wanted} on one node (its controller 1 CPU, the trainer 1 CPU"
-        + (f" and {need['GPU']:g} GPU" if need["GPU"] else "") + f", the shadow shadow_cpus={job.shadow_cpus}), "
+        + (f" and {need['GPU']:g} GPU" if need["GPU"] else "") + f", the shadow shadow.cpus={job.shadow.cpus}), "
         f"but the largest node of this Ray cluster has {have_cpus:g} CPUs"
         + (f" and {have_gpus:g} GPUs" if need["GPU"] else "")
         + " and Tune would leave every trial PENDING: " + "; or ".join(fixes))
@@ -276,7 +276,8 @@ def sweep(job: JobConfig, grid: dict[str, list], *, tune_storage: str | None = N
         from zocheck_ray.actors.names import NAMESPACE
 
         ray.init(namespace=NAMESPACE, log_to_driver=False)
-    gpus = 1 if job.use_gpu == "yes" or (job.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1) else 0
+    use_gpu = job.scaling.use_gpu
+    gpus = 1 if use_gpu == "yes" or (use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1) else 0
     check_cluster_fits_a_trial(job, gpus, ray.nodes())
     trainable = tune.with_resources(tune.with_parameters(train_trial, job=_absolute(job), callbacks=list(callbacks)), trial_resources(job, gpus))
     tuner = tune.Tuner(
@@ -396,6 +397,6 @@ def register(commands) -> None:
     p.add_argument("--address", help="Ray cluster address (default: start a local one)")
     p.add_argument("--num-cpus", type=int, metavar="N",
                    help="logical CPUs of the local Ray instance (default: the machine's cores); a trial needs "
-                        "2 + shadow_cpus on one node")
+                        "2 + shadow.cpus on one node")
     p.add_argument("--json", metavar="FILE", help="write one row per trial as JSON")
     p.set_defaults(func=tune_command)

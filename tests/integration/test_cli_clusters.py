@@ -115,9 +115,9 @@ def test_train_says_which_cluster_it_joined_and_why(head, tmp_path, how):
     if how == "RAY_ADDRESS":
         env["RAY_ADDRESS"] = head["gcs"]
     # more shadow CPUs than the head has: refused once connected, before any actor starts
-    out = cli(env, "train", "--steps", "10", "--storage", str(tmp_path / "runs"), "--set", "shadow_cpus=8")
+    out = cli(env, "train", "--steps", "10", "--storage", str(tmp_path / "runs"), "--set", "shadow.cpus=8")
     assert out.returncode == 2, out.stdout + out.stderr
-    assert "shadow_cpus=8 plus one trainer CPU exceed the largest node" in out.stderr
+    assert "shadow.cpus=8 plus one trainer CPU exceed the largest node" in out.stderr
     if how == "RAY_ADDRESS":  # (Ray names the cluster by the node's address, not 127.0.0.1)
         port = head["gcs"].rsplit(":", 1)[1]
         assert re.search(rf"^  ray: joined the cluster at \S+:{port} \(RAY_ADDRESS\)$", out.stdout, re.M), out.stdout

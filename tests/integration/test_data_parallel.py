@@ -30,7 +30,7 @@ STEPS = 24
 
 
 def dp_job(tmp_path, trainers=2, **kw):
-    fields = dict(trainers=trainers, steps=STEPS, task=dict(batch_size=6, max_length=32, eval_size=16,
+    fields = dict(scaling={"trainers": trainers}, steps=STEPS, task=dict(batch_size=6, max_length=32, eval_size=16,
                                                             eval_interval=10))
     fields.update(kw)
     return job_for(tmp_path, **fields)
@@ -43,8 +43,8 @@ def assert_replicas_exact(summary, job, verify=True):
     assert summary.step_hashes
     for step, digest in summary.step_hashes.items():
         assert digest == expected[step], f"state after step {step} differs"
-    assert summary.trainers == job.trainers
-    assert summary.rank_state_hashes == [expected[STEPS]] * job.trainers
+    assert summary.trainers == job.scaling.trainers
+    assert summary.rank_state_hashes == [expected[STEPS]] * job.scaling.trainers
     assert not [w for w in summary.warnings if "differs" in w]
     if verify:
         verification = verify_run(job, summary)  # the durable log, replayed, meets every hashed step: no gap
@@ -52,16 +52,16 @@ def assert_replicas_exact(summary, job, verify=True):
 
 
 def test_bad_input_fails_before_any_actor(tmp_path):
-    with pytest.raises(JobConfigError, match="trainers"):
-        load_job_config(overrides=["trainers=0"])
-    with pytest.raises(JobConfigError, match="task.batch_size=4 does not divide among trainers=3"):
-        load_job_config(overrides=["trainers=3", "task.batch_size=4"])
-    with pytest.raises(JobConfigError, match="placement"):
-        load_job_config(overrides=["trainers=2", "placement=everywhere"])
-    with pytest.raises(JobConfigError, match="trainers=6 with placement=pack"):
+    with pytest.raises(JobConfigError, match="scaling.trainers"):
+        load_job_config(overrides=["scaling.trainers=0"])
+    with pytest.raises(JobConfigError, match="task.batch_size=4 does not divide among scaling.trainers=3"):
+        load_job_config(overrides=["scaling.trainers=3", "task.batch_size=4"])
+    with pytest.raises(JobConfigError, match="scaling.placement"):
+        load_job_config(overrides=["scaling.trainers=2", "scaling.placement=everywhere"])
+    with pytest.raises(JobConfigError, match="scaling.trainers=6 with scaling.placement=pack"):
         run(dp_job(tmp_path, trainers=6), progress=None)
-    with pytest.raises(JobConfigError, match="trainers=6 plus shadow_cpus=1 need 7 CPUs"):
-        run(dp_job(tmp_path, trainers=6, placement="spread"), progress=None)
+    with pytest.raises(JobConfigError, match="scaling.trainers=6 plus shadow.cpus=1 need 7 CPUs"):
+        run(dp_job(tmp_path, scaling={"trainers": 6, "placement": "spread"}), progress=None)
     with pytest.raises(JobConfigError, match="fail_rank=2"):
         run(dp_job(tmp_path), fail_at=[10], fail_rank=2, progress=None)
     assert not ray.util.list_named_actors(all_namespaces=True)
@@ -69,11 +69,11 @@ def test_bad_input_fails_before_any_actor(tmp_path):
 
 def test_a_lost_rank_is_restarted_within_the_failure_budget():
     job = dp_job("/tmp")
-    budget = FailureBudget(job.max_restarts)
+    budget = FailureBudget(job.failure.max_restarts)
     failure = Failure("trainer_lost", 12, "injected", mode="software", ranks=(1,))
-    assert all(decide(failure, job, budget).action is Action.RESTART for _ in range(job.max_restarts))
+    assert all(decide(failure, job, budget).action is Action.RESTART for _ in range(job.failure.max_restarts))
     decision = decide(failure, job, budget)
-    assert decision.action is Action.FAIL and "max_restarts" in decision.reason
+    assert decision.action is Action.FAIL and "failure.max_restarts" in decision.reason
 
 
 @pytest.mark.ray_range
@@ -134,10 +134,10 @@ def test_a_tune_trial_reserves_every_rank_and_the_shadow():
     from zocheck_ray.config import JobConfig
     from zocheck_ray.tune import trial_resources
 
-    pgf = trial_resources(JobConfig(trainers=3, shadow_cpus=2, task=dict(batch_size=6)), gpus=1)
+    pgf = trial_resources(JobConfig(scaling={"trainers": 3}, shadow={"cpus": 2}, task=dict(batch_size=6)), gpus=1)
     assert pgf.strategy == "STRICT_PACK"
     assert pgf.bundles == [{"CPU": 1}, {"CPU": 1, "GPU": 1}, {"CPU": 2}, {"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}]
-    assert trial_resources(JobConfig(trainers=2, placement="spread")).strategy == "PACK"
+    assert trial_resources(JobConfig(scaling={"trainers": 2, "placement": "spread"})).strategy == "PACK"
 
 
 def test_a_holding_rank_keeps_records_until_durable_and_delivers_what_the_shadow_lacks():

@@ -28,7 +28,7 @@ def cluster():
 
 
 def spread_job(tmp_path):
-    return job_for(tmp_path, trainers=2, placement="spread", steps=STEPS,
+    return job_for(tmp_path, scaling={"trainers": 2, "placement": "spread"}, steps=STEPS,
                    task=dict(batch_size=6, max_length=32, eval_size=16, eval_interval=10))
 
 

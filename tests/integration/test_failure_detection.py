@@ -114,7 +114,7 @@ class StandbyBuilt(RunCallback):
 def test_a_lost_trainer_is_seen_and_replaced_by_the_standby_exactly(slow_death_info_ray, tmp_path):
     """A whole run: its trainer dies at step 13, the state API says so, the standby is promoted, and the run
     ends equal to the uninterrupted one (no call to the dead process is waited on: that wait is ten minutes)."""
-    job = job_for(tmp_path, standby=True)
+    job = job_for(tmp_path, failure={"standby": True})
     summary = run_with_faults(job, fail_at=[13], progress=None, callbacks=[StandbyBuilt()])
     (recovery,) = summary.recoveries
     assert recovery.failed_at_step == 13 and recovery.replaced_by == "standby"

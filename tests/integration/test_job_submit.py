@@ -43,7 +43,7 @@ ENV_BIN = Path(sys.executable).parent
 ENTRYPOINT = ["python3", "-m", "zocheck_ray"]  # as the README writes it
 ENDLESS_STEPS = 10**7  # a job that only ends when stopped: the test reads its status while it runs
 JOB_ARGS = ["--set", "task.batch_size=4", "--set", "task.max_length=32", "--set", "task.eval_interval=10",
-            "--set", "snapshot_interval=5", "--set", "log_interval=5"]
+            "--set", "shadow.snapshot_interval=5", "--set", "log_interval=5"]
 ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
 STOP_GRACE_SECONDS = 120
 """How long `ray job stop` waits after its SIGTERM before SIGKILL (Ray's default: 3 s)."""

@@ -43,8 +43,9 @@ def lose_trainer_node(c: Cluster, job: JobConfig, lost: list):
 def test_node_loss_rebuilds_the_pair_from_durable_storage(cluster, s3_bucket):
     c, _ = cluster
     root, options = s3_bucket
-    job = JobConfig.model_validate(dict(steps=STEPS, storage=root, storage_options=options, snapshot_interval=8,
-                                        log_interval=6, hash_every_step=True, zo=dict(lr=2e-3, eps=1e-3),
+    job = JobConfig.model_validate(dict(steps=STEPS, storage=root, storage_options=options,
+                                        shadow={"snapshot_interval": 8}, log_interval=6, hash_every_step=True,
+                                        zo=dict(lr=2e-3, eps=1e-3),
                                         task=SMALL_TASK))
     lost: list = []
     summary = run(job, fail_at=[21], fail_mode="host", progress=None, kill_node=lose_trainer_node(c, job, lost))

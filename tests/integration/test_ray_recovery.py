@@ -86,10 +86,11 @@ class Settled(RunCallback):
 
 def test_a_failure_before_the_first_snapshot_and_during_recovery_itself(tmp_path):
     """Lost before the shadow's first snapshot, and the first recovery attempt dies too, with the image copied.
-    The shadow catches its replica up and snapshots it for the recovering trainer (`recovery_snapshot`), which
+    The shadow catches its replica up and snapshots it for the recovering trainer (`shadow.recovery_snapshot`), which
     copies it and replays nothing. The path without (the initial image and every record since, the attempt
     dying with them not replayed): test_standby's promotion tests, which turn it off."""
-    job = job_for(tmp_path, optimizer="sparse-mezo", snapshot_interval=1000)  # records carry per-tensor thresholds
+    # records carry per-tensor thresholds
+    job = job_for(tmp_path, optimizer="sparse-mezo", shadow={"snapshot_interval": 1000})
     summary = run(job, fail_at=[13], progress=None, callbacks=[Settled()],
                   faults=FaultInjection(crash_in_recovery_marker=str(tmp_path / "crashed")))
     assert (tmp_path / "crashed").exists()  # the first recovery attempt died
@@ -104,21 +105,21 @@ def test_a_failure_before_the_first_snapshot_and_during_recovery_itself(tmp_path
 def test_a_shadow_that_cannot_keep_up_is_resynced_and_recovery_stays_exact(tmp_path):
     # The shadow replays nothing by itself: at every poll (every 12 steps) it lags 12 steps, more than 2,
     # however fast or slow the trainer is; only the resyncs move its replica.
-    job = job_for(tmp_path, max_lag_steps=2, log_interval=12,
+    job = job_for(tmp_path, shadow={"max_lag_steps": 2}, log_interval=12,
                   task=dict(batch_size=1, max_length=16, eval_size=4, eval_interval=1000))
     summary = run(job, fail_at=[25], progress=None, faults=FaultInjection(replay_stalled=True))
     assert summary.metrics.resync_count >= 1
     assert summary.resyncs and all("lags more than 2 steps" in why for _, why in summary.resyncs)
-    assert summary.lag_samples and all(lag <= job.max_lag_steps for _, lag in summary.lag_samples)
+    assert summary.lag_samples and all(lag <= job.shadow.max_lag_steps for _, lag in summary.lag_samples)
     assert_exact(summary, uninterrupted_hashes(job))
 
 
 def test_a_config_that_cannot_run_fails_before_any_actor(tmp_path):
-    with pytest.raises(JobConfigError, match="shadow_cpus"):
-        run(job_for(tmp_path, shadow_cpus=64), progress=None)
+    with pytest.raises(JobConfigError, match=r"shadow\.cpus=64 plus one trainer CPU exceed the largest node"):
+        run(job_for(tmp_path, shadow={"cpus": 64}), progress=None)
     if not torch.cuda.is_available():  # where there is a GPU, use_gpu="yes" is a valid job
-        with pytest.raises(JobConfigError, match="use_gpu"):
-            run(job_for(tmp_path, use_gpu="yes"), progress=None)
+        with pytest.raises(JobConfigError, match=r"scaling\.use_gpu=yes but no node"):
+            run(job_for(tmp_path, scaling={"use_gpu": "yes"}), progress=None)
     with pytest.raises(JobConfigError, match="model"):
         load_job_config(overrides=["model=no-such-model"])
     with pytest.raises(ValueError, match="unsupported storage URL scheme 'ftp' in ftp://nowhere/runs"):
@@ -128,7 +129,7 @@ def test_a_config_that_cannot_run_fails_before_any_actor(tmp_path):
     with pytest.raises(JobConfigError, match="storage="):
         run(job_for(tmp_path, storage=str(blocker)), progress=None)
     with pytest.raises(JobConfigError, match="fail_at step 3 falls in the startup profile"):
-        run(job_for(tmp_path, snapshot_interval=None), fail_at=[3], progress=None)
+        run(job_for(tmp_path, shadow={"snapshot_interval": None}), fail_at=[3], progress=None)
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True)]
 
 
@@ -161,7 +162,8 @@ def sampled_run(tmp_path_factory):
     from zocheck_ray.actors.names import NAMESPACE, shadow_name, trainer_name
     from zocheck_ray.cli import main
 
-    job = job_for(tmp_path_factory.mktemp("sampled"), hash_every_step=False, max_lag_steps=1000, shadow_cpus=2)
+    job = job_for(tmp_path_factory.mktemp("sampled"), hash_every_step=False,
+                  shadow={"max_lag_steps": 1000, "cpus": 2})
     samples, threads = [], []
 
     def sample(progress, metrics):
@@ -214,7 +216,7 @@ def test_metrics_are_consistent_after_a_run(sampled_run):
 def test_only_the_shadows_pipeline_runs_at_shadow_nice(sampled_run):
     """Replay and persistence (and the workers they start) yield the CPU to the trainer; the threads that
     answer `metrics()` and take in pushes keep Ray's niceness (15 for an actor's methods, 0 for Ray's own)."""
-    nice = sampled_run["job"].shadow_nice
+    nice = sampled_run["job"].shadow.nice
     assert nice == 19
     for seen in sampled_run["threads"]:
         trainer = {n for _, n in seen["trainer"]}

@@ -51,7 +51,7 @@ def test_a_killed_shadow_comes_back_from_storage_and_the_trainer_fills_it_in(tmp
 
 def test_an_s3_endpoint_stopped_and_restarted_mid_run_ends_durable_and_exact(tmp_path, private_s3):
     job = job_for(tmp_path, storage=f"s3://{private_s3.new_bucket()}/runs", storage_options=private_s3.options(),
-                  log_seal_records=4)
+                  durability={"log_seal_records": 4})
     events = []
 
     def outage(progress, metrics):
@@ -200,7 +200,7 @@ def test_a_paused_s3_endpoint_never_holds_up_ingest_and_durability_catches_up(tm
     server = PausableS3()
     try:
         job = job_for(tmp_path, storage=f"s3://{server.new_bucket()}/runs", storage_options=server.options(),
-                      log_seal_records=4)
+                      durability={"log_seal_records": 4})
         seen = {}
 
         def pause(progress, metrics):
@@ -231,7 +231,7 @@ def test_a_paused_s3_endpoint_never_holds_up_ingest_and_durability_catches_up(tm
 
 def test_storage_gone_for_good_fails_the_run_with_a_clear_error(tmp_path, private_s3):
     job = job_for(tmp_path, storage=f"s3://{private_s3.new_bucket()}/runs", storage_options=private_s3.options(),
-                  max_undurable_steps=8, log_seal_records=4, hash_every_step=False)
+                  durability={"max_undurable_steps": 8, "log_seal_records": 4}, hash_every_step=False)
 
     stopped = []
 
@@ -243,7 +243,8 @@ def test_storage_gone_for_good_fails_the_run_with_a_clear_error(tmp_path, privat
             assert wait_until(lambda: shadow_metrics(job).persist_failures > 0, timeout=180)
 
     # the store's own error, not the open segment (4 records on S3 by design) counted as behind
-    with pytest.raises(RunFailedError, match=r"not durable in s3://.*last storage error: (?!none).*max_undurable_steps=8"):
+    with pytest.raises(RunFailedError, match=r"not durable in s3://.*last storage error: (?!none)"
+                                             r".*durability\.max_undurable_steps=8"):
         run(job, progress=None, on_segment=outage)
     assert not ray.util.list_named_actors(all_namespaces=True)  # nothing left running
 
@@ -256,7 +257,8 @@ def test_verify_proves_the_run_after_a_failure_and_collected_log_segments(tmp_pa
     root, options = (str(tmp_path), {}) if storage == "local" else request.getfixturevalue("s3_bucket")
     # the host failure in ZO-Adam: the shadow rebuilds both moments from durable storage
     optimizer = "zo-adam" if fail_mode == "host" else "zo-sgd"
-    job = job_for(tmp_path, optimizer, storage=root, storage_options=options, log_seal_records=4)
+    job = job_for(tmp_path, optimizer, storage=root, storage_options=options,
+                  durability={"log_seal_records": 4})
     summary = run(job, fail_at=[21], fail_mode=fail_mode, progress=None)
     if fail_mode == "host":  # both processes lost: the pair comes back from durable storage
         (recovery,) = summary.recoveries
@@ -340,7 +342,7 @@ def test_a_trainer_then_a_shadow_lost_while_durability_lags_recover_from_the_dur
     try:
         # No log segment is sealed (uploaded) but by a drain: the durable state is the last durable snapshot.
         job = job_for(tmp_path, storage=f"s3://{server.new_bucket()}/runs", storage_options=server.options(),
-                      log_seal_records=1000, lease_seconds=300)  # no pause outlasts the lease
+                      durability={"log_seal_records": 1000, "lease_seconds": 300})  # no pause outlasts the lease
         # Mid-run: paused at 12, the trainer dies at 19, the shadow at 24; the next check finds the records
         # lost. At the end: paused at 18 (the steps trained again), the trainer dies at 31, the shadow after
         # the last segment (36); the final drain finds the records lost.
@@ -391,7 +393,7 @@ class FillTheDisk(RunCallback):
         m = run.shadow.metrics()
         lease = lease_of(run.job)
         if "(ENOSPC)" in (m.persist_error or "") and m.durable_log_step == step - 1 \
-                and lease.heartbeat_unix > self.filled_unix + run.job.lease_seconds:
+                and lease.heartbeat_unix > self.filled_unix + run.job.durability.lease_seconds:
             self.seen = (m, lease)
         return self.seen is not None
 
@@ -404,7 +406,7 @@ def lease_of(job):
 
 
 def test_a_full_disk_is_reported_as_such_keeps_the_log_and_the_lease_and_the_run_ends_exact(small_disk, tmp_path):
-    job = job_for(tmp_path, storage=str(small_disk.path / "runs"), lease_seconds=6)
+    job = job_for(tmp_path, storage=str(small_disk.path / "runs"), durability={"lease_seconds": 6})
     disk = FillTheDisk(small_disk, fill_at=12)
     lines = []
     summary = run(job, progress=lines.append, callbacks=[disk])

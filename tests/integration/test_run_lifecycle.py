@@ -31,8 +31,8 @@ def profiled_job(tmp_path, steps: int) -> JobConfig:
 
 
 def test_a_failed_run_has_released_its_lease(tmp_path):
-    job = job_for(tmp_path, steps=12, max_restarts=0)
-    with pytest.raises(RunFailedError, match="more than max_restarts=0"):
+    job = job_for(tmp_path, steps=12, failure={"max_restarts": 0})
+    with pytest.raises(RunFailedError, match="more than failure.max_restarts=0"):
         run(job, fail_at=[5], progress=None)
     lease = lease_of(job)
     assert lease is not None and lease.released

@@ -13,7 +13,7 @@ from zocheck_ray.storage import SnapshotStore, read_log
 
 @pytest.fixture
 def job(tmp_path):
-    return JobConfig(storage=str(tmp_path), snapshot_interval=4, zo=dict(lr=1e-3, eps=1e-3))
+    return JobConfig(storage=str(tmp_path), shadow={"snapshot_interval": 4}, zo=dict(lr=1e-3, eps=1e-3))
 
 
 def test_a_record_refused_in_the_middle_of_a_batch_leaves_exactly_the_accepted_ones_in_the_log(job):
@@ -102,7 +102,7 @@ def test_a_publisher_reports_a_gap_it_cannot_fill():
 def test_a_storage_outage_is_reported_retried_and_leaves_no_gap(private_s3, job):
     bucket = private_s3.new_bucket()
     job = job.model_copy(update=dict(storage=f"s3://{bucket}/runs", storage_options=private_s3.options(),
-                                     log_seal_records=4))
+                                     durability=job.durability.model_copy(update={"log_seal_records": 4})))
     initial, opt, records = trained(job, 12)
     shadow = Shadow(job)
     try:

@@ -85,7 +85,7 @@ def test_a_lost_trainer_is_replaced_by_the_standby_and_the_restarted_process_sta
     """The standby dies first, before any promotion (Ray restarts it: a standby again); then two trainers
     are lost, each replaced by the standby of the moment: the restarted one, then the process Ray restarted
     after the first loss, which meanwhile held each new image of the shadow's."""
-    job = job_for(tmp_path, standby=True)
+    job = job_for(tmp_path, failure={"standby": True})
     ready = FollowsImages(at=18, kill_at=6)
     summary = run(job, fail_at=[13, 25], progress=None, callbacks=[ready])
     assert ready.killed is not None and ready.followed is not None
@@ -128,7 +128,7 @@ def test_a_loss_before_the_standby_is_ready_ends_it_and_ray_restarts_the_rank(tm
     would take the cores from Ray's restart of the lost process), the rank comes back through that restart, and
     a new standby starts once the run is steady again; the shadow's metrics (`status`) say which it was."""
     marker = tmp_path / "standby-may-build"
-    job = job_for(tmp_path, standby=True)
+    job = job_for(tmp_path, failure={"standby": True})
     late = StandbyLate(marker)
     summary = run(job, fail_at=[8], progress=None, callbacks=[late],
                   faults=FaultInjection(standby_builds_after=str(marker)))
@@ -155,8 +155,9 @@ class ImageHeld(StandbyReady):
 def test_a_standby_that_holds_the_offered_image_replays_only_the_records_and_ends_exact(tmp_path):
     # One image in the run before the failure (the initial state's, step 0): the one the standby copied in
     # while it waited is the one the promotion is offered, whichever step the shadow has reached (no snapshot
-    # taken for the recovery: `recovery_snapshot=False`).
-    job = job_for(tmp_path, standby=True, optimizer="zo-adam", snapshot_interval=36, recovery_snapshot=False)
+    # taken for the recovery: `shadow.recovery_snapshot=False`).
+    job = job_for(tmp_path, failure={"standby": True}, optimizer="zo-adam",
+                  shadow={"snapshot_interval": 36, "recovery_snapshot": False})
     held = ImageHeld(at=4)
     summary = run(job, fail_at=[13], progress=None, callbacks=[held])
     assert held.held == 0
@@ -173,7 +174,7 @@ def test_a_standby_that_holds_the_offered_image_replays_only_the_records_and_end
 def test_a_standby_lost_during_its_promotion_ends_exact(tmp_path):
     # offered the newest image and the records after it (no snapshot taken for the recovery: the replica's is
     # test_ray_recovery's test_a_failure_before_the_first_snapshot_and_during_recovery_itself)
-    job = job_for(tmp_path, standby=True, optimizer="zo-adam", recovery_snapshot=False)
+    job = job_for(tmp_path, failure={"standby": True}, optimizer="zo-adam", shadow={"recovery_snapshot": False})
     marker = tmp_path / "crashed"
     summary = run(job, fail_at=[13], progress=None, callbacks=[StandbyReady()],
                   faults=FaultInjection(crash_in_recovery_marker=str(marker)))
@@ -193,7 +194,8 @@ def test_the_actors_modules_and_the_trainers_arguments_load_neither_torch_nor_th
 
     arguments = tmp_path / "arguments.pkl"
     arguments.write_bytes(ray.cloudpickle.dumps(
-        (job_for(tmp_path, standby=True).model_dump(mode="json"), FaultInjection(die_at={0: [13]}, marker_dir=str(tmp_path)))))
+        (job_for(tmp_path, failure={"standby": True}).model_dump(mode="json"),
+         FaultInjection(die_at={0: [13]}, marker_dir=str(tmp_path)))))
     code = ("import pickle, sys, zocheck_ray.actors.trainer_actor, zocheck_ray.actors.shadow_actor; "
             f"job, hooks = pickle.loads(open({str(arguments)!r}, 'rb').read()); assert hooks.die_at == {{0: [13]}}; "
             "print(sorted(m for m in sys.modules if m in ('torch', 'transformers', 'numba', 'zocheck_ray.config', "

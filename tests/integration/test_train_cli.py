@@ -68,6 +68,17 @@ def test_moved_fields_say_where_they_live(tmp_path):
         load_job_config(config)
 
 
+def test_an_old_flat_field_is_refused_by_train_with_one_line(tmp_path, capsys):
+    err = refused(tmp_path, capsys, "shadow_cpus=2")
+    assert err == \
+        "zocheck-ray train: shadow_cpus is no longer a job field: set shadow.cpus (one place for each setting)\n"
+    config = tmp_path / "old.yaml"
+    config.write_text("steps: 10\nstandby: true\n")
+    assert main(["train", "--config", str(config), "--storage", str(tmp_path / "runs")]) == 2
+    assert capsys.readouterr().err == \
+        "zocheck-ray train: standby is no longer a job field: set failure.standby (one place for each setting)\n"
+
+
 def test_controller_refuses_a_bad_task_before_ray(tmp_path, without_local_ray):
     path = write_jsonl(tmp_path / "rows.jsonl", ROWS + [{"sentence": "so so", "label": 7}])
     job = JobConfig(task={"data_path": path, "eval_size": 2}, storage=str(tmp_path / "runs"))

@@ -38,7 +38,8 @@ RAY_CPUS = 6
 @slow_fixture(scope="module")  # a two-trial sweep with a restored trial
 def results(tmp_path_factory, local_ray):
     root = tmp_path_factory.mktemp("tune")
-    job = JobConfig(run_id="sweep", steps=STEPS, snapshot_interval=4, log_interval=4, storage=str(root / "runs"),
+    job = JobConfig(run_id="sweep", steps=STEPS, shadow={"snapshot_interval": 4}, log_interval=4,
+                    storage=str(root / "runs"),
                     task={**SMALL_TASK, "eval_interval": 8}, zo={"lr": LRS[0], "eps": 1e-3})
     fail_second = FailTrialOnce(FAIL_AT, marker_dir=str(root), matches=lambda trial: trial.zo.lr == LRS[1])
     grid = sweep(job, {"zo.lr": LRS}, callbacks=[fail_second], tune_storage=str(root / "tune"),
@@ -144,7 +145,7 @@ def test_pointer_round_trip_holds_no_credentials(tmp_path):
 
 
 def test_trial_reserves_controller_trainer_and_shadow_on_one_node():
-    job = JobConfig(shadow_cpus=6)
+    job = JobConfig(shadow={"cpus": 6})
     pgf = trial_resources(job, gpus=1)
     assert pgf.strategy == "STRICT_PACK"
     assert pgf.bundles == [{"CPU": 1}, {"CPU": 1, "GPU": 1}, {"CPU": 6}]
@@ -181,26 +182,26 @@ def node(cpus: float, gpus: float = 0, alive: bool = True) -> dict:
 
 
 def test_a_two_cpu_machine_is_told_what_a_trial_is_missing_and_how_to_fix_it():
-    job = JobConfig(shadow_cpus=1)
+    job = JobConfig(shadow={"cpus": 1})
     with pytest.raises(TrialResourcesError) as error:
         check_cluster_fits_a_trial(job, 0, [node(2)])
     message = str(error.value)
-    assert "needs 3 CPUs on one node" in message and "shadow_cpus=1" in message
+    assert "needs 3 CPUs on one node" in message and "shadow.cpus=1" in message
     assert "has 2 CPUs" in message and "PENDING" in message
     assert "--num-cpus 3" in message and "ray start --num-cpus=3" in message
-    assert "lower shadow_cpus" not in message  # already the least
+    assert "lower shadow.cpus" not in message  # already the least
 
 
 def test_a_trial_must_fit_on_one_node_not_across_nodes():
-    job = JobConfig(shadow_cpus=4)
+    job = JobConfig(shadow={"cpus": 4})
     check_cluster_fits_a_trial(job, 0, [node(2), node(6)])
     with pytest.raises(TrialResourcesError, match="needs 6 CPUs on one node") as error:
         check_cluster_fits_a_trial(job, 0, [node(4), node(4), node(8, alive=False)])
-    assert "lower shadow_cpus to 2" in str(error.value)
+    assert "lower shadow.cpus to 2 (--set shadow.cpus=N)" in str(error.value)
 
 
 def test_a_gpu_trial_needs_the_gpu_on_the_node_with_the_cpus():
-    job = JobConfig(shadow_cpus=2)
+    job = JobConfig(shadow={"cpus": 2})
     check_cluster_fits_a_trial(job, 1, [node(4, gpus=1)])
     with pytest.raises(TrialResourcesError, match="4 CPUs and 1 GPU") as error:
         check_cluster_fits_a_trial(job, 1, [node(16), node(2, gpus=1)])
@@ -209,7 +210,7 @@ def test_a_gpu_trial_needs_the_gpu_on_the_node_with_the_cpus():
 
 def test_a_sweep_that_cannot_place_a_trial_fails_before_starting_it(results):
     job, _ = results  # the module's 6-CPU cluster
-    too_big = JobConfig(**{**job.model_dump(), "run_id": "too-big", "shadow_cpus": 8})
+    too_big = JobConfig(**{**job.model_dump(), "run_id": "too-big", "shadow": {"cpus": 8}})
     with pytest.raises(TrialResourcesError, match="needs 10 CPUs on one node.*has 6 CPUs"):
         sweep(too_big, {"zo.lr": LRS}, tune_storage=str(Path(job.storage).parent / "tune-too-big"))
 

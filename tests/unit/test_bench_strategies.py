@@ -12,7 +12,7 @@ from zocheck_ray.storage import SnapshotStore, read_log
 
 def _job(tmp_path, name):
     return bench_job(model="tiny-opt", steps=20, storage=str(tmp_path), run_id=f"strategies-{name}",
-                     snapshot_interval=4)
+                     shadow={"snapshot_interval": 4})
 
 
 @pytest.fixture(scope="module")

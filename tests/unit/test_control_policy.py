@@ -18,29 +18,30 @@ EXPECTED = {
 
 @pytest.fixture
 def job(tmp_path):
-    return JobConfig(storage=str(tmp_path), max_restarts=2)
+    return JobConfig(storage=str(tmp_path), failure={"max_restarts": 2})
 
 
 def test_every_kind_of_failure_has_its_row(job):
     assert set(EXPECTED) == set(typing.get_args(FailureKind))
     for kind, action in EXPECTED.items():
-        decision = decide(Failure(kind, 7, f"the {kind} detail", ranks=(0,)), job, FailureBudget(job.max_restarts))
+        decision = decide(Failure(kind, 7, f"the {kind} detail", ranks=(0,)), job,
+                          FailureBudget(job.failure.max_restarts))
         assert decision.action is action, kind
         assert decision.reason, kind
 
 
 def test_lost_trainers_spend_the_budget_and_the_one_too_many_fails_the_run_naming_max_restarts(job):
-    budget = FailureBudget(job.max_restarts)
+    budget = FailureBudget(job.failure.max_restarts)
     lost = Failure("trainer_lost", 3, "the process exited", mode="software", ranks=(1,))
     assert [decide(lost, job, budget).action for _ in range(2)] == [Action.RESTART, Action.RESTART]
     assert "rank 1" in decide(Failure("trainer_lost", 4, "", ranks=(1,)), job, FailureBudget(5)).reason
     final = decide(lost, job, budget)
-    assert final.action is Action.FAIL and "max_restarts=2" in final.reason and budget.spent == 3
+    assert final.action is Action.FAIL and "failure.max_restarts=2" in final.reason and budget.spent == 3
 
 
 def test_a_failed_storage_decision_names_the_storage_and_how_to_resume(job):
     reason = decide(Failure("durability_stalled", 9, "no durable step for 40 steps"), job,
-                    FailureBudget(job.max_restarts)).reason
+                    FailureBudget(job.failure.max_restarts)).reason
     assert job.run_url in reason and "no durable step for 40 steps" in reason
     assert decide(Failure("shadow_lag", 9, ""), job, FailureBudget(0)).action is Action.RESYNC  # spends nothing
 

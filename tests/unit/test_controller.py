@@ -82,7 +82,7 @@ class FakeGroup:
 
     def __init__(self, job: JobConfig, shadow: FakeShadow):
         self.job, self.shadow = job, shadow
-        self.k = job.trainers
+        self.k = job.scaling.trainers
         self.step = 0
         self.times = StepTimes([0.0] * self.k, [0] * self.k)
         self.durable_next = None
@@ -181,8 +181,8 @@ class FakeTask:
 
 
 def controller(tmp_path, stop: StopRequest | None = None, **fields) -> tuple[Controller, FakeParts]:
-    job = JobConfig(run_id="unit", steps=STEPS, log_interval=5, snapshot_interval=4, storage=str(tmp_path),
-                    **fields)
+    shadow = {"snapshot_interval": 4, **fields.pop("shadow", {})}
+    job = JobConfig(run_id="unit", steps=STEPS, log_interval=5, shadow=shadow, storage=str(tmp_path), **fields)
     parts = FakeParts(job)
     return Controller(job, FakeTask(), parts, stop=stop), parts
 
@@ -211,15 +211,15 @@ def test_a_lost_rank_is_restarted_and_the_run_goes_on(tmp_path):
 
 
 def test_more_lost_trainers_than_max_restarts_fail_the_run_and_say_what_to_do(tmp_path):
-    run, parts = controller(tmp_path, max_restarts=1)
+    run, parts = controller(tmp_path, failure={"max_restarts": 1})
     parts.group.lose_at.update({3: (0,), 12: (0,)})
-    with pytest.raises(RunFailedError, match="more than max_restarts=1: raise it"):
+    with pytest.raises(RunFailedError, match="more than failure.max_restarts=1: raise it"):
         run.run()
     assert len(parts.group.recovered) == 1 and states(run)[-1] == "failed" and parts.stopped
 
 
 def test_a_shadow_beyond_the_lag_bound_is_resynced(tmp_path):
-    run, parts = controller(tmp_path, max_lag_steps=2)
+    run, parts = controller(tmp_path, shadow={"max_lag_steps": 2})
     original = parts.group.run
 
     def lagging(target, step):
@@ -242,7 +242,7 @@ def test_a_replay_that_stopped_is_resynced(tmp_path):
 
 
 def test_records_no_process_holds_mid_run_restore_every_rank_without_spending_the_budget(tmp_path):
-    run, parts = controller(tmp_path, max_restarts=0)
+    run, parts = controller(tmp_path, failure={"max_restarts": 0})
     parts.group.gap_at.add(10)
     summary = run.run()
     assert [f.kind for f in parts.group.recovered] == ["records_lost"] and run.budget.spent == 0
@@ -250,7 +250,7 @@ def test_records_no_process_holds_mid_run_restore_every_rank_without_spending_th
 
 
 def test_records_no_process_holds_in_the_final_drain_restore_and_train_those_steps_again(tmp_path):
-    run, parts = controller(tmp_path, max_restarts=0)
+    run, parts = controller(tmp_path, failure={"max_restarts": 0})
     parts.group.records_lost_in_drain = True
     summary = run.run()
     assert [f.kind for f in parts.group.recovered] == ["records_lost"]
@@ -289,7 +289,7 @@ def test_a_lost_node_restarts_the_trainer_and_the_shadow_rebuilt_from_storage(tm
     ("shadow", "the shadow cannot be restarted"),
 ])
 def test_what_cannot_go_on_fails_the_run_with_what_to_do_and_ends_every_process(tmp_path, fault, message):
-    run, parts = controller(tmp_path, max_undurable_steps=3)
+    run, parts = controller(tmp_path, durability={"max_undurable_steps": 3})
     if fault == "durability":
         parts.shadow.undurable = 4
     elif fault == "writer":

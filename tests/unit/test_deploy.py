@@ -247,7 +247,7 @@ def test_rayjob_entrypoint_runs_an_example_config_that_validates(rayjob):
     assert models_mount(head) == models_mount(worker)
     job, apart = entrypoint_job(shlex.split(spec["entrypoint"]), model_root=models_mount(head))
     assert apart["model"].startswith("/models/")
-    assert job.use_gpu == "yes"
+    assert job.scaling.use_gpu == "yes"
     assert job.storage.startswith("s3://")
     assert_no_credentials_in_options(job, "RayJob entrypoint")
 
@@ -264,7 +264,7 @@ def test_gpu_worker_group_fits_trainer_and_shadow_on_one_node(rayjob):
     assert limits == requests, "guaranteed resources: what Ray is told is what the pod has"
     ray_cpus, ray_gpus = int(params["num-cpus"]), int(params["num-gpus"])
     assert ray_gpus >= 1 and quantity(limits["nvidia.com/gpu"]) >= ray_gpus
-    assert ray_cpus >= 1 + job.shadow_cpus, "trainer (1 CPU) + shadow (shadow_cpus) in one STRICT_PACK group"
+    assert ray_cpus >= 1 + job.shadow.cpus, "trainer (1 CPU) + shadow (shadow.cpus) in one STRICT_PACK group"
     assert quantity(limits["cpu"]) >= ray_cpus
     store = quantity(params["object-store-memory"])
     assert store + 32 * 2**30 <= quantity(limits["memory"]), "room for the replica and the processes beside the store"
@@ -307,7 +307,7 @@ def test_cluster_yaml_places_trainer_and_shadow_on_a_gpu_worker(cluster):
     gpu_types = [t for t in types.values() if t["resources"].get("GPU", 0) >= 1]
     assert gpu_types, "a GPU worker type"
     for node_type in gpu_types:
-        assert node_type["resources"]["CPU"] >= 1 + gpu_job.shadow_cpus
+        assert node_type["resources"]["CPU"] >= 1 + gpu_job.shadow.cpus
         assert node_type["min_workers"] >= 1
     head_port = re.search(r"--port=(\d+)", " ".join(cluster["head_start_ray_commands"])).group(1)
     assert f"$RAY_HEAD_IP:{head_port}" in " ".join(cluster["worker_start_ray_commands"])

@@ -174,7 +174,8 @@ def test_a_squad_run_with_a_prefix_adapter_reports_f1_at_every_eval_interval_and
     """The trainer evaluates the held-out rows (greedy answers through peft's prefix model) at step 0, every
     eval_interval steps and the last; a software failure in between changes no hash."""
     job = load_job_config(overrides=[
-        f"storage={tmp_path / 'run'}", "steps=5", "snapshot_interval=2", "durable_interval=2", "log_interval=2",
+        f"storage={tmp_path / 'run'}", "steps=5", "shadow.snapshot_interval=2", "durability.durable_interval=2",
+        "log_interval=2",
         "hash_every_step=true", "task.kind=squad", f"task.data_path={write(tmp_path, 'squad', 'jsonl')}",
         "task.batch_size=2", "task.max_length=48", "task.eval_size=2", "task.eval_interval=2", "task.k_shot=8",
         "peft.method=prefix", "peft.num_virtual_tokens=2", "zo.lr=1e-2", "zo.eps=1e-2"])

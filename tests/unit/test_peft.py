@@ -79,7 +79,8 @@ def test_adapter_steps_replay_exactly(optimizer, method, dtype):
 
 
 def peft_job(tmp_path, method="lora", **kw):
-    fields = dict(steps=10, storage=str(tmp_path), snapshot_interval=5, durable_interval=5, hash_every_step=True,
+    fields = dict(steps=10, storage=str(tmp_path), shadow=dict(snapshot_interval=5),
+                  durability=dict(durable_interval=5), hash_every_step=True,
                   zo=dict(optimizer="zo-adam", lr=5e-3, eps=1e-2), peft=METHODS[method].model_dump(), task=TASK)
     fields.update(kw)
     return JobConfig.model_validate(fields)

@@ -37,8 +37,8 @@ def corpus(tmp_path_factory):
 
 def job_for(tmp_path, corpus, optimizer, adapter, dtype) -> JobConfig:
     return JobConfig.model_validate(dict(
-        steps=STEPS, storage=str(tmp_path), snapshot_interval=2, durable_interval=4, log_interval=4,
-        hash_every_step=True, max_lag_steps=1000, dtype=dtype, peft=ADAPTERS[adapter],
+        steps=STEPS, storage=str(tmp_path), shadow=dict(snapshot_interval=2, max_lag_steps=1000),
+        durability=dict(durable_interval=4), log_interval=4, hash_every_step=True, dtype=dtype, peft=ADAPTERS[adapter],
         zo=dict(optimizer=optimizer, lr=5e-3, eps=1e-2, weight_decay=0.05, sparsity=0.5),
         task=dict(kind="lm", data_path=corpus, text_field="text", batch_size=2, max_length=16, eval_size=1,
                   eval_interval=1000)))

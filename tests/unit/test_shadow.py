@@ -14,7 +14,7 @@ from zocheck_ray.workload.models import trainable_parameters
 
 @pytest.fixture
 def job(tmp_path):
-    return JobConfig(storage=str(tmp_path), snapshot_interval=4, zo=dict(lr=1e-3, eps=1e-3))
+    return JobConfig(storage=str(tmp_path), shadow={"snapshot_interval": 4}, zo=dict(lr=1e-3, eps=1e-3))
 
 
 def test_records_from_the_past_or_the_future_are_rejected_and_never_applied(job):

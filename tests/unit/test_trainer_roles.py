@@ -24,8 +24,8 @@ def job(tmp_path):
     corpus = tmp_path / "rows.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"row {i} of a small corpus"}) for i in range(8)) + "\n")
     return JobConfig.model_validate(dict(
-        steps=6, storage=str(tmp_path / "run"), snapshot_interval=2, durable_interval=4, log_interval=2,
-        max_lag_steps=1000, zo=dict(lr=5e-3, eps=1e-2),
+        steps=6, storage=str(tmp_path / "run"), shadow=dict(snapshot_interval=2, max_lag_steps=1000),
+        durability=dict(durable_interval=4), log_interval=2, zo=dict(lr=5e-3, eps=1e-2),
         task=dict(kind="lm", data_path=str(corpus), text_field="text", batch_size=2, max_length=16, eval_size=1,
                   eval_interval=1000)))
 
@@ -77,7 +77,7 @@ def test_a_waiting_trainer_trains_only_after_it_rejoins(job):
 
 def test_a_failed_gather_tears_a_rank_until_it_rejoins(job):
     # Rank 0 of two, in no process group: its first gather fails mid-perturbation.
-    job = job.model_copy(update={"trainers": 2})
+    job = job.model_copy(update={"scaling": job.scaling.model_copy(update={"trainers": 2})})
     shadow = Shadow(job)
     hooks = SeesRoles()
     rank = Trainer(job, InProcessLink(shadow), hooks=hooks)

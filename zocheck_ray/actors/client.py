@@ -67,7 +67,7 @@ class ShadowClient:
         return self._call(lambda: self.actor.pid.remote())
 
     def kill(self) -> None:
-        """Kill the shadow's process as a fault would (Ray restarts it, up to `max_restarts`)."""
+        """Kill the shadow's process as a fault would (Ray restarts it, up to `failure.max_restarts`)."""
         ray.kill(self.actor, no_restart=False)
 
     def close(self, timeout: float) -> tuple[bool, str | None]:

@@ -39,9 +39,9 @@ class ShadowActor:
             from zocheck_ray.config import JobConfig
 
             self.job = JobConfig.model_validate(job)
-            # replay and persistence run at `shadow_nice`; Ray's threads and the actor's methods do not
+            # replay and persistence run at `shadow.nice`; Ray's threads and the actor's methods do not
             self.shadow = Shadow(self.job, threads=threads, hooks=hooks or NO_HOOKS,
-                                 writer=shadow_writer(self.job.run_id), nice=self.job.shadow_nice)
+                                 writer=shadow_writer(self.job.run_id), nice=self.job.shadow.nice)
         self._gauges = None
 
     @ray.method(concurrency_group="control")

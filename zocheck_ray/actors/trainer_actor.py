@@ -55,7 +55,7 @@ class TrainerActor:
         self.prepared_by: Prepared | None = None  # which call built the trainer
         self._state = threading.Lock()  # held while `follow` copies or `rejoin` restores
         self._rejoined = threading.Event()  # ends a `follow`
-        if not (restarted and job.get("standby")):
+        if not (restarted and job.get("failure", {}).get("standby")):
             self._prepare("constructor")
 
     def _prepare(self, by: Prepared) -> None:
@@ -79,7 +79,7 @@ class TrainerActor:
         (hooks or NO_HOOKS).before_build(self._created_as_standby)
         job = JobConfig.model_validate(job)
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
-        if job.trainers > 1:  # k ranks on a node share its cores: each uses the CPUs it reserved
+        if job.scaling.trainers > 1:  # k ranks on a node share its cores: each uses the CPUs it reserved
             import numba
 
             cpus = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))

@@ -95,9 +95,9 @@ class ProgressPrinter(RunCallback):
                  f"storage {job.run_url}")
         self.say(f"  task {task.config.kind}: {task.n_train} training rows, {task.n_eval} held-out rows "
                  f"({task.metric}), batch {task.config.batch_size}, {task.tokenizer.describe()}")
-        if job.trainers > 1:
-            self.say(f"  {job.trainers} data-parallel ranks ({job.placement}), batch slices of "
-                     f"{job.task.batch_size // job.trainers} rows, gloo process group formed")
+        if job.scaling.trainers > 1:
+            self.say(f"  {job.scaling.trainers} data-parallel ranks ({job.scaling.placement}), batch slices of "
+                     f"{job.task.batch_size // job.scaling.trainers} rows, gloo process group formed")
         if started.source != "fresh":
             self.say(f"  resumed from the {started.source} image at step {started.step}")
 
@@ -124,7 +124,7 @@ class ProgressPrinter(RunCallback):
 
     def on_recovery(self, run, r):
         if r.cause == "records_lost":
-            who = "every rank" if run.job.trainers > 1 else "the trainer"
+            who = "every rank" if run.job.scaling.trainers > 1 else "the trainer"
             self.say(f"  the trainer and the shadow were lost one after the other before steps {r.recovered_step}.."
                      f"{r.failed_at_step - 1} were durable (a host failure in two steps): {who} restored at step "
                      f"{r.recovered_step} from the {r.image_source} image of step {r.image_step or 0} "
@@ -132,7 +132,7 @@ class ProgressPrinter(RunCallback):
             return
         via = {"standby": "the standby took its place", "restart": "Ray restarted its process",
                "torn": "no process was lost"}[r.replaced_by]
-        who = f"rank {r.rank}" if run.job.trainers > 1 else "trainer"
+        who = f"rank {r.rank}" if run.job.scaling.trainers > 1 else "trainer"
         self.say(f"  {who} lost at step {r.failed_at_step} ({r.mode}); {via}; recovered at step {r.recovered_step} "
                  f"from the {r.image_source} image of step {r.image_step or 0} ({r.replayed_records} records "
                  f"replayed) in {r.seconds:.2f} s")
@@ -230,7 +230,7 @@ class RunRecord(RunCallback):
             eval_seconds=self.eval_seconds, shadow_restarts=run.monitor.shadow_restarts,
             resent_records=resent_records, resyncs=self.resyncs, warnings=self.warnings,
             states=self.states + ["done"], kernel=kernel or (self.last.kernel if self.last else None),
-            trainers=job.trainers,
+            trainers=job.scaling.trainers,
             profile_check={name: {"profiled_seconds": p, "steady_seconds": s, "ratio": s / p}
                            for name, (p, s) in self.profile_pairs(metrics).items()},
             rank_state_hashes=rank_hashes,

@@ -85,15 +85,15 @@ class Controller:
         self.failure: Failure | None = None
         self.resync_reason = ""
         self.error: str | None = None
-        self.budget = FailureBudget(job.max_restarts)
+        self.budget = FailureBudget(job.failure.max_restarts)
         self.monitor = Monitor(job)
-        self.max_lag_steps = job.max_lag_steps or DEFAULT_MAX_LAG_STEPS
+        self.max_lag_steps = job.shadow.max_lag_steps or DEFAULT_MAX_LAG_STEPS
         self.summary: RunSummary | None = None
 
     def run(self) -> RunSummary:
         self.stop.describe_now = lambda: (f"at step {self.step}, without waiting: the durable state under "
                                           f"{self.job.run_url} resumes the run once its lease goes stale "
-                                          f"({self.job.lease_seconds:g} s)")
+                                          f"({self.job.durability.lease_seconds:g} s)")
         try:
             self._drive()
         except RunStopped as now:  # a second signal: nothing more is waited for
@@ -139,7 +139,8 @@ class Controller:
         self.monitor.shadow_incarnation = self._metrics().incarnation
         self._emit("on_start", started)
         # A resumed run with fewer steps left than the profile takes keeps the shadow's default interval.
-        profiled = self.job.snapshot_interval is None and self.job.steps - self.step >= profile_steps(self.job)
+        profiled = self.job.shadow.snapshot_interval is None \
+            and self.job.steps - self.step >= profile_steps(self.job)
         return State.PROFILING if profiled else State.RUNNING
 
     def _profile(self) -> State:
@@ -149,7 +150,7 @@ class Controller:
             return self._fail(Failure("drain_failed", self.step, f"the startup profile's snapshot could not be "
                                       f"made durable: {exc}"))
         self.step += report.training_steps
-        if self.job.max_lag_steps is None and report.plan.lag_bound_steps:
+        if self.job.shadow.max_lag_steps is None and report.plan.lag_bound_steps:
             self.max_lag_steps = max(1, int(report.plan.lag_bound_steps))
         self._emit("on_profile", report)
         return State.RUNNING
@@ -160,7 +161,7 @@ class Controller:
             self.record.absorb(self, progress)
         if failure is not None:
             raise RunFailedError(f"a trainer was lost during the startup profile ({failure.detail}); run again, or "
-                                 "set snapshot_interval to skip the profile")
+                                 "set shadow.snapshot_interval to skip the profile")
         return results[0]
 
     def _running(self) -> State:
@@ -323,9 +324,10 @@ class Controller:
         if graceful and not released and self.shadow is not None and self.writer is not None and gone:
             try:
                 released = release_dead_holder(self.job.run_url, self.job.storage_options, owner=self.writer,
-                                               lease_seconds=self.job.lease_seconds)
+                                               lease_seconds=self.job.durability.lease_seconds)
             except (StorageError, LeaseError) as exc:
-                self.warn(f"the run's lease could not be released (it goes stale in {self.job.lease_seconds:g} s): "
+                self.warn(f"the run's lease could not be released (it goes stale in "
+                          f"{self.job.durability.lease_seconds:g} s): "
                           f"{exc}")
         return released
 

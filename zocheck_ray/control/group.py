@@ -40,7 +40,7 @@ class TrainerGroup:
 
     def __init__(self, job: JobConfig, ranks: list, start_standby: Callable[[str], object] | None = None):
         self.job = job
-        self.k = job.trainers
+        self.k = job.scaling.trainers
         self.ranks = list(ranks)
         self.names = [trainer_name(job.run_id, r) for r in range(self.k)]
         self.standby_name = trainer_name(job.run_id, "standby")
@@ -173,7 +173,7 @@ class TrainerGroup:
 
     def form(self) -> None:
         """(Re-)form the ranks' gloo process group on a fresh port of rank 0's."""
-        address, port = ray.get(self.leader.group_address.remote(self.job.placement == "pack"))
+        address, port = ray.get(self.leader.group_address.remote(self.job.scaling.placement == "pack"))
         ray.get([rank.join_group.remote(address, port) for rank in self.ranks])
 
     # ------------------------------------------------------------------ training

@@ -17,9 +17,10 @@ class Monitor:
         self.shadow_incarnation: str | None = None
         self.shadow_restarts = 0
         self._warned_durability = False
-        # On an object store a log segment is uploaded once it holds `log_seal_records` records (or is 60 s old):
-        # that many steps are not durable by design, and do not count against `max_undurable_steps`.
-        self.seal_window = 0 if parse_url(job.run_url)[0] == "file" else job.log_seal_records
+        # On an object store a log segment is uploaded once it holds `durability.log_seal_records` records (or is
+        # 60 s old): that many steps are not durable by design, and do not count against
+        # `durability.max_undurable_steps`.
+        self.seal_window = 0 if parse_url(job.run_url)[0] == "file" else job.durability.log_seal_records
 
     def check(self, run: Controller, m: ShadowMetrics, progress: TrainerProgress) -> Failure | None:
         """What the segment's metrics say is wrong, if anything; warnings go to `run.warn`."""
@@ -42,17 +43,18 @@ class Monitor:
     def _durability(self, run: Controller, m: ShadowMetrics) -> Failure | None:
         job = self.job
         behind = m.undurable_steps - self.seal_window  # beyond what an object store's open segment holds by design
-        if behind > job.max_undurable_steps:
+        if behind > job.durability.max_undurable_steps:
             return Failure("durability_stalled", run.step,
                            f"{m.undurable_steps} steps are not durable in {job.run_url} (last storage error: "
                            f"{m.persist_error or 'none; storage is too slow'})")
-        if (behind > job.max_undurable_steps // 10 or m.persist_error) and not self._warned_durability:
+        if (behind > job.durability.max_undurable_steps // 10 or m.persist_error) and not self._warned_durability:
             self._warned_durability = True
             run.warn(f"durability is behind: {m.undurable_steps} steps not in the durable log of {job.run_url}, "
                      f"its newest durable snapshot of step {m.durable_step}, {m.persist_failures} failed writes "
                      f"(last: {m.persist_error or 'none'}); the run fails beyond "
-                     f"{job.max_undurable_steps + self.seal_window} steps not in the log")
-        elif self._warned_durability and not m.persist_error and behind <= job.max_undurable_steps // 10:
+                     f"{job.durability.max_undurable_steps + self.seal_window} steps not in the log")
+        elif self._warned_durability and not m.persist_error \
+                and behind <= job.durability.max_undurable_steps // 10:
             self._warned_durability = False
             run.warn(f"durability caught up: {m.undurable_steps} steps not durable")
         return None

@@ -25,25 +25,27 @@ def _check_resources(job: JobConfig) -> int:
     gpus = max((n["Resources"].get("GPU", 0) for n in nodes), default=0)
     total_cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
     total_gpus = sum(n["Resources"].get("GPU", 0) for n in nodes)
-    if job.shadow_cpus + 1 > max_cpus:
-        raise JobConfigError(f"shadow_cpus={job.shadow_cpus} plus one trainer CPU exceed the largest node "
-                             f"({max_cpus:g} CPUs); lower shadow_cpus")
-    k = job.trainers
+    shadow_cpus, k, pack, use_gpu = job.shadow.cpus, job.scaling.trainers, job.scaling.placement == "pack", \
+        job.scaling.use_gpu
+    if shadow_cpus + 1 > max_cpus:
+        raise JobConfigError(f"shadow.cpus={shadow_cpus} plus one trainer CPU exceed the largest node "
+                             f"({max_cpus:g} CPUs); lower shadow.cpus")
     if k > 1:
-        if job.placement == "pack" and k + job.shadow_cpus > max_cpus:
-            raise JobConfigError(f"trainers={k} with placement=pack needs one node with {k} trainer CPUs plus "
-                                 f"shadow_cpus={job.shadow_cpus}, but the largest node has {max_cpus:g} CPUs; "
-                                 "lower trainers or set placement=spread")
-        if k + job.shadow_cpus > total_cpus:
-            raise JobConfigError(f"trainers={k} plus shadow_cpus={job.shadow_cpus} need {k + job.shadow_cpus} CPUs, "
-                                 f"but the cluster has {total_cpus:g}; lower trainers")
-    if job.use_gpu == "yes" and gpus < 1:
-        raise JobConfigError("use_gpu=yes but no node of the Ray cluster has a GPU; set use_gpu=auto or no")
-    placeable = (gpus if job.placement == "pack" else total_gpus) >= k
-    if job.use_gpu == "yes" and not placeable:
-        raise JobConfigError(f"use_gpu=yes and trainers={k} need {k} GPUs "
-                             f"({'on one node' if job.placement == 'pack' else 'in the cluster'}); lower trainers")
-    return 1 if (job.use_gpu == "yes" or (job.use_gpu == "auto" and gpus >= 1 and placeable)) else 0
+        if pack and k + shadow_cpus > max_cpus:
+            raise JobConfigError(f"scaling.trainers={k} with scaling.placement=pack needs one node with {k} trainer "
+                                 f"CPUs plus shadow.cpus={shadow_cpus}, but the largest node has {max_cpus:g} CPUs; "
+                                 "lower scaling.trainers or set scaling.placement=spread")
+        if k + shadow_cpus > total_cpus:
+            raise JobConfigError(f"scaling.trainers={k} plus shadow.cpus={shadow_cpus} need {k + shadow_cpus} CPUs, "
+                                 f"but the cluster has {total_cpus:g}; lower scaling.trainers")
+    if use_gpu == "yes" and gpus < 1:
+        raise JobConfigError("scaling.use_gpu=yes but no node of the Ray cluster has a GPU; set scaling.use_gpu=auto "
+                             "or no")
+    placeable = (gpus if pack else total_gpus) >= k
+    if use_gpu == "yes" and not placeable:
+        raise JobConfigError(f"scaling.use_gpu=yes and scaling.trainers={k} need {k} GPUs "
+                             f"({'on one node' if pack else 'in the cluster'}); lower scaling.trainers")
+    return 1 if (use_gpu == "yes" or (use_gpu == "auto" and gpus >= 1 and placeable)) else 0
 
 
 def group_name(run_id: str) -> str:
@@ -64,7 +66,7 @@ def trainer_bundle(gpus: int) -> dict:
 
 def job_bundles(job: JobConfig, gpus: int) -> list[dict]:
     """The bundles a job reserves: rank 0, the shadow, then ranks 1..k-1."""
-    return [trainer_bundle(gpus), {"CPU": job.shadow_cpus}] + [trainer_bundle(gpus)] * (job.trainers - 1)
+    return [trainer_bundle(gpus), {"CPU": job.shadow.cpus}] + [trainer_bundle(gpus)] * (job.scaling.trainers - 1)
 
 
 def rank_placements(job: JobConfig, gpus: int, pg: PlacementGroup | None = None,
@@ -75,18 +77,18 @@ def rank_placements(job: JobConfig, gpus: int, pg: PlacementGroup | None = None,
     SPREAD. A given `pg` (a Tune trial's) holds them all from `first_bundle` on."""
     if pg is not None:
         return [], [(pg, first_bundle + 1), (pg, first_bundle)] + [(pg, first_bundle + 1 + r)
-                                                                  for r in range(1, job.trainers)]
-    if job.placement == "pack" or job.trainers == 1:
+                                                                  for r in range(1, job.scaling.trainers)]
+    if job.scaling.placement == "pack" or job.scaling.trainers == 1:
         pg = placement_group(job_bundles(job, gpus), strategy="STRICT_PACK", name=group_name(job.run_id))
-        return [pg], [(pg, 1), (pg, 0)] + [(pg, 1 + r) for r in range(1, job.trainers)]
+        return [pg], [(pg, 1), (pg, 0)] + [(pg, 1 + r) for r in range(1, job.scaling.trainers)]
     home = placement_group(job_bundles(job, gpus)[:2], strategy="STRICT_PACK", name=group_name(job.run_id))
     try:
-        others = placement_group([trainer_bundle(gpus)] * (job.trainers - 1), strategy="SPREAD",
+        others = placement_group([trainer_bundle(gpus)] * (job.scaling.trainers - 1), strategy="SPREAD",
                                  name=f"{group_name(job.run_id)}-ranks")
     except RaySystemError:
         remove_placement_group(home)
         raise
-    return [home, others], [(home, 1), (home, 0)] + [(others, r - 1) for r in range(1, job.trainers)]
+    return [home, others], [(home, 1), (home, 0)] + [(others, r - 1) for r in range(1, job.scaling.trainers)]
 
 
 class Placement:
@@ -121,14 +123,15 @@ class Placement:
         job = self.job
         shadow = ShadowActor.options(
             **self._options,
-            name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=job.shadow_cpus,
-            max_restarts=job.max_restarts, max_task_retries=-1, scheduling_strategy=self._strategy(self._shadow_place),
+            name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=job.shadow.cpus,
+            max_restarts=job.failure.max_restarts, max_task_retries=-1,
+            scheduling_strategy=self._strategy(self._shadow_place),
         ).remote(self._payload, self.hooks)
-        share = STANDBY_GPU_SHARE if job.standby and self.gpus else 0
+        share = STANDBY_GPU_SHARE if job.failure.standby and self.gpus else 0
         trainers = [TrainerActor.options(
             **self._options,
             name=trainer_name(job.run_id, rank), namespace=NAMESPACE, num_cpus=1,
-            num_gpus=self.gpus - (share if rank == 0 else 0), max_restarts=job.max_restarts,
+            num_gpus=self.gpus - (share if rank == 0 else 0), max_restarts=job.failure.max_restarts,
             scheduling_strategy=self._strategy(place),
         ).remote(self._payload, self.hooks, rank) for rank, place in enumerate(self._rank_places)]
         try:
@@ -138,7 +141,7 @@ class Placement:
                 ray.kill(actor, no_restart=True)
             raise
         self._shadow = shadow
-        self._group = TrainerGroup(job, trainers, self.start_standby if job.standby else None)
+        self._group = TrainerGroup(job, trainers, self.start_standby if job.failure.standby else None)
         return ShadowClient(shadow, job.run_id), self._group
 
     def start_standby(self, name: str):
@@ -147,7 +150,7 @@ class Placement:
         return TrainerActor.options(
             **self._options,
             name=name, namespace=NAMESPACE, num_cpus=0,
-            num_gpus=STANDBY_GPU_SHARE if self.gpus else 0, max_restarts=job.max_restarts,
+            num_gpus=STANDBY_GPU_SHARE if self.gpus else 0, max_restarts=job.failure.max_restarts,
             scheduling_strategy=self._strategy(self._rank_places[0]),
         ).remote(self._payload, self.hooks, 0, True)
 

@@ -45,7 +45,7 @@ class Decision:
 
 @dataclass
 class FailureBudget:
-    """How many lost trainers a run survives: `max_restarts`, as Ray restarts a process."""
+    """How many lost trainers a run survives: `failure.max_restarts`, as Ray restarts a process."""
 
     limit: int
     spent: int = 0
@@ -61,8 +61,8 @@ def decide(failure: Failure, job: JobConfig, budget: FailureBudget) -> Decision:
     kind = failure.kind
     if kind == "trainer_lost":
         if not budget.spend():
-            return Decision(Action.FAIL, f"trainers were lost {budget.spent} times, more than max_restarts="
-                                         f"{job.max_restarts}: raise it, or look at the trainers' logs")
+            return Decision(Action.FAIL, f"trainers were lost {budget.spent} times, more than failure.max_restarts="
+                                         f"{job.failure.max_restarts}: raise it, or look at the trainers' logs")
         lost = f"rank {', '.join(map(str, failure.ranks))}" if failure.ranks else "no process (a torn collective)"
         return Decision(Action.RESTART, f"lost {lost}: the lost ranks are replaced (by the standby, or by Ray's "
                                         "restart of their process) and every rank restores at the shadow's step")
@@ -71,18 +71,19 @@ def decide(failure: Failure, job: JobConfig, budget: FailureBudget) -> Decision:
                                         "other before those records were durable; every rank restores from the "
                                         "shadow's durable image and trains the lost steps again")
     if kind in ("shadow_lag", "replay_error"):
-        return Decision(Action.RESYNC, {"shadow_lag": f"the shadow lags more than {job.max_lag_steps} steps",
+        return Decision(Action.RESYNC, {"shadow_lag": f"the shadow lags more than {job.shadow.max_lag_steps} steps",
                                         "replay_error": "the shadow's replay stopped"}[kind])
     if kind == "durability_stalled":
         return Decision(Action.FAIL, f"{failure.detail}; the run stops rather than go on without durability "
-                                     f"(max_undurable_steps={job.max_undurable_steps}): fix the storage at "
+                                     f"(durability.max_undurable_steps={job.durability.max_undurable_steps}): fix the "
+                                     f"storage at "
                                      f"{job.run_url} and run the same job again to resume")
     if kind == "writer_lost":
         return Decision(Action.FAIL, f"{failure.detail}; one writer per run: stop the other writer or give this "
                                      "job another run_id or storage")
     if kind == "trainer_gone":
-        return Decision(Action.FAIL, f"the trainer cannot be restarted ({failure.detail}); raise max_restarts "
-                                     f"(now {job.max_restarts}) or look at the trainer's log")
+        return Decision(Action.FAIL, f"the trainer cannot be restarted ({failure.detail}); raise failure.max_restarts "
+                                     f"(now {job.failure.max_restarts}) or look at the trainer's log")
     if kind == "shadow_gone":
         return Decision(Action.FAIL, f"the shadow cannot be restarted ({failure.detail}); the durable state "
                                      f"under {job.run_url} resumes the run")

@@ -13,7 +13,7 @@ DRAIN_SECONDS = 300.0
 
 
 def profile_settings(job: JobConfig, remaining_steps: int | None = None) -> ProfileSettings:
-    return ProfileSettings(thread_counts=tuple(range(1, job.shadow_cpus + 1)), warmup_steps=2, timed_steps=5,
+    return ProfileSettings(thread_counts=tuple(range(1, job.shadow.cpus + 1)), warmup_steps=2, timed_steps=5,
                            replay_repeats=2, max_training_steps=min(30, job.steps if remaining_steps is None
                                                                    else remaining_steps))
 
@@ -49,7 +49,7 @@ def startup_profile(job: JobConfig, shadow, train_to: Callable[[int], TrainerPro
 
     report = profile_startup(trainer_step=trainer_step, replay_step=replay_step,
                              snapshot_copy=shadow.profile_snapshot,
-                             persist=persist, settings=settings, storage_share=job.storage_share)
+                             persist=persist, settings=settings, storage_share=job.durability.storage_share)
     shadow.end_profile(report.replay_threads, report.snapshot_interval, report.plan.regime,
                        report.plan.durable_interval)
     return report

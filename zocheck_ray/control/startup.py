@@ -38,10 +38,11 @@ def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group
     if placement_group is None:
         return task, _check_resources(job)
     gpus = int(placement_group.bundle_specs[first_bundle].get("GPU", 0))
-    if job.use_gpu == "yes" and gpus < 1:
-        raise JobConfigError(f"use_gpu=yes but bundle {first_bundle} of the given placement group has no GPU")
-    if len(placement_group.bundle_specs) < first_bundle + 1 + job.trainers:
-        raise JobConfigError(f"trainers={job.trainers} need {job.trainers + 1} bundles from bundle {first_bundle} "
+    if job.scaling.use_gpu == "yes" and gpus < 1:
+        raise JobConfigError(f"scaling.use_gpu=yes but bundle {first_bundle} of the given placement group has no GPU")
+    if len(placement_group.bundle_specs) < first_bundle + 1 + job.scaling.trainers:
+        raise JobConfigError(f"scaling.trainers={job.scaling.trainers} need {job.scaling.trainers + 1} bundles from "
+                             f"bundle {first_bundle} "
                              f"of the given placement group (rank 0, the shadow, ranks 1..), which has "
                              f"{len(placement_group.bundle_specs)}")
     return task, gpus

@@ -108,7 +108,7 @@ class RunSummary(BaseModel):
     kernel: KernelInfo | None = None
     """The trainer's device, kernel backend (`triton` or `eager`) and the start-up guard's result."""
     trainers: int = 1
-    """Data-parallel ranks (`trainers`)."""
+    """Data-parallel ranks (`scaling.trainers`)."""
     rank_state_hashes: list[str] = []
     """With several ranks: each rank's final `state_hash` (all equal when exact)."""
     rank_seconds_per_step: list[float] = []

@@ -257,7 +257,7 @@ class ShadowMetrics(BaseModel):
     snapshots_persisted: int
     """Snapshots committed to durable storage."""
     resync_count: int
-    """Times the replica was reset from the trainer's state (lag above `max_lag_steps`)."""
+    """Times the replica was reset from the trainer's state (lag above `shadow.max_lag_steps`)."""
     rejected_records: int
     """Records refused because they came from the past or the future."""
     persist_failures: int
@@ -290,7 +290,7 @@ class ShadowMetrics(BaseModel):
     snapshots_deferred: int = 0
     """Snapshot boundaries skipped while the image was being persisted."""
     recovery_snapshots: int = 0
-    """Snapshots taken for a recovering trainer (`JobConfig.recovery_snapshot`), out of `snapshots_taken`."""
+    """Snapshots taken for a recovering trainer (`shadow.recovery_snapshot`), out of `snapshots_taken`."""
     snapshot_seconds: float | None = None
     """The last copy between the replica and an image."""
     snapshot_into_fresh_memory: bool | None = None

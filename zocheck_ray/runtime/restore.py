@@ -44,8 +44,8 @@ class Restorer:
 
     @property
     def fresh_offer(self) -> bool:
-        """Ask for a snapshot of the replica (`JobConfig.recovery_snapshot`): on the CPU, a replay costs more."""
-        return self.job.recovery_snapshot and self.device.type == "cpu"
+        """Ask for a snapshot of the replica (`shadow.recovery_snapshot`): on the CPU, a replay costs more."""
+        return self.job.shadow.recovery_snapshot and self.device.type == "cpu"
 
     def borrow(self, held: str | None = None):
         """The shadow's offer (None: no image) and its seconds; `held`: the token already in the state."""

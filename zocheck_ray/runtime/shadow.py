@@ -79,7 +79,7 @@ class Shadow:
         if persist:
             self.lease = _with_retries(lambda: Lease(job.run_url, job.storage_options,
                                                      owner=writer or f"shadow:{job.run_id}:{self.incarnation}",
-                                                     lease_seconds=job.lease_seconds).acquire(reclaim=True),
+                                                     lease_seconds=job.durability.lease_seconds).acquire(reclaim=True),
                                        f"taking the lease of {job.run_url}")
             self.lease.start_heartbeat()
             store = _with_retries(lambda: SnapshotStore(job.run_url, job.storage_options, lease=self.lease),

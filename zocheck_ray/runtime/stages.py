@@ -87,7 +87,7 @@ class ReplayStage:
         self._nice = nice
         self.zo = job.zo
         self.threads = threads
-        self.snapshot_interval = job.snapshot_interval or 16
+        self.snapshot_interval = job.shadow.snapshot_interval or 16
         self._on_image = on_image
         self._hooks = hooks
         self._name = f"zocheck-image-{job.run_id}"
@@ -462,7 +462,7 @@ class PersistStage:
         self.error: str | None = None
         self.failing_since: float | None = None
         self.stopped: str | None = None
-        self.durable_interval = job.durable_interval or job.snapshot_interval or 1
+        self.durable_interval = job.durability.durable_interval or job.shadow.snapshot_interval or 1
         """Images at multiples of this step are made durable (and a generation's first, and a drain's)."""
         self._wanted_step: int | None = None
         self._seal_requested = False
@@ -572,7 +572,8 @@ class PersistStage:
                 self.log.close()
                 self.log = None
             generation, start = self.ledger.generation, self.ledger.generation_start
-            self.log = StepLog(self.job.run_url, self.job.storage_options, seal_records=self.job.log_seal_records,
+            self.log = StepLog(self.job.run_url, self.job.storage_options,
+                               seal_records=self.job.durability.log_seal_records,
                                resume_step=start, lease=self.lease)
             self._log_generation, self._log_next = generation, start
             self._publish_log_step()

@@ -59,7 +59,7 @@ class Trainer:
         self.shadow = shadow
         self.hooks = hooks
         self.incarnation = incarnation
-        self.rank, self.ranks = rank, job.trainers
+        self.rank, self.ranks = rank, job.scaling.trainers
         self.group = LossGroup(rank, self.ranks) if self.ranks > 1 else None
         self.role = Role.WAITING
         self._collective_seconds: list[float] = []

@@ -51,7 +51,7 @@ class FailAt(RunCallback):
         if self.mode != "software":
             return self.pending[0]  # dealt at the segment's end (`on_segment`)
         self.dealt = self.pending.pop(0)
-        who = f"rank {self.rank}'s process exits" if run.job.trainers > 1 else INJECTED["software"]
+        who = f"rank {self.rank}'s process exits" if run.job.scaling.trainers > 1 else INJECTED["software"]
         self.say(f"  injected failure at step {self.dealt}: {who}")
         return self.dealt + 1  # the process exits before running that step, in this segment
 
@@ -125,16 +125,18 @@ def run_with_faults(job: JobConfig, fail_at: list[int] | None = None, fail_mode:
 def _checked(job: JobConfig, fail_at: list[int] | None, fail_mode: str, fail_rank: int) -> list[int]:
     if fail_mode not in INJECTED:
         raise JobConfigError(f"fail_mode must be software, host or shadow, got {fail_mode!r}")
-    if not 0 <= fail_rank < job.trainers:
-        raise JobConfigError(f"fail_rank={fail_rank} is not a rank of trainers={job.trainers} (0..{job.trainers - 1})")
-    if job.trainers > 1 and fail_at and fail_mode != "software":
-        raise JobConfigError(f"fail_mode={fail_mode} with trainers={job.trainers}: only software failures (one "
+    if not 0 <= fail_rank < job.scaling.trainers:
+        raise JobConfigError(f"fail_rank={fail_rank} is not a rank of scaling.trainers={job.scaling.trainers} "
+                             f"(0..{job.scaling.trainers - 1})")
+    if job.scaling.trainers > 1 and fail_at and fail_mode != "software":
+        raise JobConfigError(f"fail_mode={fail_mode} with scaling.trainers={job.scaling.trainers}: only software "
+                             "failures (one "
                              "rank's process, --fail-rank) are injected into data-parallel runs")
     failures = sorted(set(fail_at or []))
     if any(not 0 < f < job.steps for f in failures):
         raise JobConfigError(f"fail_at steps must lie in (0, {job.steps}), got {failures}")
-    if job.snapshot_interval is None and failures:
+    if job.shadow.snapshot_interval is None and failures:
         if failures[0] <= profile_steps(job):
             raise JobConfigError(f"fail_at step {failures[0]} falls in the startup profile (its first "
-                                 f"{profile_steps(job)} steps); fail later or set snapshot_interval")
+                                 f"{profile_steps(job)} steps); fail later or set shadow.snapshot_interval")
     return failures

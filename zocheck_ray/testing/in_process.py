@@ -67,7 +67,7 @@ class InProcessLink:
 
     def borrow_image(self, fresh: bool = False, held: str | None = None):
         """The newest image and the records after it (`fresh` and `held` are not taken up: an in-process run's
-        recoveries always replay the records, the path `JobConfig.recovery_snapshot` leaves to a lagging shadow)."""
+        recoveries always replay the records, the path `shadow.recovery_snapshot` leaves to a lagging shadow)."""
         return self.shadow.replay.call(self._copy_of_image)
 
     def _copy_of_image(self) -> StateOffer | None:
@@ -82,7 +82,7 @@ class InProcessLink:
         self.shadow.initialize(step, state, adapter=adapter, model_config=model_config)
 
     def write_state(self, state):
-        raise NotImplementedError("an in-process run takes no resync (keep max_lag_steps above the run's steps)")
+        raise NotImplementedError("an in-process run takes no resync (keep shadow.max_lag_steps above the run's steps)")
 
     def push(self, data, trainer_step=None):
         return self.shadow.push(data, trainer_step)

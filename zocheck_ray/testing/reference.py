@@ -30,8 +30,9 @@ def _computed_once(fn: Callable[[JobConfig], dict[int, str]]):
     def wrapper(job: JobConfig) -> dict[int, str]:
         if job.model not in SMALL_MODELS or job.task.data_path is not None or job.task.eval_path is not None:
             return fn(job)
-        key = json.dumps(job.model_dump(mode="json", include={"model", "dtype", "run_seed", "peft", "zo", "task",
-                                                              "steps", "trainers"}), sort_keys=True)
+        key = json.dumps(job.model_dump(mode="json", include={"model": True, "dtype": True, "run_seed": True,
+                                                              "peft": True, "zo": True, "task": True, "steps": True,
+                                                              "scaling": {"trainers"}}), sort_keys=True)
         if key not in memo:
             memo[key] = fn(job)
         return dict(memo[key])
@@ -55,7 +56,7 @@ def uninterrupted_hashes(job: JobConfig) -> dict[int, str]:
 def uninterrupted_data_parallel_hashes(job: JobConfig) -> dict[int, str]:
     """The k-rank run that would have happened, as one plain loop: each step evaluates the k slices of its
     batch in rank order and forms the losses from their (sum, count) pairs added in rank order in float64."""
-    k = job.trainers
+    k = job.scaling.trainers
     model, opt = _model_and_optimizer(job)
     task = build_task(job.task, job.model)
 
