@@ -53,27 +53,17 @@ class ShadowSettings(BaseModel):
     cpus: int = Field(1, ge=1)
     """CPUs reserved for the shadow (its replay threads)."""
     nice: int = Field(19, ge=0, le=19)
-    """The niceness of the shadow's background work (Linux): its replay and persistence threads and the
-    workers they start (numba's). Ray runs actors' methods at niceness 15 (the trainers' too) and its own
-    threads at 0, and the shadow leaves those as they are, so its `metrics()` (`zocheck-ray status`) and
-    its ingest of the trainers' records answer on a busy node. At 19 replay and persistence yield where
-    the node's CPUs are all busy: the trainers run first, the shadow's pipeline takes what is left (a
-    shadow that falls too far behind is resynced). 0 leaves Ray's niceness as it is."""
+    """The niceness of the shadow's replay and persistence threads (Linux): on a busy node the trainers run
+    first, while the shadow's `metrics()` and record intake keep Ray's priority. 0 leaves it as Ray sets it."""
     snapshot_interval: int | None = Field(None, ge=1)
     """Steps between shadow snapshots; None lets the startup profile choose."""
     max_lag_steps: int | None = Field(None, ge=1)
     """Resync the shadow from the trainer when it falls this many steps behind; None: the cost model's
     bound from the startup profile (64 without one)."""
     recovery_snapshot: bool = True
-    """A trainer that recovers on the CPU is offered a snapshot of the shadow's replica taken then (the shadow
-    replays the records it lags by, then copies the state once), rather than the newest image and the records
-    after it (each record a pass of the generator over the whole state, several times a copy's work), where the
-    replica has replayed some of those records (it lags by fewer than the trainer would replay) and the image's
-    memory is free (not being persisted or read: a second image would break the shadow's budget); for a
-    promoted standby that holds the newest image already, only where the replica has no record left to replay
-    (else the standby replays the records after the image at once, at its own priority). False:
-    always the newest image and the records after it. A GPU trainer replays its records on the device, faster
-    than the shadow copies the state."""
+    """A trainer recovering on the CPU is offered a fresh snapshot of the replica where that saves it replaying
+    records (replaying one costs several copies of the state) and the image's memory is free. False: always the
+    newest image and the records after it (as a GPU trainer, which replays on the device)."""
 
 
 class DurabilitySettings(BaseModel):
@@ -82,22 +72,19 @@ class DurabilitySettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     durable_interval: int | None = Field(None, ge=1)
-    """Steps between durable snapshots, a multiple of `shadow.snapshot_interval` (the step log is durable
-    between them); None: chosen by the startup profile from `durability.storage_share`, or every snapshot when
-    `shadow.snapshot_interval` is set."""
+    """Steps between durable snapshots, a multiple of `shadow.snapshot_interval` (the log is durable between
+    them); None: the startup profile chooses (from `durability.storage_share`), or every snapshot."""
     storage_share: float = Field(0.1, gt=0, le=1)
-    """The most of the run's time the shadow spends writing snapshots to durable storage: the startup profile
-    spaces durable snapshots so that writing one takes at most this share of the steps between them."""
+    """The largest share of the run's time the shadow spends writing durable snapshots."""
     max_undurable_steps: int = Field(5000, ge=1)
-    """Fail the run when this many of the trainer's steps are not durable in the step log (storage down
-    or too slow), beyond the `durability.log_seal_records` an object store's open log segment holds by design;
-    a warning comes at a tenth of it. A node lost now would recompute that many steps."""
+    """Fail the run when this many steps are not in the durable log (storage down or too slow), beyond an object
+    store's open segment; a warning comes at a tenth of it."""
     log_seal_records: int = Field(1024, ge=1)
-    """Records per durable log segment. On S3 a segment is uploaded once full (or 60 s old), so a host
-    failure can lose up to this many unsealed records; the trainer recomputes them exactly."""
+    """Records per durable log segment. On S3 a segment is uploaded once full (or 60 s old): a host failure may
+    lose that many records, which the trainer recomputes exactly."""
     lease_seconds: float = Field(30.0, gt=0)
-    """How long the shadow's single-writer lease on the run's storage lives without renewal (renewed every
-    third of it). A second writer is refused while it is fresh and takes it over once it is stale."""
+    """How long the shadow's single-writer lease lives unrenewed; a second writer takes over only once it is
+    stale."""
 
 
 class FailureSettings(BaseModel):
@@ -108,13 +95,9 @@ class FailureSettings(BaseModel):
     max_restarts: int = Field(10, ge=0)
     """How often Ray may restart the trainer or the shadow."""
     standby: bool = False
-    """Keep a warm standby trainer: a second process beside rank 0 and the shadow, started once the run is
-    steady, with its imports done and its model's skeleton allocated (on the CPU, its pages touched: one more
-    copy of the state in host memory, into which it copies each new image of the shadow's while it waits; on a
-    GPU, a sliver of rank 0's GPU and no device memory until it is needed). A lost trainer is replaced by it
-    at once, without waiting for Ray to restart the process; the process Ray restarts becomes the next
-    standby, and builds only once the promotion is done (its set-up would take cores and memory bandwidth
-    from it)."""
+    """Keep a warm standby trainer beside rank 0, its model's skeleton built (on the CPU one more copy of the
+    state in host memory; on a GPU no device memory until promoted). It replaces a lost trainer at once; the
+    process Ray restarts becomes the next standby. One still building when a trainer is lost is ended."""
 
 
 class ScalingSettings(BaseModel):
@@ -123,12 +106,10 @@ class ScalingSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     trainers: int = Field(1, ge=1)
-    """Data-parallel trainer ranks (one GPU each, or one CPU). Rank r evaluates slice r of each step's global
-    batch (`task.batch_size` rows, which must divide by `scaling.trainers`); the ranks all-gather their loss
-    sums and stay bit-identical replicas, served by one shadow."""
+    """Data-parallel trainer ranks (one GPU each, or one CPU); `task.batch_size` must divide among them. The
+    ranks stay bit-identical replicas, served by one shadow."""
     placement: Literal["pack", "spread"] = "pack"
-    """Where the ranks go: `pack` puts every rank and the shadow on one node (STRICT_PACK); `spread` keeps
-    rank 0 with the shadow and lets the other ranks go to any node."""
+    """`pack`: every rank and the shadow on one node; `spread`: rank 0 with the shadow, the others anywhere."""
     use_gpu: Literal["auto", "yes", "no"] = "auto"
     """Train on a GPU: `auto` uses one when the cluster has one, `yes` requires one."""
 
@@ -160,12 +141,10 @@ class JobConfig(BaseModel):
     zo: ZOConfig = ZOConfig(lr=2e-3, eps=1e-3)
     """The zeroth-order optimizer (`zo.optimizer`, `zo.lr`, `zo.eps`, ...)."""
     peft: PeftSettings | None = None
-    """Parameter-efficient ZO: wrap the model with a `peft` adapter (`peft.method`: lora or prefix) and train
-    the adapter's parameters only; None trains every parameter. The shadow, its images and snapshots then
-    hold the adapter alone; the base is built (or loaded) by every trainer and identified by its hash."""
+    """Train a `peft` adapter only (`peft.method`: lora or prefix); None trains every parameter. The shadow and
+    the snapshots then hold the adapter alone; the base is identified by its hash."""
     task: TaskConfig = TaskConfig()
-    """What the model is fine-tuned on: data files, prompt, batch size, sequence length, evaluation
-    (`task.kind`, `task.data_path`, `task.batch_size`, `task.max_length`, `task.eval_interval`, ...)."""
+    """What the model is fine-tuned on (`task.kind`, `task.data_path`, `task.batch_size`, ...)."""
     steps: int = Field(200, ge=1)
     """Training steps to run."""
     run_seed: int = Field(0, ge=0)
