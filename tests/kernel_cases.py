@@ -84,8 +84,8 @@ def run_oracle(config: ZOConfig, dtype: torch.dtype):
 
 def run_kernels(config: ZOConfig, dtype: torch.dtype, records, device, path: str):
     """The kernels' (params, first buffers, second buffers) after `records`, on `device`, the `path` way."""
-    from zocheck_ray.core.kernel_guard import trainer_phases
-    from zocheck_ray.core.triton_kernels import KernelStepper, Segment
+    from zocheck_ray.core.gpu.kernel_guard import trainer_phases
+    from zocheck_ray.core.gpu.triton_kernels import KernelStepper, Segment
 
     kinds = len(moment_prefixes(config.optimizer))
     params, ms, vs = (list(t.to(device, copy=True) for t in group) for group in initial(dtype, kinds))

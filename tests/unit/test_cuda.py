@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from zocheck_ray import ZOConfig, ZOOptimizer, perturbation, replay, replay_reference, state_hash
-from zocheck_ray.core import kernel_guard, triton_kernels
+from zocheck_ray.core.gpu import kernel_guard, triton_kernels
 from zocheck_ray.workload.models import build_model, trainable_parameters
 from kernel_cases import DTYPES, KINDS, OPTIMIZERS, assert_equal_lists, config_for, run_kernels, run_oracle
 

@@ -17,8 +17,8 @@ CORE_LAYERS = (
     ("the specification", {"config", "dtypes", "errors", "layout", "record", "scalars", "seeds", "hashing", "cpus",
                            "lazy"}),
     ("the reference implementation", {"generator", "update", "reference", "validation"}),
-    ("the kernels", {"kernel_cache", "fused", "triton_kernels", "_triton_src"}),
-    ("the guard", {"kernel_guard"}),
+    ("the kernels", {"kernel_cache", "fused", "gpu", "gpu.triton_kernels", "gpu._triton_src"}),
+    ("the guard", {"gpu.kernel_guard"}),
     ("backend selection and the optimizer", {"backend", "optimizer", "__init__"}),
 )
 """Bottom first; a module may import from its own layer and the ones before it."""

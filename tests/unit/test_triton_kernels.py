@@ -22,7 +22,8 @@ from kernel_cases import (  # noqa: E402
 )
 
 from zocheck_ray import ZOConfig, ZOOptimizer, state_hash  # noqa: E402
-from zocheck_ray.core import kernel_guard, triton_kernels, update  # noqa: E402
+from zocheck_ray.core import update  # noqa: E402
+from zocheck_ray.core.gpu import kernel_guard, triton_kernels  # noqa: E402
 from zocheck_ray.core.errors import StateMismatchError  # noqa: E402
 from zocheck_ray.core.backend import perturbation  # noqa: E402
 from zocheck_ray.workload.models import build_model, trainable_parameters  # noqa: E402
@@ -199,7 +200,7 @@ import sys
 sys.modules["triton"] = None  # import triton now raises ImportError
 import torch
 from zocheck_ray import ZOConfig, ZOOptimizer, perturbation
-from zocheck_ray.core import kernel_guard, triton_kernels
+from zocheck_ray.core.gpu import kernel_guard, triton_kernels
 assert not triton_kernels.available()
 opt = ZOOptimizer([("w", torch.zeros(8))], ZOConfig())
 opt.step(lambda: torch.zeros(()), seed=1)
@@ -224,7 +225,7 @@ def test_the_compiled_and_interpreted_kernels_do_not_depend_on_triton_interpret(
     # TRITON_INTERPRET=1 is the documented way to run Triton on a CPU: it must not turn the compiled
     # copy (the trainer's on CUDA, and the PTX checks below) into an interpreted one
     code = """
-from zocheck_ray.core import triton_kernels
+from zocheck_ray.core.gpu import triton_kernels
 compiled, interpreted = triton_kernels._source(False).zo_kernel, triton_kernels._source(True).zo_kernel
 print(type(compiled).__name__, type(interpreted).__name__)
 """

@@ -13,11 +13,12 @@ from typing import Sequence
 
 import torch
 
-from zocheck_ray.core import generator, kernel_guard, triton_kernels
+from zocheck_ray.core import generator
+from zocheck_ray.core.gpu import kernel_guard, triton_kernels
 from zocheck_ray.core.config import ZOConfig
-from zocheck_ray.core.kernel_guard import KernelCheck
+from zocheck_ray.core.gpu.kernel_guard import KernelCheck
 from zocheck_ray.core.layout import Layout
-from zocheck_ray.core.triton_kernels import KernelStepper, Segment
+from zocheck_ray.core.gpu.triton_kernels import KernelStepper, Segment
 
 logger = logging.getLogger(__name__)
 

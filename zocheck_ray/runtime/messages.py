@@ -82,7 +82,7 @@ class PublisherStats(BaseModel):
 
 
 class KernelCheckInfo(BaseModel):
-    """The start-up guard's verdict on the GPU kernels (`core.kernel_guard.KernelCheck`)."""
+    """The start-up guard's verdict on the GPU kernels (`core.gpu.kernel_guard.KernelCheck`)."""
 
     model_config = _FROZEN
 

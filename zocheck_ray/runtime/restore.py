@@ -13,7 +13,7 @@ from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, replay, state_hash
 from zocheck_ray.core.errors import StateMismatchError
 from zocheck_ray.core.fused import default_threads
-from zocheck_ray.core.triton_kernels import replay_on_device
+from zocheck_ray.core.gpu.triton_kernels import replay_on_device
 from zocheck_ray.runtime.hooks import TrainerHooks
 from zocheck_ray.runtime.messages import AdapterIdentity, RecoveryInfo
 from zocheck_ray.runtime.publisher import ShadowLink

@@ -19,7 +19,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from zocheck_ray.core import triton_kernels, update
+from zocheck_ray.core import update
+from zocheck_ray.core.gpu import triton_kernels
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.generator import perturbation
 from zocheck_ray.core.dtypes import REPLAYED
@@ -27,7 +28,7 @@ from zocheck_ray.core.layout import moment_prefixes
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.scalars import StepScalars
 from zocheck_ray.core.seeds import perturbation_seeds
-from zocheck_ray.core.triton_kernels import KernelStepper, Segment, perturbation_triton
+from zocheck_ray.core.gpu.triton_kernels import KernelStepper, Segment, perturbation_triton
 from zocheck_ray.core.update import sparse_thresholds
 
 logger = logging.getLogger(__name__)
