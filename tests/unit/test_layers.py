@@ -188,3 +188,43 @@ def test_the_control_package_is_made_of_short_functions():
                 if lines > CONTROL_FUNCTION_LINES:
                     long.append(f"{name}.{node.name}: {lines} lines")
     assert not long, f"functions in control/ over {CONTROL_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+# ---------------------------------------------------------------------------------------- the house's size
+
+MAX_PACKAGE_LINES = 3200
+"""No package (a directory of modules) holds more lines than this: past it, it is two packages."""
+MAX_DOCSTRING_WORDS_PER_CODE_LINE = 2.0
+"""A docstring says what and the one reason why; measurements go to docs/benchmarks.md."""
+
+
+def test_no_package_is_over_its_size():
+    sizes = {}
+    for path in PACKAGE.rglob("*.py"):
+        sizes.setdefault(path.parent, 0)
+        sizes[path.parent] += len(path.read_text().splitlines())
+    over = {str(d.relative_to(PACKAGE.parent)): n for d, n in sizes.items() if n > MAX_PACKAGE_LINES}
+    assert not over, f"packages over {MAX_PACKAGE_LINES} lines (split them): {over}"
+
+
+def _docstring_words_and_code_lines(path: Path) -> tuple[int, int]:
+    source = path.read_text()
+    docstring_lines, words = set(), 0
+    for node in ast.walk(ast.parse(source)):
+        for statement in getattr(node, "body", None) or []:
+            if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) \
+                    and isinstance(statement.value.value, str):
+                words += len(statement.value.value.split())
+                docstring_lines.update(range(statement.lineno, statement.end_lineno + 1))
+    code = sum(1 for number, line in enumerate(source.splitlines(), 1)
+               if line.strip() and not line.strip().startswith("#") and number not in docstring_lines)
+    return words, code
+
+
+def test_docstrings_stay_short():
+    words = code = 0
+    for path in PACKAGE.rglob("*.py"):
+        w, c = _docstring_words_and_code_lines(path)
+        words, code = words + w, code + c
+    assert words / code <= MAX_DOCSTRING_WORDS_PER_CODE_LINE, \
+        f"{words} docstring words over {code} code lines: {words / code:.2f} per line"

@@ -1,23 +1,13 @@
 """A job's trainer and shadow in this process, through software and host failures, without Ray.
 
     result = run_in_process(job, software=[3, 6, 9], host=[11])
-    assert all(h == expected[step] for step, seen in result.step_hashes.items() for h in seen)
 
-The same `Trainer` and `Shadow` a Ray run puts in two processes, joined by `InProcessLink` instead of
-Ray's calls, so a test can take a whole matrix of methods (optimizer x adapter x dtype) through every
-recovery path in seconds; the Ray tests take a few of them through real process deaths.
-
-- A software failure: the trainer stops before running the step (`DieBefore`, a `TrainerHooks`) and
-  is dropped as a dying process is, the records it had not sent lost (`Trainer.close(hand_over=False)`).
-  A new trainer recovers from the shadow's in-memory image plus the records after it, and trains again
-  the steps it lost.
-- A host failure, at the end of the segment that reaches the step: the trainer is dropped the same way
-  and the shadow stops (what its persistence stage had written stays, as on a lost node whose last
-  write landed). A new shadow rebuilds from durable storage (the newest durable snapshot plus the durable
-  log after it, replayed), then a new trainer recovers from it.
-
-Every step's state hash each trainer reported is kept (a step trained again reports twice), with the
-recoveries and the shadow's final replica, to compare with `uninterrupted_hashes`.
+The same `Trainer` and `Shadow` a Ray run puts in two processes, joined by `InProcessLink`, so a test
+takes a whole matrix of methods (optimizer x adapter x dtype) through every recovery path in seconds.
+A software failure drops the trainer before a step, its unsent records lost; a new one recovers from
+the shadow's image plus records. A host failure also stops the shadow; a new one rebuilds from durable
+storage first. Every step's state hash each trainer reported is kept, to compare with
+`uninterrupted_hashes`.
 """
 
 from __future__ import annotations
