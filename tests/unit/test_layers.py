@@ -211,7 +211,8 @@ def _docstring_words_and_code_lines(path: Path) -> tuple[int, int]:
     source = path.read_text()
     docstring_lines, words = set(), 0
     for node in ast.walk(ast.parse(source)):
-        for statement in getattr(node, "body", None) or []:
+        body = getattr(node, "body", None)
+        for statement in body if isinstance(body, list) else []:
             if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) \
                     and isinstance(statement.value.value, str):
                 words += len(statement.value.value.split())
