@@ -46,7 +46,7 @@ CHECKPOINT_EVERY = 7
 
 def peak_host_bytes() -> int:
     """This process's peak resident set, in bytes."""
-    from zocheck_ray.runtime.shadow import process_memory
+    from zocheck_ray.host.memory import process_memory
 
     return process_memory().get("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

@@ -60,7 +60,7 @@ import uuid
 from pathlib import Path
 
 from benchmarks.common import machine, print_table, write_json
-from zocheck_ray.runtime.shadow import process_memory
+from zocheck_ray.host.memory import process_memory
 from zocheck_ray.core.update import CHUNK_ELEMENTS
 
 SIZES = {  # OPT shapes: (hidden, layers, vocabulary); OPT's tokenizer has 50272 tokens

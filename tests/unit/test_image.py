@@ -20,7 +20,7 @@ from zocheck_ray.host.image import (
 )
 from support import vm_flags
 from zocheck_ray.runtime.ledger import NoImageError, RecordLedger
-from zocheck_ray.runtime.shadow import process_memory
+from zocheck_ray.host.memory import process_memory
 from zocheck_ray.runtime.stages import Image
 
 PAGE = mmap.ALLOCATIONGRANULARITY

@@ -6,7 +6,8 @@ import torch
 
 from support import trained, wait_until
 from zocheck_ray.host.image import ImageLayout, SharedBuffer, copy_state
-from zocheck_ray.runtime.shadow import Shadow, process_memory
+from zocheck_ray.host.memory import process_memory
+from zocheck_ray.runtime.shadow import Shadow
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import replay, state_hash
 from zocheck_ray.workload.models import trainable_parameters

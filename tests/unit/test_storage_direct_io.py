@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from zocheck_ray.storage import SnapshotStore
-from zocheck_ray.storage import localfile as storage_fs
+from zocheck_ray.host import localfile as storage_fs
 from zocheck_ray.storage.fs import open_storage
-from zocheck_ray.storage.localfile import DIRECT_ALIGN, DIRECT_BUFFER_BYTES
+from zocheck_ray.host.localfile import DIRECT_ALIGN, DIRECT_BUFFER_BYTES
 
 SIZES = [0, 1, DIRECT_ALIGN - 1, DIRECT_ALIGN, DIRECT_ALIGN + 1, DIRECT_BUFFER_BYTES - 1, DIRECT_BUFFER_BYTES,
          2 * DIRECT_BUFFER_BYTES + 12345]

@@ -39,3 +39,18 @@ def frombuffer(region: mmap.mmap) -> torch.Tensor:
     with warnings.catch_warnings():  # a read-only mapping is fine for reading; torch warns regardless
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(region, dtype=torch.uint8)
+
+
+def process_memory(pid: int | str = "self") -> dict[str, int]:
+    """A process's `VmHWM`, `VmRSS`, `RssAnon` and `RssShmem` from /proc/PID/status, in bytes ({} where there is
+    none)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "VmRSS", "RssAnon", "RssShmem"):
+                    out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out

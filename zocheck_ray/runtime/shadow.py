@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from zocheck_ray.host.image import ImageGoneError, ImageLayout, SharedBuffer, copy_state
+from zocheck_ray.host.memory import process_memory
 from zocheck_ray.runtime.ledger import RecordLedger
 from zocheck_ray.runtime.messages import AdapterIdentity, ShadowMetrics, TrainerTimes
 from zocheck_ray.runtime.publisher import PushReply
@@ -356,18 +357,3 @@ def _with_retries(fn: Callable[[], object], what: str, seconds: float = STARTUP_
             logger.warning("%s failed, retrying in %.1f s: %s", what, backoff, exc)
             time.sleep(backoff)
             backoff = min(2 * backoff, MAX_BACKOFF_SECONDS)
-
-
-def process_memory(pid: int | str = "self") -> dict[str, int]:
-    """A process's `VmHWM`, `VmRSS`, `RssAnon` and `RssShmem` from /proc/PID/status, in bytes ({} where there is
-    none)."""
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("VmHWM", "VmRSS", "RssAnon", "RssShmem"):
-                    out[key] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return out

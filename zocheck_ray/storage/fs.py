@@ -24,7 +24,7 @@ from typing import BinaryIO, ContextManager, Iterator, Protocol
 import fsspec
 
 from zocheck_ray.storage.errors import ObjectNotFoundError, StorageError, StorageFullError, StorageURLError
-from zocheck_ray.storage.localfile import open_local_write
+from zocheck_ray.host.localfile import open_local_write
 
 SUPPORTED = "a local path, file://PATH, s3://BUCKET[/PREFIX] or memory://PATH"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")

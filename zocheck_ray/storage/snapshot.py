@@ -34,7 +34,7 @@ from zocheck_ray.storage.hf_layout import (
     ADAPTER_CONFIG_FILE, ADAPTER_KIND, HF_CONFIG_FILE, MODEL_INDEX_FILE, file_layout, model_index,
 )
 from zocheck_ray.storage.lease import Lease, check_lease_for, require_lease
-from zocheck_ray.storage.localfile import staging_reuse
+from zocheck_ray.host.localfile import staging_reuse
 from zocheck_ray.storage.manifest import FileEntry, Manifest, SnapshotMeta, TensorEntry
 from zocheck_ray.core.dtypes import BY_NAME
 from zocheck_ray.storage.tensorfile import CHUNK_BYTES, read_tensors, write_tensors
