@@ -19,7 +19,7 @@ from zocheck_ray.control.outcomes import Restored, StepTimes
 from zocheck_ray.control.policy import Failure
 from zocheck_ray.control.stop import RunStopped, StopRequest
 from zocheck_ray.control.summary import RunFailedError
-from zocheck_ray.runtime.errors import DrainFailedError, ShadowGoneError
+from zocheck_ray.runtime.errors import DrainFailedError, ShadowCallError, ShadowGoneError
 from zocheck_ray.runtime.messages import KernelInfo, PublisherStats, RecoveryInfo, ShadowMetrics, TrainerProgress
 
 HASH = "ab" * 32
@@ -75,6 +75,15 @@ class FakeShadow:
     def close(self, timeout):
         self.closed = True
         return True, None
+
+    def profile_replay(self, threads):
+        return 0.001
+
+    def profile_snapshot(self):
+        raise ShadowCallError("the snapshot stage failed: out of memory")
+
+    def last_persist_seconds(self):
+        return 0.01
 
 
 class FakeGroup:
@@ -333,3 +342,10 @@ def test_the_controller_imports_no_ray():
     code = "import sys, zocheck_ray.control.controller; print('ray' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_a_startup_profile_that_fails_in_the_shadow_fails_the_run_with_its_cause(tmp_path):
+    run, parts = controller(tmp_path, shadow={"snapshot_interval": None})
+    with pytest.raises(RunFailedError, match="the startup profile failed in the shadow: the snapshot stage failed"):
+        run.run()
+    assert "profiling" in states(run) and states(run)[-1] == "failed" and parts.stopped

@@ -11,7 +11,7 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTa
 
 from zocheck_ray.actors.link import call_when_alive
 from zocheck_ray.actors.names import actor_status, shadow_name
-from zocheck_ray.runtime.errors import DrainFailedError, ShadowGoneError
+from zocheck_ray.runtime.errors import DrainFailedError, ShadowCallError, ShadowGoneError
 from zocheck_ray.runtime.messages import ShadowMetrics, TrainerTimes
 from zocheck_ray.runtime.shadow import ShadowRestartedError
 
@@ -28,6 +28,10 @@ class ShadowClient:
             return call_when_alive(submit, timeout)
         except ActorDiedError as exc:
             raise ShadowGoneError(str(exc).splitlines()[0]) from exc
+        except RayTaskError as exc:
+            if isinstance(exc.cause, ShadowRestartedError):
+                raise exc.cause from exc
+            raise ShadowCallError(str(exc.cause) if exc.cause else str(exc).splitlines()[0]) from exc
 
     def metrics(self, trainers: TrainerTimes | None = None) -> ShadowMetrics:
         return self._call(lambda: self.actor.metrics.remote(trainers))
@@ -37,10 +41,10 @@ class ShadowClient:
         if a new incarnation answered, `DrainFailedError` if it failed."""
         try:
             return self._call(lambda: self.actor.drain.remote(step, timeout, incarnation))
-        except RayTaskError as exc:
-            if isinstance(exc.cause, ShadowRestartedError):
-                raise exc.cause from exc
-            raise DrainFailedError(str(exc.cause) if exc.cause else str(exc).splitlines()[0]) from exc
+        except DrainFailedError:
+            raise
+        except ShadowCallError as exc:
+            raise DrainFailedError(str(exc)) from exc.__cause__
 
     def resync(self, step: int) -> None:
         self._call(lambda: self.actor.resync.remote(step))

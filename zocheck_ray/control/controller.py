@@ -23,7 +23,7 @@ from zocheck_ray.control.policy import Action, Failure, FailureBudget, decide
 from zocheck_ray.control.profile import DRAIN_SECONDS, profile_steps, startup_profile
 from zocheck_ray.control.stop import RunStopped, StopRequest, signal_name
 from zocheck_ray.control.summary import Recovery, RunFailedError, RunSummary
-from zocheck_ray.runtime.errors import DrainFailedError, ShadowGoneError
+from zocheck_ray.runtime.errors import DrainFailedError, ShadowCallError, ShadowGoneError
 from zocheck_ray.runtime.messages import ShadowMetrics, TrainerProgress, TrainerTimes
 from zocheck_ray.runtime.shadow import ShadowRestartedError
 from zocheck_ray.storage import LeaseError, StorageError
@@ -149,6 +149,8 @@ class Controller:
         except DrainFailedError as exc:  # the profile's snapshot could not be made durable
             return self._fail(Failure("drain_failed", self.step, f"the startup profile's snapshot could not be "
                                       f"made durable: {exc}"))
+        except ShadowCallError as exc:  # the shadow's replay or snapshot raised while it was timed
+            return self._fail(Failure("drain_failed", self.step, f"the startup profile failed in the shadow: {exc}"))
         self.step += report.training_steps
         if self.job.shadow.max_lag_steps is None and report.plan.lag_bound_steps:
             self.max_lag_steps = max(1, int(report.plan.lag_bound_steps))

@@ -7,5 +7,9 @@ class ShadowGoneError(RuntimeError):
     """The shadow's process is gone for good: Ray will not restart it again."""
 
 
-class DrainFailedError(RuntimeError):
+class ShadowCallError(RuntimeError):
+    """A call to the shadow raised in the shadow (the cause is in the message)."""
+
+
+class DrainFailedError(ShadowCallError):
     """The shadow could not replay and make durable what it was asked to (the cause is in the message)."""
