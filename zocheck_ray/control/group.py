@@ -49,11 +49,7 @@ class TrainerGroup:
         self._standbys_started = 0
         """Each standby gets its own name, as an ended one may not be gone yet."""
         self.standby = None
-        self._preparing = None
-        self._asking = None
-        self._standby_built = False
-        self._prepare_failed = False
-        self._following = None
+        self._new_standby()
         self.durable_next: int | None = None
         """Records before this step are durable, so the ranks drop them."""
         self._restarts: dict[str, int] = {}
@@ -122,6 +118,10 @@ class TrainerGroup:
             pass
         logger.info("the standby was not ready when a rank was lost: ended, to leave the cores to the restart")
         self.standby = None
+        self._new_standby()
+
+    def _new_standby(self) -> None:
+        """Forget the calls to the standby that was: the next one (or none) starts with none in flight."""
         self._following = self._preparing = self._asking = None
         self._standby_built = self._prepare_failed = False
 
@@ -257,8 +257,7 @@ class TrainerGroup:
         if self._standby_ready():
             promoted, self.standby = self.standby, lost  # Ray restarts the lost process: the next standby
             self.names[r], self.standby_name = self.standby_name, name
-            self._following = self._preparing = self._asking = None
-            self._standby_built = self._prepare_failed = False
+            self._new_standby()
             self.ranks[r] = promoted
             return promoted, "standby", None
         if self.standby is not None:
