@@ -54,6 +54,7 @@ def test_three_software_failures_recover_exactly(tmp_path, monkeypatch):
         assert sum(r.phases[p] for p in parts) == pytest.approx(r.phases["restore"], abs=1e-6)
         assert r.phases["restore"] + r.phases["waited"] <= r.phases["rejoin"] + 1e-6  # the rest: building, if any
         assert r.copy_threads >= 1  # the image's bytes into the state, on this many threads
+        assert r.read_through == "memfd"  # opened on the shadow's node
     assert_exact(summary, uninterrupted_hashes(job))
 
 
@@ -102,7 +103,10 @@ def test_a_failure_before_the_first_snapshot_and_during_recovery_itself(tmp_path
     assert_exact(summary, uninterrupted_hashes(job))
 
 
-def test_a_shadow_that_cannot_keep_up_is_resynced_and_recovery_stays_exact(tmp_path):
+def test_a_shadow_that_cannot_keep_up_is_resynced_and_recovery_stays_exact_on_a_plain_host(tmp_path, monkeypatch):
+    """On a host that offers none of the speed-ups (`ZOCHECK_HOST_PLAIN=1`, handed to the actors): the resyncs
+    write the trainer's state and the recovery reads the image through Ray, not through a memfd."""
+    monkeypatch.setenv("ZOCHECK_HOST_PLAIN", "1")
     # The shadow replays nothing by itself: at every poll (every 12 steps) it lags 12 steps, more than 2,
     # however fast or slow the trainer is; only the resyncs move its replica.
     job = job_for(tmp_path, shadow={"max_lag_steps": 2}, log_interval=12,
@@ -111,6 +115,7 @@ def test_a_shadow_that_cannot_keep_up_is_resynced_and_recovery_stays_exact(tmp_p
     assert summary.metrics.resync_count >= 1
     assert summary.resyncs and all("lags more than 2 steps" in why for _, why in summary.resyncs)
     assert summary.lag_samples and all(lag <= job.shadow.max_lag_steps for _, lag in summary.lag_samples)
+    assert [r.read_through for r in summary.recoveries if r.copy_threads] == ["ray"]
     assert_exact(summary, uninterrupted_hashes(job))
 
 

@@ -15,9 +15,12 @@ import torch
 
 from zocheck_ray.host.handle import ImageHandle
 from zocheck_ray.host.image import (
-    HUGE_PAGE, TRANSFER_THREADS_MAX, ImageGoneError, ImageLayout, SharedBuffer, WindowPlan, copy_state, handle_layout,
-    open_image, prepare_skeleton, transfer, transfer_threads,
+    HUGE_PAGE, TRANSFER_THREADS_MAX, ImageGoneError, ImageLayout, PrivateBuffer, SharedBuffer, WindowPlan, copy_state,
+    handle_layout, image_memory, open_image, prepare_skeleton, transfer, transfer_threads,
 )
+from zocheck_ray.host import capabilities as host_caps
+from zocheck_ray.host.heap import settling_heap
+from zocheck_ray.host.memory import huge_page_mapping
 from support import vm_flags
 from zocheck_ray.runtime.ledger import NoImageError, RecordLedger
 from zocheck_ray.host.memory import process_memory
@@ -182,14 +185,13 @@ def test_a_state_of_another_layout_is_refused_by_name():
         buffer.close()
 
 
-def test_an_image_its_owner_closed_is_gone_and_an_open_one_outlives_its_owner():
+def test_an_image_its_owner_closed_cannot_be_opened_and_an_open_one_outlives_its_owner():
     state = mixed_state()
     buffer, layout = filled_buffer(state)
     handle = ImageHandle.of(buffer, layout, token="t", step=3)
     fd = open_image(handle)          # opened before the owner lets go: the pages stay
     buffer.close()
-    with pytest.raises(ImageGoneError):
-        open_image(handle)           # opened after: gone, ask for the newest
+    assert open_image(handle) is None  # opened after: not here, the reader asks Ray for the windows
     try:
         out = zeros_like(state)
         transfer(fd, layout, out, "from_image")
@@ -198,10 +200,73 @@ def test_an_image_its_owner_closed_is_gone_and_an_open_one_outlives_its_owner():
     assert_equal(out, state)
 
 
+def test_a_reused_descriptor_number_is_never_read_as_the_image():
+    state = mixed_state()
+    first, layout = filled_buffer(state)
+    handle = ImageHandle.of(first, layout, token="t", step=3)
+    first.close()
+    second, _ = filled_buffer(state)  # same size, most likely the same descriptor number
+    try:
+        assert open_image(handle) is None  # its memfd's name is another: never taken for the first
+        assert open_image(ImageHandle.of(second, layout, token="u", step=3)) is not None
+    finally:
+        second.close()
+
+
+@pytest.fixture
+def plain_host(monkeypatch):
+    """Every capability probed absent, as `ZOCHECK_HOST_PLAIN=1` makes it in an actor."""
+    monkeypatch.setenv(host_caps.PLAIN_ENV, "1")
+    host_caps.capabilities.cache_clear()
+    yield host_caps.capabilities()
+    monkeypatch.delenv(host_caps.PLAIN_ENV)
+    host_caps.capabilities.cache_clear()
+
+
+def test_this_host_offers_every_speed_up_the_plain_paths_stand_in_for():
+    caps = host_caps.capabilities()  # the machine the tests run on: otherwise the fast paths go untested
+    assert caps.as_dict() == {"shared_images": True, "huge_pages": True, "thread_nice": True, "heap_freeze": True,
+                              "direct_io": True}
+
+
+def test_on_a_plain_host_an_image_is_private_memory_read_through_its_windows(plain_host):
+    assert not any(plain_host.as_dict().values())
+    state = mixed_state()
+    layout = ImageLayout.of(state)
+    buffer = image_memory(layout.nbytes)
+    assert isinstance(buffer, PrivateBuffer) and buffer.fd == -1
+    copy_state(layout.views(buffer.bytes), state)
+    handle = ImageHandle.of(buffer, layout, token="t", step=0)
+    assert handle.memfd is None and open_image(handle) is None
+    out = zeros_like(state)
+    plan = WindowPlan(layout, out, window=PAGE)
+    for start in plan.starts:  # what `image_window` hands a reader, a window at a time
+        plan.copy(buffer.bytes[start: start + plan.length(start)].clone(), start, "from_image")
+    assert_equal(out, state)
+    buffer.close()
+    assert buffer.closed
+
+
+def test_on_a_plain_host_nothing_is_advised_onto_huge_pages_and_the_heap_is_not_frozen(plain_host):
+    import gc
+
+    big = torch.empty(3 * HUGE_PAGE, dtype=torch.uint8).fill_(9)
+    assert prepare_skeleton({"big": big}) == 0 and not big.any()
+    flat, region = huge_page_mapping(4 * HUGE_PAGE)
+    start = (flat.data_ptr() + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    assert "hg" not in vm_flags(start)
+    del flat
+    region.close()
+    frozen = gc.get_freeze_count()
+    with settling_heap():
+        kept = [object() for _ in range(1000)]
+    assert gc.get_freeze_count() == frozen and kept
+
+
 def _own_an_image(nbytes, ready, done):
     buffer = SharedBuffer(nbytes)
     buffer.bytes.fill_(7)
-    ready.put((os.getpid(), buffer.fd))
+    ready.put((os.getpid(), buffer.fd, buffer.name))
     done.wait()
     buffer.close()
 
@@ -213,9 +278,9 @@ def test_a_reader_in_another_process_never_holds_more_than_a_window_of_the_image
     owner = ctx.Process(target=_own_an_image, args=(nbytes, ready, done))
     owner.start()
     try:
-        pid, fd_number = ready.get(timeout=120)
+        pid, fd_number, name = ready.get(timeout=120)
         layout = ImageLayout.from_specs([("w", "float32", (nbytes // 4,))])
-        handle = ImageHandle(pid=pid, fd=fd_number, node_id=None, token="t", step=0, names=layout.names,
+        handle = ImageHandle(pid=pid, fd=fd_number, memfd=name, node_id=None, token="t", step=0, names=layout.names,
                              dtypes=layout.dtypes, shapes=layout.shapes)
         out = {"w": torch.zeros(nbytes // 4)}  # faulted in now: the copy adds only mapped windows
         before = process_memory()["VmHWM"]

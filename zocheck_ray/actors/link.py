@@ -2,8 +2,8 @@
 
 Records travel trainer -> shadow in batches from one publishing thread, so Ray keeps them
 in order; each reply says what the shadow holds, so the trainer re-sends what a restarted
-shadow lacks. Images stay in the shadow's shared memory (`host/image.py`): a trainer on its
-node opens the image, one elsewhere streams the same windows through Ray.
+shadow lacks. Images stay in the memory (`host/image.py`): a trainer on its node opens the
+image's memfd where the host allows it; otherwise it gets the same windows through Ray.
 """
 
 from __future__ import annotations
@@ -145,6 +145,13 @@ class RayShadowLink:
             raise RuntimeError(f"the shadow is on node {handle.node_id}, this trainer on {self.node_id}: only a "
                                "trainer on the shadow's node hands it its state")
         fd = open_image(handle, write=True)
+        if fd is None:  # the plain path: the windows through Ray, one in flight
+            plan = WindowPlan(layout, state)
+            for start in plan.starts:
+                window = torch.zeros(plan.length(start), dtype=torch.uint8)  # the padding too: files hold it
+                plan.copy(window, start, "to_image")
+                call_when_alive(lambda: self.actor.write_intake.remote(start, window.numpy()))
+            return
         try:
             transfer(fd, layout, state, "to_image", threads=self.threads)
         finally:
@@ -181,6 +188,8 @@ class OfferedImage:
         self.source = "durable" if offer.source == "durable" else "memory"
         self.adapter = offer.adapter
         self.fd = open_image(self.handle) if local else None
+        self.through = "memfd" if self.fd is not None else "ray"
+        """How the image is read: its memfd opened here, or windows through Ray."""
 
     def copy_into(self, tensors: dict[str, torch.Tensor]) -> None:
         """Fill `tensors` with the image."""

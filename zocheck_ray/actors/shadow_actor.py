@@ -104,6 +104,11 @@ class ShadowActor:
         return self.shadow.image_bytes(token, start, length)
 
     @ray.method(concurrency_group="control")
+    def write_intake(self, start: int, data) -> None:
+        """Bytes at `start` of the open intake, from a trainer that cannot open it (the plain path)."""
+        self.shadow.write_intake(start, data)
+
+    @ray.method(concurrency_group="control")
     def metrics(self, trainers: TrainerTimes | None = None) -> ShadowMetrics:
         """The shadow's metrics, reporting the ranks' step times `trainers` with them."""
         if trainers is not None:

@@ -14,6 +14,7 @@ from zocheck_ray.actors.trainer_actor import TrainerActor
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.control.group import TrainerGroup
 from zocheck_ray.core.kernel_cache import cache_env
+from zocheck_ray.host.capabilities import PLAIN_ENV, plain as plain_host
 
 STANDBY_GPU_SHARE = 0.01
 """The fraction of rank 0's GPU the standby reserves; it allocates no device memory until promoted."""
@@ -107,8 +108,9 @@ class Placement:
         self._given = pg
         self._shadow_place, self._rank_places = places[0], places[1:]
         self._payload = job.model_dump(mode="json")
-        self._options = {"runtime_env": {"env_vars": env}} if (env := cache_env()) else {}
-        """Hands the user's `NUMBA_CACHE_DIR` to every actor."""
+        env = {**cache_env(), **({PLAIN_ENV: "1"} if plain_host() else {})}
+        self._options = {"runtime_env": {"env_vars": env}} if env else {}
+        """Hands the user's `NUMBA_CACHE_DIR` and `ZOCHECK_HOST_PLAIN` to every actor."""
         self._shadow = None
         self._group: TrainerGroup | None = None
 

@@ -41,6 +41,8 @@ class Recovery(BaseModel):
     """The promoted standby already held the image, so its restore only replayed records."""
     copy_threads: int | None = None
     """Threads of the image copy (phase `copy`); None if nothing was copied."""
+    read_through: str | None = None
+    """How the image was read: `memfd` (opened on the shadow's node) or `ray` (its windows through Ray)."""
     replay_threads: int | None = None
     """Threads of the CPU replay (phase `replay`); None if nothing was replayed on the CPU."""
     phases: dict[str, float] = {}

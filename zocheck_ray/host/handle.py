@@ -15,7 +15,9 @@ class ImageHandle(BaseModel):
     pid: int
     """The owning process (the shadow)."""
     fd: int
-    """Its descriptor in the owner: `/proc/<pid>/fd/<fd>` on the owner's node."""
+    """Its descriptor in the owner: `/proc/<pid>/fd/<fd>` on the owner's node (-1: private memory)."""
+    memfd: str | None = None
+    """The memfd's unique name, which a reader checks after opening; None: private memory, read through Ray."""
     node_id: str | None
     """The owner's Ray node (None outside Ray): a reader elsewhere streams it instead of opening it."""
     token: str
@@ -32,6 +34,6 @@ class ImageHandle(BaseModel):
 
     @classmethod
     def of(cls, buffer, layout, token: str, step: int | None, node_id: str | None = None) -> "ImageHandle":
-        """The handle of this process's `buffer` (an `image.SharedBuffer`) holding `layout` (an `image.ImageLayout`)."""
-        return cls(pid=os.getpid(), fd=buffer.fd, node_id=node_id, token=token, step=step, names=layout.names,
+        """The handle of this process's `buffer` (an `image.ImageBuffer`) holding `layout` (an `image.ImageLayout`)."""
+        return cls(pid=os.getpid(), fd=buffer.fd, memfd=buffer.name if buffer.shared else None, node_id=node_id, token=token, step=step, names=layout.names,
                    dtypes=layout.dtypes, shapes=layout.shapes)

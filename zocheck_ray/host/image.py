@@ -1,11 +1,13 @@
-"""State images: a state as one flat buffer, kept in shared memory that the shadow owns.
+"""State images: a state as one flat buffer, kept in memory that the shadow owns.
 
 `ImageLayout` places each tensor at a 64-byte-aligned offset of one buffer, so an image is one
-object to copy, hand over and persist. The images are memfds, not objects in Ray's store: the
-store frees asynchronously and the writer's freed pages stay mapped, so a shadow could not hold
-its budget of two copies of the state, while a memfd is freed when its last holder closes it. A
-trainer on the same node reads it through `/proc/<pid>/fd/<n>` a window at a time, so it is never
-resident there; a reader on another node gets it streamed (`link.py`).
+object to copy, hand over and persist. Where the host offers it (`capabilities.shared_images`), an
+image is a memfd, not an object in Ray's store: the store frees asynchronously and the writer's
+freed pages stay mapped, so a shadow could not hold its budget of two copies of the state, while a
+memfd is freed when its last holder closes it. A trainer on the same node reads it through
+`/proc/<pid>/fd/<n>` a window at a time, so it is never resident there. Elsewhere, or where the
+host offers no memfd, the image is private memory and the reader gets the same windows through Ray
+(`actors/link.py`).
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import functools
 import logging
 import mmap
 import os
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, Literal, Mapping
 
 import torch
 
+from zocheck_ray.host.capabilities import capabilities
 from zocheck_ray.host.handle import ImageHandle
 from zocheck_ray.core.dtypes import BY_NAME, REPLAYED
 from zocheck_ray.core.cpus import process_cpus
@@ -123,11 +127,15 @@ def anonymous_buffer(nbytes: int) -> tuple[torch.Tensor, mmap.mmap | None]:
 
 class SharedBuffer:
     """A memfd of `nbytes`, allocated up front (so that a lack of memory fails here, not with SIGBUS in a copy)
-    and mapped read-write; freed once no process holds it open."""
+    and mapped read-write; freed once no process holds it open. Its name is unique, so a reader knows it
+    opened this buffer and not a reused descriptor."""
+
+    shared = True
 
     def __init__(self, nbytes: int, name: str = "zocheck-image"):
         self.nbytes = nbytes
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.name = f"{name}-{secrets.token_hex(8)}"
+        self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, nbytes)
             if nbytes:
@@ -165,6 +173,43 @@ class SharedBuffer:
         self.fd = -1
 
 
+class PrivateBuffer:
+    """The plain path: an image in this process's own memory, faulted up front, which readers get through Ray."""
+
+    shared = False
+    name = None
+
+    def __init__(self, nbytes: int, name: str = "zocheck-image"):
+        self.nbytes = nbytes
+        try:
+            self.bytes, self._map = anonymous_buffer(nbytes)
+        except (OSError, RuntimeError) as exc:
+            raise MemoryError(f"cannot allocate an image of {nbytes / 1e9:.2f} GB on this node: {exc}") from exc
+        self.fd = -1
+        """No descriptor: readers go through Ray."""
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.bytes = None
+        region, self._map = self._map, None
+        if region is not None:
+            try:
+                region.close()
+            except BufferError:
+                pass
+
+
+ImageBuffer = SharedBuffer | PrivateBuffer
+
+
+def image_memory(nbytes: int, name: str = "zocheck-image") -> ImageBuffer:
+    """Memory for an image: a memfd where the host offers them, else private memory."""
+    return SharedBuffer(nbytes, name) if capabilities().shared_images else PrivateBuffer(nbytes, name)
+
+
 # ---------------------------------------------------------------------------------------- hand-over
 
 
@@ -177,18 +222,24 @@ class ImageGoneError(RuntimeError):
     """The image's owner replaced it or died before it was opened: ask again."""
 
 
-def open_image(handle: ImageHandle, write: bool = False) -> int:
-    """Open the owner's buffer on this node (`ImageGoneError` when it is gone)."""
+def open_image(handle: ImageHandle, write: bool = False) -> int | None:
+    """Open the owner's memfd on this node; None where it cannot be opened here (private memory, another pid
+    namespace, a policy that forbids it, or the buffer is gone): the reader then goes through Ray."""
+    if handle.memfd is None:
+        return None
     try:
         fd = os.open(handle.path, os.O_RDWR if write else os.O_RDONLY)
-    except FileNotFoundError as exc:
-        raise ImageGoneError(f"the image of step {handle.step} is no longer held by process {handle.pid}") from exc
-    size = os.fstat(fd).st_size
-    layout = handle_layout(handle)
-    if size != layout.nbytes:
-        os.close(fd)
-        raise ImageGoneError(f"{handle.path} holds {size} bytes, not the image's {layout.nbytes}: the "
-                             "descriptor was reused")
+    except OSError as exc:
+        logger.info("cannot open the image at %s (%s): reading it through Ray", handle.path, exc.strerror)
+        return None
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        opened = ""
+    if not opened.startswith(f"/memfd:{handle.memfd} ") or os.fstat(fd).st_size != handle_layout(handle).nbytes:
+        os.close(fd)  # another process's descriptor with the same number
+        logger.info("%s is not the shadow's image %s: reading it through Ray", handle.path, handle.memfd)
+        return None
     return fd
 
 
@@ -338,7 +389,7 @@ def prepare_skeleton(tensors: Mapping[str, torch.Tensor]) -> int:
     """Fault a skeleton's host pages now, on 2 MiB pages where allowed, so that a later restore is a plain copy;
     returns the bytes advised onto huge pages."""
     advised = 0
-    libc = _libc()
+    libc = _libc() if capabilities().huge_pages else None
     for t in tensors.values():
         if t.device.type != "cpu":
             t.zero_()
@@ -346,7 +397,7 @@ def prepare_skeleton(tensors: Mapping[str, torch.Tensor]) -> int:
         flat = byte_view(t)
         start = (flat.data_ptr() + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
         end = (flat.data_ptr() + flat.numel()) // HUGE_PAGE * HUGE_PAGE
-        if end > start and libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0:
+        if libc is not None and end > start and libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0:
             libc.madvise(start, end - start, _MADV_DONTNEED)  # pages faulted already come back as huge pages
             advised += end - start
         flat.zero_()

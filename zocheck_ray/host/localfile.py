@@ -34,9 +34,11 @@ DIRECT_BUFFERS = 4
 
 
 def open_local_write(path: str):
-    """A new local file to write: a `_DirectFile`, or a `_WritebackFile` where O_DIRECT is refused."""
+    """A new local file to write: a `_DirectFile`, or a `_WritebackFile` where O_DIRECT is refused (or off)."""
+    from zocheck_ray.host.capabilities import capabilities
+
     flag = getattr(os, "O_DIRECT", 0)
-    if flag:
+    if flag and capabilities().direct_io:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
         except OSError as exc:

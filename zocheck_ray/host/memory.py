@@ -28,7 +28,11 @@ def aligned_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
 def huge_page_mapping(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
     """A private anonymous mapping of `nbytes` (> 0) as a uint8 tensor, advised onto huge pages where the kernel
     offers them, nothing faulted yet. Returns the tensor and the mapping (its views keep it alive)."""
+    from zocheck_ray.host.capabilities import capabilities
+
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if not capabilities().huge_pages:
+        return frombuffer(region), region
     with contextlib.suppress(AttributeError, OSError):  # no transparent huge pages: 4 KiB pages
         region.madvise(mmap.MADV_HUGEPAGE)
     return frombuffer(region), region

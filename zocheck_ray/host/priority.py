@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import threading
 
+from zocheck_ray.host.capabilities import capabilities
+
 THREAD_NAME_BYTES = 15
 """Linux keeps 15 bytes of a thread's name (`/proc/PID/task/TID/comm`, `top -H`)."""
 
@@ -26,7 +28,7 @@ def background_thread(name: str, nice: int) -> None:
             f.write(name[:THREAD_NAME_BYTES])
     except OSError:
         pass
-    if nice > 0 and hasattr(os, "setpriority"):
+    if nice > 0 and capabilities().thread_nice:
         try:
             if os.getpriority(os.PRIO_PROCESS, tid) < nice:  # on Linux a tid names one thread, not the process
                 os.setpriority(os.PRIO_PROCESS, tid, nice)

@@ -192,6 +192,8 @@ class RecoveryInfo(BaseModel):
     """The copy alone within `install_seconds`; None where `preinstalled`."""
     copy_threads: int | None = None
     """The threads that copy ran on (`host.image.transfer_threads`)."""
+    read_through: str | None = None
+    """How the image was read: `memfd` (opened on the shadow's node) or `ray` (windows through Ray)."""
     preinstalled: bool = False
     """The image was in the state already (a CPU standby copies each new one)."""
     replay_seconds: float | None = None

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from zocheck_ray.host.image import ImageGoneError, ImageLayout, SharedBuffer, copy_state
+from zocheck_ray.host.image import ImageBuffer, ImageGoneError, ImageLayout, copy_state
 from zocheck_ray.host.memory import process_memory
 from zocheck_ray.runtime.ledger import RecordLedger
 from zocheck_ray.runtime.messages import AdapterIdentity, ShadowMetrics, TrainerTimes
@@ -135,7 +135,7 @@ class Shadow:
 
     # ------------------------------------------------------------------ state in
 
-    def open_intake(self, layout: ImageLayout) -> SharedBuffer:
+    def open_intake(self, layout: ImageLayout) -> ImageBuffer:
         """Memory for a trainer to write its state of `layout` into; then `initialize`, `resync` or `abort_intake`."""
         return self.replay.call(lambda: self.replay.open_intake(layout))
 
@@ -231,6 +231,13 @@ class Shadow:
         if image is None or image.token != token:
             raise ImageGoneError(f"the image {token} has been replaced; ask for the newest")
         return image.buffer.bytes[start: start + length].numpy().copy()
+
+    def write_intake(self, start: int, data) -> None:
+        """Bytes `data` (a uint8 array) at `start` of the open intake, from a trainer that cannot open it."""
+        intake = self.replay.intake
+        if intake is None or start < 0 or start + len(data) > intake.nbytes:
+            raise StageError(f"no open intake holds bytes {start}..{start + len(data)}: open one first")
+        intake.bytes[start: start + len(data)].copy_(torch.as_tensor(data, dtype=torch.uint8))
 
     def give_back(self, token: str) -> None:
         """A trainer is done reading the image `token`."""

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from zocheck_ray.host.image import ImageLayout, SharedBuffer, anonymous_buffer, copy_state
+from zocheck_ray.host.image import ImageBuffer, ImageLayout, anonymous_buffer, copy_state, image_memory
 from zocheck_ray.runtime.ledger import LOG, RecordLedger
 from zocheck_ray.host.priority import background_thread
 from zocheck_ray.config import JobConfig
@@ -45,7 +45,7 @@ STARTUP_STORAGE_SECONDS = 120.0
 class Image:
     """A frozen copy of the replica at `step`; `lent` and `pinned` change only in the ledger, under its lock."""
 
-    def __init__(self, step: int, buffer: SharedBuffer, layout: ImageLayout, token: str):
+    def __init__(self, step: int, buffer: ImageBuffer, layout: ImageLayout, token: str):
         self.step, self.buffer, self.layout, self.token = step, buffer, layout, token
         self.lent = 0
         self.read_until = 0.0
@@ -95,7 +95,7 @@ class ReplayStage:
         self.replica: dict[str, torch.Tensor] | None = None
         self._replica_memory = None
         self.layout: ImageLayout | None = None
-        self.intake: SharedBuffer | None = None
+        self.intake: ImageBuffer | None = None
         """Memory a trainer writes its state into, until committed."""
         self._intake_layout: ImageLayout | None = None
         self.budget = Budget()
@@ -219,18 +219,18 @@ class ReplayStage:
         self._copy(self.layout.views(buffer.bytes), self.replica, fresh=old is None or buffer is not old.buffer)
         return self._offer(buffer, self.replayed_step)
 
-    def _memory_for(self, kind: str, old: Image | None, layout: ImageLayout) -> SharedBuffer:
+    def _memory_for(self, kind: str, old: Image | None, layout: ImageLayout) -> ImageBuffer:
         """The claimed image's memory, or new memory where there is none or it is borrowed (never written again)."""
         if kind == "reuse" and old.layout == layout:
             return old.buffer
         if old is not None:
             old.buffer.close()
             self.budget.add("image", -old.buffer.nbytes)
-        buffer = SharedBuffer(layout.nbytes, self._name)
+        buffer = image_memory(layout.nbytes, self._name)
         self.budget.add("image", buffer.nbytes)
         return buffer
 
-    def _offer(self, buffer: SharedBuffer, step: int) -> Image:
+    def _offer(self, buffer: ImageBuffer, step: int) -> Image:
         image = Image(step, buffer, self.layout, next(self._tokens))
         self.ledger.publish(image)
         self.snapshots_taken += 1
@@ -249,7 +249,7 @@ class ReplayStage:
 
     # ------------------------------------------------------------------ commands (run on the thread)
 
-    def open_intake(self, layout: ImageLayout, timeout: float = 300.0) -> SharedBuffer:
+    def open_intake(self, layout: ImageLayout, timeout: float = 300.0) -> ImageBuffer:
         """Memory for a trainer's state of `layout`, taken from the image's (no image is offered meanwhile)."""
         if self.intake is not None and self._intake_layout == layout:
             return self.intake  # a second request (the first writer was lost): the same memory
@@ -280,7 +280,7 @@ class ReplayStage:
             self.budget.add("image", -buffer.nbytes)
             self.ledger.unclaim()
 
-    def adopt(self, buffer: SharedBuffer, layout: ImageLayout, step: int, source: str) -> Image:
+    def adopt(self, buffer: ImageBuffer, layout: ImageLayout, step: int, source: str) -> Image:
         """`buffer` holds the state at `step`: the replica becomes a copy of it, and it the newest image."""
         rebuilt = self.layout != layout
         if rebuilt:
