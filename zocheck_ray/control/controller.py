@@ -219,7 +219,7 @@ class Controller:
             replayed_records=info.replayed_records, rank=restored.rank,
             cause="records_lost" if failure.kind == "records_lost" else "trainer_lost",
             replaced_by=restored.replaced_by, state_hash=info.state_hash, preinstalled=info.preinstalled,
-            copy_threads=info.copy_threads, replay_threads=info.replay_threads,
+            copy_threads=info.copy_threads, read_through=info.read_through, replay_threads=info.replay_threads,
             phases=restored.phases))
         return State.RUNNING  # a host failure restarted the shadow too: the next check counts it
 
