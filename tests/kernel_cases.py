@@ -20,7 +20,7 @@ from zocheck_ray.core.update import sparse_thresholds
 from zocheck_ray.core.record import StepRecord
 from zocheck_ray.core.scalars import StepScalars
 
-OPTIMIZERS = ["zo-sgd", "zo-adam", "sparse-mezo", "zo-sgd-sign", "zo-sgd-mmt", "zo-sgd-cons"]
+OPTIMIZERS = ["zo-sgd", "zo-adam", "sparse-mezo", "zo-sgd-sign", "zo-signsgd", "zo-sgd-mmt", "zo-sgd-cons"]
 DTYPES = JOB_DTYPES
 KINDS = ["gaussian", "rademacher"]
 SEGMENTS = [(0, 7, True), (7, 1, False), (2**32 - 5, 613, True), (3 * 2**32 + 2, 1030, False)]
@@ -76,7 +76,7 @@ def run_oracle(config: ZOConfig, dtype: torch.dtype):
             else:
                 start = x
                 for c in s.moves:
-                    x = update.sgd_move(x, a, c, s, decay, dtype, sign_of=config.optimizer == "zo-sgd-sign")
+                    x = update.sgd_move(x, a, c, s, decay, dtype, sign_of=config.optimizer == "zo-signsgd")
                 x = x if mask is None else torch.where(mask, x, start)
             params[i] = x.to(dtype)
     return params, first, second, records

@@ -18,8 +18,9 @@ from zocheck_ray.core import fused
 from zocheck_ray.workload.models import build_model, trainable_parameters
 
 OPTIMIZERS = ["zo-sgd", "zo-adam", "sparse-mezo"]
-ZO_BENCH = ["zo-sgd-sign", "zo-sgd-mmt", "zo-sgd-cons"]
-"""ZO-Bench's optimizers: on HF models in test_zo_methods.py, here on odd shapes, one step at a time too."""
+ZO_BENCH = ["zo-sgd-sign", "zo-sgd-mmt", "zo-sgd-cons", "zo-signsgd"]
+"""ZO-Bench's optimizers and ZO-signSGD: on HF models in test_zo_methods.py, here on odd shapes, one step at a time
+too."""
 DTYPES = JOB_DTYPES
 KINDS = ["gaussian", "rademacher"]
 STEPS = 12

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 JobDtype = Literal["fp32", "bf16", "fp16"]
 """The dtypes a model trains in (`JobConfig.dtype`; their torch dtypes: `core/dtypes.py`)."""
 
-Optimizer = Literal["zo-sgd", "zo-adam", "sparse-mezo", "zo-sgd-sign", "zo-sgd-mmt", "zo-sgd-cons"]
+Optimizer = Literal["zo-sgd", "zo-adam", "sparse-mezo", "zo-sgd-sign", "zo-signsgd", "zo-sgd-mmt", "zo-sgd-cons"]
 Perturbation = Literal["gaussian", "rademacher"]
 
 
@@ -20,14 +20,15 @@ class ZOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     optimizer: Optimizer = "zo-sgd"
-    """`zo-sgd` (MeZO), `zo-adam` (Adam moments on the ZO gradient), `sparse-mezo`, or ZO-Bench's
-    `zo-sgd-sign`, `zo-sgd-mmt` (momentum) and `zo-sgd-cons` (keeps the lowest-loss of three points)."""
+    """`zo-sgd` (MeZO), `zo-adam` (Adam moments on the ZO gradient), `sparse-mezo`, ZO-Bench's `zo-sgd-sign`
+    (steps along sign(g) z), `zo-sgd-mmt` (momentum) and `zo-sgd-cons` (keeps the lowest-loss of three points), or
+    `zo-signsgd` (ZO-signSGD, Liu et al. 2019: the elementwise sign of the estimate g z)."""
     lr: float = Field(1e-6, ge=0)
     """Learning rate; a step may carry its own (schedules), recorded with the step."""
     eps: float = Field(1e-3, gt=0)
     """Perturbation scale epsilon of the two-point gradient estimate."""
     weight_decay: float = Field(0.0, ge=0)
-    """Decoupled weight decay; never applied to biases or norm weights (1-D tensors)."""
+    """Decoupled weight decay, on MeZO's tensors: those whose name holds none of "bias", "layer_norm", "layernorm"."""
     betas: tuple[float, float] = (0.9, 0.999)
     """ZO-Adam moment decay rates, each in [0, 1)."""
     adam_eps: float = Field(1e-8, gt=0)

@@ -17,6 +17,7 @@ import torch
 from zocheck_ray.core.dtypes import REPLAYED
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import StateMismatchError
+from zocheck_ray.core.record import RULES_VERSION
 
 EXP_AVG_PREFIX = "optimizer.exp_avg."
 """State key prefix of ZO-Adam's first moments."""
@@ -49,9 +50,9 @@ def dtype_name(dtype: torch.dtype, where: str) -> str:
 
 
 def applies_weight_decay(name: str, shape: tuple[int, ...]) -> bool:
-    """MeZO's rule: decay weights, never biases or normalisation weights."""
-    lowered = name.lower()
-    return len(shape) >= 2 and "bias" not in lowered and "norm" not in lowered
+    """MeZO's rule, by name only: a tensor is decayed unless its name holds "bias", "layer_norm" or "layernorm"
+    (so Llama's `model.norm.weight` is decayed, as in MeZO's `zo_update`)."""
+    return not any(word in name for word in ("bias", "layer_norm", "layernorm"))
 
 
 @dataclass(frozen=True)
@@ -155,11 +156,12 @@ class Layout:
         ]
 
     def fingerprint(self, config: ZOConfig) -> int:
-        """64-bit id of (layout, replay-relevant config); records carry it."""
+        """64-bit id of (layout, replay-relevant config, `RULES_VERSION`); records carry it."""
         dumped = config.model_dump(mode="json", exclude={"lr", "eps"})
         for key, default in NEW_CONFIG_DEFAULTS.items():
             if dumped.get(key) == default:
                 del dumped[key]
-        doc = {"layout": [[s.name, list(s.shape), s.dtype, s.decay] for s in self.params], "config": dumped}
+        doc = {"layout": [[s.name, list(s.shape), s.dtype, s.decay] for s in self.params], "config": dumped,
+               "rules": RULES_VERSION}
         digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).digest()
         return int.from_bytes(digest[:8], "little")

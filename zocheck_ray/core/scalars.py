@@ -54,7 +54,8 @@ class StepScalars:
     momentum: float = 0.0
     """ZO-SGD-MMT's momentum."""
     grads: tuple[float, ...] = ()
-    """Per perturbation j, g_j / q (q = 1: `grad`): the estimate is sum_j r(z_j) * grads[j], in order."""
+    """Per perturbation j, g_j / q (q = 1: `grad`; `zo-sgd-sign`: sign(g_j) / q): the estimate is
+    sum_j r(z_j) * grads[j], in order."""
     moves: tuple[float, ...] = ()
     """ZO-SGD-Cons: the factors of the update's moves, in order (lr, -2 lr, then lr or 2 lr, as the record's
     decision says); `lr` for every other optimizer."""
@@ -75,14 +76,17 @@ class StepScalars:
         if config.optimizer == "zo-sgd-mmt":
             extra["momentum"] = f32(config.momentum)
         q = len(record.grads)
+        grads = record.grads
+        if config.optimizer == "zo-sgd-sign":  # ZO-Bench's zo_sign_opt: sign(g_j) z_j / q, np.sign's 0 for g = 0
+            grads = tuple(float((g > 0) - (g < 0)) for g in grads)
         moves = (f32(record.lr),)
         if config.optimizer == "zo-sgd-cons":
             last = {CONS_START: (f32(record.lr),), CONS_DESCENT: (f32(2.0 * record.lr),), CONS_ASCENT: ()}
             moves = (f32(record.lr), f32(-2.0 * record.lr), *last[record.decision])
         scalars = cls(
             plus=f32(record.eps), minus=f32(-2.0 * record.eps),
-            grad=f32(record.projected_grad / q), lr=f32(record.lr),
-            weight_decay=f32(config.weight_decay), grads=tuple(f32(g / q) for g in record.grads), moves=moves,
+            grad=f32(grads[0] / q), lr=f32(record.lr),
+            weight_decay=f32(config.weight_decay), grads=tuple(f32(g / q) for g in grads), moves=moves,
             **extra,
         )
         for name in cls.__slots__:

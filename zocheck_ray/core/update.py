@@ -11,7 +11,8 @@ multiply and an add into an FMA. A step of q perturbations, seeds s_j, projected
                  u = (m*bc1) / (sqrt(v*bc2) + eps_a)     (sqrt correctly rounded);  [u = u + p*wd]   (float32)
                  p = r(p - r(u * lr))
     sparse-mezo: zo-sgd on elements with |p_start| <= threshold, others untouched
-    zo-sgd-sign: u = sgn(a) = (a > 0) - (a < 0)  (exact: -1, 0 or 1);  [u = r(u + r(p * wd))];  p = r(p - r(u * lr))
+    zo-sgd-sign: zo-sgd with G_j = f32(sgn(g_j) / q)  (ZO-Bench's sign(g) z)
+    zo-signsgd:  u = sgn(a) = (a > 0) - (a < 0)  (exact: -1, 0 or 1);  [u = r(u + r(p * wd))];  p = r(p - r(u * lr))
     zo-sgd-mmt:  m = m*mu + a;  u = m;  [u = u + p*wd]   (float32);  p = r(p - r(u * lr))
     zo-sgd-cons: for each move c of the record's decision (lr, -2 lr, then lr to go back to the start,
                  2 lr to the descent step, or none to stay at the ascent step):
@@ -178,7 +179,7 @@ def update_chunk(state: dict[str, torch.Tensor], name: str, a: int, b: int, p: t
         return p
     out = p
     for c in s.moves:  # one move, or ZO-SGD-Cons' two or three
-        out = sgd_move(out, est, c, s, decay, dtype, sign_of=optimizer == "zo-sgd-sign")
+        out = sgd_move(out, est, c, s, decay, dtype, sign_of=optimizer == "zo-signsgd")
     return out if mask is None else torch.where(mask, out, p)
 
 
