@@ -113,6 +113,12 @@ class ScalingSettings(BaseModel):
     use_gpu: Literal["auto", "yes", "no"] = "auto"
     """Train on a GPU: `auto` uses one when the cluster has one, `yes` requires one."""
 
+    @field_validator("use_gpu", mode="before")
+    @classmethod
+    def _yes_no(cls, value: Any) -> Any:
+        # YAML 1.1 reads an unquoted yes/no (and on/off, true/false) as a boolean.
+        return {True: "yes", False: "no"}.get(value, value) if isinstance(value, bool) else value
+
 
 def retired_field(doc: Mapping[str, Any]) -> str | None:
     """The one line that refuses an older job file's field (`MOVED_FIELDS`, `REMOVED_FIELDS`), or None."""
@@ -186,7 +192,14 @@ class JobConfig(BaseModel):
 
     @model_validator(mode="after")
     def _batch_divides(self) -> "JobConfig":
-        if self.task.batch_size % self.scaling.trainers:
+        shards, k = self.task.shards, self.scaling.trainers
+        if shards is not None and self.task.batch_size % shards:
+            raise ValueError(f"task.batch_size={self.task.batch_size} does not divide into task.shards={shards} "
+                             "equal shards: make task.batch_size a multiple of task.shards")
+        if shards is not None and shards < k:
+            raise ValueError(f"task.shards={shards} is fewer than scaling.trainers={k}: every rank holds at least "
+                             "one shard; raise task.shards or lower scaling.trainers")
+        if shards is None and self.task.batch_size % self.scaling.trainers:
             raise ValueError(f"task.batch_size={self.task.batch_size} does not divide among scaling.trainers="
                              f"{self.scaling.trainers} ranks: every rank evaluates an equal slice of the batch; "
                              "make task.batch_size a multiple of scaling.trainers")
@@ -307,6 +320,51 @@ def _set(doc: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+def _section(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The model class that holds the field at `loc` (a section of `model`), or None past a plain field."""
+    for key in loc[:-1]:
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        kinds = [t for t in getattr(field.annotation, "__args__", (field.annotation,)) if isinstance(t, type)
+                 and issubclass(t, BaseModel)] if field is not None else []
+        if not kinds:
+            return None
+        model = kinds[0]
+    return model
+
+
+def describe_error(error: dict, model: type[BaseModel]) -> str:
+    """One pydantic error as one line: the field's dotted path, what it accepts, the nearest valid name."""
+    import difflib
+
+    loc = tuple(k for k in error["loc"] if not (isinstance(k, str) and k.startswith("function-")))
+    path, kind, value = ".".join(str(k) for k in loc), error["type"], error.get("input")
+    message = error["msg"].removeprefix("Value error, ").removeprefix("Input should be ")
+    if kind == "extra_forbidden":
+        section = _section(model, loc)
+        fields = sorted(section.model_fields) if section is not None else []
+        owner = ".".join(str(k) for k in loc[:-1]) or "the job"
+        near = difflib.get_close_matches(str(loc[-1]), fields, n=1)
+        hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), near[0]])}?" if near else ""
+        return f"{path} is not a field of {owner}{hint} ({owner}'s fields: {', '.join(fields)})"
+    if kind == "missing":
+        return f"{path} is required"
+    if kind == "value_error" or not loc:
+        return message
+    if isinstance(value, float) and value != value:
+        return f"{path}=nan is not a number: give a finite value"
+    if kind == "string_type" and isinstance(value, (int, float, bool)):
+        return f"{path}={value!r} must be a string: quote it, e.g. --set '{path}=\"{value}\"' or {path}: \"{value}\""
+    if kind.endswith("_type") and isinstance(value, (dict, list)) is False and _section(model, (*loc, "")):
+        return f"{path}={value!r} must be a section of fields ({path}.FIELD=VALUE)"
+    shown = value if isinstance(value, (int, float, bool, str)) or value is None else type(value).__name__
+    return f"{path}={shown!r} must be {message}" if kind == "literal_error" else f"{path}={shown!r}: should be {message}"
+
+
+def describe_errors(exc: ValidationError, model: type[BaseModel]) -> str:
+    """Every error of `exc` on one line (see `describe_error`), so the user reads the fix, not pydantic's report."""
+    return "; ".join(describe_error(e, model) for e in exc.errors())
+
+
 def load_job_config(path: str | Path | None = None, overrides: list[str] | None = None,
                     base: dict | None = None, **fields: Any) -> JobConfig:
     """Read YAML (safe_load), apply `key=value` overrides (values parsed as YAML), then `fields`.
@@ -334,6 +392,8 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | None 
         if "=" not in item:
             raise JobConfigError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
+        if not key.strip() or "" in key.strip().split("."):
+            raise JobConfigError(f"--set {item!r}: the field before '=' is blank; e.g. --set zo.lr=1e-4")
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError as exc:
@@ -349,7 +409,7 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | None 
         job = JobConfig.model_validate(doc)
     except ValidationError as exc:
         where = f" in {path}" if path is not None else ""
-        raise JobConfigError(f"invalid job configuration{where}:\n{exc}") from exc
+        raise JobConfigError(f"invalid job configuration{where}: {describe_errors(exc, JobConfig)}") from None
     check_task(job)
     check_peft(job)
     return job
@@ -365,6 +425,16 @@ def check_peft(job: JobConfig) -> None:
         check_adapter(job.peft, job.model)
     except WorkloadError as exc:
         raise JobConfigError(f"peft ({job.peft.method} on model {job.model!r}): {exc}") from exc
+    if job.peft.method == "prefix":  # the virtual tokens take positions: a learned position table must hold them
+        from zocheck_ray.workload.models import model_config_dict
+
+        hf = model_config_dict(job.model)
+        positions, tokens = hf.get("max_position_embeddings"), job.peft.num_virtual_tokens
+        if positions and not any("rope" in key for key in hf) and job.task.max_length + tokens > positions:
+            raise JobConfigError(f"peft.num_virtual_tokens={tokens} plus task.max_length={job.task.max_length} "
+                                 f"exceed model {job.model!r}'s max_position_embeddings={positions} (learned "
+                                 f"positions); lower task.max_length to {max(2, positions - tokens)} or "
+                                 "peft.num_virtual_tokens")
 
 
 def check_task(job: JobConfig):

@@ -13,6 +13,8 @@ builds it, and one whose base hashes otherwise than the run recorded is refused.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from zocheck_ray.core.hashing import state_hash
@@ -28,8 +30,9 @@ class BaseModelMismatchError(WorkloadError):
 
 
 def check_adapter(settings: PeftSettings, name: str) -> None:
-    """Raise `WorkloadError` where `settings` names a LoRA target module that model `name` lacks."""
-    if settings.method != "lora" or not settings.target_modules:
+    """Raise `WorkloadError` where `settings` names a LoRA target module that model `name` lacks, or asks for
+    prefix tuning of a model whose forward takes no past key values (peft's own test, made before any actor)."""
+    if settings.method == "lora" and not settings.target_modules:
         return
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -37,9 +40,17 @@ def check_adapter(settings: PeftSettings, name: str) -> None:
 
     doc = model_config_dict(name)
     config = AutoConfig.for_model(**doc)
-    cls = AutoModelForSequenceClassification if model_kind(name) == "sequence-classification" else AutoModelForCausalLM
+    encoder = model_kind(name) == "sequence-classification"
+    cls = AutoModelForSequenceClassification if encoder else AutoModelForCausalLM
     with torch.device("meta"):
-        names = [n for n, _ in cls.from_config(config).named_modules()]
+        model = cls.from_config(config)
+    if settings.method == "prefix":
+        backbone = getattr(model, model.base_model_prefix, model)
+        if encoder and not any("past_key_values" in inspect.signature(m.forward).parameters for m in (model, backbone)):
+            raise WorkloadError(f"peft.method=prefix needs a model whose forward takes past key values, and model "
+                                f"{name!r} ({type(model).__name__}) does not; use peft.method=lora")
+        return
+    names = [n for n, _ in model.named_modules()]
     for target in settings.target_modules:
         if not any(n == target or n.endswith("." + target) for n in names):
             leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n})

@@ -4,6 +4,8 @@ built-in small configs, the packaged pretrained weights, and the directory a nam
 from __future__ import annotations
 
 import importlib.util
+import json
+import struct
 from pathlib import Path
 
 from zocheck_ray.workload.errors import ModelNotFoundError
@@ -58,4 +60,64 @@ def model_directory(name: str) -> Path | None:
         raise ModelNotFoundError(f"model path {path} is a file; pass the directory save_pretrained wrote")
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"model directory {path} has no config.json; save the model with save_pretrained")
+    check_model_files(path)
     return path
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+"""The weights a directory may hold, in the order `from_pretrained` looks for them."""
+
+
+def check_model_files(directory: Path) -> None:
+    """Raise `ModelNotFoundError` naming the file when `directory`'s config or weights cannot load.
+
+    Reads the config and the safetensors headers only, so a broken directory is refused before any actor starts.
+    """
+    config = directory / "config.json"
+    try:
+        doc = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ModelNotFoundError(f"model directory {directory}: {config} is not readable JSON ({exc}); save the "
+                                 "model again with save_pretrained") from None
+    if not isinstance(doc, dict):
+        raise ModelNotFoundError(f"model directory {directory}: {config} holds no JSON object; save the model again "
+                                 "with save_pretrained")
+    found = [directory / name for name in WEIGHT_FILES if (directory / name).is_file()]
+    if not found:
+        raise ModelNotFoundError(f"model directory {directory} has no weights (none of {', '.join(WEIGHT_FILES)}); "
+                                 "save the model with save_pretrained")
+    if found[0].name == "model.safetensors.index.json":
+        try:
+            shards = sorted(set(json.loads(found[0].read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelNotFoundError(f"model directory {directory}: {found[0]} is not a safetensors index "
+                                     f"(no weight_map: {exc}); save the model again with save_pretrained") from None
+        for shard in shards:
+            _check_safetensors(directory / shard)
+    elif found[0].name == "model.safetensors":
+        _check_safetensors(found[0])
+
+
+def _check_safetensors(path: Path) -> None:
+    """Every tensor of the file's header lies inside the file (a truncated copy fails here, named)."""
+    again = "; copy or save the model again"
+    try:
+        with open(path, "rb") as f:
+            size = path.stat().st_size
+            raw = f.read(8)
+            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+            if not 0 < n <= size - 8:
+                raise ModelNotFoundError(f"model file {path} is not a safetensors file (its header is cut off){again}")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise ModelNotFoundError(f"model file {path} is missing (its index names it){again}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ModelNotFoundError(f"model file {path} has an unreadable safetensors header ({exc}){again}") from None
+    if not isinstance(header, dict):
+        raise ModelNotFoundError(f"model file {path} has an unreadable safetensors header{again}")
+    ends = [entry.get("data_offsets", [0, 0])[1] for key, entry in header.items()
+            if key != "__metadata__" and isinstance(entry, dict)]
+    if ends and max(ends) > size - 8 - n:
+        raise ModelNotFoundError(f"model file {path} is truncated: {size} bytes, its tensors need "
+                                 f"{8 + n + max(ends)}{again}")

@@ -1,0 +1,96 @@
+"""Input that cannot run is refused by `zocheck-ray train` before Ray starts: exit 2, one line naming
+the file or field and what to do, no traceback, nothing written to storage."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from zocheck_ray.cli import main
+from zocheck_ray.config import JobConfigError, load_job_config
+
+
+def refused(tmp_path, capsys, *argv: str) -> str:
+    storage = tmp_path / "runs"
+    assert main(["train", "--storage", str(storage), *argv]) == 2
+    assert not storage.exists()  # nothing started
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    from zocheck_ray.workload import build_model
+
+    directory = tmp_path_factory.mktemp("model")
+    build_model("tiny-opt").save_pretrained(directory)
+    return directory
+
+
+def broken_copy(saved_model, tmp_path, name):
+    import shutil
+
+    directory = tmp_path / name
+    shutil.copytree(saved_model, directory)
+    return directory
+
+
+def test_a_truncated_weights_file_is_refused_naming_it(saved_model, tmp_path, capsys):
+    directory = broken_copy(saved_model, tmp_path, "truncated")
+    weights = directory / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    err = refused(tmp_path, capsys, "--set", f"model={directory}")
+    assert f"model file {weights} is truncated" in err
+
+
+def test_a_directory_without_weights_is_refused(saved_model, tmp_path, capsys):
+    directory = broken_copy(saved_model, tmp_path, "no-weights")
+    (directory / "model.safetensors").unlink()
+    err = refused(tmp_path, capsys, "--set", f"model={directory}")
+    assert f"model directory {directory} has no weights" in err and "save_pretrained" in err
+
+
+def test_a_corrupt_config_json_is_refused_naming_it(saved_model, tmp_path, capsys):
+    directory = broken_copy(saved_model, tmp_path, "bad-config")
+    (directory / "config.json").write_text('{"model_type": "opt",')
+    err = refused(tmp_path, capsys, "--set", f"model={directory}")
+    assert f"{directory / 'config.json'} is not readable JSON" in err
+
+
+def test_a_sound_model_directory_passes(saved_model):
+    assert load_job_config(overrides=[f"model={saved_model}"]).model == str(saved_model)
+
+
+def test_prefix_tuning_on_an_encoder_is_refused(tmp_path, capsys):
+    err = refused(tmp_path, capsys, "--set", "model=tiny-bert", "--set", "task.kind=classification",
+                  "--set", "peft.method=prefix")
+    assert "peft.method=prefix needs a model whose forward takes past key values" in err and "lora" in err
+
+
+def test_prefix_tokens_beyond_learned_positions_are_refused():
+    with pytest.raises(JobConfigError, match="peft.num_virtual_tokens=16 plus task.max_length=64 exceed"):
+        load_job_config(overrides=["peft.method=prefix", "task.kind=sst2"])
+    load_job_config(overrides=["peft.method=prefix", "task.kind=sst2", "task.max_length=48"])
+
+
+@pytest.mark.parametrize("typed, value", [("yes", "yes"), ("no", "no"), ("true", "yes"), ("off", "no")])
+def test_use_gpu_takes_yaml_booleans_as_typed(tmp_path, typed, value):
+    assert load_job_config(overrides=[f"scaling.use_gpu={typed}"]).scaling.use_gpu == value
+    path = tmp_path / "job.yaml"
+    path.write_text(f"scaling:\n  use_gpu: {typed}\n")
+    assert load_job_config(path).scaling.use_gpu == value
+
+
+@pytest.mark.parametrize("item, line", [
+    ("zo.lrr=1", "zo.lrr is not a field of zo; did you mean zo.lr? (zo's fields: adam_eps, betas, eps, lr,"),
+    ("stepz=3", "stepz is not a field of the job; did you mean steps?"),
+    ("zo.lr=.nan", "zo.lr=nan is not a number: give a finite value"),
+    ("run_id=123", "run_id=123 must be a string: quote it, e.g. --set 'run_id=\"123\"'"),
+    ("scaling.use_gpu=maybe", "scaling.use_gpu='maybe' must be 'auto', 'yes' or 'no'"),
+    ("shadow=3", "shadow=3 must be a section of fields"),
+    ("=3", "--set '=3': the field before '=' is blank"),
+])
+def test_config_errors_are_one_line_naming_the_field(tmp_path, capsys, item, line):
+    assert line in refused(tmp_path, capsys, "--set", item)
