@@ -29,9 +29,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 STEPS = 24
 
 
+TASK = dict(batch_size=6, max_length=32, eval_size=16, eval_interval=10)
+SHARDED = dict(TASK, shards=6)
+"""Six shards of one row: any k from 1 to 6 ranks gives the bits of the one-trainer 6-shard run."""
+
+
 def dp_job(tmp_path, trainers=2, **kw):
-    fields = dict(scaling={"trainers": trainers}, steps=STEPS, task=dict(batch_size=6, max_length=32, eval_size=16,
-                                                            eval_interval=10))
+    fields = dict(scaling={"trainers": trainers}, steps=STEPS, task=TASK)
     fields.update(kw)
     return job_for(tmp_path, **fields)
 
@@ -56,6 +60,10 @@ def test_bad_input_fails_before_any_actor(tmp_path):
         load_job_config(overrides=["scaling.trainers=0"])
     with pytest.raises(JobConfigError, match="task.batch_size=4 does not divide among scaling.trainers=3"):
         load_job_config(overrides=["scaling.trainers=3", "task.batch_size=4"])
+    with pytest.raises(JobConfigError, match="task.batch_size=6 does not divide into task.shards=4"):
+        load_job_config(overrides=["task.batch_size=6", "task.shards=4"])
+    with pytest.raises(JobConfigError, match="task.shards=2 is fewer than scaling.trainers=3"):
+        load_job_config(overrides=["scaling.trainers=3", "task.batch_size=6", "task.shards=2"])
     with pytest.raises(JobConfigError, match="scaling.placement"):
         load_job_config(overrides=["scaling.trainers=2", "scaling.placement=everywhere"])
     with pytest.raises(JobConfigError, match="scaling.trainers=6 with scaling.placement=pack"):
@@ -115,6 +123,20 @@ def test_the_cli_kills_rank_1_and_the_run_stays_exact(tmp_path, capsys):
     summary = RunSummary.model_validate(doc)
     assert [(r.rank, r.failed_at_step) for r in summary.recoveries] == [(1, 13)]
     assert_replicas_exact(summary, job, verify=False)  # `--verify` did
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # as each rank computes: one-row forward passes differ with threads
+def test_one_two_and_three_ranks_with_the_same_shards_give_the_same_bits(tmp_path):
+    # The answer depends on the shards, not on the ranks: k = 1, 2, 3 with S = 6 is the one-trainer 6-shard run.
+    steps = 6
+    expected = uninterrupted_data_parallel_hashes(dp_job(tmp_path / "reference", trainers=1, steps=steps,
+                                                         task=SHARDED))
+    for k in (1, 2, 3):
+        job = dp_job(tmp_path / f"k{k}", trainers=k, steps=steps, task=SHARDED)
+        summary = run(job, progress=None)
+        assert summary.final_state_hash == summary.shadow_state_hash == expected[steps], f"k={k}"
+        assert summary.rank_state_hashes == [expected[steps]] * k
+        assert all(digest == expected[step] for step, digest in summary.step_hashes.items()), f"k={k}"
 
 
 def test_two_slices_are_not_the_single_trainer_run(tmp_path):

@@ -79,7 +79,9 @@ class TrainerActor:
         (hooks or NO_HOOKS).before_build(self._created_as_standby)
         job = JobConfig.model_validate(job)
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
-        if job.scaling.trainers > 1:  # k ranks on a node share its cores: each uses the CPUs it reserved
+        # k ranks on a node share its cores: each uses the CPUs it reserved. A sharded run does so with one rank
+        # too, as a forward pass's bits may depend on its threads.
+        if job.scaling.trainers > 1 or job.task.shards not in (None, 1):
             import numba
 
             cpus = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))

@@ -2,11 +2,11 @@
 
     group = LossGroup(rank=1, ranks=2)
     group.join("127.0.0.1", 29512)                    # the port rank 0's `listen` opened
-    loss_plus, loss_minus = reduce_in_rank_order(group.gather((s_plus, n_plus, s_minus, n_minus)))
+    tables = group.gather(encode(table))              # every rank's shard table, in rank order
 
-Rank 0 opens a TCP store, every rank joins through it (as Ray Train does). A step exchanges four
-float64 numbers per rank, so gloo serves CPU and GPU ranks alike, and every rank adds them in rank
-order, so all form the same g. A dead peer's sockets close and `gather` raises `RankLostError`.
+Rank 0 opens a TCP store, every rank joins through it (as Ray Train does). An exchange carries a few float64
+numbers per shard (`runtime/shards.py`), so gloo serves CPU and GPU ranks alike. A dead peer's sockets close
+and `gather` raises `RankLostError`.
 """
 
 from __future__ import annotations
@@ -25,18 +25,6 @@ TIMEOUT_SECONDS = 600.0
 
 class RankLostError(RuntimeError):
     """The collective failed: a peer rank died (or could not be reached)."""
-
-
-def reduce_in_rank_order(gathered: list[tuple[float, float, float, float]]) -> tuple[float, float]:
-    """(loss+, loss-) of the global batch from every rank's (sum+, count+, sum-, count-), added in float64 in
-    rank order (a library reduction's order may vary)."""
-    sum_plus = count_plus = sum_minus = count_minus = 0.0
-    for s_plus, n_plus, s_minus, n_minus in gathered:
-        sum_plus += s_plus
-        count_plus += n_plus
-        sum_minus += s_minus
-        count_minus += n_minus
-    return sum_plus / count_plus, sum_minus / count_minus
 
 
 class LossGroup:

@@ -23,11 +23,13 @@ from zocheck_ray.core import ZOOptimizer, state_hash
 from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray.core.fused import warm_up
 from zocheck_ray.host.image import prepare_skeleton
-from zocheck_ray.runtime.collective import LossGroup, RankLostError, reduce_in_rank_order
+from zocheck_ray.runtime.collective import LossGroup, RankLostError
 from zocheck_ray.runtime.hooks import NO_HOOKS, TrainerHooks
 from zocheck_ray.runtime.messages import AdapterIdentity, KernelCheckInfo, KernelInfo, RecoveryInfo, Role, TrainerProgress
 from zocheck_ray.runtime.publisher import FLUSH_SECONDS, Publisher, ShadowLink
 from zocheck_ray.runtime.restore import Restorer
+from zocheck_ray.runtime.shards import ShardTable, assign, decode, encode, evaluate_shards, merge, \
+    missing, reduce_in_shard_order, shard_count
 from zocheck_ray.runtime.standby import Standby
 from zocheck_ray.workload.adapters import build_trainable
 from zocheck_ray.workload.builder import build_task
@@ -60,9 +62,13 @@ class Trainer:
         self.hooks = hooks
         self.incarnation = incarnation
         self.rank, self.ranks = rank, job.scaling.trainers
+        self.shards = shard_count(job)
+        self.held = assign(self.shards, self.ranks)[rank]
+        """The shards this rank evaluates each step."""
         self.group = LossGroup(rank, self.ranks) if self.ranks > 1 else None
         self.role = Role.WAITING
         self._collective_seconds: list[float] = []
+        self._step_collective = 0.0
         self.device = torch.device(device)
         self.restorer = Restorer(job, shadow, self.device, hooks, incarnation)
         self.standby = Standby(job, shadow)
@@ -158,6 +164,7 @@ class Trainer:
         at `step` keeps its state."""
         if rank is not None and rank != self.rank:
             self.rank = rank
+            self.held = assign(self.shards, self.ranks)[rank]
             self.group = LossGroup(rank, self.ranks) if self.ranks > 1 else None
         if self.role is not Role.RANK or step is None or self.step != step:
             self._restore(time.perf_counter(), may_start_fresh=self.role is Role.RANK)
@@ -221,17 +228,20 @@ class Trainer:
             if before_step is not None:
                 before_step(self.rank, t)
             began = time.perf_counter()
-            if self.group is None:
+            if self.shards == 1:
                 record = self.opt.step(self.task.closure(model, t), seed=step_seed(self.job.run_seed, t))
             else:
-                closure = self.task.slice_closure(model, t, self.rank, self.ranks)
+                self._step_collective = 0.0
                 try:
-                    record = self.opt.step(closure, seed=step_seed(self.job.run_seed, t), combine=self._combine)
+                    record = self.opt.step(self._shard_closure(model, t), seed=step_seed(self.job.run_seed, t),
+                                           combine=reduce_in_shard_order)
                 except RankLostError as exc:
                     logger.warning("%s: stopping at step %d until the group is re-formed", exc, t)
                     self._become(Role.TORN)
                     self.group.leave()
                     break
+                if self.group is not None:
+                    self._collective_seconds.append(self._step_collective)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             self._step_seconds.append(time.perf_counter() - began)
@@ -246,11 +256,29 @@ class Trainer:
         self.publisher.flush()
         return self.progress()
 
-    def _combine(self, plus: tuple[float, float], minus: tuple[float, float]) -> tuple[float, float]:
+    def _shard_closure(self, model, t: int):
+        """Step `t`'s closure: the table of every shard at the current perturbation, this rank's shards
+        evaluated here (each in its own forward pass), the others' through one exchange."""
+        closures: dict = {}
+
+        def closure_of(shard: int):
+            if shard not in closures:  # the shard's rows, collated once per step
+                closures[shard] = self.task.slice_closure(model, t, shard, self.shards)
+            return closures[shard]
+
+        def table() -> ShardTable:
+            mine = evaluate_shards(closure_of, self.held, self.shards)
+            return mine if self.group is None else self._exchange(mine)
+        return table
+
+    def _exchange(self, mine: ShardTable) -> ShardTable:
+        """Every rank's table merged: the whole batch at this perturbation."""
         began = time.perf_counter()
-        gathered = self.group.gather((*plus, *minus))
-        self._collective_seconds.append(time.perf_counter() - began)
-        return reduce_in_rank_order(gathered)
+        merged = merge([decode(numbers) for numbers in self.group.gather(encode(mine))])
+        self._step_collective += time.perf_counter() - began
+        if missing(merged):
+            raise RuntimeError(f"rank {self.rank}: no rank evaluated shards {missing(merged)}")
+        return merged
 
     def join_group(self, address: str, port: int) -> float:
         """Join the ranks' group at rank 0's address:port; returns the seconds."""

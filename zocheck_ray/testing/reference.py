@@ -10,6 +10,7 @@ from typing import Callable
 
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, state_hash
+from zocheck_ray.runtime.shards import reduce_in_shard_order, shard_count
 from zocheck_ray.workload.data import step_seed
 from zocheck_ray.workload.adapters import build_trainable
 from zocheck_ray.workload.builder import build_task
@@ -54,22 +55,17 @@ def uninterrupted_hashes(job: JobConfig) -> dict[int, str]:
 
 @_computed_once
 def uninterrupted_data_parallel_hashes(job: JobConfig) -> dict[int, str]:
-    """The k-rank run that would have happened, as one plain loop: each step evaluates the k slices of its
-    batch in rank order and forms the losses from their (sum, count) pairs added in rank order in float64."""
-    k = job.scaling.trainers
+    """The one-trainer S-shard run every data-parallel run must equal, whatever its ranks: each step evaluates
+    the S shards of its batch and adds their (sum, count) pairs in shard order in float64."""
+    shards = shard_count(job)
+    if shards == 1:
+        return uninterrupted_hashes(job)
     model, opt = _model_and_optimizer(job)
     task = build_task(job.task, job.model)
-
-    def losses(plus, minus):
-        totals = [0.0, 0.0, 0.0, 0.0]
-        for pair_plus, pair_minus in zip(plus, minus):
-            for i, value in enumerate((*pair_plus, *pair_minus)):
-                totals[i] += value
-        return totals[0] / totals[1], totals[2] / totals[3]
-
     hashes = {0: state_hash(opt.state_tensors())}
     for t in range(job.steps):
-        slices = [task.slice_closure(model, t, r, k) for r in range(k)]
-        opt.step(lambda: [closure() for closure in slices], seed=step_seed(job.run_seed, t), combine=losses)
+        closures = [task.slice_closure(model, t, shard, shards) for shard in range(shards)]
+        opt.step(lambda: [closure() for closure in closures], seed=step_seed(job.run_seed, t),
+                 combine=reduce_in_shard_order)
         hashes[t + 1] = state_hash(opt.state_tensors())
     return hashes

@@ -61,6 +61,10 @@ class TaskConfig(BaseModel):
     micro_batch_size: int | None = Field(None, ge=1)
     """Rows per forward pass of a training step, for small devices (None: all at once). The loss sums add up in
     float64, in order, so the projected gradient does not depend on it."""
+    shards: int | None = Field(None, ge=1)
+    """Data parallel's shards of a step's batch, each one forward pass (or its micro-batches) whose loss sum
+    and count add up in shard order in float64: runs with any number of ranks up to `shards` give the same
+    bits. None: one shard per rank (`scaling.trainers`)."""
     eval_batch_size: int = Field(64, ge=1)
     """Rows per forward pass during evaluation (memory only)."""
     tokenizer: TokenizerChoice = "auto"
