@@ -12,7 +12,7 @@ from zocheck_ray.actors.link import shadow_writer
 from zocheck_ray.config import JobConfig, JobConfigError, check_task
 from zocheck_ray.control.connect import connect_ray
 from zocheck_ray.control.placement import _check_resources, group_name, running_here
-from zocheck_ray.storage import LeaseHeldError, StorageError, check_no_live_writer
+from zocheck_ray.storage import LeaseHeldError, StorageError, check_no_live_writer, check_run_rules
 from zocheck_ray.storage.fs import open_storage
 
 
@@ -23,6 +23,7 @@ def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group
     task = check_task(job)
     try:
         open_storage(job.run_url, job.storage_options, create=True)
+        check_run_rules(job.run_url, job.storage_options)  # a run stored under other update rules
     except StorageError as exc:
         raise JobConfigError(f"storage={job.storage!r} cannot be used: {exc}") from exc
     if not ray.is_initialized():

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from zocheck_ray.storage.errors import (
         CorruptLogError,
         CorruptSnapshotError,
+        RulesVersionError,
         SnapshotNotFoundError,
         StorageError,
         StorageFullError,
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
         check_no_live_writer,
         read_lease,
     )
-    from zocheck_ray.storage.recovery import RecoveredState, recover, recover_state
+    from zocheck_ray.storage.recovery import RecoveredState, check_run_rules, recover, recover_state
     from zocheck_ray.storage.audit import Audit, audit_run
     from zocheck_ray.storage.manifest import Manifest, SnapshotMeta
     from zocheck_ray.storage.snapshot import SnapshotInfo, SnapshotStore, snapshot_dir
@@ -49,15 +50,15 @@ if TYPE_CHECKING:
 
 __getattr__, __dir__ = on_first_use(globals(), {
     "errors": (
-        "CorruptLogError", "CorruptSnapshotError", "SnapshotNotFoundError", "StorageError", "StorageFullError",
-        "StorageURLError",
+        "CorruptLogError", "CorruptSnapshotError", "RulesVersionError", "SnapshotNotFoundError", "StorageError",
+        "StorageFullError", "StorageURLError",
     ),
     "fs": ("FsspecStorage", "Storage", "open_storage", "parse_url"),
     "lease": (
         "Lease", "LeaseError", "LeaseHeldError", "LeaseInfo", "LeaseLostError", "LeaseRequiredError",
         "check_no_live_writer", "read_lease",
     ),
-    "recovery": ("RecoveredState", "recover", "recover_state"),
+    "recovery": ("RecoveredState", "check_run_rules", "recover", "recover_state"),
     "audit": ("Audit", "audit_run"),
     "manifest": ("Manifest", "SnapshotMeta"),
     "snapshot": ("SnapshotInfo", "SnapshotStore", "snapshot_dir"),

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from zocheck_ray.core import ZOConfig, replay, state_hash
 from zocheck_ray.storage.errors import CorruptLogError, CorruptSnapshotError
-from zocheck_ray.storage.recovery import _config_of
+from zocheck_ray.storage.recovery import _config_of, check_rules
 from zocheck_ray.storage.snapshot import SnapshotInfo, SnapshotStore
 from zocheck_ray.storage.steplog import first_logged_step, read_records
 
@@ -94,6 +94,7 @@ def audit_run(store: SnapshotStore | str, storage_options: dict | None = None, *
             notes.append(f"the snapshot at step {start.step} is not a start: the log after it ends at step {reach}, "
                          f"before step {end_needed} (collected by retention, or a gap where a recovery resumed)")
             continue
+        check_rules(start)  # a replay under other rules would report a mismatch that is no damage
         try:
             state, meta = store.load(start)
         except CorruptSnapshotError as exc:

@@ -42,6 +42,11 @@ class CorruptSnapshotError(StorageError):
         return type(self), (str(self), self.url)
 
 
+class RulesVersionError(StorageError):
+    """A run stored under other update rules than this zocheck-ray's (`core.record.RULES_VERSION`): replaying its
+    log would reach another state, so it is refused before any work."""
+
+
 class SnapshotNotFoundError(StorageError, LookupError):
     """No committed snapshot exists at the requested step."""
 

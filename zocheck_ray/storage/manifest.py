@@ -75,6 +75,8 @@ class Manifest(BaseModel):
     files: dict[str, FileEntry]
     zo_config: dict[str, Any] | None = None
     user: dict[str, Any] = Field(default_factory=dict)
+    rules_version: int = Field(1, ge=1)
+    """The update rules the run was made under (`core.record.RULES_VERSION`); manifests before version 2 lack it."""
 
     def encode(self) -> bytes:
         body = self.model_dump(mode="json")

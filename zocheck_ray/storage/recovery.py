@@ -17,8 +17,12 @@ import torch
 from pydantic import ValidationError
 
 from zocheck_ray.core import ZOConfig, replay
-from zocheck_ray.storage.errors import CorruptLogError, CorruptSnapshotError, SnapshotNotFoundError, StorageError
-from zocheck_ray.storage.snapshot import SnapshotInfo, SnapshotMeta, SnapshotStore
+from zocheck_ray.core.record import RULES_VERSION
+from zocheck_ray.storage.errors import (
+    CorruptLogError, CorruptSnapshotError, RulesVersionError, SnapshotNotFoundError, StorageError,
+)
+from zocheck_ray.storage.fs import open_storage
+from zocheck_ray.storage.snapshot import SNAPSHOTS_DIR, SnapshotInfo, SnapshotMeta, SnapshotStore
 from zocheck_ray.storage.steplog import StepLog, read_log, read_records
 
 logger = logging.getLogger(__name__)
@@ -51,6 +55,7 @@ def recover(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *,
     if not infos:
         raise SnapshotNotFoundError(f"no committed snapshot under {store.url}: nothing to recover from")
     for info in infos:
+        check_rules(info)
         try:
             state, meta = store.load(info, out=out)
         except CorruptSnapshotError as exc:
@@ -63,6 +68,25 @@ def recover(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *,
         return RecoveredState(state, info.step + len(records), info, meta, zo_config, len(records), problems)
     raise CorruptSnapshotError(f"every committed snapshot under {store.url} is corrupt: {'; '.join(problems)}",
                                store.url)
+
+
+def check_rules(info: SnapshotInfo) -> None:
+    """Refuse a snapshot made under other update rules, naming both versions and what to do."""
+    found = info.manifest.rules_version
+    if found != RULES_VERSION:
+        raise RulesVersionError(
+            f"{info.url} was made under zocheck-ray's update rules version {found}, and this zocheck-ray applies "
+            f"version {RULES_VERSION}: replaying its log would reach another state. Finish or recover that run with "
+            f"the zocheck-ray release that made it, or start a new run under another storage path")
+
+
+def check_run_rules(url: str, storage_options: dict | None = None) -> None:
+    """`check_rules` on the newest snapshot of a run's storage, if it holds one (the job's check before any work)."""
+    if SNAPSHOTS_DIR not in open_storage(url, storage_options, create=False).list_dir(""):
+        return  # a new run
+    latest = SnapshotStore(url, storage_options, create=False).latest()
+    if latest is not None:
+        check_rules(latest)
 
 
 def recover_state(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *,

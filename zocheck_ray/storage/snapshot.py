@@ -28,6 +28,7 @@ import torch
 
 from zocheck_ray.core import state_hash as compute_state_hash
 from zocheck_ray.core.hashing import OPTIMIZER_PREFIX, combine_file_digests, dtype_name
+from zocheck_ray.core.record import RULES_VERSION
 from zocheck_ray.storage.errors import CorruptSnapshotError, SnapshotNotFoundError, StorageError
 from zocheck_ray.storage.fs import PROBE_PREFIX, TMP_MARK, Storage, file_size, open_storage
 from zocheck_ray.storage.hf_layout import (
@@ -237,7 +238,7 @@ class SnapshotStore:
         check_lease_for(self.lease, self.storage)  # a writer that lost the lease commits nothing
         manifest = Manifest(step=step, run_id=meta.run_id, created_unix=time.time(), state_hash=digest_of_state,
                             tensors=tensor_entries,
-                            files=files, zo_config=meta.zo_config, user=meta.user)
+                            files=files, zo_config=meta.zo_config, user=meta.user, rules_version=RULES_VERSION)
         self.storage.write_atomic(f"{directory}/{MANIFEST_FILE}", manifest.encode())  # the commit
         return SnapshotInfo(step, self.storage.url_of(directory), manifest)
 
