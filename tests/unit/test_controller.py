@@ -20,7 +20,7 @@ from zocheck_ray.control.policy import Failure
 from zocheck_ray.control.stop import RunStopped, StopRequest
 from zocheck_ray.control.summary import RunFailedError
 from zocheck_ray.runtime.errors import DrainFailedError, ShadowCallError, ShadowGoneError
-from zocheck_ray.runtime.messages import KernelInfo, PublisherStats, RecoveryInfo, ShadowMetrics, TrainerProgress
+from zocheck_ray.runtime.messages import KernelInfo, PublisherStats, RecoveryInfo, ShadowMetrics, ShadowStatus, TrainerProgress
 
 HASH = "ab" * 32
 STEPS = 20
@@ -55,6 +55,10 @@ class FakeShadow:
             resync_count=len(self.resyncs), rejected_records=0, persist_failures=0, persist_failing_seconds=0.0,
             regime="keep-pace", source="memory", replay_error=self.replay_error,
             persist_stopped=self.writer_lost is not None, persist_error=self.writer_lost)
+
+    def status(self) -> ShadowStatus:
+        """The status alone, as the controller asks between segments."""
+        return self.metrics().status
 
     def drain(self, step, timeout, incarnation=None) -> ShadowMetrics:
         if self.drain_errors:

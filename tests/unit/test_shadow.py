@@ -33,6 +33,11 @@ def test_records_from_the_past_or_the_future_are_rejected_and_never_applied(job)
         assert shadow.replay.wait_replayed(6, timeout=60)
         step, digest = shadow.replica_hash()
         assert (step, digest) == (6, state_hash(opt.state_tensors()))
+        # the controller's status is the metrics' own fields, without the stats
+        status, m = shadow.status(), shadow.metrics()
+        assert type(status) is type(m.status) and m.status.model_dump().items() <= m.model_dump().items()
+        assert status.replayed_step == m.replayed_step == 6
+        assert not hasattr(status, "rejected_records") and m.rejected_records == 2
     finally:
         shadow.close()
 

@@ -12,7 +12,7 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTa
 from zocheck_ray.actors.link import call_when_alive
 from zocheck_ray.actors.names import actor_status, shadow_name
 from zocheck_ray.runtime.errors import DrainFailedError, ShadowCallError, ShadowGoneError
-from zocheck_ray.runtime.messages import ShadowMetrics, TrainerTimes
+from zocheck_ray.runtime.messages import ShadowMetrics, ShadowStatus, TrainerTimes
 from zocheck_ray.runtime.shadow import ShadowRestartedError
 
 
@@ -32,6 +32,9 @@ class ShadowClient:
             if isinstance(exc.cause, ShadowRestartedError):
                 raise exc.cause from exc
             raise ShadowCallError(str(exc.cause) if exc.cause else str(exc).splitlines()[0]) from exc
+
+    def status(self) -> ShadowStatus:
+        return self._call(lambda: self.actor.status.remote())
 
     def metrics(self, trainers: TrainerTimes | None = None) -> ShadowMetrics:
         return self._call(lambda: self.actor.metrics.remote(trainers))

@@ -14,7 +14,7 @@ import ray
 
 if TYPE_CHECKING:
     from zocheck_ray.host.handle import ImageHandle
-    from zocheck_ray.runtime.messages import AdapterIdentity, RecoveryOffer, ShadowMetrics, TrainerTimes
+    from zocheck_ray.runtime.messages import AdapterIdentity, RecoveryOffer, ShadowMetrics, ShadowStatus, TrainerTimes
 
 
 def shadow_writer(run_id: str) -> str:
@@ -107,6 +107,11 @@ class ShadowActor:
     def write_intake(self, start: int, data) -> None:
         """Bytes at `start` of the open intake, from a trainer that cannot open it (the plain path)."""
         self.shadow.write_intake(start, data)
+
+    @ray.method(concurrency_group="control")
+    def status(self) -> ShadowStatus:
+        """What the controller decides on (`Shadow.status`)."""
+        return self.shadow.status()
 
     @ray.method(concurrency_group="control")
     def metrics(self, trainers: TrainerTimes | None = None) -> ShadowMetrics:

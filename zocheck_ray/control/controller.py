@@ -24,7 +24,7 @@ from zocheck_ray.control.profile import DRAIN_SECONDS, profile_steps, startup_pr
 from zocheck_ray.control.stop import RunStopped, StopRequest, signal_name
 from zocheck_ray.control.summary import Recovery, RunFailedError, RunSummary
 from zocheck_ray.runtime.errors import DrainFailedError, ShadowCallError, ShadowGoneError
-from zocheck_ray.runtime.messages import ShadowMetrics, TrainerProgress, TrainerTimes
+from zocheck_ray.runtime.messages import ShadowMetrics, ShadowStatus, TrainerProgress, TrainerTimes
 from zocheck_ray.runtime.shadow import ShadowRestartedError
 from zocheck_ray.storage import LeaseError, StorageError
 from zocheck_ray.storage.lease import release_dead_holder
@@ -136,7 +136,7 @@ class Controller:
         self.shadow, self.group = self.parts.start()
         started = self.group.start()
         self.step = started.step
-        self.monitor.shadow_incarnation = self._metrics().incarnation
+        self.monitor.shadow_incarnation = self._status().incarnation
         self._emit("on_start", started)
         # A resumed run with fewer steps left than the profile takes keeps the shadow's default interval.
         profiled = self.job.shadow.snapshot_interval is None \
@@ -230,7 +230,7 @@ class Controller:
             return self._fail(step)
         self.shadow.resync(step)
         self.group.resynced(step)
-        self._emit("on_resync", step, self.resync_reason, self._metrics().lag_steps)
+        self._emit("on_resync", step, self.resync_reason, self._status().lag_steps)
         return State.RUNNING
 
     def _finish(self) -> State:
@@ -254,7 +254,7 @@ class Controller:
         """Every rank's final (step, state_hash) and the shadow's metrics once that state is durable.
         Records the shadow still lacks after delivery are held by no process (`records_lost`)."""
         for _ in range(DRAIN_ATTEMPTS):
-            incarnation = self._metrics().incarnation  # waits while Ray restarts the shadow
+            incarnation = self._status().incarnation  # waits while Ray restarts the shadow
             try:
                 expected = self.group.deliver(self.step)
             except ShadowRestartedError:  # the shadow went away under the delivery: ask again
@@ -285,13 +285,13 @@ class Controller:
             self.group.deliver(self.step)  # every record a trainer holds, to the shadow
         except ShadowRestartedError:
             pass  # the shadow was lost meanwhile: what it holds is what there is (as where a trainer was lost)
-        metrics = self._metrics()
-        step = metrics.received_step
+        status = self._status()
+        step = status.received_step
         try:
-            self.shadow.drain(step, DRAIN_SECONDS, metrics.incarnation)
+            self.shadow.drain(step, DRAIN_SECONDS, status.incarnation)
             self.stopped = f"stopped by {name} at step {step}: its state is durable in {url}"
         except (DrainFailedError, ShadowRestartedError) as exc:
-            durable = self._metrics().durable_step
+            durable = self._status().durable_step
             self.stopped = (f"stopped by {name} at step {self.step}: the state there could not be made durable "
                             f"({exc}); the durable state of step {durable} in {url} resumes the run")
         return State.STOPPED
@@ -307,8 +307,15 @@ class Controller:
                           f"{ratio:.2f}x off the run's steady state ({steady * 1e3:.2f} ms)")
 
     def _metrics(self, times: TrainerTimes | None = None) -> ShadowMetrics:
+        """The status and the stats, once a segment (its callbacks report the stats)."""
         try:
             return self.shadow.metrics(times)
+        except ShadowGoneError as exc:
+            raise _ShadowGone(Failure("shadow_gone", self.step, str(exc))) from exc
+
+    def _status(self) -> ShadowStatus:
+        try:
+            return self.shadow.status()
         except ShadowGoneError as exc:
             raise _ShadowGone(Failure("shadow_gone", self.step, str(exc))) from exc
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zocheck_ray.runtime.messages import ShadowMetrics, TrainerProgress
+from zocheck_ray.runtime.messages import ShadowStatus, TrainerProgress
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.callbacks import Controller
 from zocheck_ray.control.policy import Failure
@@ -22,7 +22,7 @@ class Monitor:
         # `durability.max_undurable_steps`.
         self.seal_window = 0 if parse_url(job.run_url)[0] == "file" else job.durability.log_seal_records
 
-    def check(self, run: Controller, m: ShadowMetrics, progress: TrainerProgress) -> Failure | None:
+    def check(self, run: Controller, m: ShadowStatus, progress: TrainerProgress) -> Failure | None:
         """What the segment's metrics say is wrong, if anything; warnings go to `run.warn`."""
         if m.incarnation != self.shadow_incarnation:
             self.shadow_incarnation = m.incarnation
@@ -40,7 +40,7 @@ class Monitor:
             failure = Failure("shadow_lag", run.step, f"lag {m.lag_steps} steps")
         return failure
 
-    def _durability(self, run: Controller, m: ShadowMetrics) -> Failure | None:
+    def _durability(self, run: Controller, m: ShadowStatus) -> Failure | None:
         job = self.job
         behind = m.undurable_steps - self.seal_window  # beyond what an object store's open segment holds by design
         if behind > job.durability.max_undurable_steps:

@@ -1,12 +1,7 @@
-"""What this host offers the shadow's Linux speed-ups, probed once per process.
+"""What this host offers the Linux speed-ups, probed once per process; each has a plain path.
 
-    caps = capabilities()
-    if caps.shared_images: ...          # else the plain path, which the tests also run
-
-Each speed-up has a plain path that works anywhere Ray does: images in private memory read through
-Ray, 4 KiB pages, the default niceness, an unfrozen heap, buffered writes. `ZOCHECK_HOST_PLAIN=1`
-(handed to the actors through the runtime environment) turns every probe off, so the plain paths
-are tested on the same machine as the fast ones.
+`ZOCHECK_HOST_PLAIN=1` (handed to the actors through the runtime environment) turns every probe
+off, so the plain paths are tested on the machine that has the fast ones.
 """
 
 from __future__ import annotations
@@ -19,22 +14,17 @@ import threading
 from dataclasses import asdict, dataclass
 
 PLAIN_ENV = "ZOCHECK_HOST_PLAIN"
-"""Set to 1: every capability reads as absent, and each speed-up takes its plain path."""
 
 
 @dataclass(frozen=True)
 class Capabilities:
     shared_images: bool
-    """Images in memfds that a trainer on the node opens through `/proc/<pid>/fd` (else private memory, read
-    through Ray)."""
+    """Images are memfds a trainer on the node opens (else private memory, read through Ray)."""
     huge_pages: bool
-    """`madvise(MADV_HUGEPAGE)` is accepted for the replica, the images and a trainer's skeleton."""
     thread_nice: bool
-    """A thread may lower its own priority (`setpriority` on its tid), so the shadow's stages yield to trainers."""
+    """A thread's niceness is its own (Linux), so the shadow's stages yield to trainers."""
     heap_freeze: bool
-    """`gc.freeze` keeps an actor's start-up objects out of the cyclic collector's reach."""
     direct_io: bool
-    """Local files may be written with O_DIRECT (each file system still answers for itself)."""
 
     def as_dict(self) -> dict[str, bool]:
         return asdict(self)
@@ -54,7 +44,6 @@ def capabilities() -> Capabilities:
 
 
 def _memfd() -> bool:
-    """A memfd can be made and opened again by path, as another process on the node would."""
     if not hasattr(os, "memfd_create"):
         return False
     try:

@@ -219,13 +219,13 @@ class TrainerTimes(BaseModel):
     """The warm standby: `none`, `starting` (building its model) or `ready` (replaces a lost rank at once)."""
 
 
-class ShadowMetrics(BaseModel):
-    """What the shadow reports about itself (also exported through ray.util.metrics)."""
+class ShadowStatus(BaseModel):
+    """What the controller decides on after each segment: progress, lag, durability and the stages' errors."""
 
     model_config = _FROZEN
 
     run_id: str
-    """The run these metrics belong to."""
+    """The run."""
     incarnation: str
     """Which shadow process answers (a new one after Ray restarts the shadow)."""
     trainer_step: int
@@ -233,13 +233,11 @@ class ShadowMetrics(BaseModel):
     received_step: int
     """Records accepted, in order (the next step expected)."""
     replayed_step: int
-    """The replica is at this step (records applied)."""
+    """The replica is at this step."""
     lag_steps: int
-    """trainer_step - replayed_step: how far the replica is behind the trainer."""
-    lag_seconds: float
-    """lag_steps times the replay time per step."""
+    """trainer_step - replayed_step."""
     replay_seconds_per_step: float
-    """Recent replay time per step (exponential moving average)."""
+    """Recent replay time per step (moving average)."""
     snapshot_interval: int
     """N: steps between snapshots."""
     snapshot_step: int | None
@@ -251,73 +249,88 @@ class ShadowMetrics(BaseModel):
     undurable_steps: int
     """Steps a lost node would recompute: trainer_step minus the steps durable in the log."""
     persist_in_flight: bool
-    """A snapshot write to durable storage is in progress (one at a time)."""
+    """A snapshot write is in progress (one at a time)."""
+    persist_failures: int
+    """Failed writes of the log or a snapshot (each retried)."""
+    persist_stopped: bool = False
+    """Persistence stopped for good: another writer took over the run's storage."""
+    replay_error: str | None = None
+    """The replay stage's error: it stopped until a resync repairs the replica."""
+    persist_error: str | None = None
+    """The storage's own last error (`StorageFullError ... (ENOSPC)` with the path); cleared by a success."""
+
+
+class ShadowStats(BaseModel):
+    """What `zocheck-ray status`, the summary and the gauges add to the status: costs, memory, counters."""
+
+    model_config = _FROZEN
+
+    lag_seconds: float
+    """lag_steps times the replay time per step."""
     last_persist_seconds: float | None
-    """Duration of the last completed snapshot write (log flush included)."""
+    """The last snapshot write, log flush included."""
     snapshots_taken: int
-    """In-memory snapshots of the replica (one every N replayed steps)."""
+    """In-memory snapshots of the replica."""
     snapshots_persisted: int
     """Snapshots committed to durable storage."""
     resync_count: int
     """Times the replica was reset from the trainer's state (lag above `shadow.max_lag_steps`)."""
     rejected_records: int
-    """Records refused because they came from the past or the future."""
-    persist_failures: int
-    """Failed attempts to write the log or a snapshot (each retried)."""
+    """Records refused as from the past or the future."""
     persist_failing_seconds: float
-    """How long persistence has been failing without a success (0 when it works)."""
-    persist_stopped: bool = False
-    """Persistence stopped for good: another writer took over the run's storage."""
+    """How long persistence has failed without a success."""
     ingest_error: str | None = None
-    """The last error of the ingest stage (a damaged push)."""
-    replay_error: str | None = None
-    """The replay stage's error: it stopped until a resync repairs the replica."""
-    persist_error: str | None = None
-    """The persistence stage's last error, the storage's own (`StorageFullError ... (ENOSPC)` with the path);
-    cleared once a write goes through."""
+    """The last damaged push."""
     state_bytes: int = 0
-    """Bytes of the run's state (its tensors, without alignment)."""
+    """The state's tensors, without alignment."""
     replica_bytes: int = 0
-    """Bytes the shadow holds for its replica (one copy of the state)."""
+    """The replica: one copy of the state."""
     image_bytes: int = 0
-    """Bytes the shadow holds for its image (one copy of the state)."""
+    """The image: one copy of the state."""
     scratch_bytes: int = 0
-    """Bytes of the startup profile's scratch copy (none after the profile)."""
+    """The startup profile's scratch copy (none after it)."""
     held_bytes: int = 0
-    """replica_bytes + image_bytes + scratch_bytes: the shadow's state-sized memory now."""
+    """replica + image + scratch: the shadow's state-sized memory now."""
     peak_held_bytes: int = 0
-    """The peak of `held_bytes`: by design 2x `state_bytes` plus the scratch."""
+    """By design 2x `state_bytes` plus the scratch."""
     baseline_bytes: int | None = None
-    """Resident memory before any state arrived: the base that `held_bytes` adds to (None: unknown)."""
+    """Resident memory before any state arrived."""
     snapshots_deferred: int = 0
-    """Snapshot boundaries skipped while the image was being persisted."""
+    """Snapshot boundaries skipped while the image was persisted."""
     recovery_snapshots: int = 0
-    """Snapshots taken for a recovering trainer (`shadow.recovery_snapshot`), out of `snapshots_taken`."""
+    """Snapshots taken for a recovering trainer (`shadow.recovery_snapshot`)."""
     snapshot_seconds: float | None = None
     """The last copy between the replica and an image."""
     snapshot_into_fresh_memory: bool | None = None
     """Whether that copy wrote into newly allocated memory."""
     snapshot_threads: int | None = None
-    """The threads that copy ran on (the replay's)."""
+    """The threads of that copy."""
     snapshot_seconds_median: float | None = None
-    """The median of the newest (up to 32) copies into memory in use."""
+    """Over the newest (up to 32) copies into memory in use."""
     snapshot_error: str | None = None
-    """Why the last snapshot could not be taken, if it could not."""
+    """Why the last snapshot could not be taken."""
     rank_seconds_per_step: list[float] = []
-    """Each rank's mean step time over the controller's last segment (one gauge tagged by `rank`)."""
+    """Each rank's mean step time over the last segment (a gauge tagged by `rank`)."""
     collective_seconds_per_step: float | None = None
-    """Data parallel: the all-gather per step over the last segment, waits included."""
+    """Data parallel: the all-gather per step, waits included."""
     held_out_step: int | None = None
-    """The step of the trainers' newest held-out evaluation."""
+    """The step of the newest held-out evaluation."""
     held_out: dict[str, float] = {}
-    """Its metrics on the held-out rows (`accuracy`, `f1`, `exact_match`, `loss`, ...)."""
+    """The newest held-out metrics (`accuracy`, `f1`, `exact_match`, `loss`, ...)."""
     standby: StandbyState = "none"
-    """The warm standby, as the controller last reported it: `none`, `starting` (building its model) or `ready`
-    (a lost rank is replaced by it at once)."""
+    """The warm standby: `none`, `starting` or `ready` (a lost rank is replaced at once)."""
     regime: Literal["keep-pace", "lag", "unknown"]
-    """The cost model's regime: `keep-pace`, `lag` or `unknown` (no profile yet)."""
+    """The cost model's regime (`unknown`: no profile yet)."""
     source: str
     """Where the replica came from: fresh, durable, resync."""
+
+
+class ShadowMetrics(ShadowStats, ShadowStatus):
+    """The status and the stats together, flat: what `status` prints, the gauges export and a summary keeps."""
+
+    @property
+    def status(self) -> ShadowStatus:
+        return ShadowStatus(**{n: getattr(self, n) for n in ShadowStatus.model_fields})
 
 
 def numeric_fields(metrics: ShadowMetrics) -> dict[str, float]:

@@ -24,7 +24,7 @@ import torch
 from zocheck_ray.host.image import ImageBuffer, ImageGoneError, ImageLayout, copy_state
 from zocheck_ray.host.memory import process_memory
 from zocheck_ray.runtime.ledger import RecordLedger
-from zocheck_ray.runtime.messages import AdapterIdentity, ShadowMetrics, TrainerTimes
+from zocheck_ray.runtime.messages import AdapterIdentity, ShadowMetrics, ShadowStatus, TrainerTimes
 from zocheck_ray.runtime.publisher import PushReply
 from zocheck_ray.runtime.stages import (  # noqa: F401  (StageError: callers catch it from here)
     MAX_BACKOFF_SECONDS, STARTUP_STORAGE_SECONDS, Image, PersistStage, ReplayStage, StageError,
@@ -286,31 +286,38 @@ class Shadow:
     def last_persist_seconds(self) -> float | None:
         return self.persist.last_persist_seconds if self.persist is not None else None
 
-    def metrics(self) -> ShadowMetrics:
+    def status(self) -> ShadowStatus:
+        """What the controller decides on; cheap (no memory or copy statistics)."""
         replay, persist = self.replay, self.persist
         received, replayed = self.ledger.next_step, replay.replayed_step
         trainer = self.trainer_step if self.trainer_step is not None else received
-        lag = max(trainer - replayed, 0)
         image = self.ledger.image
         durable_log = persist.durable_log_step if persist else None
-        failing = persist.failing_since if persist else None
-        copies = list(replay.touched_copies)  # taken at once: the replay thread appends to it meanwhile
-        return ShadowMetrics(
+        return ShadowStatus(
             run_id=self.job.run_id, incarnation=self.incarnation, trainer_step=trainer, received_step=received,
-            replayed_step=replayed, lag_steps=lag, lag_seconds=lag * replay.replay_ema,
-            replay_seconds_per_step=replay.replay_ema, snapshot_interval=replay.snapshot_interval,
-            snapshot_step=image.step if image else None, durable_step=persist.durable_step if persist else None,
-            durable_log_step=durable_log,
+            replayed_step=replayed, lag_steps=max(trainer - replayed, 0), replay_seconds_per_step=replay.replay_ema,
+            snapshot_interval=replay.snapshot_interval, snapshot_step=image.step if image else None,
+            durable_step=persist.durable_step if persist else None, durable_log_step=durable_log,
             undurable_steps=(trainer - (durable_log + 1 if durable_log is not None else self.ledger.generation_start))
             if persist else 0,
             persist_in_flight=persist.persist_in_flight if persist else False,
+            persist_failures=persist.failures if persist else 0,
+            persist_stopped=persist.stopped is not None if persist else False,
+            replay_error=replay.error, persist_error=persist.error if persist else None)
+
+    def metrics(self) -> ShadowMetrics:
+        """The status and the stats, for `status`, the gauges and the summary."""
+        status = self.status()
+        replay, persist = self.replay, self.persist
+        failing = persist.failing_since if persist else None
+        copies = list(replay.touched_copies)  # taken at once: the replay thread appends to it meanwhile
+        return ShadowMetrics(
+            **status.model_dump(), lag_seconds=status.lag_steps * replay.replay_ema,
             last_persist_seconds=self.last_persist_seconds, snapshots_taken=replay.snapshots_taken,
             snapshots_persisted=persist.snapshots_persisted if persist else 0, resync_count=replay.resync_count,
-            rejected_records=self.rejected, persist_failures=persist.failures if persist else 0,
+            rejected_records=self.rejected,
             persist_failing_seconds=time.monotonic() - failing if failing is not None else 0.0,
-            ingest_error=self.ingest_error, replay_error=replay.error, persist_error=persist.error if persist else None,
-            persist_stopped=persist.stopped is not None if persist else False,
-            state_bytes=replay.layout.state_bytes if replay.layout is not None else 0,
+            ingest_error=self.ingest_error, state_bytes=replay.layout.state_bytes if replay.layout is not None else 0,
             **{f"{purpose}_bytes": n for purpose, n in replay.budget.held.items()},
             held_bytes=sum(replay.budget.held.values()), peak_held_bytes=replay.budget.peak,
             baseline_bytes=self.baseline_bytes,
