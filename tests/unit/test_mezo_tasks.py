@@ -177,7 +177,7 @@ def test_a_squad_run_with_a_prefix_adapter_reports_f1_at_every_eval_interval_and
         f"storage={tmp_path / 'run'}", "steps=5", "shadow.snapshot_interval=2", "durability.durable_interval=2",
         "log_interval=2",
         "hash_every_step=true", "task.kind=squad", f"task.data_path={write(tmp_path, 'squad', 'jsonl')}",
-        "task.batch_size=2", "task.max_length=48", "task.eval_size=2", "task.eval_interval=2", "task.k_shot=8",
+        "task.batch_size=2", "task.max_length=62", "task.eval_size=2", "task.eval_interval=2", "task.k_shot=8",
         "peft.method=prefix", "peft.num_virtual_tokens=2", "zo.lr=1e-2", "zo.eps=1e-2"])
     run = run_in_process(job, software=[3])
     assert sorted(run.evaluations) == [0, 2, 4, 5]

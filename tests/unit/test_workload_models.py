@@ -58,9 +58,11 @@ def test_causal_directory_uses_its_own_tokenizer(causal_dir):
     vocab = tokenizer.get_vocab()
     example = task.train_examples[0]
     text = read_rows(SHIPPED_SST2)[0].text
-    assert example.prompt == tokenizer(f"{text} It was")["input_ids"]
-    assert example.prompt[0] == vocab["<s>"]
-    assert example.options == [[vocab["terrible"]], [vocab["great"]]]  # one word, one token each
+    prompt = tokenizer(f"{text.strip()} It was")["input_ids"]
+    assert prompt[0] == vocab["<s>"] == 2
+    # an OPT directory: the sequences start with 0, as MeZO's run.py sets OPT's bos_token_id
+    assert example.sequences == [[0, *prompt[1:], vocab["terrible"]], [0, *prompt[1:], vocab["great"]]]
+    assert example.option_lens == [1, 1]  # one word, one token each
 
 
 def test_causal_directory_loads_the_saved_weights(causal_dir):

@@ -75,7 +75,8 @@ def test_shipped_data_split(sst2):
 def test_prompt_batch_layout(tmp_path):
     """Each row gives one sequence per word: prompt ids then word ids; only the word's tokens are targets.
 
-    The byte tokenizer's space before the word is shared by both words, so it counts as prompt.
+    As MeZO's encode_prompt: every token after "<text> It was" is the candidate's, its space included, although
+    both words begin with it.
     """
     path = write_jsonl(tmp_path / "rows.jsonl")
     task = build_task(TaskConfig(data_path=path, eval_path=path, text_field="text", label_field="y",
@@ -84,8 +85,8 @@ def test_prompt_batch_layout(tmp_path):
     rows = batch_indices(0, 0, 3, len(ROWS))
     assert batch["input_ids"].shape[0] == 6 and torch.equal(batch["labels"], torch.tensor([ROWS[i][1] for i in rows]))
     for r, (i, word) in enumerate((i, w) for i in rows for w in ("terrible", "great")):
-        prompt = encode(f"{ROWS[i][0]} It was ", 128)
-        option = encode(word, 128)[1:]  # without the start id
+        prompt = encode(f"{ROWS[i][0].strip()} It was", 128)
+        option = encode(" " + word, 128)[1:]  # without the start id
         n = len(prompt) + len(option)
         assert batch["input_ids"][r, :n].tolist() == prompt + option
         assert batch["attention_mask"][r].tolist() == [1] * n + [0] * (batch["input_ids"].shape[1] - n)
@@ -115,17 +116,18 @@ def test_split_ignores_row_order(tmp_path):
     shuffled.write_text("".join(json.dumps({"sentence": r.text, "label": r.label}) + "\n" for r in reversed(rows)))
     a = build_task(TaskConfig(), "tiny-opt")
     b = build_task(TaskConfig(data_path=str(shuffled)), "tiny-opt")
-    assert sorted(e.prompt for e in a.eval_examples) == sorted(e.prompt for e in b.eval_examples)
+    assert sorted(e.sequences for e in a.eval_examples) == sorted(e.sequences for e in b.eval_examples)
 
 
-def test_long_prompts_lose_their_start_never_the_word(tmp_path):
+def test_long_prompts_lose_their_start_never_the_word_nor_the_start_token(tmp_path):
+    """MeZO's truncation: the start token, then the last max_length - 1 tokens."""
     path = tmp_path / "long.jsonl"
     text = "x" * 200 + " but the ending was dull"
     path.write_text(json.dumps({"sentence": text, "label": 0}) + "\n")
     task = build_task(TaskConfig(data_path=str(path), eval_path=str(path), max_length=40, batch_size=1), "tiny-opt")
     ids = task.batch(0)["input_ids"]
     assert ids.shape == (2, 40)
-    assert ids[0].tolist() == encode(text + " It was terrible", 128)[-40:]
+    assert ids[0].tolist() == [1] + encode(text + " It was terrible", 128)[-39:]
     assert ids[1].tolist()[-9:] == encode(text + " It was great", 128)[-9:]
 
 

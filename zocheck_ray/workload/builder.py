@@ -33,7 +33,8 @@ def _class_index(config: TaskConfig, row: Row) -> int:
 
 def _prompt_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list[Row]) -> list[PromptExample]:
     words = [" " + word for word in config.verbalizer.values()]
-    return candidate_examples(config, tokenizer, [config.template.format(text=r.text) for r in rows],
+    # MeZO's SST2Template formats sentence.strip(): GLUE's sentences end in a space
+    return candidate_examples(config, tokenizer, [config.template.format(text=r.text.strip()) for r in rows],
                               [words] * len(rows), [_class_index(config, r) for r in rows], "verbalizer word")
 
 

@@ -4,10 +4,11 @@ and SQuAD (answer generation), with MeZO's prompt templates, verbalizers, k-shot
     task = build_task(TaskConfig(kind="rte", data_path="rte/", k_shot=16, batch_size=16), "tiny-opt")
 
 Rows carry the SuperGLUE and SQuAD fields as `datasets` names them, read from local files; nothing is
-downloaded. Candidates are scored as in `PromptClassificationTask`. SQuAD trains on " <answer>\n"
-after MeZO's prompt and is evaluated by greedy decoding up to a newline, with SQuAD's F1 and exact
-match. k-shot sampling keeps, per class, the k rows whose SHA-256 of (data_seed, row) is smallest:
-a pure function of the data and the seed.
+downloaded. Candidates are scored as in `PromptClassificationTask`; COPA trains on its gold candidate's
+tokens (`PromptLanguageModelTask`), as MeZO's scripts run it. SQuAD trains on " <answer>\n" after
+MeZO's prompt and is evaluated by greedy decoding of up to 50 tokens, stopping at the id of "\n" or at
+EOS, with MeZO's F1 and exact match. k-shot sampling (our own, not MeZO's) keeps, per class, the k rows
+whose SHA-256 of (data_seed, row) is smallest: a pure function of the data and the seed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from zocheck_ray.workload.errors import DataFormatError, LabelError, WorkloadErr
 from zocheck_ray.workload.sampling import k_shot, row_rank
 from zocheck_ray.workload.task_config import TaskConfig
 from zocheck_ray.workload.tasks import (
-    IGNORE, PromptClassificationTask, TokenLossTask, _pad, candidate_examples, split_prompt,
+    PromptClassificationTask, PromptLanguageModelTask, TokenLossTask, _option_spans, candidate_examples, mezo_encode,
+    truncate,
 )
 from zocheck_ray.workload.tokenization import TextTokenizer
 
@@ -184,33 +186,46 @@ def build_mezo_task(config: TaskConfig, tokenizer: TextTokenizer):
         return candidate_examples(config, tokenizer, [r.prompt for r in rendered], [r.options for r in rendered],
                                   [r.label for r in rendered])
 
-    return PromptClassificationTask(config, tokenizer, examples([r for _, r in rendered_train]),
-                                    examples(rendered_held))
+    cls = PromptLanguageModelTask if config.kind == "copa" else PromptClassificationTask
+    return cls(config, tokenizer, examples([r for _, r in rendered_train]), examples(rendered_held))
 
 
 # ---------------------------------------------------------------- SQuAD
 
 
+MAX_NEW_TOKENS = 50
+"""MeZO's `max_new_tokens`: SQuAD's greedy answers take at most this many tokens, and its sequences leave room for
+them (`max_length - MAX_NEW_TOKENS`, in training too, as MeZO's encode_prompt does)."""
+
+
 @dataclass(frozen=True)
 class AnswerExample:
     prompt: list[int]
-    answer: list[int]
-    """The first gold answer's ids, as they continue the prompt (trained on)."""
+    """The prompt's ids (specials included, not truncated): what greedy decoding continues."""
+    sequence: list[int]
+    """The prompt and the first gold answer " <answer>\n" (trained on), not truncated."""
+    answer_len: int
+    """How many of `sequence`'s last tokens are the answer's."""
     answers: tuple[str, ...]
     """Every gold answer (F1 and exact match take the best)."""
 
 
 def _squad_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list, path: str) -> list[AnswerExample]:
+    room = config.max_length - MAX_NEW_TOKENS
+    if room < 2:
+        raise WorkloadError(f"task.max_length={config.max_length} leaves no room for a SQuAD prompt beside MeZO's "
+                            f"{MAX_NEW_TOKENS} new tokens; raise task.max_length above {MAX_NEW_TOKENS + 1}")
+    rendered = [(line, *squad_prompt(record, (path, line))) for line, record in rows]
+    prompts = [prompt for _, prompt, _ in rendered]
+    prompt_ids = tokenizer.encode([p.strip(" ") for p in prompts])
+    encoded = mezo_encode(tokenizer, prompts, [f"{prompt} {answers[0]}\n" for _, prompt, answers in rendered])
     out = []
-    for line, record in rows:
-        prompt, answers = squad_prompt(record, (path, line))
-        prompt_ids = tokenizer.encode([prompt])[0]
-        # MeZO's target " <answer>\n": the model learns where its answer ends
-        prefix, answer = split_prompt(prompt_ids, tokenizer.encode([f"{prompt} {answers[0]}\n"])[0])
-        if not answer or len(answer) >= config.max_length:
-            raise DataFormatError(path, line, f"the answer takes {len(answer)} tokens, which leaves no room for the "
-                                              f"prompt within task.max_length={config.max_length}")
-        out.append(AnswerExample(prefix, answer, tuple(answers)))
+    for (line, _, answers), ids, (sequence, n) in zip(rendered, prompt_ids, encoded):
+        if n < 1 or n >= room:
+            raise DataFormatError(path, line, f"the answer takes {n} tokens, which leaves no room for the prompt "
+                                              f"within task.max_length={config.max_length} less MeZO's "
+                                              f"{MAX_NEW_TOKENS} new tokens")
+        out.append(AnswerExample(ids, sequence, n, tuple(answers)))
     return out
 
 
@@ -226,9 +241,7 @@ def f1_score(prediction: str, gold: str) -> float:
     pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
     common = collections.Counter(pred) & collections.Counter(ref)
     same = sum(common.values())
-    if not pred or not ref:
-        return float(pred == ref)
-    if same == 0:
+    if same == 0:  # both empty too, as MeZO's metrics.py (SQuAD v1.1's script)
         return 0.0
     precision, recall = same / len(pred), same / len(ref)
     return 2 * precision * recall / (precision + recall)
@@ -240,37 +253,29 @@ class SquadTask(TokenLossTask):
 
     metric = "f1"
     higher_is_better = True
-    max_answer_tokens = 16
+    max_answer_tokens = MAX_NEW_TOKENS
 
     def _collate(self, examples: list[AnswerExample]) -> dict[str, torch.Tensor]:
-        seqs, spans = [], []
-        for ex in examples:
-            keep = self.config.max_length - len(ex.answer)
-            seq = ex.prompt[-keep:] + ex.answer
-            seqs.append(seq)
-            spans.append((len(seq) - len(ex.answer), len(seq)))
-        ids, mask = _pad(seqs, self.tokenizer.pad_id)
-        targets = torch.full(ids.shape, IGNORE, dtype=torch.long)
-        for r, (a, b) in enumerate(spans):
-            targets[r, a - 1:b - 1] = ids[r, a:b]
-        return {"input_ids": ids, "attention_mask": mask, "targets": targets}
+        room = self.config.max_length - self.max_answer_tokens
+        seqs = [truncate(ex.sequence, room, self.tokenizer.adds_bos) for ex in examples]
+        return _option_spans(seqs, [ex.answer_len for ex in examples], self.tokenizer.pad_id)
 
     def _finish(self, sums):
         return {"loss": sums["nll"] / sums["tokens"]}
 
     @torch.no_grad()
     def answer(self, model: torch.nn.Module, example: AnswerExample) -> str:
-        """The model's greedy answer to `example`'s prompt (up to `max_answer_tokens`, a newline or EOS)."""
+        """The model's greedy answer to `example`'s prompt, as MeZO generates it: up to `max_answer_tokens` (fewer
+        where the sequence would pass `max_length`), stopping at the id of "\n" or at the tokenizer's EOS."""
         device = next(model.parameters()).device
-        room = self.config.max_length - self.max_answer_tokens
-        ids = list(example.prompt[-room:]) if room > 0 else list(example.prompt[-1:])
+        ids = truncate(example.prompt, self.config.max_length - self.max_answer_tokens, self.tokenizer.adds_bos)
+        stop = {self.tokenizer.encode(["\n"])[0][-1], self.tokenizer.eos_id}
         generated: list[int] = []
-        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
-        for _ in range(self.max_answer_tokens):
+        for _ in range(min(self.max_answer_tokens, self.config.max_length - len(ids))):
             x = torch.tensor([ids + generated], device=device)
             logits = model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0, -1]
             token = int(logits.float().argmax())
-            if token == eos or "\n" in self.tokenizer.decode([token]):
+            if token in stop:
                 break
             generated.append(token)
         return self.tokenizer.decode(generated).strip()

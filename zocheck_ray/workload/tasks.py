@@ -8,10 +8,11 @@
         opt.step(lambda: task.loss(model, batch), seed=step_seed(run_seed, t))
     task.evaluate(model)                                   # {"accuracy": ..., "loss": ...}
 
-`sst2` is MeZO's prompt-based classification: each candidate word after the prompt is scored by the
-mean log-probability of its tokens (as MeZO's `train_as_classification`), the loss is the correct
-candidate's cross-entropy. `lm` is next-token cross-entropy, `classification` a head's logits;
-MeZO's SuperGLUE and SQuAD tasks are in `mezo_tasks.py`.
+`sst2` is MeZO's prompt-based classification: each candidate after the prompt is scored by the mean
+log-probability of its tokens (as MeZO's `train_as_classification`), the loss is the correct
+candidate's cross-entropy. Prompts and candidates are encoded and truncated as MeZO's `encode_prompt`
+does (`candidate_examples`, `truncate`). `lm` is next-token cross-entropy, `classification` a head's
+logits; MeZO's SuperGLUE and SQuAD tasks are in `mezo_tasks.py`.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from zocheck_ray.workload.errors import TaskModelMismatchError, WorkloadError
 from zocheck_ray.workload.task_config import TaskConfig
 from zocheck_ray.workload.tokenization import TextTokenizer
 
-__all__ = ["Task", "PromptClassificationTask", "LanguageModelingTask", "SequenceClassificationTask",
-           "TaskConfig", "candidate_examples", "split_prompt", "split_rows"]
+__all__ = ["Task", "PromptClassificationTask", "PromptLanguageModelTask", "LanguageModelingTask",
+           "SequenceClassificationTask", "TaskConfig", "candidate_examples", "mezo_encode", "split_rows", "truncate"]
 
 IGNORE = -100
 """Target id that contributes no loss (padding, prompt tokens)."""
@@ -169,7 +170,7 @@ class Task(ABC):
         sums: dict[str, float] = {}
         size = self.config.eval_batch_size
         for start in range(0, self.n_eval, size):
-            batch = _to(self._collate(self.eval_examples[start:start + size]), device)
+            batch = _to(self._eval_collate(self.eval_examples[start:start + size]), device)
             for key, value in self._eval_sums(model, batch).items():
                 sums[key] = sums.get(key, 0.0) + value
         return self._finish(sums)
@@ -181,6 +182,9 @@ class Task(ABC):
 
     @abstractmethod
     def _collate(self, examples: list) -> dict[str, torch.Tensor]: ...
+
+    def _eval_collate(self, examples: list) -> dict[str, torch.Tensor]:
+        return self._collate(examples)
 
     @abstractmethod
     def _loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
@@ -202,33 +206,38 @@ def _classification_finish(sums: dict[str, float]) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class PromptExample:
-    prompt: list[int]
-    """Prompt ids, specials included."""
-    options: list[list[int]]
-    """Ids of each verbalizer word as it continues the prompt, in class order."""
+    sequences: list[list[int]]
+    """Each candidate's whole ids (prompt and candidate, specials included, not truncated), in class order."""
+    option_lens: list[int]
+    """How many of each sequence's last tokens are the candidate's (MeZO's `option_len`)."""
     label: int
 
 
+def _option_spans(seqs: list[list[int]], option_lens: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+    """ids, mask and targets that pick each sequence's last `option_len` tokens."""
+    ids, mask = _pad(seqs, pad_id)
+    targets = torch.full(ids.shape, IGNORE, dtype=torch.long)
+    for r, (seq, n) in enumerate(zip(seqs, option_lens)):
+        a, b = len(seq) - n, len(seq)
+        targets[r, a - 1:b - 1] = ids[r, a:b]  # position t predicts token t + 1
+    return {"input_ids": ids, "attention_mask": mask, "targets": targets}
+
+
 class PromptClassificationTask(Task):
-    """`sst2`: a causal LM scores the verbalizer words after the prompt."""
+    """`sst2` and MeZO's classification tasks: a causal LM scores each candidate after the prompt."""
 
     metric = "accuracy"
     higher_is_better = True
 
     def _collate(self, examples: list[PromptExample]) -> dict[str, torch.Tensor]:
-        seqs, spans = [], []
+        seqs, lens = [], []
         for ex in examples:
-            for option in ex.options:
-                keep = self.config.max_length - len(option)  # a long prompt loses its start, never the word
-                seq = ex.prompt[-keep:] + option
-                seqs.append(seq)
-                spans.append((len(seq) - len(option), len(seq)))
-        ids, mask = _pad(seqs, self.tokenizer.pad_id)
-        targets = torch.full(ids.shape, IGNORE, dtype=torch.long)
-        for r, (a, b) in enumerate(spans):
-            targets[r, a - 1:b - 1] = ids[r, a:b]  # position t predicts token t + 1
-        labels = torch.tensor([ex.label for ex in examples], dtype=torch.long)
-        return {"input_ids": ids, "attention_mask": mask, "targets": targets, "labels": labels}
+            for seq, n in zip(ex.sequences, ex.option_lens):
+                seqs.append(truncate(seq, self.config.max_length, self.tokenizer.adds_bos))
+                lens.append(n)
+        batch = _option_spans(seqs, lens, self.tokenizer.pad_id)
+        batch["labels"] = torch.tensor([ex.label for ex in examples], dtype=torch.long)
+        return batch
 
     def scores(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[rows, candidates]: each candidate's mean token log-probability after the prompt."""
@@ -247,6 +256,42 @@ class PromptClassificationTask(Task):
                 "loss": float(F.cross_entropy(scores, labels, reduction="sum"))}
 
     _finish = staticmethod(_classification_finish)
+
+
+class PromptLanguageModelTask(PromptClassificationTask):
+    """MeZO's `copa` (`--train_as_classification False`): the loss is the gold candidate's tokens' mean
+    cross-entropy over the batch; evaluation scores every candidate as `PromptClassificationTask` does."""
+
+    def _collate(self, examples: list[PromptExample]) -> dict[str, torch.Tensor]:
+        seqs = [truncate(ex.sequences[ex.label], self.config.max_length, self.tokenizer.adds_bos) for ex in examples]
+        return _option_spans(seqs, [ex.option_lens[ex.label] for ex in examples], self.tokenizer.pad_id)
+
+    def _eval_collate(self, examples: list[PromptExample]) -> dict[str, torch.Tensor]:
+        return PromptClassificationTask._collate(self, examples)
+
+    def _nll(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return -_target_log_probs(logits, batch["targets"]).sum(), (batch["targets"] != IGNORE).sum()
+
+    def _loss(self, model, batch):
+        total, count = self._nll(model, batch)
+        return total / count
+
+    def _loss_sum(self, model, batch):
+        return self._nll(model, batch)
+
+    def _eval_sums(self, model, batch):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        log_probs = _target_log_probs(logits, batch["targets"])
+        counts = (batch["targets"] != IGNORE).sum(-1)
+        labels = batch["labels"]
+        scores = (log_probs.sum(-1) / counts).view(labels.shape[0], -1)
+        gold = torch.arange(labels.shape[0], device=labels.device) * scores.shape[1] + labels  # the gold rows
+        return {"correct": float((scores.argmax(-1) == labels).sum()), "rows": float(labels.numel()),
+                "nll": float(-log_probs.sum(-1)[gold].sum()), "tokens": float(counts[gold].sum())}
+
+    def _finish(self, sums):
+        return {"accuracy": sums["correct"] / sums["rows"], "loss": sums["nll"] / sums["tokens"]}
 
 
 @dataclass(frozen=True)
@@ -320,44 +365,35 @@ class LanguageModelingTask(TokenLossTask):
 # ---------------------------------------------------------------- examples
 
 
-def split_prompt(prompt: list[int], whole: list[int]) -> tuple[list[int], list[int]]:
-    # What follows the shared prefix of prompt and prompt+word is the word's tokens (as lm-evaluation-harness
-    # does): robust to tokenizers that merge across the boundary.
-    n = 0
-    while n < min(len(prompt), len(whole)) and prompt[n] == whole[n]:
-        n += 1
-    return whole[:n], whole[n:]
+def truncate(ids: list[int], max_length: int, keeps_first: bool) -> list[int]:
+    """MeZO's truncation (`encode_prompt`): the sequence-start token and the last `max_length - 1` tokens where the
+    tokenizer puts one first, else the last `max_length`, so a long prompt loses its start, never its BOS."""
+    return ids[:1] + ids[1:][-(max_length - 1):] if keeps_first else ids[-max_length:]
 
 
-def _shared_prefix(options: list[list[int]]) -> int:
-    # Tokens every candidate starts with say nothing about the label but would weigh differently in each
-    # length-normalised score: they join the prompt.
-    n = 0
-    while n < min(len(o) for o in options) - 1 and all(o[n] == options[0][n] for o in options):
-        n += 1
-    return n
+def mezo_encode(tokenizer: TextTokenizer, prompts: list[str], wholes: list[str]) -> list[tuple[list[int], int]]:
+    """(ids of each whole text, how many of its last tokens follow the prompt), as MeZO's `encode_prompt`: both
+    texts stripped of spaces at their ends, the count the difference of their token counts."""
+    prompt_ids = tokenizer.encode([p.strip(" ") for p in prompts])
+    whole_ids = tokenizer.encode([w.strip(" ") for w in wholes])
+    return [(ids, len(ids) - len(p)) for p, ids in zip(prompt_ids, whole_ids)]
 
 
 def candidate_examples(config: TaskConfig, tokenizer: TextTokenizer, prompts: list[str],
                        options: list[Sequence[str]], labels: list[int], what: str = "candidate") -> list[PromptExample]:
     """Prompt-classification examples: each prompt followed by each candidate's text, the candidate's tokens
-    being what follows the prompt's (`split_prompt`)."""
-    prompt_ids = tokenizer.encode(prompts)
+    being every token after the prompt's (`mezo_encode`)."""
     width = max(len(o) for o in options)
-    per_option = [tokenizer.encode([p + (o[k] if k < len(o) else "") for p, o in zip(prompts, options)])
+    per_option = [mezo_encode(tokenizer, prompts, [p + (o[k] if k < len(o) else "") for p, o in zip(prompts, options)])
                   for k in range(width)]
     examples = []
     for i, label in enumerate(labels):
-        encoded_options = []
-        for k, text in enumerate(options[i]):
-            prefix, option = split_prompt(prompt_ids[i], per_option[k][i])
-            if not option or len(option) >= config.max_length:
+        encoded = [per_option[k][i] for k in range(len(options[i]))]
+        for text, (_, n) in zip(options[i], encoded):
+            if n < 1 or n >= config.max_length:
                 raise TaskModelMismatchError(
-                    f"{what} {text.strip()!r} takes {len(option)} tokens with {tokenizer.describe()}, which leaves "
+                    f"{what} {text.strip()!r} takes {n} tokens with {tokenizer.describe()}, which leaves "
                     f"no room for the prompt within task.max_length={config.max_length}; raise max_length or "
                     "choose shorter words")
-            encoded_options.append(option)
-        shared = _shared_prefix(encoded_options)
-        examples.append(PromptExample(prefix + encoded_options[0][:shared], [o[shared:] for o in encoded_options],
-                                      label))
+        examples.append(PromptExample([ids for ids, _ in encoded], [n for _, n in encoded], label))
     return examples

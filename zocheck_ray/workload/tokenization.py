@@ -25,6 +25,10 @@ class TextTokenizer(Protocol):
     """Id used for padding (masked out of attention and loss)."""
     vocab_size: int
     """Ids are below this; it must not exceed the model's embedding rows."""
+    adds_bos: bool
+    """Whether `encode` puts a sequence-start token first (MeZO's truncation keeps it)."""
+    eos_id: int | None
+    """The tokenizer's end-of-sequence id (greedy decoding stops there), if it has one."""
 
     def encode(self, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
         """Ids with the sequence-start specials the model expects; right-truncated to `max_length`."""
@@ -39,6 +43,8 @@ class ByteTokenizer:
     """UTF-8 bytes folded into `vocab_size` ids (`data.encode`): 0 pads, 1 starts a sequence."""
 
     pad_id = 0
+    adds_bos = True
+    eos_id = None
 
     def __init__(self, vocab_size: int):
         if vocab_size < 3:
@@ -56,10 +62,14 @@ class ByteTokenizer:
         return bytes((i - 2) % 256 for i in ids if i >= 2).decode("utf-8", errors="replace")
 
 
-class HFTokenizer:
-    """A Hugging Face tokenizer loaded from a local directory (no network)."""
+OPT_BOS_ID = 0
+"""MeZO's run.py sets `tokenizer.bos_token_id = 0` for OPT ("HF bug fix"), so its OPT sequences start with 0, not 2."""
 
-    def __init__(self, directory: str | Path):
+
+class HFTokenizer:
+    """A Hugging Face tokenizer loaded from a local directory (no network); `bos_id` replaces its sequence-start id."""
+
+    def __init__(self, directory: str | Path, bos_id: int | None = None):
         from transformers import AutoTokenizer
 
         self.directory = Path(directory)
@@ -68,12 +78,18 @@ class HFTokenizer:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_id = int(pad) if pad is not None else 0
         self.vocab_size = len(tok)
+        self.eos_id = tok.eos_token_id
+        first = tok("a", add_special_tokens=True)["input_ids"][:1]
+        self.adds_bos = tok.bos_token_id is not None and first == [tok.bos_token_id]
+        self.bos_id = bos_id if self.adds_bos else None
 
     def encode(self, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
         # The tokenizer's own truncation keeps trailing specials such as BERT's [SEP].
         out = self.tokenizer(list(texts), add_special_tokens=True, truncation=max_length is not None,
                              max_length=max_length)
-        return [list(ids) for ids in out["input_ids"]]
+        if self.bos_id is None:
+            return [list(ids) for ids in out["input_ids"]]
+        return [[self.bos_id, *ids[1:]] for ids in out["input_ids"]]
 
     def describe(self) -> str:
         return f"{type(self.tokenizer).__name__} from {self.directory}"
@@ -95,4 +111,11 @@ def load_tokenizer(model_dir: str | Path | None, vocab_size: int, choice: Tokeni
         raise ModelNotFoundError(f"task.tokenizer is 'model' but {where} has no tokenizer files "
                                  f"({', '.join(TOKENIZER_FILES)}); save one with tokenizer.save_pretrained "
                                  "or set task.tokenizer to 'byte'")
-    return HFTokenizer(model_dir)
+    return HFTokenizer(model_dir, OPT_BOS_ID if _model_type(model_dir) == "opt" else None)
+
+
+def _model_type(model_dir: str | Path) -> str | None:
+    import json
+
+    config = Path(model_dir) / "config.json"
+    return json.loads(config.read_text()).get("model_type") if config.is_file() else None
