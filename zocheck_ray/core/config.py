@@ -20,15 +20,14 @@ class ZOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     optimizer: Optimizer = "zo-sgd"
-    """`zo-sgd` (MeZO), `zo-adam` (Adam moments on the ZO gradient), `sparse-mezo`, ZO-Bench's `zo-sgd-sign`
-    (steps along sign(g) z), `zo-sgd-mmt` (momentum) and `zo-sgd-cons` (keeps the lowest-loss of three points), or
-    `zo-signsgd` (ZO-signSGD, Liu et al. 2019: the elementwise sign of the estimate g z)."""
+    """`zo-sgd` (MeZO), `zo-adam`, `sparse-mezo`, ZO-Bench's `zo-sgd-sign` (sign(g) z), `zo-sgd-mmt` and
+    `zo-sgd-cons`, or `zo-signsgd` (ZO-signSGD: the elementwise sign of g z)."""
     lr: float = Field(1e-6, ge=0)
     """Learning rate; a step may carry its own (schedules), recorded with the step."""
     eps: float = Field(1e-3, gt=0)
     """Perturbation scale epsilon of the two-point gradient estimate."""
     weight_decay: float = Field(0.0, ge=0)
-    """Decoupled weight decay, on MeZO's tensors: those whose name holds none of "bias", "layer_norm", "layernorm"."""
+    """Decoupled weight decay, on names without "bias", "layer_norm", "layernorm" (MeZO's rule)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """ZO-Adam moment decay rates, each in [0, 1)."""
     adam_eps: float = Field(1e-8, gt=0)

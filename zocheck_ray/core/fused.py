@@ -37,8 +37,7 @@ CHUNK_ELEMENTS = 8192
 
 OPT_SGD, OPT_ADAM, OPT_SPARSE, OPT_SIGN, OPT_MMT, OPT_CONS = 0, 1, 2, 3, 4, 5
 _OPT_CODES = {"zo-sgd": OPT_SGD, "zo-adam": OPT_ADAM, "sparse-mezo": OPT_SPARSE, "zo-signsgd": OPT_SIGN,
-              "zo-sgd-mmt": OPT_MMT, "zo-sgd-cons": OPT_CONS, "zo-sgd-sign": OPT_SGD}
-"""The kernels' rules; `zo-sgd-sign` is ZO-SGD's, its scalars carrying sign(g) (`StepScalars`)."""
+              "zo-sgd-mmt": OPT_MMT, "zo-sgd-cons": OPT_CONS, "zo-sgd-sign": OPT_SGD}  # zo-sgd-sign: ZO-SGD on sign(g)
 MAX_MOVES = 3
 """ZO-SGD-Cons takes up to three moves per step; every other optimizer one."""
 

@@ -50,8 +50,7 @@ def dtype_name(dtype: torch.dtype, where: str) -> str:
 
 
 def applies_weight_decay(name: str, shape: tuple[int, ...]) -> bool:
-    """MeZO's rule, by name only: a tensor is decayed unless its name holds "bias", "layer_norm" or "layernorm"
-    (so Llama's `model.norm.weight` is decayed, as in MeZO's `zo_update`)."""
+    """MeZO's rule (its `zo_update`), by name only."""
     return not any(word in name for word in ("bias", "layer_norm", "layernorm"))
 
 
@@ -156,7 +155,7 @@ class Layout:
         ]
 
     def fingerprint(self, config: ZOConfig) -> int:
-        """64-bit id of (layout, replay-relevant config, `RULES_VERSION`); records carry it."""
+        """64-bit id of (layout, replay-relevant config, rules); records carry it."""
         dumped = config.model_dump(mode="json", exclude={"lr", "eps"})
         for key, default in NEW_CONFIG_DEFAULTS.items():
             if dumped.get(key) == default:

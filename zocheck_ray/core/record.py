@@ -28,9 +28,8 @@ VERSION_MULTI = 2
 OPTIMIZER_CODES = {"zo-sgd": 0, "zo-adam": 1, "sparse-mezo": 2, "zo-sgd-sign": 3, "zo-sgd-mmt": 4, "zo-sgd-cons": 5,
                    "zo-signsgd": 6}
 RULES_VERSION = 2
-"""The version of the update rules that records and snapshots are made under (in every fingerprint and manifest):
-a log replayed under other rules would reach another state. 1: `zo-sgd-sign` took the elementwise sign of g z
-(now `zo-signsgd`) and weight decay skipped 1-D tensors and names holding "norm"; 2: both as MeZO and ZO-Bench."""
+"""The update rules' version, in every fingerprint and manifest: other rules replay into another state."""
+# 1: zo-sgd-sign was the elementwise sign (now zo-signsgd); 1-D tensors and "norm" names were not decayed
 OPTIMIZER_NAMES = {code: name for name, code in OPTIMIZER_CODES.items()}
 _HEADER = struct.Struct("<HBBIQQQddd")
 _MULTI = struct.Struct("<HBx")

@@ -54,8 +54,7 @@ class StepScalars:
     momentum: float = 0.0
     """ZO-SGD-MMT's momentum."""
     grads: tuple[float, ...] = ()
-    """Per perturbation j, g_j / q (q = 1: `grad`; `zo-sgd-sign`: sign(g_j) / q): the estimate is
-    sum_j r(z_j) * grads[j], in order."""
+    """Per perturbation j, g_j / q (`zo-sgd-sign`: sign(g_j) / q): the estimate is sum_j r(z_j) * grads[j]."""
     moves: tuple[float, ...] = ()
     """ZO-SGD-Cons: the factors of the update's moves, in order (lr, -2 lr, then lr or 2 lr, as the record's
     decision says); `lr` for every other optimizer."""

@@ -43,8 +43,7 @@ class CorruptSnapshotError(StorageError):
 
 
 class RulesVersionError(StorageError):
-    """A run stored under other update rules than this zocheck-ray's (`core.record.RULES_VERSION`): replaying its
-    log would reach another state, so it is refused before any work."""
+    """A run stored under other update rules (`RULES_VERSION`) than this zocheck-ray's."""
 
 
 class SnapshotNotFoundError(StorageError, LookupError):

@@ -76,7 +76,7 @@ class Manifest(BaseModel):
     zo_config: dict[str, Any] | None = None
     user: dict[str, Any] = Field(default_factory=dict)
     rules_version: int = Field(1, ge=1)
-    """The update rules the run was made under (`core.record.RULES_VERSION`); manifests before version 2 lack it."""
+    """`core.record.RULES_VERSION` of the run (absent before version 2)."""
 
     def encode(self) -> bytes:
         body = self.model_dump(mode="json")

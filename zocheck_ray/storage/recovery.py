@@ -71,7 +71,7 @@ def recover(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *,
 
 
 def check_rules(info: SnapshotInfo) -> None:
-    """Refuse a snapshot made under other update rules, naming both versions and what to do."""
+    """Refuse a snapshot of other update rules."""
     found = info.manifest.rules_version
     if found != RULES_VERSION:
         raise RulesVersionError(
@@ -81,7 +81,7 @@ def check_rules(info: SnapshotInfo) -> None:
 
 
 def check_run_rules(url: str, storage_options: dict | None = None) -> None:
-    """`check_rules` on the newest snapshot of a run's storage, if it holds one (the job's check before any work)."""
+    """`check_rules` on a run's newest snapshot, if any."""
     if SNAPSHOTS_DIR not in open_storage(url, storage_options, create=False).list_dir(""):
         return  # a new run
     latest = SnapshotStore(url, storage_options, create=False).latest()

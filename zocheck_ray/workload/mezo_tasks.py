@@ -4,11 +4,9 @@ and SQuAD (answer generation), with MeZO's prompt templates, verbalizers, k-shot
     task = build_task(TaskConfig(kind="rte", data_path="rte/", k_shot=16, batch_size=16), "tiny-opt")
 
 Rows carry the SuperGLUE and SQuAD fields as `datasets` names them, read from local files; nothing is
-downloaded. Candidates are scored as in `PromptClassificationTask`; COPA trains on its gold candidate's
-tokens (`PromptLanguageModelTask`), as MeZO's scripts run it. SQuAD trains on " <answer>\n" after
-MeZO's prompt and is evaluated by greedy decoding of up to 50 tokens, stopping at the id of "\n" or at
-EOS, with MeZO's F1 and exact match. k-shot sampling (our own, not MeZO's) keeps, per class, the k rows
-whose SHA-256 of (data_seed, row) is smallest: a pure function of the data and the seed.
+downloaded. Candidates are scored as in `PromptClassificationTask`, COPA trains on its gold candidate.
+SQuAD trains on " <answer>\n" after MeZO's prompt and is evaluated by MeZO's greedy decoding, F1 and
+exact match. Our k-shot keeps, per class, the k rows of smallest SHA-256 of (data_seed, row).
 """
 
 from __future__ import annotations
@@ -194,18 +192,17 @@ def build_mezo_task(config: TaskConfig, tokenizer: TextTokenizer):
 
 
 MAX_NEW_TOKENS = 50
-"""MeZO's `max_new_tokens`: SQuAD's greedy answers take at most this many tokens, and its sequences leave room for
-them (`max_length - MAX_NEW_TOKENS`, in training too, as MeZO's encode_prompt does)."""
+"""MeZO's `max_new_tokens`; SQuAD's sequences leave room for them, in training too."""
 
 
 @dataclass(frozen=True)
 class AnswerExample:
     prompt: list[int]
-    """The prompt's ids (specials included, not truncated): what greedy decoding continues."""
+    """The prompt's ids, untruncated."""
     sequence: list[int]
-    """The prompt and the first gold answer " <answer>\n" (trained on), not truncated."""
+    """The prompt and " <first answer>\n" (trained on), untruncated."""
     answer_len: int
-    """How many of `sequence`'s last tokens are the answer's."""
+    """The answer's tokens at `sequence`'s end."""
     answers: tuple[str, ...]
     """Every gold answer (F1 and exact match take the best)."""
 
@@ -265,8 +262,7 @@ class SquadTask(TokenLossTask):
 
     @torch.no_grad()
     def answer(self, model: torch.nn.Module, example: AnswerExample) -> str:
-        """The model's greedy answer to `example`'s prompt, as MeZO generates it: up to `max_answer_tokens` (fewer
-        where the sequence would pass `max_length`), stopping at the id of "\n" or at the tokenizer's EOS."""
+        """MeZO's greedy answer: up to `max_answer_tokens` within `max_length`, stopping at the id of "\n" or EOS."""
         device = next(model.parameters()).device
         ids = truncate(example.prompt, self.config.max_length - self.max_answer_tokens, self.tokenizer.adds_bos)
         stop = {self.tokenizer.encode(["\n"])[0][-1], self.tokenizer.eos_id}

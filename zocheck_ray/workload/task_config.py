@@ -39,7 +39,7 @@ class TaskConfig(BaseModel):
     eval_split: str = "validation"
     """The held-out split of such a folder."""
     k_shot: int | None = Field(None, ge=1)
-    """MeZO's k-shot sampling: k training rows per class (`squad`: in all); None: every row."""
+    """Our own k-shot (not MeZO's): k training rows per class (`squad`: in all); None: every row."""
     text_field: str = Field("sentence", min_length=1)
     """The field (JSONL) or column (CSV) holding the text."""
     label_field: str = Field("label", min_length=1)

@@ -8,11 +8,10 @@
         opt.step(lambda: task.loss(model, batch), seed=step_seed(run_seed, t))
     task.evaluate(model)                                   # {"accuracy": ..., "loss": ...}
 
-`sst2` is MeZO's prompt-based classification: each candidate after the prompt is scored by the mean
-log-probability of its tokens (as MeZO's `train_as_classification`), the loss is the correct
-candidate's cross-entropy. Prompts and candidates are encoded and truncated as MeZO's `encode_prompt`
-does (`candidate_examples`, `truncate`). `lm` is next-token cross-entropy, `classification` a head's
-logits; MeZO's SuperGLUE and SQuAD tasks are in `mezo_tasks.py`.
+`sst2` is MeZO's prompt-based classification: each candidate word after the prompt is scored by the
+mean log-probability of its tokens (as MeZO's `train_as_classification`), the loss is the correct
+candidate's cross-entropy. `lm` is next-token cross-entropy, `classification` a head's logits;
+MeZO's SuperGLUE and SQuAD tasks are in `mezo_tasks.py`.
 """
 
 from __future__ import annotations
@@ -207,14 +206,14 @@ def _classification_finish(sums: dict[str, float]) -> dict[str, float]:
 @dataclass(frozen=True)
 class PromptExample:
     sequences: list[list[int]]
-    """Each candidate's whole ids (prompt and candidate, specials included, not truncated), in class order."""
+    """Each candidate's ids after the prompt's, untruncated, in class order."""
     option_lens: list[int]
-    """How many of each sequence's last tokens are the candidate's (MeZO's `option_len`)."""
+    """MeZO's `option_len`: how many last tokens are the candidate's."""
     label: int
 
 
 def _option_spans(seqs: list[list[int]], option_lens: list[int], pad_id: int) -> dict[str, torch.Tensor]:
-    """ids, mask and targets that pick each sequence's last `option_len` tokens."""
+    """ids, mask and targets of each sequence's last `option_len` tokens."""
     ids, mask = _pad(seqs, pad_id)
     targets = torch.full(ids.shape, IGNORE, dtype=torch.long)
     for r, (seq, n) in enumerate(zip(seqs, option_lens)):
@@ -259,8 +258,7 @@ class PromptClassificationTask(Task):
 
 
 class PromptLanguageModelTask(PromptClassificationTask):
-    """MeZO's `copa` (`--train_as_classification False`): the loss is the gold candidate's tokens' mean
-    cross-entropy over the batch; evaluation scores every candidate as `PromptClassificationTask` does."""
+    """`copa`, as MeZO's scripts run it: the loss is the gold candidate's tokens' cross-entropy."""
 
     def _collate(self, examples: list[PromptExample]) -> dict[str, torch.Tensor]:
         seqs = [truncate(ex.sequences[ex.label], self.config.max_length, self.tokenizer.adds_bos) for ex in examples]
@@ -366,14 +364,12 @@ class LanguageModelingTask(TokenLossTask):
 
 
 def truncate(ids: list[int], max_length: int, keeps_first: bool) -> list[int]:
-    """MeZO's truncation (`encode_prompt`): the sequence-start token and the last `max_length - 1` tokens where the
-    tokenizer puts one first, else the last `max_length`, so a long prompt loses its start, never its BOS."""
+    """MeZO's truncation: the first token (a BOS) and the last `max_length - 1`, else the last `max_length`."""
     return ids[:1] + ids[1:][-(max_length - 1):] if keeps_first else ids[-max_length:]
 
 
 def mezo_encode(tokenizer: TextTokenizer, prompts: list[str], wholes: list[str]) -> list[tuple[list[int], int]]:
-    """(ids of each whole text, how many of its last tokens follow the prompt), as MeZO's `encode_prompt`: both
-    texts stripped of spaces at their ends, the count the difference of their token counts."""
+    """(ids of each whole text, its token count less the prompt's), as MeZO's `encode_prompt`."""
     prompt_ids = tokenizer.encode([p.strip(" ") for p in prompts])
     whole_ids = tokenizer.encode([w.strip(" ") for w in wholes])
     return [(ids, len(ids) - len(p)) for p, ids in zip(prompt_ids, whole_ids)]
@@ -381,8 +377,7 @@ def mezo_encode(tokenizer: TextTokenizer, prompts: list[str], wholes: list[str])
 
 def candidate_examples(config: TaskConfig, tokenizer: TextTokenizer, prompts: list[str],
                        options: list[Sequence[str]], labels: list[int], what: str = "candidate") -> list[PromptExample]:
-    """Prompt-classification examples: each prompt followed by each candidate's text, the candidate's tokens
-    being every token after the prompt's (`mezo_encode`)."""
+    """Prompt-classification examples: each prompt followed by each candidate's text (`mezo_encode`)."""
     width = max(len(o) for o in options)
     per_option = [mezo_encode(tokenizer, prompts, [p + (o[k] if k < len(o) else "") for p, o in zip(prompts, options)])
                   for k in range(width)]

@@ -26,9 +26,9 @@ class TextTokenizer(Protocol):
     vocab_size: int
     """Ids are below this; it must not exceed the model's embedding rows."""
     adds_bos: bool
-    """Whether `encode` puts a sequence-start token first (MeZO's truncation keeps it)."""
+    """Whether `encode` puts a BOS first."""
     eos_id: int | None
-    """The tokenizer's end-of-sequence id (greedy decoding stops there), if it has one."""
+    """The EOS id, if any."""
 
     def encode(self, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
         """Ids with the sequence-start specials the model expects; right-truncated to `max_length`."""
@@ -63,11 +63,11 @@ class ByteTokenizer:
 
 
 OPT_BOS_ID = 0
-"""MeZO's run.py sets `tokenizer.bos_token_id = 0` for OPT ("HF bug fix"), so its OPT sequences start with 0, not 2."""
+"""MeZO's run.py sets OPT's `bos_token_id = 0`."""
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer loaded from a local directory (no network); `bos_id` replaces its sequence-start id."""
+    """A Hugging Face tokenizer loaded from a local directory (no network); `bos_id` replaces its BOS."""
 
     def __init__(self, directory: str | Path, bos_id: int | None = None):
         from transformers import AutoTokenizer

@@ -36,8 +36,7 @@ from zocheck_ray.core.validation import check_replay
 # Codes shared with _triton_src.py.
 PHASE_Z, PHASE_PERTURB, PHASE_UPDATE, PHASE_STEP = 0, 1, 2, 3
 OPT_CODES = {"zo-sgd": 0, "zo-adam": 1, "sparse-mezo": 2, "zo-signsgd": 3, "zo-sgd-mmt": 4, "zo-sgd-cons": 5,
-             "zo-sgd-sign": 0}
-"""The kernels' rules; `zo-sgd-sign` is ZO-SGD's, its scalars carrying sign(g) (`StepScalars`)."""
+             "zo-sgd-sign": 0}  # zo-sgd-sign: ZO-SGD on sign(g)
 DTYPE_CODES = {d.torch: code for code, d in enumerate(TRAINED)}
 MASK_NONE, MASK_MAKE, MASK_READ, MASK_REGISTERS = 0, 1, 2, 3
 
