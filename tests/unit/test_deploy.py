@@ -127,9 +127,17 @@ def test_the_named_examples_exist():
     assert {"sst2-opt.yaml", "sst2-opt-gpu-s3.yaml", "lm-llama.yaml"} <= names
 
 
+NEEDS_LOCAL_FILES = {"sst2-opt-mezo.yaml"}
+"""Examples of a model and data set saved locally first: their schema here, their run in test_mezo_examples.py."""
+
+
+def validate_example(path: Path) -> JobConfig:
+    return JobConfig.model_validate(load_yaml(path)) if path.name in NEEDS_LOCAL_FILES else load_job_config(path)
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_config_validates(path):
-    job = load_job_config(path)
+    job = validate_example(path)
     assert_no_credentials_in_options(job, path.name)
     assert "run_id" not in load_yaml(path), "examples leave run_id to each run (or to --set)"
 
@@ -140,7 +148,7 @@ def test_every_config_the_docs_mention_exists_and_validates():
     assert "deploy/examples/sst2-opt.yaml" in mentioned
     for rel in mentioned:
         assert (REPO / rel).is_file(), f"{rel} is mentioned but does not exist"
-        load_job_config(REPO / rel)
+        validate_example(REPO / rel)
 
 
 def test_every_documented_submit_command_runs_a_valid_job():

@@ -255,7 +255,8 @@ class ZOOptimizer:
         state = self.state_tensors()
         for i, spec, flat, a, b in self._walk():
             chunk = flat[a:b]
-            if masks is None and self.device.type == "cpu" and optimizer in ("zo-sgd", "zo-sgd-sign") and len(seeds) == 1:
+            fast = optimizer in ("zo-sgd", "zo-sgd-sign") and len(seeds) == 1
+            if masks is None and self.device.type == "cpu" and fast:
                 self._sgd_in_place(chunk, self._z(spec, record.seed, a, b, chunk.dtype), s, spec.decay)
                 continue
             mask = update.unpack_mask(masks[(i, a)], b - a) if masks is not None else None

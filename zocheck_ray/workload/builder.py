@@ -9,10 +9,10 @@ or any actor started.
 from __future__ import annotations
 
 from zocheck_ray.workload.datafiles import SHIPPED_SST2, Row, has_split, read_rows
-from zocheck_ray.workload.errors import DataFormatError, LabelError, TaskModelMismatchError
+from zocheck_ray.workload.errors import DataFormatError, LabelError, TaskModelMismatchError, WorkloadError
 from zocheck_ray.workload.mezo_tasks import build_mezo_task
 from zocheck_ray.workload.models import model_config_dict, model_directory, model_kind
-from zocheck_ray.workload.sampling import k_shot
+from zocheck_ray.workload.sampling import sample_rows
 from zocheck_ray.workload.task_config import MEZO_KINDS, TaskConfig
 from zocheck_ray.workload.tasks import (
     LanguageModelingTask, PromptClassificationTask, PromptExample, SequenceClassificationTask, Task, TextExample,
@@ -93,22 +93,23 @@ def build_task(config: TaskConfig, model: str, overrides: dict | None = None,
     rows = read_rows(path, config.text_field, label_field, config.data_format, config.split)
     if config.eval_path is None and has_split(path, config.eval_split, config.data_format):
         train = rows
-        held_out = read_rows(path, config.text_field, label_field, config.data_format,
-                             config.eval_split)[:config.eval_size]
+        held_out = read_rows(path, config.text_field, label_field, config.data_format, config.eval_split)
     elif config.eval_path is None:
+        if config.num_train is not None:
+            raise WorkloadError("MeZO's sampler (task.num_train) draws held-out rows from a validation split: give "
+                                "task.eval_path, or a save_to_disk folder with task.eval_split")
         train, held_out = split_rows(rows, config.eval_size)
     else:
         train = rows
-        held_out = read_rows(config.eval_path, config.text_field, label_field, config.data_format,
-                             config.eval_split)[:config.eval_size]
-    if config.k_shot is not None:  # not with `lm` (refused by TaskConfig)
-        train = k_shot(train, config.k_shot, config.data_seed, lambda r: str(r.label),
-                       lambda r: {"text": r.text, "label": r.label})
+        held_out = read_rows(config.eval_path, config.text_field, label_field, config.data_format, config.eval_split)
+    train, dev, held_out = sample_rows(config, train, held_out, lambda r: str(r.label),
+                                       lambda r: {"text": r.text, "label": r.label})
 
     if config.kind == "sst2":
         return PromptClassificationTask(config, tokenizer, _prompt_examples(config, tokenizer, train),
-                                        _prompt_examples(config, tokenizer, held_out))
+                                        _prompt_examples(config, tokenizer, held_out),
+                                        _prompt_examples(config, tokenizer, dev))
     labelled = config.kind == "classification"
     cls = SequenceClassificationTask if labelled else LanguageModelingTask
     return cls(config, tokenizer, _text_examples(config, tokenizer, train, labelled),
-               _text_examples(config, tokenizer, held_out, labelled))
+               _text_examples(config, tokenizer, held_out, labelled), _text_examples(config, tokenizer, dev, labelled))

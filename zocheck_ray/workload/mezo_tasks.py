@@ -21,7 +21,7 @@ import torch
 
 from zocheck_ray.workload.datafiles import data_format, has_split, read_records
 from zocheck_ray.workload.errors import DataFormatError, LabelError, WorkloadError
-from zocheck_ray.workload.sampling import k_shot, row_rank
+from zocheck_ray.workload.sampling import row_rank, sample_rows
 from zocheck_ray.workload.task_config import TaskConfig
 from zocheck_ray.workload.tasks import (
     PromptClassificationTask, PromptLanguageModelTask, TokenLossTask, _option_spans, candidate_examples, mezo_encode,
@@ -167,25 +167,30 @@ def read_splits(config: TaskConfig) -> tuple[list, list, str]:
 
 def build_mezo_task(config: TaskConfig, tokenizer: TextTokenizer):
     """The task of MeZO kind `config.kind` (see the module docstring)."""
-    train, held, _ = read_splits(config)
+    train, held, source = read_splits(config)
+    if config.num_train is not None and source.endswith("(held out)"):
+        raise WorkloadError("MeZO's sampler (task.num_train) draws held-out rows from a validation split: give "
+                            "task.eval_path, or a save_to_disk folder with task.eval_split")
     path = str(config.data_path)
     eval_path = str(config.eval_path or config.data_path)
     if config.kind == "squad":
-        train = k_shot(train, config.k_shot, config.data_seed, lambda row: None, lambda row: row[1])
+        train, dev, held = sample_rows(config, train, held, lambda row: None, lambda row: row[1])
         return SquadTask(config, tokenizer, _squad_examples(config, tokenizer, train, path),
-                         _squad_examples(config, tokenizer, held[:config.eval_size], eval_path))
+                         _squad_examples(config, tokenizer, held, eval_path),
+                         _squad_examples(config, tokenizer, dev, path))
     render = TEMPLATES[config.kind]
     rendered_train = [(record, render(record, (path, line))) for line, record in train]
-    rendered_train = k_shot(rendered_train, config.k_shot, config.data_seed, lambda row: row[1].label,
-                            lambda row: row[0])
-    rendered_held = [render(record, (eval_path, line)) for line, record in held[:config.eval_size]]
+    rendered_train, rendered_dev, held = sample_rows(config, rendered_train, held, lambda row: row[1].label,
+                                                     lambda row: row[0])
+    rendered_held = [render(record, (eval_path, line)) for line, record in held]
 
     def examples(rendered):
         return candidate_examples(config, tokenizer, [r.prompt for r in rendered], [r.options for r in rendered],
                                   [r.label for r in rendered])
 
     cls = PromptLanguageModelTask if config.kind == "copa" else PromptClassificationTask
-    return cls(config, tokenizer, examples([r for _, r in rendered_train]), examples(rendered_held))
+    return cls(config, tokenizer, examples([r for _, r in rendered_train]), examples(rendered_held),
+               examples([r for _, r in rendered_dev]))
 
 
 # ---------------------------------------------------------------- SQuAD
@@ -212,6 +217,8 @@ def _squad_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list, pa
     if room < 2:
         raise WorkloadError(f"task.max_length={config.max_length} leaves no room for a SQuAD prompt beside MeZO's "
                             f"{MAX_NEW_TOKENS} new tokens; raise task.max_length above {MAX_NEW_TOKENS + 1}")
+    if not rows:
+        return []
     rendered = [(line, *squad_prompt(record, (path, line))) for line, record in rows]
     prompts = [prompt for _, prompt, _ in rendered]
     prompt_ids = tokenizer.encode([p.strip(" ") for p in prompts])
@@ -276,15 +283,14 @@ class SquadTask(TokenLossTask):
             generated.append(token)
         return self.tokenizer.decode(generated).strip()
 
-    @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        metrics = super().evaluate(model)  # the gold answers' loss
+    def _metrics(self, model: torch.nn.Module, examples: list) -> dict[str, float]:
+        metrics = super()._metrics(model, examples)  # the gold answers' loss
         f1 = exact = 0.0
-        for example in self.eval_examples:
+        for example in examples:
             prediction = self.answer(model, example)
             f1 += max(f1_score(prediction, gold) for gold in example.answers)
             exact += max(float(normalize_answer(prediction) == normalize_answer(gold)) for gold in example.answers)
-        n = max(1, self.n_eval)
+        n = max(1, len(examples))
         return {"f1": f1 / n, "exact_match": exact / n, **metrics}
 
 

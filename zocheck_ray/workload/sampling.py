@@ -1,9 +1,10 @@
-"""MeZO's k-shot sampling, as a pure function of the rows and a seed.
+"""Sampling rows, as pure functions of the rows and a seed: our k-shot and MeZO's sampler.
 
     kept = k_shot(rows, 16, data_seed, label_of=lambda row: row.label)
+    train, dev, held_out = mezo_sample(train_rows, held_rows, num_train=1000, num_dev=500, num_eval=1000, seed=0)
 
-Per class, the k rows whose SHA-256 of (seed, row) is smallest, in file order: independent of the
-file's order and of other classes' rows, so a recovered trainer draws the same sample.
+k-shot keeps, per class, the k rows whose SHA-256 of (seed, row) is smallest, in file order: independent of
+the file's order and of other classes' rows. MeZO's sampler takes a seeded permutation's first rows.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import collections
 import hashlib
 import json
 from typing import Callable, Hashable, Sequence, TypeVar
+
+import numpy as np
 
 Row = TypeVar("Row")
 
@@ -36,4 +39,25 @@ def k_shot(rows: Sequence[Row], k: int | None, seed: int, label_of: Callable[[Ro
     return [row for i, row in enumerate(rows) if i in keep]
 
 
-__all__ = ["k_shot", "row_rank"]
+def mezo_subset(rows: Sequence[Row], seed: int, num: int) -> list[Row]:
+    """MeZO's `sample_subset`: the first `num` of a permutation by numpy's seeded legacy generator, in its order."""
+    return [rows[i] for i in np.random.RandomState(seed).permutation(len(rows))[:num]]
+
+
+def mezo_sample(train: Sequence[Row], held: Sequence[Row], num_train: int, num_dev: int | None, num_eval: int | None,
+                seed: int) -> tuple[list[Row], list[Row], list[Row]]:
+    """(train, dev, held-out) as MeZO's run.py draws them: the dev rows end the training draw."""
+    picked = mezo_subset(train, seed, num_train + (num_dev or 0))
+    split = len(picked) - (num_dev or 0)
+    return picked[:split], picked[split:], list(held) if num_eval is None else mezo_subset(held, seed, num_eval)
+
+
+def sample_rows(config, train: Sequence[Row], held: Sequence[Row], label_of: Callable[[Row], Hashable],
+                content_of: Callable[[Row], object] = lambda row: row) -> tuple[list[Row], list[Row], list[Row]]:
+    """(train, dev, held-out) rows of a `TaskConfig`: MeZO's sampler where `num_train` is set, else our k-shot."""
+    if config.num_train is not None:
+        return mezo_sample(train, held, config.num_train, config.num_dev, config.num_eval, config.train_set_seed)
+    return k_shot(train, config.k_shot, config.data_seed, label_of, content_of), [], list(held[:config.eval_size])
+
+
+__all__ = ["k_shot", "mezo_sample", "mezo_subset", "row_rank", "sample_rows"]

@@ -40,6 +40,14 @@ class TaskConfig(BaseModel):
     """The held-out split of such a folder."""
     k_shot: int | None = Field(None, ge=1)
     """Our own k-shot (not MeZO's): k training rows per class (`squad`: in all); None: every row."""
+    num_train: int | None = Field(None, ge=1)
+    """MeZO's sampler: this many training rows of a permutation seeded by `train_set_seed`."""
+    num_dev: int | None = Field(None, ge=1)
+    """MeZO's dev rows, after the training ones; evaluated as `dev_<metric>`."""
+    num_eval: int | None = Field(None, ge=1)
+    """MeZO's held-out rows, permuted by the same seed (None: every one)."""
+    train_set_seed: int = Field(0, ge=0)
+    """MeZO's `train_set_seed`."""
     text_field: str = Field("sentence", min_length=1)
     """The field (JSONL) or column (CSV) holding the text."""
     label_field: str = Field("label", min_length=1)
@@ -107,6 +115,10 @@ class TaskConfig(BaseModel):
         if self.kind in MEZO_KINDS and self.data_path is None:
             raise ValueError(f"task kind {self.kind!r} reads its rows from task.data_path (JSONL, Parquet or a "
                              "save_to_disk folder with MeZO's fields); nothing is downloaded")
+        if self.num_train is None and (self.num_dev, self.num_eval) != (None, None):
+            raise ValueError("task.num_dev and task.num_eval belong to MeZO's sampler: set task.num_train too")
+        if self.num_train is not None and self.k_shot is not None:
+            raise ValueError("task.k_shot and task.num_train are two samplers: set one")
         if self.kind == "lm" and self.k_shot is not None:
             raise ValueError("task.k_shot samples k rows per class, and kind 'lm' has no classes; unset k_shot (or "
                              "choose a classification kind)")

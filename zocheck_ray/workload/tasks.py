@@ -84,11 +84,12 @@ class Task(ABC):
     """The key of `evaluate`'s result that tells progress (`accuracy` or `loss`)."""
     higher_is_better: bool
 
-    def __init__(self, config: TaskConfig, tokenizer: TextTokenizer, train: list, held_out: list):
+    def __init__(self, config: TaskConfig, tokenizer: TextTokenizer, train: list, held_out: list, dev: list = ()):
         self.config = config
         self.tokenizer = tokenizer
         self.train_examples = train
         self.eval_examples = held_out
+        self.dev_examples = list(dev)
 
     @property
     def n_train(self) -> int:
@@ -164,20 +165,27 @@ class Task(ABC):
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        """Metrics on the held-out rows, in `eval_batch_size` chunks."""
+        """Metrics on the held-out rows, in `eval_batch_size` chunks, and on MeZO's dev rows as `dev_<name>`."""
+        metrics = self._metrics(model, self.eval_examples)
+        if self.dev_examples:
+            metrics.update({f"dev_{k}": v for k, v in self._metrics(model, self.dev_examples).items()})
+        return metrics
+
+    def _metrics(self, model: torch.nn.Module, examples: list) -> dict[str, float]:
         device = _device_of(model)
         sums: dict[str, float] = {}
         size = self.config.eval_batch_size
-        for start in range(0, self.n_eval, size):
-            batch = _to(self._eval_collate(self.eval_examples[start:start + size]), device)
+        for start in range(0, len(examples), size):
+            batch = _to(self._eval_collate(examples[start:start + size]), device)
             for key, value in self._eval_sums(model, batch).items():
                 sums[key] = sums.get(key, 0.0) + value
         return self._finish(sums)
 
     def summary(self) -> dict:
         """What a progress line or a run summary shows about the task."""
-        return {"kind": self.config.kind, "train_rows": self.n_train, "eval_rows": self.n_eval,
-                "metric": self.metric, "tokenizer": self.tokenizer.describe()}
+        out = {"kind": self.config.kind, "train_rows": self.n_train, "eval_rows": self.n_eval,
+               "metric": self.metric, "tokenizer": self.tokenizer.describe()}
+        return out | ({"dev_rows": len(self.dev_examples)} if self.dev_examples else {})
 
     @abstractmethod
     def _collate(self, examples: list) -> dict[str, torch.Tensor]: ...
@@ -378,6 +386,8 @@ def mezo_encode(tokenizer: TextTokenizer, prompts: list[str], wholes: list[str])
 def candidate_examples(config: TaskConfig, tokenizer: TextTokenizer, prompts: list[str],
                        options: list[Sequence[str]], labels: list[int], what: str = "candidate") -> list[PromptExample]:
     """Prompt-classification examples: each prompt followed by each candidate's text (`mezo_encode`)."""
+    if not prompts:
+        return []
     width = max(len(o) for o in options)
     per_option = [mezo_encode(tokenizer, prompts, [p + (o[k] if k < len(o) else "") for p, o in zip(prompts, options)])
                   for k in range(width)]

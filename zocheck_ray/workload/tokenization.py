@@ -84,6 +84,8 @@ class HFTokenizer:
         self.bos_id = bos_id if self.adds_bos else None
 
     def encode(self, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
+        if not texts:
+            return []
         # The tokenizer's own truncation keeps trailing specials such as BERT's [SEP].
         out = self.tokenizer(list(texts), add_special_tokens=True, truncation=max_length is not None,
                              max_length=max_length)
