@@ -1,6 +1,6 @@
 """Helpers the tests share (`tests/` is on the path of every test, as the conftest's directory).
 
-    from support import REPO, encode, multi_node_cluster, trained, vm_flags, wait_until
+    from support import REPO, encode, multi_node_cluster, trained, wait_until
 
 The fixtures are in `conftest.py`; the uninterrupted reference runs every recovered run is
 compared with are in `reference_runs.py`.
@@ -29,20 +29,6 @@ def wait_until(predicate, timeout: float = 120.0) -> bool:
             return False
         time.sleep(next(waits))
     return True
-
-
-def vm_flags(address: int) -> set[str]:
-    """The kernel's flags for this process's mapping that holds `address` (`hg`: advised onto huge pages)."""
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return set(line.split()[1:])
-    return set()
 
 
 def encode(records) -> bytes:

@@ -15,13 +15,11 @@ import torch
 
 from zocheck_ray.host.handle import ImageHandle
 from zocheck_ray.host.image import (
-    HUGE_PAGE, TRANSFER_THREADS_MAX, ImageGoneError, ImageLayout, PrivateBuffer, SharedBuffer, WindowPlan, copy_state,
+    TRANSFER_THREADS_MAX, ImageGoneError, ImageLayout, PrivateBuffer, SharedBuffer, WindowPlan, copy_state,
     handle_layout, image_memory, open_image, prepare_skeleton, transfer, transfer_threads,
 )
 from zocheck_ray.host import capabilities as host_caps
 from zocheck_ray.host.heap import settling_heap
-from zocheck_ray.host.memory import huge_page_mapping
-from support import vm_flags
 from zocheck_ray.runtime.ledger import NoImageError, RecordLedger
 from zocheck_ray.host.memory import process_memory
 from zocheck_ray.runtime.stages import Image
@@ -225,7 +223,7 @@ def plain_host(monkeypatch):
 
 def test_this_host_offers_every_speed_up_the_plain_paths_stand_in_for():
     caps = host_caps.capabilities()  # the machine the tests run on: otherwise the fast paths go untested
-    assert caps.as_dict() == {"shared_images": True, "huge_pages": True, "thread_nice": True, "heap_freeze": True,
+    assert caps.as_dict() == {"shared_images": True, "thread_nice": True, "heap_freeze": True,
                               "direct_io": True}
 
 
@@ -247,16 +245,20 @@ def test_on_a_plain_host_an_image_is_private_memory_read_through_its_windows(pla
     assert buffer.closed
 
 
-def test_on_a_plain_host_nothing_is_advised_onto_huge_pages_and_the_heap_is_not_frozen(plain_host):
+def test_an_actors_start_up_objects_are_frozen_out_of_the_collectors_reach():
     import gc
 
-    big = torch.empty(3 * HUGE_PAGE, dtype=torch.uint8).fill_(9)
-    assert prepare_skeleton({"big": big}) == 0 and not big.any()
-    flat, region = huge_page_mapping(4 * HUGE_PAGE)
-    start = (flat.data_ptr() + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-    assert "hg" not in vm_flags(start)
-    del flat
-    region.close()
+    frozen = gc.get_freeze_count()
+    with settling_heap():
+        assert not gc.isenabled()
+        kept = [[] for _ in range(1000)]
+    assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(kept)
+    gc.unfreeze()
+
+
+def test_on_a_plain_host_the_heap_is_not_frozen(plain_host):
+    import gc
+
     frozen = gc.get_freeze_count()
     with settling_heap():
         kept = [object() for _ in range(1000)]
@@ -297,14 +299,10 @@ def test_a_reader_in_another_process_never_holds_more_than_a_window_of_the_image
     assert grown <= 2 * window, f"the reader's peak grew by {grown / 2**20:.0f} MiB for a {nbytes >> 20} MiB image"
 
 
-def test_a_skeleton_is_faulted_now_zeroed_and_advised_onto_huge_pages():
-    big = torch.empty(3 * HUGE_PAGE + 12345, dtype=torch.uint8).fill_(9)  # filled: the pages exist already
+def test_a_skeleton_is_faulted_now_and_zeroed():
+    big = torch.empty(3 * (2 << 20) + 12345, dtype=torch.uint8).fill_(9)
     small = torch.empty(1000, dtype=torch.float32).fill_(9)
-    advised = prepare_skeleton({"big": big, "small": small})
-    start = (big.data_ptr() + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-    end = (big.data_ptr() + big.numel()) // HUGE_PAGE * HUGE_PAGE
-    assert advised == end - start >= 2 * HUGE_PAGE  # the 2 MiB pages inside the tensor, nothing beside it
-    assert "hg" in vm_flags(start) and "hg" not in vm_flags(small.data_ptr())
+    prepare_skeleton({"big": big, "small": small})
     assert not big.any() and not small.any()
 
 

@@ -17,6 +17,7 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayError
 
+from zocheck_ray.host.memory import frombuffer
 from zocheck_ray.host.image import ImageGoneError, ImageLayout, WindowPlan, handle_layout, open_image, transfer
 from zocheck_ray.runtime.messages import AdapterIdentity, PushReply, RecoveryOffer
 from zocheck_ray.actors.names import NAMESPACE, actor_status, shadow_name
@@ -199,7 +200,7 @@ class OfferedImage:
         plan = WindowPlan(self.layout, tensors)
         for start in plan.starts:  # one window in flight: a bounded share of both object stores
             window = ray.get(self.actor.image_window.remote(self.handle.token, start, plan.length(start)))
-            plan.copy(torch.from_numpy(window), start, "from_image")
+            plan.copy(frombuffer(window), start, "from_image")
         plan.finish()
 
     def release(self) -> None:

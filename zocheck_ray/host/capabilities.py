@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import mmap
 import os
 import threading
 from dataclasses import asdict, dataclass
@@ -20,7 +19,6 @@ PLAIN_ENV = "ZOCHECK_HOST_PLAIN"
 class Capabilities:
     shared_images: bool
     """Images are memfds a trainer on the node opens (else private memory, read through Ray)."""
-    huge_pages: bool
     thread_nice: bool
     """A thread's niceness is its own (Linux), so the shadow's stages yield to trainers."""
     heap_freeze: bool
@@ -38,8 +36,8 @@ def plain() -> bool:
 def capabilities() -> Capabilities:
     """This process's capabilities (all absent under `ZOCHECK_HOST_PLAIN=1`)."""
     if plain():
-        return Capabilities(False, False, False, False, False)
-    return Capabilities(shared_images=_memfd(), huge_pages=_huge_pages(), thread_nice=_thread_nice(),
+        return Capabilities(False, False, False, False)
+    return Capabilities(shared_images=_memfd(), thread_nice=_thread_nice(),
                         heap_freeze=hasattr(gc, "freeze"), direct_io=hasattr(os, "O_DIRECT"))
 
 
@@ -57,23 +55,6 @@ def _memfd() -> bool:
         return False
     finally:
         os.close(fd)
-
-
-def _huge_pages() -> bool:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            if "[never]" in f.read():
-                return False
-    except OSError:
-        return False
-    region = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE)
-        return True
-    except (AttributeError, OSError):
-        return False
-    finally:
-        region.close()
 
 
 def _thread_nice() -> bool:

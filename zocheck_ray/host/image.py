@@ -12,9 +12,7 @@ host offers no memfd, the image is private memory and the reader gets the same w
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import functools
 import logging
 import mmap
 import os
@@ -29,7 +27,7 @@ from zocheck_ray.host.capabilities import capabilities
 from zocheck_ray.host.handle import ImageHandle
 from zocheck_ray.core.dtypes import BY_NAME, REPLAYED
 from zocheck_ray.core.cpus import process_cpus
-from zocheck_ray.host.memory import aligned_offsets, frombuffer, huge_page_mapping
+from zocheck_ray.host.memory import aligned_offsets, anonymous_mapping, frombuffer
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +114,11 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def anonymous_buffer(nbytes: int) -> tuple[torch.Tensor, mmap.mmap | None]:
-    """A private uint8 buffer of `nbytes`, faulted now, on huge pages where offered; returns the tensor and the
+    """A private uint8 buffer of `nbytes`, faulted now; returns the tensor and the
     mapping that owns its memory."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8), None
-    flat, region = huge_page_mapping(nbytes)
+    flat, region = anonymous_mapping(nbytes)
     flat.zero_()  # fault every page now, not inside the first copy into it
     return flat, region
 
@@ -373,35 +371,10 @@ class _Staging:
 
 # ---------------------------------------------------------------------------------------- skeleton
 
-HUGE_PAGE = 2 << 20
-_MADV_DONTNEED = 4
-_MADV_HUGEPAGE = 14
-
-
-@functools.lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
-
-
-def prepare_skeleton(tensors: Mapping[str, torch.Tensor]) -> int:
-    """Fault a skeleton's host pages now, on 2 MiB pages where allowed, so that a later restore is a plain copy;
-    returns the bytes advised onto huge pages."""
-    advised = 0
-    libc = _libc() if capabilities().huge_pages else None
+def prepare_skeleton(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Fault a skeleton's pages now (zeroed), so that a later restore is a plain copy."""
     for t in tensors.values():
-        if t.device.type != "cpu":
-            t.zero_()
-            continue
-        flat = byte_view(t)
-        start = (flat.data_ptr() + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-        end = (flat.data_ptr() + flat.numel()) // HUGE_PAGE * HUGE_PAGE
-        if libc is not None and end > start and libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0:
-            libc.madvise(start, end - start, _MADV_DONTNEED)  # pages faulted already come back as huge pages
-            advised += end - start
-        flat.zero_()
-    return advised
+        t.detach().zero_()
 
 
 # ---------------------------------------------------------------------------------------- in-process

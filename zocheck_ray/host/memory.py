@@ -1,11 +1,9 @@
-"""A state as one host buffer: tensors at 64-byte-aligned offsets of one anonymous mapping advised onto 2 MiB
-pages. The replica, the images and a trainer's skeleton share this layout, so an image is written into a
+"""A state as one host buffer: tensors at 64-byte-aligned offsets of one anonymous mapping. The replica, the images and a trainer's skeleton share this layout, so an image is written into a
 skeleton in long runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import warnings
 from typing import Iterable
@@ -25,21 +23,15 @@ def aligned_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def huge_page_mapping(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
-    """A private anonymous mapping of `nbytes` (> 0) as a uint8 tensor, advised onto huge pages where the kernel
-    offers them, nothing faulted yet. Returns the tensor and the mapping (its views keep it alive)."""
-    from zocheck_ray.host.capabilities import capabilities
-
+def anonymous_mapping(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
+    """A private anonymous mapping of `nbytes` (> 0) as a uint8 tensor, nothing faulted yet. Returns the tensor and
+    the mapping (its views keep it alive)."""
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if not capabilities().huge_pages:
-        return frombuffer(region), region
-    with contextlib.suppress(AttributeError, OSError):  # no transparent huge pages: 4 KiB pages
-        region.madvise(mmap.MADV_HUGEPAGE)
     return frombuffer(region), region
 
 
 def frombuffer(region: mmap.mmap) -> torch.Tensor:
-    """A mapping's bytes as a uint8 tensor (no copy)."""
+    """A buffer's bytes (a mapping, a read-only array) as a uint8 tensor (no copy)."""
     with warnings.catch_warnings():  # a read-only mapping is fine for reading; torch warns regardless
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(region, dtype=torch.uint8)

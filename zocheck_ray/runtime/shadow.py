@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from zocheck_ray.host.image import ImageBuffer, ImageGoneError, ImageLayout, copy_state
-from zocheck_ray.host.memory import process_memory
+from zocheck_ray.host.memory import frombuffer, process_memory
 from zocheck_ray.runtime.ledger import RecordLedger
 from zocheck_ray.runtime.messages import AdapterIdentity, ShadowMetrics, ShadowStatus, TrainerTimes
 from zocheck_ray.runtime.publisher import PushReply
@@ -154,8 +154,9 @@ class Shadow:
             self._fill_intake(state)
         self.replay.call(lambda: self.replay.commit_intake(step, "fresh"))
         if self.persist is not None and not self.persist.wait_durable(step, timeout):
-            raise StageError(f"the initial image could not be made durable in {timeout:.0f} s: "
-                             f"{self.persist.error or 'storage did not answer'}")
+            raise StageError("the initial image could not be made durable" + (
+                f": storage is full ({self.persist.error})" if self.persist.full else
+                f" in {timeout:.0f} s: {self.persist.error or 'storage did not answer'}"))
 
     def resync(self, step: int, state: dict[str, torch.Tensor] | None = None, wait_seconds: float = 60.0) -> None:
         """Replace the replica with the trainer's state at `step`, after waiting up to `wait_seconds` for the records
@@ -237,7 +238,7 @@ class Shadow:
         intake = self.replay.intake
         if intake is None or start < 0 or start + len(data) > intake.nbytes:
             raise StageError(f"no open intake holds bytes {start}..{start + len(data)}: open one first")
-        intake.bytes[start: start + len(data)].copy_(torch.as_tensor(data, dtype=torch.uint8))
+        intake.bytes[start: start + len(data)].copy_(frombuffer(data))
 
     def give_back(self, token: str) -> None:
         """A trainer is done reading the image `token`."""
@@ -262,6 +263,7 @@ class Shadow:
         if self.persist is not None and not self.persist.wait_durable(step, max(deadline - time.monotonic(), 0.0)):
             raise StageError(f"the image of step {step} and its log are not durable"
                              + (f": {self.persist.stopped}" if self.persist.stopped else
+                                f": storage is full ({self.persist.error})" if self.persist.full else
                                 f" after {timeout:.0f} s: {self.persist.error or 'storage is slow'}"))
         return self.metrics()
 
