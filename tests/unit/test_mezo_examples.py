@@ -90,3 +90,13 @@ def test_the_mezo_sst2_example_runs_to_its_first_evaluation(tmp_path):
     run = run_in_process(job)
     assert sorted(run.evaluations) == [0, 1]
     assert {"accuracy", "dev_accuracy"} <= set(run.evaluations[0])
+
+
+def test_the_best_dev_step_is_mezo_s_best_checkpoint():
+    """HF's `load_best_model_at_end` with no `metric_for_best_model`: the lowest eval (dev) loss, the first on ties,
+    among the evaluations after training began."""
+    from zocheck_ray.control.summary import best_dev_step
+
+    ev = {0: {"dev_loss": 0.1, "accuracy": 0.5}, 4: {"dev_loss": 0.6}, 8: {"dev_loss": 0.4}, 12: {"dev_loss": 0.4}}
+    assert best_dev_step(ev) == 8
+    assert best_dev_step({0: {"accuracy": 0.5}, 4: {"accuracy": 0.6}}) is None

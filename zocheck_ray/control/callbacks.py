@@ -10,7 +10,7 @@ from typing import Callable, Protocol
 from zocheck_ray.runtime.messages import KernelInfo, RecoveryInfo, ShadowMetrics, TrainerProgress
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.policy import Decision, Failure
-from zocheck_ray.control.summary import Recovery, RunSummary
+from zocheck_ray.control.summary import Recovery, RunSummary, best_dev_step
 from zocheck_ray.policies import ProfileReport
 
 
@@ -226,7 +226,7 @@ class RunRecord(RunCallback):
             step_hashes=self.step_hashes, lag_samples=self.lag_samples, resumed_from_step=self.resumed_from,
             task=task.summary(), metric=task.metric, evaluations=dict(sorted(ev.items())),
             metric_before=ev[min(ev)][task.metric] if ev else None,
-            metric_after=ev[final_step][task.metric] if final_step in ev else None,
+            metric_after=ev[final_step][task.metric] if final_step in ev else None, best_dev_step=best_dev_step(ev),
             eval_seconds=self.eval_seconds, shadow_restarts=run.monitor.shadow_restarts,
             resent_records=resent_records, resyncs=self.resyncs, warnings=self.warnings,
             states=self.states + ["done"], kernel=kernel or (self.last.kernel if self.last else None),

@@ -95,6 +95,9 @@ class RunSummary(BaseModel):
     """`metric` at the first evaluated step (step 0 for a fresh run)."""
     metric_after: float | None = None
     """`metric` at the last step."""
+    best_dev_step: int | None = None
+    """With MeZO's dev rows: the evaluated step (after step 0) of the lowest `dev_loss`, first on ties, as MeZO's
+    `--load_best_model_at_end` keeps it; `evaluations` there hold the held-out metric MeZO reports."""
     eval_seconds: float = 0.0
     """Trainer time spent evaluating (not counted in `trainer_seconds_per_step`)."""
     shadow_restarts: int = 0
@@ -120,6 +123,12 @@ class RunSummary(BaseModel):
     profile_check: dict[str, dict[str, float]] = {}
     """With a startup profile: profiled and steady seconds of the trainer and replay steps, and their
     ratio; one beyond `PROFILE_TOLERANCE` also warns, as the interval was chosen on them."""
+
+
+def best_dev_step(evaluations: dict[int, dict[str, float]]) -> int | None:
+    """The step `RunSummary.best_dev_step` names, or None without dev rows."""
+    scored = [(m["dev_loss"], step) for step, m in sorted(evaluations.items()) if step > 0 and "dev_loss" in m]
+    return min(scored)[1] if scored else None
 
 
 class RunFailedError(RuntimeError):
