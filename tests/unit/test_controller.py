@@ -353,3 +353,18 @@ def test_a_startup_profile_that_fails_in_the_shadow_fails_the_run_with_its_cause
     with pytest.raises(RunFailedError, match="the startup profile failed in the shadow: the snapshot stage failed"):
         run.run()
     assert "profiling" in states(run) and states(run)[-1] == "failed" and parts.stopped
+
+
+def test_trainers_that_cannot_take_their_first_state_fail_the_run_in_one_line_naming_the_cause(tmp_path):
+    run, parts = controller(tmp_path)
+    report = ("The actor died because of an error raised in its creation task\n  File ...\n"
+              "zocheck_ray.runtime.stages.StageError: the initial image could not be made durable: storage is full")
+    parts.group.start = lambda: (_ for _ in ()).throw(RuntimeError(report))  # as Ray reports a constructor's error
+    with pytest.raises(RunFailedError, match="failed at step 0: the trainers could not start: the initial image could "
+                                             "not be made durable: storage is full$"):
+        run.run()
+    assert states(run)[-1] == "failed" and parts.stopped and parts.shadow.closed
+    run, parts = controller(tmp_path)
+    parts.group.start = lambda: (_ for _ in ()).throw(RuntimeError("not ours"))
+    with pytest.raises(RuntimeError, match="not ours"):  # anything else keeps its traceback
+        run.run()

@@ -94,3 +94,36 @@ def test_use_gpu_takes_yaml_booleans_as_typed(tmp_path, typed, value):
 ])
 def test_config_errors_are_one_line_naming_the_field(tmp_path, capsys, item, line):
     assert line in refused(tmp_path, capsys, "--set", item)
+
+
+def test_local_storage_without_room_for_two_snapshots_is_refused_before_ray(small_disk, tmp_path, capsys):
+    from zocheck_ray.control.startup import STORAGE_MARGIN_BYTES, snapshot_bytes
+
+    job = load_job_config(storage=str(small_disk.path / "runs"))
+    needed = 2 * snapshot_bytes(job) + STORAGE_MARGIN_BYTES
+    small_disk.fill(leave=needed - 4096)  # room for the lease, not for the run's snapshots
+    assert main(["train", "--storage", str(small_disk.path / "runs"), "--set", "run_id=full"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{small_disk.path / 'runs' / 'full'} has" in err and f"this run needs {needed}" in err
+    assert "free space there or choose another --storage" in err
+
+
+def test_a_shadow_waiting_on_a_full_disk_says_so_instead_of_waiting_out_its_timeout(small_disk):
+    from support import trained
+    from zocheck_ray.config import JobConfig
+    from zocheck_ray.runtime.shadow import Shadow
+    from zocheck_ray.runtime.stages import StageError
+
+    job = JobConfig(storage=str(small_disk.path), shadow={"snapshot_interval": 4})
+    initial, _, _ = trained(job, 0)
+    shadow = Shadow(job)  # its lease is written; then no room is left for its first snapshot
+    try:
+        small_disk.fill(leave=0)
+        with pytest.raises(StageError, match=r"the initial image could not be made durable: storage is full "
+                                             r"\(StorageFullError: .*\(ENOSPC\)"):
+            shadow.initialize(0, initial, timeout=600)
+        assert shadow.persist.full
+    finally:
+        small_disk.free()
+        assert shadow.close()  # space again: the lease is released

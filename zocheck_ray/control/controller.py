@@ -134,7 +134,12 @@ class Controller:
 
     def _start(self) -> State:
         self.shadow, self.group = self.parts.start()
-        started = self.group.start()
+        try:
+            started = self.group.start()
+        except Exception as exc:  # a trainer could not take its first state: say why in one line, if it is ours
+            if (cause := _our_cause(exc)) is None:
+                raise
+            return self._fail(Failure("drain_failed", self.step, f"the trainers could not start: {cause}"))
         self.step = started.step
         self.monitor.shadow_incarnation = self._status().incarnation
         self._emit("on_start", started)
@@ -355,3 +360,11 @@ class _ShadowGone(Exception):
     def __init__(self, failure: Failure):
         super().__init__(failure.detail)
         self.failure = failure
+
+
+def _our_cause(exc: Exception) -> str | None:
+    """The message of the zocheck-ray error that ends Ray's report of a failed call (a trainer's constructor that
+    raised), or None when the failure is not one of ours."""
+    lines = str(exc).strip().splitlines()
+    name, found, message = (lines[-1] if lines else "").partition(": ")
+    return message if found and name.startswith("zocheck_ray.") else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Callable
 
 import ray
@@ -13,7 +15,8 @@ from zocheck_ray.config import JobConfig, JobConfigError, check_task
 from zocheck_ray.control.connect import connect_ray
 from zocheck_ray.control.placement import _check_resources, group_name, running_here
 from zocheck_ray.storage import LeaseHeldError, StorageError, check_no_live_writer, check_run_rules
-from zocheck_ray.storage.fs import open_storage
+from zocheck_ray.storage.fs import open_storage, parse_url
+from zocheck_ray.storage.snapshot import SNAPSHOTS_DIR
 
 
 def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group: PlacementGroup | None = None,
@@ -26,6 +29,7 @@ def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group
         check_run_rules(job.run_url, job.storage_options)  # a run stored under other update rules
     except StorageError as exc:
         raise JobConfigError(f"storage={job.storage!r} cannot be used: {exc}") from exc
+    check_storage_room(job)
     if not ray.is_initialized():
         connect_ray(say=say, run_id=job.run_id)
     try:  # another live writer of this run's storage is refused, named; this cluster's dead shadow is not
@@ -47,6 +51,38 @@ def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group
                              f"of the given placement group (rank 0, the shadow, ranks 1..), which has "
                              f"{len(placement_group.bundle_specs)}")
     return task, gpus
+
+
+STORAGE_MARGIN_BYTES = 1 << 20
+"""Room kept for the step log and the lease beside the snapshots."""
+
+
+def snapshot_bytes(job: JobConfig) -> int | None:
+    """The bytes of one snapshot of `job`'s trained state (moments included), counted on a model built on the meta
+    device; None for an adapter run (its snapshots are small)."""
+    if job.peft is not None:
+        return None
+    from zocheck_ray.core import ZOOptimizer
+    from zocheck_ray.workload.models import build_model, trainable_parameters
+
+    model = build_model(job.model, job.dtype, device="meta", weights="none")
+    state = ZOOptimizer(trainable_parameters(model), job.zo).state_tensors()
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def check_storage_room(job: JobConfig) -> None:
+    """Refuse local storage without room for the snapshots a run writes side by side (a fresh run: two; a resumed
+    one: one beside those it has), so a full disk fails here, not in a shadow's retries."""
+    scheme, root = parse_url(job.run_url)
+    if scheme != "file" or (size := snapshot_bytes(job)) is None:
+        return
+    snapshots = os.path.join(root, SNAPSHOTS_DIR)
+    needed = size * (1 if os.path.isdir(snapshots) and os.listdir(snapshots) else 2) + STORAGE_MARGIN_BYTES
+    free = shutil.disk_usage(root).free
+    if free < needed:
+        raise JobConfigError(f"storage={job.storage!r}: {root} has {free} bytes free, and this run needs {needed} "
+                             f"(snapshots of {size} bytes, the newest written beside the one before, and the log); "
+                             "free space there or choose another --storage")
 
 
 def check_not_running_here(job: JobConfig, held: LeaseHeldError | None = None, creates_group: bool = True) -> None:

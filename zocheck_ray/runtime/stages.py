@@ -27,7 +27,8 @@ from zocheck_ray.core import StepRecord, ZOConfig, replay, state_hash
 from zocheck_ray.core.layout import ALL_MOMENT_PREFIXES, Layout, moment_prefixes
 from zocheck_ray.core.fused import default_threads
 from zocheck_ray.runtime.hooks import ShadowHooks
-from zocheck_ray.storage import Lease, LeaseError, LeaseHeldError, SnapshotStore, StepLog, StorageError
+from zocheck_ray.storage import (Lease, LeaseError, LeaseHeldError, SnapshotStore, StepLog, StorageError,
+                                 StorageFullError)
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ COPY_HISTORY = 32
 LOG_FLUSH_SECONDS = 0.05
 """How often, at least, persistence writes the log and looks for a new image."""
 MAX_BACKOFF_SECONDS = 5.0
+FULL_TRIES = 3
+"""Writes refused for lack of space, in a row, after which a caller waiting on durability is told (a full
+disk seldom frees itself while a run waits); persistence itself keeps retrying."""
 """Retries of a failing store wait 0.1 s, 0.2 s, ... up to this."""
 STARTUP_STORAGE_SECONDS = 120.0
 """How long a shadow coming back from durable storage waits for the store."""
@@ -461,6 +465,8 @@ class PersistStage:
         self.failures = 0
         self.error: str | None = None
         self.failing_since: float | None = None
+        self.full_failures = 0
+        """Writes refused in a row for lack of space (`StorageFullError`); 0 after any success."""
         self.stopped: str | None = None
         self.durable_interval = job.durability.durable_interval or job.shadow.snapshot_interval or 1
         """Images at multiples of this step are made durable (and a generation's first, and a drain's)."""
@@ -484,9 +490,16 @@ class PersistStage:
         self._seal_requested = True
         self._wake.set()
         with self._durable:
-            return self._durable.wait_for(lambda: self.stopped is not None
-                                          or (self.durable_step == step and self._log_covers(step)), timeout) \
-                and self.stopped is None
+            begun = self.failures  # only fullness met while waiting ends the wait: space freed before counts
+            return self._durable.wait_for(lambda: self.stopped is not None or (
+                self.full and self.failures - begun >= FULL_TRIES) or (
+                self.durable_step == step and self._log_covers(step)), timeout) \
+                and self.stopped is None and self.durable_step == step and self._log_covers(step)
+
+    @property
+    def full(self) -> bool:
+        """Whether the last `FULL_TRIES` writes were refused for lack of space."""
+        return self.full_failures >= FULL_TRIES
 
     def _log_covers(self, step: int) -> bool:
         return step == 0 or (self.durable_log_step is not None and self.durable_log_step >= step - 1) \
@@ -536,6 +549,9 @@ class PersistStage:
         self.error = f"{type(exc).__name__}: {exc}"
         if self.failing_since is None:
             self.failing_since = time.monotonic()
+        with self._durable:
+            self.full_failures = self.full_failures + 1 if isinstance(exc, StorageFullError) else 0
+            self._durable.notify_all()
         logger.warning("persistence failed (%d so far), retrying: %s", self.failures, self.error)
 
     def _reacquire(self, lost: LeaseError) -> bool:
@@ -562,7 +578,7 @@ class PersistStage:
         """A snapshot, or a whole pass, went through: the outage is over."""
         if self.failing_since is not None:
             logger.info("persistence works again after %.1f s", time.monotonic() - self.failing_since)
-        self.failing_since, self.error = None, None
+        self.failing_since, self.error, self.full_failures = None, None, 0
 
     def _persist_log(self, seal: bool) -> None:
         if self.ledger.image is None:

@@ -525,4 +525,7 @@ def _probe_write(storage: FsspecStorage) -> None:
     except BaseException as exc:
         if not _is_storage_failure(exc):
             raise
+        if (code := getattr(exc, "errno", None)) in _FULL:  # full, not broken: the caller waits or says so
+            raise StorageFullError(f"{storage.url} is not writable: {_reason(exc)} ({errno.errorcode[code]}); free "
+                                   "space there, or give the run a larger storage", code) from exc
         raise StorageError(f"{storage.url} is not writable: {_reason(exc)}") from exc
