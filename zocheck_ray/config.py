@@ -107,11 +107,36 @@ class ScalingSettings(BaseModel):
 
     trainers: int = Field(1, ge=1)
     """Data-parallel trainer ranks (one GPU each, or one CPU); `task.batch_size` must divide among them. The
-    ranks stay bit-identical replicas, served by one shadow."""
+    ranks stay bit-identical replicas, served by one shadow. `{min: a, max: b}`: start b, and go on with as few
+    as a while ranks are lost (elastic; the answer depends on `task.shards` only)."""
+    min_trainers: int | None = Field(None, ge=1)
+    """The fewest ranks an elastic run trains with (set by `trainers: {min, max}`); None: a lost rank stops
+    every rank until it is replaced."""
     placement: Literal["pack", "spread"] = "pack"
     """`pack`: every rank and the shadow on one node; `spread`: rank 0 with the shadow, the others anywhere."""
     use_gpu: Literal["auto", "yes", "no"] = "auto"
     """Train on a GPU: `auto` uses one when the cluster has one, `yes` requires one."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _min_max(cls, data: Any) -> Any:
+        """`trainers: {min: a, max: b}` (as Ray Train's `num_workers=(a, b)`) -> `trainers=b, min_trainers=a`."""
+        if isinstance(data, dict) and isinstance(data.get("trainers"), dict):
+            bounds = dict(data["trainers"])
+            if set(bounds) != {"min", "max"} or not all(isinstance(v, int) for v in bounds.values()):
+                raise ValueError(f"scaling.trainers={bounds} must be a number or {{min: a, max: b}} with whole a, b")
+            if not 1 <= bounds["min"] <= bounds["max"]:
+                raise ValueError(f"scaling.trainers: min={bounds['min']} must be at least 1 and at most "
+                                 f"max={bounds['max']}")
+            data = {**data, "trainers": bounds["max"], "min_trainers": bounds["min"]}
+        return data
+
+    @model_validator(mode="after")
+    def _min_at_most_max(self) -> "ScalingSettings":
+        if self.min_trainers is not None and self.min_trainers > self.trainers:
+            raise ValueError(f"scaling.min_trainers={self.min_trainers} is more than scaling.trainers="
+                             f"{self.trainers}: set scaling.trainers={{min: a, max: b}} with a <= b")
+        return self
 
     @field_validator("use_gpu", mode="before")
     @classmethod

@@ -64,6 +64,8 @@ def test_bad_input_fails_before_any_actor(tmp_path):
         load_job_config(overrides=["task.batch_size=6", "task.shards=4"])
     with pytest.raises(JobConfigError, match="task.shards=2 is fewer than scaling.trainers=3"):
         load_job_config(overrides=["scaling.trainers=3", "task.batch_size=6", "task.shards=2"])
+    with pytest.raises(JobConfigError, match="scaling.trainers: min=3 must be at least 1 and at most max=2"):
+        load_job_config(overrides=["scaling.trainers={min: 3, max: 2}", "task.batch_size=6"])
     with pytest.raises(JobConfigError, match="scaling.placement"):
         load_job_config(overrides=["scaling.trainers=2", "scaling.placement=everywhere"])
     with pytest.raises(JobConfigError, match="scaling.trainers=6 with scaling.placement=pack"):
@@ -189,3 +191,25 @@ def test_a_holding_rank_keeps_records_until_durable_and_delivers_what_the_shadow
     assert publisher.deliver() == 8  # asked what the shadow expects (5), then handed it 5, 6, 7
     assert shadow.pushes == [[], [5, 6, 7]]
 
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("trainers, lost, exchange", [(2, 0, 0), (3, 1, 1)], ids=["rank0-at-plus-eps",
+                                                                                   "rank1-at-minus-eps"])
+def test_a_lost_rank_leaves_the_others_training_on_its_shards(tmp_path, trainers, lost, exchange):
+    # An elastic group: the survivors take the lost rank's shards at the perturbation they stand at (+eps, or -eps
+    # after an exchange at +eps that had its losses), form a group of k-1 mid-step, and train on without a restore
+    # from the shadow. Rank 0's loss makes rank 1 the rank that sends the records: the shadow's log has no gap.
+    from zocheck_ray.testing.injection import FaultInjection
+
+    steps, at = 8, 4
+    job = dp_job(tmp_path, trainers={"min": trainers - 1, "max": trainers}, steps=steps, task=SHARDED)
+    expected = uninterrupted_data_parallel_hashes(job)
+    faults = FaultInjection(die_at_exchange={lost: [(at, exchange)]}, marker_dir=str(tmp_path))
+    summary = run(job, faults=faults, progress=None)
+    assert summary.recoveries == []  # nobody restored from the shadow
+    assert summary.final_state_hash == summary.shadow_state_hash == expected[steps]
+    assert summary.rank_state_hashes == [expected[steps]] * (trainers - 1)
+    assert summary.step_hashes and all(digest == expected[step] for step, digest in summary.step_hashes.items())
+    verification = verify_run(job, summary)
+    assert verification.verified, verification.mismatches

@@ -39,10 +39,11 @@ FOLLOW_WAIT_SECONDS = 2.0
 """One wait of `TrainerActor.follow` for the shadow's next image (a promotion ends it within this)."""
 
 
-@ray.remote(concurrency_groups={"standby": 1})
+@ray.remote(concurrency_groups={"standby": 1, "regroup": 1})
 class TrainerActor:
     """One `Trainer`, a rank or the standby. Methods run in order on one thread; `follow` on its own, so a
-    promotion (`rejoin`) waits only for the copy in progress (`_state`)."""
+    promotion (`rejoin`) waits only for the copy in progress (`_state`); `open_group` and `offer_plan` on
+    their own, as an elastic rank takes its new group while its `run` waits in an exchange."""
 
     def __init__(self, job: dict, hooks=None, rank: int = 0, standby: bool = False):
         size_numba_pool()  # before anything imports numba in this process
@@ -125,13 +126,27 @@ class TrainerActor:
     def join_group(self, address: str, port: int) -> float:
         return self.trainer.join_group(address, port)
 
+    @ray.method(concurrency_group="regroup")
+    def open_group(self, loopback: bool, ranks: int, generation: int) -> tuple[str, int]:
+        """As rank 0 of the planned group `generation`: open its rendezvous; returns address and port."""
+        address = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        return address, self._trainer.open_group(address, ranks, generation)
+
+    @ray.method(concurrency_group="regroup")
+    def offer_plan(self, rank: int, plan) -> None:
+        self._trainer.offer_plan(rank, plan)
+
+    def reform(self, generation: int) -> int:
+        """At a step boundary, after `run`: join group `generation` unless an exchange already did."""
+        return self.trainer.reform(generation)
+
     def deliver(self) -> int:
         return self.trainer.deliver()
 
-    def rejoin(self, step: int | None, rank: int | None = None) -> RecoveryInfo:
+    def rejoin(self, step: int | None, rank: int | None = None, ranks: int | None = None) -> RecoveryInfo:
         self._rejoined.set()
         with self._state:  # a copy of `follow`'s in progress ends first (the image it copies may be the one offered)
-            return self.trainer.rejoin(step, rank)
+            return self.trainer.rejoin(step, rank, ranks)
 
     def preinstall(self) -> int | None:
         """The standby: copy the shadow's newest image in now (`Trainer.preinstall`)."""

@@ -3,7 +3,9 @@
 A single trainer is a group of one; data parallel is k ranks in one gloo process group.
 `run` returns a lost rank as a `Failure` value, so the controller decides what to do.
 `recover` replaces a lost rank by the ready standby (the restarted process becomes the next
-one) or by Ray's restart, and rejoins every rank at the shadow's step.
+one) or by Ray's restart, and rejoins every rank at the shadow's step. An elastic group
+(`scaling.trainers: {min, max}`) instead re-forms mid-step without the lost rank (`_shrink`):
+the survivors take its shards and train on.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from zocheck_ray.actors.link import call_when_alive, died_since, wait_until_rest
 from zocheck_ray.runtime.shadow import ShadowRestartedError
 from zocheck_ray.runtime.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig
-from zocheck_ray.control.outcomes import Restored, StepTimes
+from zocheck_ray.control.outcomes import Regrouped, Restored, StepTimes
+from zocheck_ray.runtime.elastic import GroupPlan, deal
+from zocheck_ray.runtime.shards import assign, shard_count
 from zocheck_ray.control.policy import Failure
 
 logger = logging.getLogger(__name__)
@@ -55,6 +59,20 @@ class TrainerGroup:
         self._restarts: dict[str, int] = {}
         """Restart counts by actor name: a lost actor is back once its count grows."""
         self.times = StepTimes([0.0] * self.k, [0] * self.k)
+        self.held = assign(shard_count(job), self.k)
+        """Each rank's shards."""
+        self.min_k = job.scaling.min_trainers or self.k
+        self.generation = 0
+        """Groups formed mid-run (`_shrink`)."""
+        self.regroups: list[Regrouped] = []
+        self._reforms: list = []
+        self.departed: list = []
+        """Lost ranks' actors the group went on without (ended with the run)."""
+
+    @property
+    def elastic(self) -> bool:
+        """Whether a lost rank leaves the others training (`scaling.trainers: {min, max}`)."""
+        return self.job.scaling.min_trainers is not None and self.k > 1
 
     @property
     def leader(self):
@@ -182,6 +200,13 @@ class TrainerGroup:
         """Train every rank from `step` to `target`; returns (progress by rank, the failure or None)."""
         refs = {r: rank.run.remote(target, self.durable_next) for r, rank in enumerate(self.ranks)}
         results, lost = self._gather(refs)
+        if self._reforms:  # every survivor in the new group, also one whose segment ended before the loss
+            reforms, self._reforms = self._reforms, []
+            try:
+                ray.get(reforms)
+            except RayError as exc:
+                lost = sorted(set(lost) | set(self.lost_ranks()))
+                logger.warning("a regroup failed (%s): every rank rejoins", str(exc).splitlines()[0])
         self.times.add(results, self.k)
         interrupted = [r for r, p in results.items() if p.interrupted is not None]
         if lost or interrupted:
@@ -196,7 +221,8 @@ class TrainerGroup:
         results, lost = {}, []
         poll = DEATH_POLL_SECONDS if actor_states() is not None else None
         while pending:
-            done, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=poll)
+            # an elastic group acts on the first loss, while the others wait in an exchange
+            done, _ = ray.wait(list(pending.values()), num_returns=1 if self.elastic else len(pending), timeout=poll)
             for r, ref in list(pending.items()):
                 if ref in done:
                     del pending[r]
@@ -211,7 +237,39 @@ class TrainerGroup:
                 elif poll is not None and died_since(self.names[r], self._restarts.get(self.names[r])):
                     del pending[r]  # its call cannot succeed any more
                     lost.append(r)
+            if lost and self.elastic and self.k - len(lost) >= self.min_k:
+                pending, results = self._shrink(sorted(lost), pending, results)
+                lost = []
         return results, sorted(lost)
+
+    def _shrink(self, lost: list[int], pending: dict, results: dict) -> tuple[dict, dict]:
+        """Go on without the `lost` ranks: plan the survivors' group (their shards and the lost ones', dealt
+        round), open it at the new rank 0, and hand every survivor its place; returns `pending` and `results`
+        by new rank. A survivor waiting in an exchange joins at once; one whose segment had ended, at `reform`."""
+        began = time.perf_counter()
+        survivors = [r for r in range(self.k) if r not in lost]
+        self.generation += 1
+        held = deal(self.held, lost)
+        cause = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost"
+        address, port = ray.get(self.ranks[survivors[0]].open_group.remote(
+            self.job.scaling.placement == "pack", len(survivors), self.generation))
+        plan = GroupPlan(generation=self.generation, held=tuple(held), address=address, port=port, cause=cause)
+        for new, r in enumerate(survivors):
+            self.ranks[r].offer_plan.remote(new, plan)
+        self._reforms = [self.ranks[r].reform.remote(self.generation) for r in survivors]
+        self.departed += [self.ranks[r] for r in lost]
+        renumbered = {r: new for new, r in enumerate(survivors)}
+        self.ranks = [self.ranks[r] for r in survivors]
+        self.names = [self.names[r] for r in survivors]
+        self.incarnations = [self.incarnations[r] for r in survivors]
+        self.times.rank_seconds = [self.times.rank_seconds[r] for r in survivors]
+        self.times.rank_steps = [self.times.rank_steps[r] for r in survivors]
+        self.k, self.held = len(survivors), held
+        self.regroups.append(Regrouped(generation=self.generation, lost=tuple(lost), ranks=self.k,
+                                       held=tuple(held), cause=cause, seconds=time.perf_counter() - began))
+        logger.info("%s: the %d others go on, shards %s", cause, self.k, held)
+        return ({renumbered[r]: ref for r, ref in pending.items() if r in renumbered},
+                {renumbered[r]: p for r, p in results.items() if r in renumbered})
 
     # ------------------------------------------------------------------ recovering
 
@@ -227,11 +285,11 @@ class TrainerGroup:
             if survivors:
                 marks.append(("deliver", time.perf_counter()))
             # The survivors restore (a torn one) meanwhile: off the recovery's critical path.
-            rejoined = {r: self.ranks[r].rejoin.remote(step) for r in survivors}
+            rejoined = {r: self.ranks[r].rejoin.remote(step, r, self.k) for r in survivors}
             replaced = {r: self._replace(r, failure.step) for r in lost}
             if lost:
                 marks.append((next(iter(replaced.values()))[1], time.perf_counter()))
-            rejoined.update({r: actor.rejoin.remote(step, r) for r, (actor, _, _) in replaced.items()})
+            rejoined.update({r: actor.rejoin.remote(step, r, self.k) for r, (actor, _, _) in replaced.items()})
             infos = {r: ray.get(ref) for r, ref in rejoined.items()}
             marks.append(("rejoin", time.perf_counter()))
         except RayActorError as exc:
@@ -246,6 +304,7 @@ class TrainerGroup:
             self.form()
             marks.append(("group", time.perf_counter()))
         self.incarnations = [infos[r].incarnation for r in range(self.k)]
+        self.held = assign(shard_count(self.job), self.k)  # as every rank took it on rejoining
         self._note_restarts()
         rank = lost[0] if lost else 0
         how, constructed = (replaced[rank][1], replaced[rank][2]) if lost else ("torn", None)
@@ -336,7 +395,7 @@ class TrainerGroup:
 
     def kill(self) -> list:
         """End every trainer process (no restart); returns the actors, to wait on their deaths."""
-        actors = self.all_actors()
+        actors = [*self.all_actors(), *self.departed]
         for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)

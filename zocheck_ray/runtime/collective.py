@@ -27,6 +27,13 @@ class RankLostError(RuntimeError):
     """The collective failed: a peer rank died (or could not be reached)."""
 
 
+def open_rendezvous(address: str, ranks: int, timeout: float = TIMEOUT_SECONDS) -> dist.TCPStore:
+    """A new group's rendezvous (rank 0's TCP store on a free port of `address`), opened without leaving the
+    current group, so an elastic rank opens it while its training thread waits."""
+    return dist.TCPStore(address, 0, ranks, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
+
+
 class LossGroup:
     """This rank's membership of the ranks' process group (the default torch.distributed group)."""
 
@@ -44,14 +51,14 @@ class LossGroup:
     def listen(self, address: str, timeout: float = TIMEOUT_SECONDS) -> int:
         """Rank 0: open the group's rendezvous (a TCP store on a free port of `address`); returns the port."""
         self.leave()
-        self._store = dist.TCPStore(address, 0, self.ranks, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=timeout))
+        self._store = open_rendezvous(address, self.ranks, timeout)
         return self._store.port
 
-    def join(self, address: str, port: int, timeout: float = TIMEOUT_SECONDS) -> float:
-        """Join (or re-join) the group at rank 0's address:port; returns the seconds."""
+    def join(self, address: str, port: int, timeout: float = TIMEOUT_SECONDS, store: dist.TCPStore | None = None) -> float:
+        """Join (or re-join) the group at rank 0's address:port (`store`: rank 0's, opened by
+        `open_rendezvous`); returns the seconds."""
         began = time.perf_counter()
-        store, self._store = self._store, None
+        store, self._store = store or self._store, None
         self.leave()
         if ipaddress.ip_address(address).is_loopback:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own lookup of the host name may not be

@@ -17,6 +17,10 @@ class TrainerHooks(Protocol):
     def before_step(self, rank: int, step: int) -> None:
         """Called before rank `rank` runs `step`."""
 
+    def before_exchange(self, rank: int, step: int, exchange: int) -> None:
+        """Called before data-parallel rank `rank` sends its shards' losses of `step`'s `exchange`-th exchange
+        (0: at +eps)."""
+
     def after_restore(self) -> None:
         """Called once a restored state is in place, before its records are replayed."""
 
@@ -39,6 +43,9 @@ class NoHooks:
     replay_stalled = False
 
     def before_step(self, rank: int, step: int) -> None:
+        pass
+
+    def before_exchange(self, rank: int, step: int, exchange: int) -> None:
         pass
 
     def after_restore(self) -> None:

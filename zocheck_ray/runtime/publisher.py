@@ -156,6 +156,14 @@ class Publisher:
                 self.delivered_records += len(missing)
             return expected
 
+    def take_over(self) -> int:
+        """Become the sending rank (the one before was lost): hand the shadow what it lacks, then send every
+        record; returns the step the shadow then expects."""
+        expected = self.deliver()
+        with self._lock:
+            self.publishing = True
+        return expected
+
     def _ask(self, records: list[StepRecord], timeout: float) -> PushReply:
         handle = self.link.push(b"".join(r.to_bytes() for r in records), self._trainer_step())
         deadline = time.monotonic() + timeout

@@ -12,6 +12,7 @@ mid-perturbation. Evaluation runs between steps on unperturbed weights: no recor
 from __future__ import annotations
 
 import logging
+import queue
 import statistics
 import threading
 import time
@@ -23,7 +24,8 @@ from zocheck_ray.core import ZOOptimizer, state_hash
 from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray.core.fused import warm_up
 from zocheck_ray.host.image import prepare_skeleton
-from zocheck_ray.runtime.collective import LossGroup, RankLostError
+from zocheck_ray.runtime.collective import LossGroup, RankLostError, open_rendezvous
+from zocheck_ray.runtime.elastic import GroupPlan, catch_up, exchange_number, standing
 from zocheck_ray.runtime.hooks import NO_HOOKS, TrainerHooks
 from zocheck_ray.runtime.messages import AdapterIdentity, KernelCheckInfo, KernelInfo, RecoveryInfo, Role, TrainerProgress
 from zocheck_ray.runtime.publisher import FLUSH_SECONDS, Publisher, ShadowLink
@@ -66,6 +68,17 @@ class Trainer:
         self.held = assign(self.shards, self.ranks)[rank]
         """The shards this rank evaluates each step."""
         self.group = LossGroup(rank, self.ranks) if self.ranks > 1 else None
+        self.elastic = job.scaling.min_trainers is not None and self.ranks > 1
+        """A lost peer leaves this rank waiting for the controller's smaller group (`GroupPlan`), not torn."""
+        self._plans: queue.Queue[tuple[int, GroupPlan]] = queue.Queue()
+        self._rendezvous: dict[int, object] = {}
+        """As rank 0 of a planned group: its opened TCP store, by generation."""
+        self.generation = 0
+        """The newest group plan applied."""
+        self._calls = 0
+        self._last_exchange: tuple[int, ShardTable] | None = None
+        self.regroup_seconds: list[float] = []
+        """Each regroup's time from the failed exchange to the repeated one's end, for the stall it cost."""
         self.role = Role.WAITING
         self._collective_seconds: list[float] = []
         self._step_collective = 0.0
@@ -159,13 +172,15 @@ class Trainer:
         self.publisher = Publisher(self.shadow, self.step, lambda: self.opt.step_index, held,
                                    publishing=self.rank == 0)
 
-    def rejoin(self, step: int | None, rank: int | None = None) -> RecoveryInfo:
-        """Be rank `rank` (None: this one) at `step` (None: the shadow's); returns `recovery`. Only a RANK
-        at `step` keeps its state."""
-        if rank is not None and rank != self.rank:
-            self.rank = rank
-            self.held = assign(self.shards, self.ranks)[rank]
-            self.group = LossGroup(rank, self.ranks) if self.ranks > 1 else None
+    def rejoin(self, step: int | None, rank: int | None = None, ranks: int | None = None) -> RecoveryInfo:
+        """Be rank `rank` of `ranks` (None: as now) at `step` (None: the shadow's); returns `recovery`. Only a
+        RANK at `step` keeps its state."""
+        rank = self.rank if rank is None else rank
+        ranks = self.ranks if ranks is None else ranks
+        if (rank, ranks) != (self.rank, self.ranks) or self.group is None and ranks > 1:
+            self.rank, self.ranks = rank, ranks
+            self.held = assign(self.shards, ranks)[rank]
+            self.group = LossGroup(rank, ranks) if ranks > 1 else None
         if self.role is not Role.RANK or step is None or self.step != step:
             self._restore(time.perf_counter(), may_start_fresh=self.role is Role.RANK)
         else:
@@ -231,7 +246,7 @@ class Trainer:
             if self.shards == 1:
                 record = self.opt.step(self.task.closure(model, t), seed=step_seed(self.job.run_seed, t))
             else:
-                self._step_collective = 0.0
+                self._step_collective, self._calls = 0.0, 0
                 try:
                     record = self.opt.step(self._shard_closure(model, t), seed=step_seed(self.job.run_seed, t),
                                            combine=reduce_in_shard_order)
@@ -268,17 +283,88 @@ class Trainer:
 
         def table() -> ShardTable:
             mine = evaluate_shards(closure_of, self.held, self.shards)
-            return mine if self.group is None else self._exchange(mine)
+            return mine if self.group is None else self._exchange(t, mine, closure_of)
         return table
 
-    def _exchange(self, mine: ShardTable) -> ShardTable:
-        """Every rank's table merged: the whole batch at this perturbation."""
+    def _exchange(self, t: int, mine: ShardTable, closure_of) -> ShardTable:
+        """Every rank's table merged: the whole batch at this perturbation. An elastic rank that loses a peer
+        here takes the shards the new group gives it, at this perturbation, and exchanges again."""
+        number = exchange_number(t, self._calls)
+        self._calls += 1
+        self.hooks.before_exchange(self.rank, t, number - exchange_number(t, 0))
         began = time.perf_counter()
-        merged = merge([decode(numbers) for numbers in self.group.gather(encode(mine))])
+        lost_at = None
+        while True:
+            try:
+                merged = merge([decode(numbers) for numbers in self.group.gather(encode(mine))])
+                break
+            except RankLostError as exc:
+                if not self.elastic:
+                    raise
+                logger.warning("%s: waiting at step %d for the controller's smaller group", exc, t)
+                lost_at = lost_at or time.perf_counter()
+                adopted = self._regroup(number, inside=True)
+                if adopted is not None:  # a survivor completed this exchange before the loss
+                    merged = adopted
+                    break
+                for shard in self.held:  # the lost rank's shards, at the perturbation this rank stands at
+                    if mine[shard] is None:
+                        mine[shard] = closure_of(shard)()
         self._step_collective += time.perf_counter() - began
+        if lost_at is not None:
+            self.regroup_seconds.append(time.perf_counter() - lost_at)
         if missing(merged):
             raise RuntimeError(f"rank {self.rank}: no rank evaluated shards {missing(merged)}")
+        self._last_exchange = (number, merged)
         return merged
+
+    # ------------------------------------------------------------------ elastic groups
+
+    def open_group(self, address: str, ranks: int, generation: int) -> int:
+        """As rank 0 of the planned group `generation`: open its rendezvous now (the training thread may be
+        waiting in an exchange); returns the port."""
+        store = open_rendezvous(address, ranks)
+        self._rendezvous[generation] = store
+        return store.port
+
+    def offer_plan(self, rank: int, plan: GroupPlan) -> None:
+        """The controller's next group, with this process's rank in it (taken by the training thread)."""
+        self._plans.put((rank, plan))
+
+    def reform(self, generation: int) -> int:
+        """At a step boundary, join group `generation` unless an exchange already did; returns the rank."""
+        if self.generation < generation:
+            self._regroup(exchange_number(self.step, 0), inside=False, generation=generation)
+        return self.rank
+
+    def _regroup(self, number: int, inside: bool, generation: int | None = None) -> ShardTable | None:
+        """Wait for the controller's plan, join its group and swap where each rank stands; returns the table of
+        exchange `number` where a survivor completed it, else None."""
+        while True:
+            self.group.leave()
+            rank, plan = self._plans.get()
+            if plan.generation <= self.generation or (generation is not None and plan.generation < generation):
+                continue  # a stale plan
+            if not plan.held:
+                raise RankLostError(f"rank {self.rank}: too few ranks survive ({plan.cause}); rejoining from "
+                                    "the shadow")
+            self._apply(rank, plan)
+            try:
+                gathered = self.group.gather(standing(number, inside, self._last_exchange, self.shards))
+            except RankLostError as exc:  # lost another peer meanwhile: wait for the next plan
+                logger.warning("%s: during the regroup", exc)
+                continue
+            return catch_up(gathered, number)
+
+    def _apply(self, rank: int, plan: GroupPlan) -> None:
+        was_leader = self.rank == 0
+        self.rank, self.ranks, self.held, self.generation = rank, plan.ranks, plan.held[rank], plan.generation
+        self.group = LossGroup(rank, plan.ranks)
+        self.group.join(plan.address, plan.port, store=self._rendezvous.pop(plan.generation, None))
+        if rank == 0 and not was_leader:
+            self.publisher.take_over()  # rank 0 sends the records; the shadow gets those the lost one had not
+        logger.info("rank %d of %d from group %d (%s), shards %s", rank, plan.ranks, plan.generation, plan.cause,
+                    list(self.held))
 
     def join_group(self, address: str, port: int) -> float:
         """Join the ranks' group at rank 0's address:port; returns the seconds."""

@@ -26,6 +26,9 @@ class FaultInjection(BaseModel):
     """A path: the first recovering trainer that finds it missing creates it and dies mid-recovery."""
     die_at: dict[int, list[int]] = {}
     """Rank -> steps at which the process serving that rank exits, once each."""
+    die_at_exchange: dict[int, list[tuple[int, int]]] = {}
+    """Rank -> (step, exchange) before which the process serving that rank exits, once each (0: at +eps,
+    1: at -eps): a rank lost mid-step."""
     marker_dir: str | None = None
     """Where each exit leaves a marker, so the restarted process does not exit there again."""
     standby_builds_after: str | None = None
@@ -42,6 +45,13 @@ class FaultInjection(BaseModel):
             if not os.path.exists(marker):
                 open(marker, "w").close()
                 os._exit(1)  # an abrupt software failure: unsent records are lost
+
+    def before_exchange(self, rank: int, step: int, exchange: int) -> None:
+        if [step, exchange] in [list(at) for at in self.die_at_exchange.get(rank, ())]:
+            marker = os.path.join(self.marker_dir, f"rank{rank}-step{step}-exchange{exchange}")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(1)  # its shards' losses of this exchange never leave the process
 
     def after_restore(self) -> None:
         marker = self.crash_in_recovery_marker
