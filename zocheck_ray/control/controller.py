@@ -133,13 +133,14 @@ class Controller:
     # ------------------------------------------------------------------ states
 
     def _start(self) -> State:
-        self.shadow, self.group = self.parts.start()
         try:
+            self.shadow, self.group = self.parts.start()
             started = self.group.start()
-        except Exception as exc:  # a trainer could not take its first state: say why in one line, if it is ours
+        except Exception as exc:  # the shadow or a trainer could not take its first state: one line, if it is ours
             if (cause := _our_cause(exc)) is None:
                 raise
-            return self._fail(Failure("drain_failed", self.step, f"the trainers could not start: {cause}"))
+            who = "the trainers" if self.group is not None else "the shadow"
+            return self._fail(Failure("drain_failed", self.step, f"{who} could not start: {cause}"))
         self.step = started.step
         self.monitor.shadow_incarnation = self._status().incarnation
         self._emit("on_start", started)
@@ -176,6 +177,9 @@ class Controller:
         if self.step >= job.steps:
             return State.FINISHING
         self.group.start_standby()  # the run is steady: a no-op once started
+        joined = self.group.grow(self.step)  # an elastic group takes back a rank Ray restarted
+        if isinstance(joined, Failure):
+            return self._fail(joined)
         target = min(job.steps, (self.step // job.log_interval + 1) * job.log_interval)
         for callback in self.callbacks:
             target = callback.stop_at(self, self.step, target)

@@ -137,7 +137,7 @@ class Placement:
             scheduling_strategy=self._strategy(place),
         ).remote(self._payload, self.hooks, rank) for rank, place in enumerate(self._rank_places)]
         try:
-            ray.get(shadow.ready.remote())
+            ray.get(shadow.ready.options(max_task_retries=0).remote())  # a constructor that raised: its error, once
         except BaseException:
             for actor in [*trainers, shadow]:
                 ray.kill(actor, no_restart=True)

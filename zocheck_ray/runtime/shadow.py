@@ -35,7 +35,8 @@ from zocheck_ray.core.errors import CorruptRecordError
 from zocheck_ray.core.fused import warm_up
 from zocheck_ray.core.record import decode_records
 from zocheck_ray.runtime.hooks import NO_HOOKS, ShadowHooks
-from zocheck_ray.storage import Lease, LeaseError, SnapshotStore, StorageError, recover
+from zocheck_ray.storage import (CorruptSnapshotError, Lease, LeaseError, RulesVersionError, SnapshotNotFoundError,
+                                 SnapshotStore, StorageError, recover)
 from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray.workload.models import model_config_dict
 
@@ -86,7 +87,11 @@ class Shadow:
             store = _with_retries(lambda: SnapshotStore(job.run_url, job.storage_options, lease=self.lease),
                                   f"opening the snapshot store {job.run_url}")
             self.persist = PersistStage(self.ledger, job, store, self.lease, self._snapshot_meta, nice=nice)
-            self._durable_rebuild(store)
+            try:
+                self._durable_rebuild(store)
+            except BaseException:  # storage nothing can resume from: the next writer need not wait for the lease
+                self.lease.release()
+                raise
         warm.join()
         self.baseline_bytes = process_memory().get("VmRSS") if self.replay.layout is None else None
         self.replay.start()
@@ -123,6 +128,10 @@ class Shadow:
                                f"rebuilding from {self.job.run_url}")
         for problem in result.problems:
             logger.warning("durable recovery: %s", problem)
+        try:  # so that nothing reads a damaged snapshot as durable, and its step is written again
+            store.set_aside_newer(result.snapshot.step)
+        except StorageError as exc:  # the next save of that step sets it aside (SnapshotStore.save)
+            logger.warning("could not set aside the damaged snapshots after step %d: %s", result.snapshot.step, exc)
         recorded = result.meta.user.get(ADAPTER_KEY)
         if recorded is not None:
             self.adapter = AdapterIdentity.model_validate(recorded)
@@ -367,6 +376,8 @@ def _with_retries(fn: Callable[[], object], what: str, seconds: float = STARTUP_
     while True:
         try:
             return fn()
+        except (CorruptSnapshotError, RulesVersionError, SnapshotNotFoundError):
+            raise  # damage, not an outage: waiting does not mend it
         except StorageError as exc:
             if time.monotonic() + backoff > deadline:
                 raise StorageError(f"{what}: storage did not answer for {seconds:.0f} s: {exc}") from exc

@@ -66,8 +66,9 @@ def recover(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *,
         records = _records(store, log, storage_options, info.step, problems)
         replay(state, records, zo_config, threads=threads, start_step=info.step)
         return RecoveredState(state, info.step + len(records), info, meta, zo_config, len(records), problems)
-    raise CorruptSnapshotError(f"every committed snapshot under {store.url} is corrupt: {'; '.join(problems)}",
-                               store.url)
+    raise CorruptSnapshotError(f"every committed snapshot under {store.url} is corrupt: {'; '.join(problems)}; "
+                               "nothing was deleted: restore the damaged files from a copy, or start the job under "
+                               "another run_id or storage", store.url)
 
 
 def check_rules(info: SnapshotInfo) -> None:

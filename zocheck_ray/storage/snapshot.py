@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 SNAPSHOTS_DIR = "snapshots"
 MANIFEST_FILE = "manifest.json"
 DELETED_DIR = ".deleted-snapshots"
+DAMAGED_DIR = "damaged-snapshots"
+"""Where a damaged snapshot is moved, out of every reader's way; nothing there is ever loaded or deleted."""
 """Local disk: uncommitted snapshot directories whose files are being deleted."""
 _STEP_DIR = re.compile(r"^step-(\d{12,})$")
 _HEX_SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -207,9 +209,14 @@ class SnapshotStore:
         leftovers = self.storage.list_dir(directory)
         if MANIFEST_FILE in leftovers and (existing := self._info(step, directory)) is not None:
             if existing.state_hash == (state_hash or compute_state_hash(dict(tensors))):
-                return existing
-            raise StorageError(f"{existing.url} is already committed with another state (state_hash "
-                               f"{existing.state_hash[:12]}...); a step is snapshotted once")
+                try:  # a resumed run snapshots a step again: only sound files make it durable
+                    return self.check(existing)
+                except CorruptSnapshotError:
+                    self.set_aside(step)
+                    leftovers = []
+            else:
+                raise StorageError(f"{existing.url} is already committed with another state (state_hash "
+                                   f"{existing.state_hash[:12]}...); a step is snapshotted once")
         if leftovers:
             self.storage.remove_tree(directory)  # a save that never committed (or a damaged manifest)
         try:
@@ -417,6 +424,35 @@ class SnapshotStore:
             pending, self._deletions = self._deletions, []
         for future in pending:
             future.result()
+
+    def set_aside(self, step: int) -> str:
+        """Move the committed snapshot of `step`, found damaged, to `DAMAGED_DIR`, so that no reader counts it durable
+        and the step can be written again; returns where it went. An object store keeps its manifest there (objects
+        cannot be renamed) and deletes its files, uncommitted first."""
+        check_lease_for(self.lease, self.storage)
+        directory = snapshot_dir(step)
+        target = f"{DAMAGED_DIR}/{directory.rsplit('/', 1)[-1]}-{time.time_ns()}"
+        if self.storage.local:
+            self.storage.make_dirs(DAMAGED_DIR)
+            self.storage.rename(directory, target)
+            self.storage.sync_dir(SNAPSHOTS_DIR)
+        else:
+            try:
+                self.storage.write_atomic(f"{target}/{MANIFEST_FILE}",
+                                          self.storage.read_bytes(f"{directory}/{MANIFEST_FILE}"))
+            except FileNotFoundError:
+                pass
+            self.storage.remove(f"{directory}/{MANIFEST_FILE}")
+            self.storage.remove_tree(directory)
+        logger.warning("the damaged snapshot %s was set aside as %s", self.storage.url_of(directory),
+                       self.storage.url_of(target))
+        return self.storage.url_of(target)
+
+    def set_aside_newer(self, step: int) -> list[str]:
+        """`set_aside` every committed snapshot newer than `step`, the one a recovery used: each was skipped as
+        damaged (`recover` takes the newest sound one)."""
+        return [self.set_aside(s) for s, directory in self._steps()
+                if s > step and MANIFEST_FILE in self.storage.list_dir(directory)]
 
     def clean_uncommitted(self) -> list[str]:
         """Remove what killed saves left (directories without a manifest, temporary files, open uploads), under
