@@ -52,6 +52,23 @@ class Recovery(BaseModel):
     `waited` (the rest of `rejoin`)."""
 
 
+class GroupChange(BaseModel):
+    """An elastic group formed anew mid-run: without lost ranks (`shrink`) or with a rank back (`join`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["shrink", "join"]
+    step: int
+
+    ranks: int
+    """Ranks after the change."""
+    held: list[list[int]]
+    """Each rank's shards after the change."""
+    cause: str
+    stall_seconds: float
+    """The others' wait: the slowest survivor's (`shrink`), or the joiner's restore and the new group."""
+
+
 class RunSummary(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -96,8 +113,7 @@ class RunSummary(BaseModel):
     metric_after: float | None = None
     """`metric` at the last step."""
     best_dev_step: int | None = None
-    """With MeZO's dev rows: the evaluated step (after step 0) of the lowest `dev_loss`, first on ties, as MeZO's
-    `--load_best_model_at_end` keeps it; `evaluations` there hold the held-out metric MeZO reports."""
+    """With MeZO's dev rows: the step MeZO's `--load_best_model_at_end` keeps (`best_dev_step`)."""
     eval_seconds: float = 0.0
     """Trainer time spent evaluating (not counted in `trainer_seconds_per_step`)."""
     shadow_restarts: int = 0
@@ -114,6 +130,8 @@ class RunSummary(BaseModel):
     """The trainer's device, kernel backend (`triton` or `eager`) and the start-up guard's result."""
     trainers: int = 1
     """Data-parallel ranks (`scaling.trainers`)."""
+    group_changes: list[GroupChange] = []
+    """Elastic data parallel: each change of the ranks, in order (`scaling.trainers: {min, max}`)."""
     rank_state_hashes: list[str] = []
     """With several ranks: each rank's final `state_hash` (all equal when exact)."""
     rank_seconds_per_step: list[float] = []
@@ -126,7 +144,7 @@ class RunSummary(BaseModel):
 
 
 def best_dev_step(evaluations: dict[int, dict[str, float]]) -> int | None:
-    """The step `RunSummary.best_dev_step` names, or None without dev rows."""
+    """The lowest `dev_loss` after step 0, the first on ties; None without dev rows."""
     scored = [(m["dev_loss"], step) for step, m in sorted(evaluations.items()) if step > 0 and "dev_loss" in m]
     return min(scored)[1] if scored else None
 

@@ -1,10 +1,9 @@
-"""Sampling rows, as pure functions of the rows and a seed: our k-shot and MeZO's sampler.
+"""Sampling rows as pure functions of the rows and a seed: our k-shot and MeZO's sampler.
 
     kept = k_shot(rows, 16, data_seed, label_of=lambda row: row.label)
-    train, dev, held_out = mezo_sample(train_rows, held_rows, num_train=1000, num_dev=500, num_eval=1000, seed=0)
+    train, dev, held_out = mezo_sample(train_rows, held_rows, 1000, 500, 1000, seed=0)
 
-k-shot keeps, per class, the k rows whose SHA-256 of (seed, row) is smallest, in file order: independent of
-the file's order and of other classes' rows. MeZO's sampler takes a seeded permutation's first rows.
+k-shot keeps, per class, the k rows of smallest SHA-256 of (seed, row), in file order.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ def k_shot(rows: Sequence[Row], k: int | None, seed: int, label_of: Callable[[Ro
 
 
 def mezo_subset(rows: Sequence[Row], seed: int, num: int) -> list[Row]:
-    """MeZO's `sample_subset`: the first `num` of a permutation by numpy's seeded legacy generator, in its order."""
+    """MeZO's `sample_subset`: a seeded numpy permutation's first `num` rows."""
     return [rows[i] for i in np.random.RandomState(seed).permutation(len(rows))[:num]]
 
 
@@ -54,7 +53,7 @@ def mezo_sample(train: Sequence[Row], held: Sequence[Row], num_train: int, num_d
 
 def sample_rows(config, train: Sequence[Row], held: Sequence[Row], label_of: Callable[[Row], Hashable],
                 content_of: Callable[[Row], object] = lambda row: row) -> tuple[list[Row], list[Row], list[Row]]:
-    """(train, dev, held-out) rows of a `TaskConfig`: MeZO's sampler where `num_train` is set, else our k-shot."""
+    """(train, dev, held-out) rows of a `TaskConfig`."""
     if config.num_train is not None:
         return mezo_sample(train, held, config.num_train, config.num_dev, config.num_eval, config.train_set_seed)
     return k_shot(train, config.k_shot, config.data_seed, label_of, content_of), [], list(held[:config.eval_size])

@@ -41,11 +41,11 @@ class TaskConfig(BaseModel):
     k_shot: int | None = Field(None, ge=1)
     """Our own k-shot (not MeZO's): k training rows per class (`squad`: in all); None: every row."""
     num_train: int | None = Field(None, ge=1)
-    """MeZO's sampler: this many training rows of a permutation seeded by `train_set_seed`."""
+    """MeZO's sampler: training rows of a permutation seeded by `train_set_seed`."""
     num_dev: int | None = Field(None, ge=1)
-    """MeZO's dev rows, after the training ones; evaluated as `dev_<metric>`."""
+    """MeZO's dev rows, evaluated as `dev_<metric>`."""
     num_eval: int | None = Field(None, ge=1)
-    """MeZO's held-out rows, permuted by the same seed (None: every one)."""
+    """MeZO's held-out rows (None: all)."""
     train_set_seed: int = Field(0, ge=0)
     """MeZO's `train_set_seed`."""
     text_field: str = Field("sentence", min_length=1)
