@@ -130,14 +130,11 @@ def test_copa_scores_every_token_after_the_prompt_and_trains_on_the_gold_option(
         assert (sequence, option_len) == mezo_encode(tokenizer, prompt, f"{prompt} {choice}", MAX_LENGTH)
         assert tokenizer.decode(sequence[-option_len:]) == f" {choice}"  # " the" scored in both candidates
     # forward_wrap_with_option_len: the gold candidate's tokens' mean cross-entropy, nothing else
-    gold = example.label
-    batch = task.batch(0)
-    row = task.train_examples.index(next(ex for ex in task.train_examples if ex.sequences[ex.label] ==
-                                         batch["input_ids"][0].tolist()))
-    ex = task.train_examples[row]
+    batch = task.batch(0)  # one row: its gold candidate's sequence only
+    assert set(batch) == {"input_ids", "attention_mask", "targets"}
+    ex = next(ex for ex in task.train_examples if ex.sequences[ex.label] == batch["input_ids"][0].tolist())
     want = -mezo_option_log_probs(model, ex.sequences[ex.label], ex.option_lens[ex.label]).mean()
     assert torch.equal(task.loss(model, batch), want)
-    assert gold == 1 and set(batch) == {"input_ids", "attention_mask", "targets"}
 
 
 def test_truncation_keeps_the_bos_and_the_last_max_length_minus_one_tokens(tmp_path, opt_dir):
