@@ -51,8 +51,9 @@ test: $(STAMP)
 	$(PYTEST) tests
 
 # The cluster subset (the tests marked `ray_range`: job submit, a software and a host recovery, a data-parallel
-# rank loss, a Tune trial, `status`) on the oldest Ray that pyproject.toml admits, in an environment of its own
-# (scripts/install_ray_oldest.sh: the same torch build, Ray at the range's lower bound). `make test` runs the newest.
+# rank loss, a Tune trial, `status`) and the exactness tests of the core, peft and the recovery matrix at the lower
+# corner of pyproject.toml, in an environment of its own (scripts/install_ray_oldest.sh: Ray, torch, NumPy, numba,
+# transformers and peft each at its lower bound). `make test` runs the newest.
 OLDEST_VENV := .venv-ray-oldest
 OLDEST_STAMP := $(OLDEST_VENV)/.installed
 
@@ -66,6 +67,8 @@ test-ray-oldest: $(OLDEST_STAMP)
 	$(OLDEST_VENV)/bin/python -c "from zocheck_ray.core.fused import compile_kernels; compile_kernels()"
 	$(OLDEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
 		-m ray_range tests/integration
+	$(OLDEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		tests/unit/test_core_exactness.py tests/unit/test_peft.py tests/unit/test_recovery_matrix.py
 
 # Each module's seconds in a whole run here, for the order above (tests/module_seconds.json).
 module-seconds: $(STAMP)

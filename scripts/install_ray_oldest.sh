@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Set up a second environment (argument 2, default .venv-ray-oldest) with the oldest Ray release that
-# pyproject.toml admits (the lower bound of its `ray[default,tune]` range), the same torch build as .venv
-# (install_torch.sh) and zocheck-ray with its test extras, editable: `make test-ray-oldest` runs the
-# cluster subset (`-m ray_range`) in it. Argument 3 names another Ray release instead (to try a lower bound).
+# Set up a second environment (argument 2, default .venv-ray-oldest) at the lower corner of what pyproject.toml
+# admits: Ray at the lower bound of its `ray[default,tune]` range, and torch, NumPy, numba, transformers and peft
+# each at its `>=` bound, with zocheck-ray and its test extras, editable. `make test-ray-oldest` runs the cluster
+# subset (`-m ray_range`) in it. Argument 3 names another Ray release instead (to try a lower bound).
+# torch is the CPU build wherever there is no CUDA device (install_torch.sh), so torch's bound must be the release
+# install_torch.sh installs, or the two pins conflict.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${1:-python3}
@@ -12,6 +14,26 @@ ray=${3:-$(sed -n 's/^ *"ray\[default,tune\]>=\([0-9.]*\),.*/\1/p' pyproject.tom
 test -x "$venv/bin/python" || "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 bash scripts/install_torch.sh "$venv/bin/python" "$venv/constraints.txt"
+# each lower bound as a pin, beside install_torch.sh's (torch==2.13 admits its 2.13.0+cpu)
+for name in torch numpy numba transformers peft; do
+  bound=$(sed -n "s/^ *\"$name>=\([0-9.]*\)[,\"].*/\1/p" pyproject.toml)
+  [ -n "$bound" ] || { echo "install_ray_oldest: no '\"$name>=X' in pyproject.toml's dependencies" >&2; exit 1; }
+  echo "$name==$bound" >> "$venv/constraints.txt"
+done
 bash scripts/install_package.sh "$venv/bin/python" "$venv/constraints.txt" "$ray"
-"$venv/bin/python" -c "import ray, sys; sys.exit(0 if ray.__version__ == '$ray' else f'{sys.argv[1]} has Ray {ray.__version__}, not $ray')" "$venv"
-echo "install_ray_oldest: $venv has Ray $ray"
+"$venv/bin/python" - "$venv" "ray==$ray" $(grep -v '^triton' "$venv/constraints.txt") <<'EOF'
+import sys
+from importlib.metadata import version
+from packaging.requirements import Requirement
+import torch
+
+venv, *pins = sys.argv[1:]
+pins = {r.name: r for r in map(Requirement, pins)}
+wrong = [f"{name} {version(name)}, not {r.specifier}" for name, r in pins.items()
+         if not r.specifier.contains(version(name), prereleases=True)]
+if torch.version.cuda is not None and not torch.cuda.is_available():
+    wrong.append("torch is a CUDA build on a machine without CUDA")
+if wrong:
+    sys.exit(f"install_ray_oldest: {venv} has " + "; ".join(wrong))
+print(f"install_ray_oldest: {venv} has " + ", ".join(f"{name} {version(name)}" for name in pins))
+EOF
