@@ -374,7 +374,7 @@ def describe_error(error: dict, model: type[BaseModel]) -> str:
     if kind == "missing":
         return f"{path} is required"
     if kind == "value_error" or not loc:
-        return message
+        return message if not loc or message.startswith(path) else f"{path}: {message}"
     if isinstance(value, float) and value != value:
         return f"{path}=nan is not a number: give a finite value"
     if kind == "string_type" and isinstance(value, (int, float, bool)):

@@ -41,6 +41,35 @@ def _fail_at(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--fail-at takes comma-separated steps or 'none', got {text!r}") from None
 
 
+def output_file_error(flag: str, path: str) -> str | None:
+    """Why `path` cannot take a command's output file, or None; checked before the work, so no result is lost."""
+    target = os.path.abspath(os.path.expanduser(path))
+    parent = os.path.dirname(target)
+    if os.path.isdir(target):
+        return f"{flag} {path} is a directory; name a file"
+    if not os.path.isdir(parent):
+        return f"{flag} {path}: {parent} is not an existing directory; create it or name another file"
+    if not os.access(parent, os.W_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
+        return f"{flag} {path} is not writable here; name a file you may write"
+    return None
+
+
+def resume_point(job) -> int | None:
+    """The step a run of `job` resumes at from its storage (newest sound-manifest snapshot plus the logged records
+    after it), or None for a fresh run; read before Ray starts so the injected failure lies after it."""
+    from zocheck_ray.storage import SnapshotStore, StorageError
+    from zocheck_ray.storage.steplog import read_records
+
+    try:
+        store = SnapshotStore(job.run_url, job.storage_options, create=False)
+        latest = store.latest()
+        if latest is None:
+            return None
+        return latest.step + len(read_records(store.storage, after_step=latest.step - 1))
+    except (StorageError, ValueError):  # no storage yet, or damage the run itself reports
+        return None
+
+
 def _losses_text(losses) -> str:
     """The training loss at the end of the first and the last segment, with their steps."""
     if not losses:
@@ -69,11 +98,12 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
     rows = [
         ("run", summary.run_id),
         ("steps", str(summary.steps)),
-        *([("resumed", f"from the durable image at step {resumed}; {summary.steps - resumed} steps trained after "
-                       "it")] if resumed is not None else []),
+        *([("resumed", f"at step {resumed}, from durable storage (its newest sound snapshot and the logged records "
+                       f"after it); {summary.steps - resumed} steps trained after it")] if resumed is not None else []),
         ("task", f"{summary.task.get('kind')}: {summary.task.get('train_rows')} training rows, "
                  f"{summary.task.get('eval_rows')} held-out rows"),
-        ("held-out before" + (f" (step {min(evaluations)})" if evaluations else ""), _metrics_text(first)),
+        (("held-out before" if not evaluations or min(evaluations) in (0, resumed) else "held-out first")
+         + (f" (step {min(evaluations)})" if evaluations else ""), _metrics_text(first)),
         (f"held-out after (step {summary.steps})", _metrics_text(last)),
         ("training loss", _losses_text(summary.losses)),
         ("publish overhead per step",
@@ -124,6 +154,9 @@ def train(args: argparse.Namespace) -> int:
     except JobConfigError as exc:
         print(f"zocheck-ray train: {exc}", file=sys.stderr)
         return 2
+    if args.json and (problem := output_file_error("--json", args.json)) is not None:
+        print(f"zocheck-ray train: {problem}", file=sys.stderr)
+        return 2
 
     from zocheck_ray.control.connect import use_token_at_hand
 
@@ -135,17 +168,24 @@ def train(args: argparse.Namespace) -> int:
     from zocheck_ray.control.stop import RunStopped
     from zocheck_ray.control.profile import profile_steps
     from zocheck_ray.testing import run_with_faults
+    from zocheck_ray.testing.faults import check_failures
     from zocheck_ray.verify import verify_run
 
     try:
         fail_at = args.fail_at
+        resumes_at = resume_point(job) if embedded or fail_at else None
         if fail_at is None:
-            first_allowed = 1 if job.shadow.snapshot_interval else profile_steps(job) + 1
+            first_allowed = (resumes_at or 0) + (1 if job.shadow.snapshot_interval else profile_steps(job) + 1)
             fail_at = default_failures(job.steps, first_allowed) if embedded else []
+        fail_at = check_failures(job, fail_at, args.fail_mode, args.fail_rank)  # before anything is said
         verify = embedded if args.verify is None else args.verify
+        if resumes_at is not None and fail_at and fail_at[0] <= resumes_at:
+            print(f"  note: the run resumes at step {resumes_at}, so --fail-at {fail_at[0]} does not fire")
         if embedded:
             print(describe(job))
-            print(f"  injected trainer failure at step {fail_at}; verification against the durable log: "
+            injected = f"injected trainer failure at step {', '.join(map(str, fail_at))}" if fail_at else \
+                "no injected trainer failure (no step after the startup profile is left for one)"
+            print(f"  {injected}; verification against the durable log: "
                   f"{'on' if verify else 'off'}", flush=True)  # before Ray's processes inherit the buffer
         if args.address and not ray.is_initialized():  # else `run` connects, once the job has passed its checks
             connect_ray(args.address, say=print, run_id=job.run_id)
@@ -170,7 +210,7 @@ def train(args: argparse.Namespace) -> int:
         print(f"  {key.ljust(width)}  {value}")
     if verification is not None:
         print("verified" if verification.verified else "NOT verified: the durable log does not reproduce the run")
-    if args.json:
+    if args.json:  # checked before the run: see `train`
         doc = summary.model_dump(mode="json")
         doc["verification"] = verification.model_dump(mode="json") if verification is not None else None
         with open(args.json, "w") as f:
@@ -259,6 +299,10 @@ def config_reference(args: argparse.Namespace) -> int:
     from zocheck_ray.reference_docs import check_reference, render_reference, write_reference
 
     if args.check:
+        if not os.path.isfile(args.check):
+            print(f"zocheck-ray config-reference: {args.check} does not exist; --check takes the configuration "
+                  "reference (docs/configuration.md in the repository), --write creates it", file=sys.stderr)
+            return 2
         stale = check_reference(args.check)
         if stale:
             print(f"zocheck-ray config-reference: {stale}", file=sys.stderr)

@@ -268,7 +268,8 @@ def test_sigterm_stops_train_at_a_step_boundary_and_a_rerun_at_once_resumes_exac
     # Started at once, as a Kubernetes retry would be: the same command resumes where it stopped, and its
     # startup profile makes the image of a later step durable (once it has printed a step line).
     local_train.start()
-    resumed, _ = local_train.output.wait_for(rf"  resumed from the durable image at step {step}$")
+    resumed, _ = local_train.output.wait_for(rf"  resumed at step {step} from durable storage \(its newest sound "
+                                             r"snapshot and the logged records after it\)$")
     local_train.output.wait_for(r"  step +\d+ ", resumed)
     later = durable_snapshot(local_train)
     assert later.step > step

@@ -51,7 +51,8 @@ def test_extending_a_finished_run_works_at_once_with_a_profile_or_without_one(tm
     longer = profiled_job(tmp_path, steps=shorter.steps + profile + 5)
     lines = []
     extended = run(longer, progress=lines.append)
-    assert f"  resumed from the durable image at step {shorter.steps}" in lines
+    assert f"  resumed at step {shorter.steps} from durable storage (its newest sound snapshot and the logged " \
+           "records after it)" in lines
     assert extended.resumed_from_step == shorter.steps
     assert extended.profile is not None and extended.profile.timings.persist_seconds > 0
     expected = uninterrupted_hashes(longer)
@@ -89,7 +90,8 @@ def test_a_second_job_is_refused_while_a_run_runs_and_the_finished_run_released_
     table = dict(result_table(again))
     assert table["durable"].startswith("snapshot 12, log through step 11;")
     assert table["trainer kernels"] == f"{again.kernel.device}: {again.kernel.backend}"
-    assert table["resumed"] == "from the durable image at step 12; 0 steps trained after it"
+    assert table["resumed"] == ("at step 12, from durable storage (its newest sound snapshot and the logged records "
+                                "after it); 0 steps trained after it")
     assert table["shadow replay per step"] == "- (nothing replayed)"
     assert "held-out before" in table and not any("step 0" in key for key in table)
     assert not any("None" in value for value in table.values()), table

@@ -80,3 +80,11 @@ def test_storage_whose_every_snapshot_is_damaged_is_refused_at_once_and_kept(job
     assert "did not answer" not in str(refused.value)  # damage is not retried as an outage
     assert all(os.path.exists(path) for path in damaged)
     assert read_lease(open_storage(job.run_url, create=False)).released
+
+
+def test_the_resume_point_is_read_before_ray_so_an_injected_failure_lies_after_it(job):
+    from zocheck_ray.train_cli import resume_point
+
+    assert resume_point(job) is None  # a fresh run
+    run_to(job, 8)
+    assert resume_point(job) == 8

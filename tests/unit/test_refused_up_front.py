@@ -127,3 +127,33 @@ def test_a_shadow_waiting_on_a_full_disk_says_so_instead_of_waiting_out_its_time
     finally:
         small_disk.free()
         assert shadow.close()  # space again: the lease is released
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    err = refused(tmp_path, capsys, "--json", str(tmp_path / "file" / "summary.json"))
+    assert f"--json {tmp_path / 'file' / 'summary.json'}: {tmp_path / 'file'} is not an existing directory" in err
+    assert "is a directory; name a file" in refused(tmp_path, capsys, "--json", str(tmp_path))
+
+
+def test_a_bad_fail_at_is_refused_before_the_plan_is_printed(tmp_path, capsys):
+    storage = tmp_path / "runs"
+    assert main(["train", "--storage", str(storage), "--fail-at", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert "falls in the startup profile" in err and "injected trainer failure" not in out
+    assert not storage.exists()
+
+
+def test_config_reference_check_of_a_missing_file_is_one_line(tmp_path, capsys):
+    assert main(["config-reference", "--check", str(tmp_path / "nope.md")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'nope.md'} does not exist" in err and len(err.strip().splitlines()) == 1
+
+
+def test_verify_and_recover_say_nothing_is_there_with_exit_2(tmp_path, capsys):
+    (tmp_path / "run" / "snapshots").mkdir(parents=True)
+    assert main(["verify", str(tmp_path / "run")]) == 2
+    out, err = capsys.readouterr()
+    assert "MISMATCH" not in out + err and "nothing to verify: no committed snapshot under" in err
+    assert main(["recover", "--storage", str(tmp_path / "missing")]) == 2
+    assert main(["recover", "--storage", str(tmp_path / "run")]) == 2

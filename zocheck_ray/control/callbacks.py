@@ -76,6 +76,9 @@ class RunCallback:
     def on_resync(self, run: Controller, step: int, reason: str, lag_steps: int) -> None:
         """The shadow was reset from the trainer's state at `step`, because of `reason`."""
 
+    def on_group_change(self, run: Controller, change) -> None:
+        """An elastic group went on without a lost rank, or took one back (a `GroupChange`)."""
+
     def on_warning(self, run: Controller, message: str) -> None:
         """Something went wrong without ending the run."""
 
@@ -99,7 +102,9 @@ class ProgressPrinter(RunCallback):
             self.say(f"  {job.scaling.trainers} data-parallel ranks ({job.scaling.placement}), batch slices of "
                      f"{job.task.batch_size // job.scaling.trainers} rows, gloo process group formed")
         if started.source != "fresh":
-            self.say(f"  resumed from the {started.source} image at step {started.step}")
+            self.say(f"  resumed at step {started.step} from durable storage (its newest sound snapshot and the logged "
+                     "records after it)" if started.source == "durable" else
+                     f"  resumed from the {started.source} image at step {started.step}")
 
     def on_profile(self, run, report):
         t = report.timings
@@ -139,6 +144,11 @@ class ProgressPrinter(RunCallback):
 
     def on_stopped(self, run, line):
         self.say(f"  {line}")
+
+    def on_group_change(self, run, c):
+        verb = "go on" if c.kind == "shrink" else "train"
+        self.say(f"  step {c.step}: {c.cause}; {c.ranks} ranks {verb} with shards {c.held} "
+                 f"(the others waited {c.stall_seconds:.3f} s)")
 
     def on_resync(self, run, step, reason, lag_steps):
         self.say(f"  {reason}: resynced from the trainer at step {step}")
@@ -230,7 +240,7 @@ class RunRecord(RunCallback):
             eval_seconds=self.eval_seconds, shadow_restarts=run.monitor.shadow_restarts,
             resent_records=resent_records, resyncs=self.resyncs, warnings=self.warnings,
             states=self.states + ["done"], kernel=kernel or (self.last.kernel if self.last else None),
-            trainers=job.scaling.trainers,
+            trainers=job.scaling.trainers, group_changes=list(run.group.changes),
             profile_check={name: {"profiled_seconds": p, "steady_seconds": s, "ratio": s / p}
                            for name, (p, s) in self.profile_pairs(metrics).items()},
             rank_state_hashes=rank_hashes,

@@ -18,6 +18,7 @@ import json
 import sys
 
 from zocheck_ray.core.errors import ZOCheckError
+from zocheck_ray.storage.errors import ObjectNotFoundError, SnapshotNotFoundError
 
 RECOVERY_FILE = "recovery.json"
 
@@ -65,7 +66,7 @@ def run_recover(args: argparse.Namespace) -> int:
             write_model_dir(args.to, result, digest, args.storage)
     except (ZOCheckError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, (ObjectNotFoundError, SnapshotNotFoundError, ValueError)) else 1  # as verify
     print(f"recovered from snapshot step {result.snapshot.step} + {result.records_replayed} log records")
     print(f"step: {result.step}")
     print(f"state_hash: {digest}")
@@ -76,12 +77,19 @@ def run_recover(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     from zocheck_ray.storage.audit import audit_run
+    from zocheck_ray.storage.snapshot import SnapshotStore
 
     if args.threads is not None and args.threads < 1:
         print("error: --threads must be >= 1", file=sys.stderr)
         return 2
     try:
-        audit = audit_run(args.run_url, _options(args), threads=args.threads)
+        store = SnapshotStore(args.run_url, _options(args), create=False)
+        found, damaged = store.scan()
+        if not found and not damaged:  # nothing there is not a mismatch
+            print(f"error: nothing to verify: no committed snapshot under {store.url} (a run commits one as it "
+                  "starts); check the URL", file=sys.stderr)
+            return 2
+        audit = audit_run(store, threads=args.threads)
     except (ZOCheckError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -458,7 +458,7 @@ def open_storage(url: str | os.PathLike, storage_options: dict | None = None, *,
     if create:
         _probe_write(storage)
     elif storage.local and not storage.exists(""):
-        raise StorageError(f"{shown} does not exist")  # an object store has no empty directories to check
+        raise ObjectNotFoundError(f"{shown} does not exist")  # an object store has no empty directories to check
     return storage
 
 

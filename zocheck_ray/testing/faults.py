@@ -122,6 +122,12 @@ def run_with_faults(job: JobConfig, fail_at: list[int] | None = None, fail_mode:
             shutil.rmtree(markers, ignore_errors=True)
 
 
+def check_failures(job: JobConfig, fail_at: list[int] | None, fail_mode: str = "software", fail_rank: int = 0
+                   ) -> list[int]:
+    """The failures `run_with_faults` injects, checked: `JobConfigError` naming the flag, before anything runs."""
+    return _checked(job, fail_at, fail_mode, fail_rank)
+
+
 def _checked(job: JobConfig, fail_at: list[int] | None, fail_mode: str, fail_rank: int) -> list[int]:
     if fail_mode not in INJECTED:
         raise JobConfigError(f"fail_mode must be software, host or shadow, got {fail_mode!r}")
