@@ -213,3 +213,33 @@ def test_a_lost_rank_leaves_the_others_training_on_its_shards(tmp_path, trainers
     assert summary.step_hashes and all(digest == expected[step] for step, digest in summary.step_hashes.items())
     verification = verify_run(job, summary)
     assert verification.verified, verification.mismatches
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_the_restarted_process_joins_at_a_step_boundary_and_takes_shards(tmp_path):
+    # Rank 1 of 3 is lost at step 3; the others go on at k=2 while Ray restarts its process, which then joins
+    # from the shadow's image and records at a step boundary: k=3 again, every rank and the shadow exact.
+    from zocheck_ray.control.callbacks import RunCallback
+    from zocheck_ray.testing.injection import FaultInjection
+
+    steps = 12
+    job = dp_job(tmp_path, trainers={"min": 2, "max": 3}, steps=steps, task=SHARDED, log_interval=2)
+
+    class UntilRestarted(RunCallback):  # holds the run at a boundary until the lost process is back
+        def on_segment(self, run, segment):
+            for actor, _ in list(run.group.departed.values()):
+                ray.get(actor.readiness.remote())  # sent during Ray's restart, it waits for the new process
+
+    faults = FaultInjection(die_at_exchange={1: [(3, 0)]}, marker_dir=str(tmp_path))
+    summary = run(job, faults=faults, progress=None, callbacks=[UntilRestarted()])
+    expected = uninterrupted_data_parallel_hashes(job)
+    assert [(c.kind, c.ranks) for c in summary.group_changes] == [("shrink", 2), ("join", 3)]
+    shrink, join = summary.group_changes
+    assert shrink.step == 3 and shrink.held == [[0, 1, 2], [3, 4, 5]]  # rank 1's shards 2, 3 dealt round
+    assert join.held == [[0, 1], [2, 3], [4, 5]] and join.step % 2 == 0 and "rank 2" in join.cause
+    assert summary.recoveries == []
+    assert summary.final_state_hash == summary.shadow_state_hash == expected[steps]
+    assert summary.rank_state_hashes == [expected[steps]] * 3
+    assert all(digest == expected[step] for step, digest in summary.step_hashes.items())
+    verification = verify_run(job, summary)
+    assert verification.verified, verification.mismatches

@@ -114,6 +114,11 @@ class FakeGroup:
     def start_standby(self):
         pass
 
+    changes = []  # an elastic group's shrinks and joins
+
+    def grow(self, step):
+        return None
+
     def trainer_times(self):
         return None
 

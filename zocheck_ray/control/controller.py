@@ -89,6 +89,7 @@ class Controller:
         self.monitor = Monitor(job)
         self.max_lag_steps = job.shadow.max_lag_steps or DEFAULT_MAX_LAG_STEPS
         self.summary: RunSummary | None = None
+        self._changes_reported = 0
 
     def run(self) -> RunSummary:
         self.stop.describe_now = lambda: (f"at step {self.step}, without waiting: the durable state under "
@@ -180,6 +181,7 @@ class Controller:
         joined = self.group.grow(self.step)  # an elastic group takes back a rank Ray restarted
         if isinstance(joined, Failure):
             return self._fail(joined)
+        self._report_group_changes()
         target = min(job.steps, (self.step // job.log_interval + 1) * job.log_interval)
         for callback in self.callbacks:
             target = callback.stop_at(self, self.step, target)
@@ -187,6 +189,7 @@ class Controller:
         results, failure = self.group.run(target, self.step)  # poll
         for progress in results.values():
             self.record.absorb(self, progress)
+        self._report_group_changes()
         if failure is not None:
             return self._fail(failure)
         progress = results[0]
@@ -200,6 +203,11 @@ class Controller:
         seconds = time.perf_counter() - began - progress.eval_seconds
         self._emit("on_segment", Segment(start, progress, results, metrics, seconds))
         return State.RUNNING
+
+    def _report_group_changes(self) -> None:
+        for change in self.group.changes[self._changes_reported:]:
+            self._emit("on_group_change", change)
+        self._changes_reported = len(self.group.changes)
 
     def _fail(self, failure: Failure) -> State:
         for callback in self.callbacks:

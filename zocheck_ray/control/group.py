@@ -5,7 +5,8 @@ A single trainer is a group of one; data parallel is k ranks in one gloo process
 `recover` replaces a lost rank by the ready standby (the restarted process becomes the next
 one) or by Ray's restart, and rejoins every rank at the shadow's step. An elastic group
 (`scaling.trainers: {min, max}`) instead re-forms mid-step without the lost rank (`_shrink`):
-the survivors take its shards and train on.
+the survivors take its shards and train on; the process Ray restarts joins at a later step
+boundary (`grow`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from zocheck_ray.actors.link import call_when_alive, died_since, wait_until_rest
 from zocheck_ray.runtime.shadow import ShadowRestartedError
 from zocheck_ray.runtime.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig
-from zocheck_ray.control.outcomes import Regrouped, Restored, StepTimes
+from zocheck_ray.control.outcomes import Restored, StepTimes
+from zocheck_ray.control.summary import GroupChange
 from zocheck_ray.runtime.elastic import GroupPlan, deal
 from zocheck_ray.runtime.shards import assign, shard_count
 from zocheck_ray.control.policy import Failure
@@ -63,16 +65,19 @@ class TrainerGroup:
         """Each rank's shards."""
         self.min_k = job.scaling.min_trainers or self.k
         self.generation = 0
-        """Groups formed mid-run (`_shrink`)."""
-        self.regroups: list[Regrouped] = []
+
+        self.changes: list[GroupChange] = []
         self._reforms: list = []
-        self.departed: list = []
-        """Lost ranks' actors the group went on without (ended with the run)."""
+        self._shrunk: list[GroupChange] = []
+
+        self.departed: dict[str, tuple[object, str | None]] = {}
+        """Lost ranks' (actor, incarnation) by name."""
+        self._probes: dict[str, object] = {}
 
     @property
     def elastic(self) -> bool:
         """Whether a lost rank leaves the others training (`scaling.trainers: {min, max}`)."""
-        return self.job.scaling.min_trainers is not None and self.k > 1
+        return self.job.scaling.min_trainers is not None and self.job.scaling.trainers > 1
 
     @property
     def leader(self):
@@ -207,6 +212,12 @@ class TrainerGroup:
             except RayError as exc:
                 lost = sorted(set(lost) | set(self.lost_ranks()))
                 logger.warning("a regroup failed (%s): every rank rejoins", str(exc).splitlines()[0])
+        for change in self._shrunk:  # where the survivors stood, and the slowest one's stall
+            stalls = [(s, seconds) for p in results.values() for s, seconds in p.regroups]
+            self.changes.append(change.model_copy(update={
+                "step": min((s for s, _ in stalls), default=step),
+                "stall_seconds": max((seconds for _, seconds in stalls), default=0.0)}))
+        self._shrunk = []
         self.times.add(results, self.k)
         interrupted = [r for r, p in results.items() if p.interrupted is not None]
         if lost or interrupted:
@@ -243,21 +254,14 @@ class TrainerGroup:
         return results, sorted(lost)
 
     def _shrink(self, lost: list[int], pending: dict, results: dict) -> tuple[dict, dict]:
-        """Go on without the `lost` ranks: plan the survivors' group (their shards and the lost ones', dealt
-        round), open it at the new rank 0, and hand every survivor its place; returns `pending` and `results`
-        by new rank. A survivor waiting in an exchange joins at once; one whose segment had ended, at `reform`."""
-        began = time.perf_counter()
+        """Go on without the `lost` ranks (their shards dealt round); returns `pending` and `results` by new
+        rank. A survivor joins in its exchange, or at `reform` if its segment had ended."""
         survivors = [r for r in range(self.k) if r not in lost]
         self.generation += 1
         held = deal(self.held, lost)
         cause = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost"
-        address, port = ray.get(self.ranks[survivors[0]].open_group.remote(
-            self.job.scaling.placement == "pack", len(survivors), self.generation))
-        plan = GroupPlan(generation=self.generation, held=tuple(held), address=address, port=port, cause=cause)
-        for new, r in enumerate(survivors):
-            self.ranks[r].offer_plan.remote(new, plan)
-        self._reforms = [self.ranks[r].reform.remote(self.generation) for r in survivors]
-        self.departed += [self.ranks[r] for r in lost]
+        self._reforms = self._hand_out([self.ranks[r] for r in survivors], held, cause)
+        self.departed.update({self.names[r]: (self.ranks[r], self.incarnations[r]) for r in lost})
         renumbered = {r: new for new, r in enumerate(survivors)}
         self.ranks = [self.ranks[r] for r in survivors]
         self.names = [self.names[r] for r in survivors]
@@ -265,8 +269,8 @@ class TrainerGroup:
         self.times.rank_seconds = [self.times.rank_seconds[r] for r in survivors]
         self.times.rank_steps = [self.times.rank_steps[r] for r in survivors]
         self.k, self.held = len(survivors), held
-        self.regroups.append(Regrouped(generation=self.generation, lost=tuple(lost), ranks=self.k,
-                                       held=tuple(held), cause=cause, seconds=time.perf_counter() - began))
+        self._shrunk.append(GroupChange(kind="shrink", step=0, ranks=self.k, held=[list(h) for h in held],
+                                        cause=cause, stall_seconds=0.0))
         logger.info("%s: the %d others go on, shards %s", cause, self.k, held)
         return ({renumbered[r]: ref for r, ref in pending.items() if r in renumbered},
                 {renumbered[r]: p for r, p in results.items() if r in renumbered})
@@ -330,6 +334,71 @@ class TrainerGroup:
             if info.incarnation != self.incarnations[r]:
                 return lost, "restart", info
             time.sleep(0.02)
+
+    def grow(self, step: int) -> GroupChange | Failure | None:
+        """At a step boundary: a lost rank's process Ray restarted restores to `step` from the shadow and joins.
+        Returns the change, a `Failure`, or None."""
+        if not self.elastic or self.k >= self.job.scaling.trainers:
+            return None
+        name = self._returned()
+        if name is None:
+            return None
+        began = time.perf_counter()
+        expected = self.deliver(step)  # the shadow then holds every record before `step`
+        if isinstance(expected, Failure):
+            return expected
+        actor, _ = self.departed.pop(name)
+        try:
+            info = ray.get(actor.rejoin.remote(step, self.k, self.k + 1))
+        except RayError as exc:
+            logger.warning("%s could not rejoin (%s); the group goes on without it", name,
+                           str(exc).splitlines()[0])
+            return None
+        self.ranks.append(actor), self.names.append(name), self.incarnations.append(info.incarnation)
+        self.times.rank_seconds.append(0.0), self.times.rank_steps.append(0)
+        self.k += 1
+        self.held = assign(shard_count(self.job), self.k)
+        self.generation += 1
+        cause = f"{name} back after Ray restarted its process: rank {self.k - 1}, from the shadow's " \
+                f"{info.source} image of step {info.image_step} and {info.replayed_records} records"
+        try:
+            ray.get(self._hand_out(self.ranks, self.held, cause))
+        except RayActorError as exc:
+            return Failure("trainer_lost", step, f"lost while a rank joined: {str(exc).splitlines()[0]}",
+                           ranks=self.lost_ranks())
+        self._note_restarts()
+        change = GroupChange(kind="join", step=step, ranks=self.k, held=[list(h) for h in self.held], cause=cause,
+                             stall_seconds=time.perf_counter() - began)
+        self.changes.append(change)
+        logger.info("%s; %d ranks, shards %s", cause, self.k, self.held)
+        return change
+
+    def _hand_out(self, ranks: list, held: list[tuple[int, ...]], cause: str) -> list:
+        """Open group `generation` at `ranks[0]`, give each rank its place; returns the `reform` calls."""
+        address, port = ray.get(ranks[0].open_group.remote(self.job.scaling.placement == "pack", len(ranks),
+                                                           self.generation))
+        plan = GroupPlan(generation=self.generation, held=tuple(held), address=address, port=port, cause=cause)
+        for r, rank in enumerate(ranks):
+            rank.offer_plan.remote(r, plan)
+        return [rank.reform.remote(self.generation) for rank in ranks]
+
+    def _returned(self) -> str | None:
+        """A departed rank whose restarted process answers, or None."""
+        for name, (actor, incarnation) in list(self.departed.items()):
+            if name not in self._probes:
+                self._probes[name] = actor.recovery.remote()  # waits while Ray restarts the process
+            probe = self._probes[name]
+            if not ray.wait([probe], timeout=READINESS_WAIT_SECONDS)[0]:
+                continue
+            del self._probes[name]
+            try:
+                info = ray.get(probe)
+            except RayError:  # gone for good
+                del self.departed[name]
+                continue
+            if info.incarnation != incarnation:
+                return name
+        return None
 
     def lost_ranks(self) -> tuple[int, ...]:
         """The ranks not alive now, by the state API or, without one, by a probe call."""
@@ -395,7 +464,7 @@ class TrainerGroup:
 
     def kill(self) -> list:
         """End every trainer process (no restart); returns the actors, to wait on their deaths."""
-        actors = [*self.all_actors(), *self.departed]
+        actors = [*self.all_actors(), *(actor for actor, _ in self.departed.values())]
         for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)

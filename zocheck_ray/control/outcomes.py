@@ -20,22 +20,6 @@ class Restored:
 
 
 @dataclass
-class Regrouped:
-    """An elastic group formed without lost ranks, mid-run: the survivors took their shards."""
-
-    generation: int
-    lost: tuple[int, ...]
-    """The lost ranks, numbered as in the group before."""
-    ranks: int
-    """The ranks after."""
-    held: tuple[tuple[int, ...], ...]
-    """Each rank's shards after."""
-    cause: str
-    seconds: float
-    """The controller's time to plan and hand out the group (the survivors' stall adds the detection)."""
-
-
-@dataclass
 class StepTimes:
     """The ranks' step and collective times over the run and over the last segment."""
 

@@ -1,12 +1,8 @@
-"""Elastic data parallel: the survivors of a lost rank form a smaller group mid-step and take its shards.
+"""Elastic data parallel: a lost rank's survivors form a smaller group mid-step and take its shards.
 
-    plan = GroupPlan(generation=1, held=((0, 1, 2), (3, 4, 5)), address="127.0.0.1", port=29513, cause="...")
-
-A rank lost mid-step leaves the survivors at the perturbation they stand at, each waiting in an exchange
-(or, where the exchange in flight reached some of them, one exchange on). In the new group they first swap
-where they stand (`standing`), so a laggard adopts the table a survivor completed (`catch_up`); the others
-evaluate the shards they took over at their own perturbation and repeat the exchange. No rank perturbs twice,
-so the step's bits are those of the one-trainer S-shard run.
+Survivors wait in an exchange, at most one apart. The new group swaps where each stands (`standing`): a
+laggard adopts the table one ahead completed (`catch_up`), the others evaluate their new shards at the
+perturbation they stand at and repeat the exchange. No rank perturbs twice.
 """
 
 from __future__ import annotations
@@ -18,18 +14,17 @@ from pydantic import BaseModel, ConfigDict
 from zocheck_ray.runtime.shards import ShardTable, decode, encode
 
 CALLS_PER_STEP = 1024
-"""An exchange's number is step * CALLS_PER_STEP + its place in the step (a step makes a few)."""
+"""Exchange number = step * CALLS_PER_STEP + place in the step."""
 
 
 class GroupPlan(BaseModel):
-    """The controller's new group: its ranks' shards (by new rank) and rank 0's rendezvous."""
+    """A new group: each rank's shards and rank 0's rendezvous."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     generation: int
-    """Counts the groups the controller formed (a plan of an older one is stale)."""
     held: tuple[tuple[int, ...], ...] = ()
-    """Each new rank's shards; empty: no group (too few survivors), the ranks stop and rejoin from the shadow."""
+    """Empty: no group (too few survivors)."""
     address: str = ""
     port: int = 0
     cause: str = ""
@@ -44,7 +39,7 @@ def exchange_number(step: int, call: int) -> int:
 
 
 def deal(held: Sequence[Sequence[int]], lost: Sequence[int]) -> list[tuple[int, ...]]:
-    """The survivors' shards: each keeps its own and the lost ranks' shards go round in survivor order."""
+    """The survivors' shards: their own, and the lost ones' dealt round."""
     survivors = [r for r in range(len(held)) if r not in lost]
     if not survivors:
         raise ValueError("no rank survives to take the shards")
@@ -56,15 +51,13 @@ def deal(held: Sequence[Sequence[int]], lost: Sequence[int]) -> list[tuple[int, 
 
 
 def standing(number: int, inside: bool, last: tuple[int, ShardTable] | None, shards: int) -> tuple[float, ...]:
-    """Where a rank stands, for the new group's first exchange: the exchange it waits in (or would make next),
-    whether it waits inside one, and the last exchange it completed with that exchange's whole table."""
+    """(exchange it is at, whether inside it, last completed exchange, its table)."""
     last_number, table = last if last is not None else (-1, [None] * shards)
     return (float(number), float(inside), float(last_number), *encode(table))
 
 
 def catch_up(gathered: Sequence[Sequence[float]], number: int) -> ShardTable | None:
-    """A laggard's table of exchange `number`, completed by a survivor one exchange on; None where no survivor
-    is ahead (the rank evaluates its new shards and repeats the exchange)."""
+    """Exchange `number`'s table from a survivor one ahead; None where none is ahead."""
     ahead = max(int(g[0]) for g in gathered)
     if number >= ahead:
         return None

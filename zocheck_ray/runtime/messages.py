@@ -131,6 +131,9 @@ class TrainerProgress(BaseModel):
     """Data parallel: each step's all-gather time."""
     interrupted: int | None = None
     """Data parallel: the step a failed gather interrupted (the state is torn)."""
+    regroups: list[tuple[int, float]] = []
+    """Elastic data parallel: (step, seconds) of each group formed mid-step, from the failed exchange to its
+    repeat (the stall a lost rank cost this rank)."""
     evaluations: dict[int, dict[str, float]] = {}
     """Held-out metrics by step, taken in this segment."""
     eval_seconds: float = 0.0

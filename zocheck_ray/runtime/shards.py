@@ -1,11 +1,6 @@
-"""The shards of a step's batch: the unit data parallel shares out, so the answer depends on them, not on the ranks.
+"""A step's batch in S shards, each one forward pass, added in shard order: the answer depends on S, not k.
 
     held = assign(shards=6, ranks=2)                    # [(0, 1, 2), (3, 4, 5)]
-    loss_plus, loss_minus = reduce_in_shard_order(table_plus, table_minus)
-
-A job fixes S shards (`task.shards`; by default one per rank). Whichever rank holds a shard evaluates it in
-one forward pass of its own and every rank adds the S (loss sum, count) pairs in shard order in float64, so
-k ranks, and k changing mid-run, give the one-trainer S-shard run's bits.
 """
 
 from __future__ import annotations
@@ -15,16 +10,16 @@ from typing import Callable, Sequence
 from zocheck_ray.config import JobConfig
 
 ShardTable = list[tuple[float, float] | None]
-"""Per shard, in shard order: its (loss sum, count), or None where this rank did not evaluate it."""
+"""Per shard: (loss sum, count), or None (not evaluated here)."""
 
 
 def shard_count(job: JobConfig) -> int:
-    """S: `task.shards`, or one shard per rank (the layout of plain data parallel)."""
+    """`task.shards`, or one per rank."""
     return job.task.shards or job.scaling.trainers
 
 
 def assign(shards: int, ranks: int) -> list[tuple[int, ...]]:
-    """Rank r's shards: a contiguous block, the blocks as equal as S and k allow (with S = k, shard r)."""
+    """Rank r's shards: contiguous blocks, as equal as can be (S = k: shard r)."""
     if not 1 <= ranks <= shards:
         raise ValueError(f"{ranks} ranks cannot share {shards} shards: every rank needs at least one")
     return [tuple(range(r * shards // ranks, (r + 1) * shards // ranks)) for r in range(ranks)]
@@ -32,7 +27,7 @@ def assign(shards: int, ranks: int) -> list[tuple[int, ...]]:
 
 def evaluate_shards(closures: Callable[[int], Callable[[], tuple[float, float]]], held: Sequence[int],
                     shards: int) -> ShardTable:
-    """The table of the shards in `held`, each from its own closure (one forward pass per shard)."""
+    """The table of the shards in `held`, each by its own closure."""
     table: ShardTable = [None] * shards
     for shard in held:
         table[shard] = closures(shard)()
@@ -40,7 +35,7 @@ def evaluate_shards(closures: Callable[[int], Callable[[], tuple[float, float]]]
 
 
 def merge(tables: Sequence[ShardTable]) -> ShardTable:
-    """One table from several ranks' (each shard from whichever rank evaluated it)."""
+    """Several ranks' tables as one."""
     merged: ShardTable = [None] * len(tables[0])
     for table in tables:
         for shard, pair in enumerate(table):
@@ -54,8 +49,7 @@ def missing(table: ShardTable) -> list[int]:
 
 
 def reduce_in_shard_order(plus: ShardTable, minus: ShardTable) -> tuple[float, float]:
-    """(loss+, loss-) of the global batch: the pairs added in shard order in float64 (a library reduction's
-    order may vary)."""
+    """(loss+, loss-): the pairs added in shard order in float64 (a library's order may vary)."""
     if missing(plus) or missing(minus):
         raise ValueError(f"shards {sorted(set(missing(plus)) | set(missing(minus)))} were not evaluated")
     sum_plus = count_plus = sum_minus = count_minus = 0.0
@@ -68,7 +62,7 @@ def reduce_in_shard_order(plus: ShardTable, minus: ShardTable) -> tuple[float, f
 
 
 def encode(table: ShardTable) -> tuple[float, ...]:
-    """The table as float64 numbers for the all-gather: (evaluated, sum, count) per shard."""
+    """(evaluated, sum, count) per shard, for the all-gather."""
     return tuple(x for pair in table for x in ((1.0, *pair) if pair is not None else (0.0, 0.0, 0.0)))
 
 

@@ -69,16 +69,16 @@ class Trainer:
         """The shards this rank evaluates each step."""
         self.group = LossGroup(rank, self.ranks) if self.ranks > 1 else None
         self.elastic = job.scaling.min_trainers is not None and self.ranks > 1
-        """A lost peer leaves this rank waiting for the controller's smaller group (`GroupPlan`), not torn."""
+        """A lost peer leaves this rank waiting for a smaller group, not torn."""
         self._plans: queue.Queue[tuple[int, GroupPlan]] = queue.Queue()
         self._rendezvous: dict[int, object] = {}
-        """As rank 0 of a planned group: its opened TCP store, by generation."""
+
         self.generation = 0
-        """The newest group plan applied."""
+
         self._calls = 0
         self._last_exchange: tuple[int, ShardTable] | None = None
-        self.regroup_seconds: list[float] = []
-        """Each regroup's time from the failed exchange to the repeated one's end, for the stall it cost."""
+        self._regroups: list[tuple[int, float]] = []
+
         self.role = Role.WAITING
         self._collective_seconds: list[float] = []
         self._step_collective = 0.0
@@ -272,8 +272,7 @@ class Trainer:
         return self.progress()
 
     def _shard_closure(self, model, t: int):
-        """Step `t`'s closure: the table of every shard at the current perturbation, this rank's shards
-        evaluated here (each in its own forward pass), the others' through one exchange."""
+        """Step `t`'s closure: every shard's table, this rank's evaluated here, the others' exchanged."""
         closures: dict = {}
 
         def closure_of(shard: int):
@@ -287,8 +286,7 @@ class Trainer:
         return table
 
     def _exchange(self, t: int, mine: ShardTable, closure_of) -> ShardTable:
-        """Every rank's table merged: the whole batch at this perturbation. An elastic rank that loses a peer
-        here takes the shards the new group gives it, at this perturbation, and exchanges again."""
+        """Every rank's table merged; a lost peer's shards are taken over at this perturbation (elastic)."""
         number = exchange_number(t, self._calls)
         self._calls += 1
         self.hooks.before_exchange(self.rank, t, number - exchange_number(t, 0))
@@ -312,7 +310,7 @@ class Trainer:
                         mine[shard] = closure_of(shard)()
         self._step_collective += time.perf_counter() - began
         if lost_at is not None:
-            self.regroup_seconds.append(time.perf_counter() - lost_at)
+            self._regroups.append((t, time.perf_counter() - lost_at))
         if missing(merged):
             raise RuntimeError(f"rank {self.rank}: no rank evaluated shards {missing(merged)}")
         self._last_exchange = (number, merged)
@@ -321,25 +319,23 @@ class Trainer:
     # ------------------------------------------------------------------ elastic groups
 
     def open_group(self, address: str, ranks: int, generation: int) -> int:
-        """As rank 0 of the planned group `generation`: open its rendezvous now (the training thread may be
-        waiting in an exchange); returns the port."""
+        """As rank 0 of group `generation`: open its rendezvous (the training thread may wait in an exchange)."""
         store = open_rendezvous(address, ranks)
         self._rendezvous[generation] = store
         return store.port
 
     def offer_plan(self, rank: int, plan: GroupPlan) -> None:
-        """The controller's next group, with this process's rank in it (taken by the training thread)."""
+        """The next group and this rank's place in it."""
         self._plans.put((rank, plan))
 
     def reform(self, generation: int) -> int:
-        """At a step boundary, join group `generation` unless an exchange already did; returns the rank."""
+        """At a step boundary, join group `generation` unless an exchange did."""
         if self.generation < generation:
             self._regroup(exchange_number(self.step, 0), inside=False, generation=generation)
         return self.rank
 
     def _regroup(self, number: int, inside: bool, generation: int | None = None) -> ShardTable | None:
-        """Wait for the controller's plan, join its group and swap where each rank stands; returns the table of
-        exchange `number` where a survivor completed it, else None."""
+        """Join the next planned group; returns exchange `number`'s table if a survivor completed it."""
         while True:
             self.group.leave()
             rank, plan = self._plans.get()
@@ -378,9 +374,10 @@ class Trainer:
         evaluations, self._evaluations = self._evaluations, {}
         eval_seconds, self._eval_seconds = self._eval_seconds, 0.0
         collective, self._collective_seconds = self._collective_seconds, []
+        regroups, self._regroups = self._regroups, []
         return TrainerProgress(step=self.step, loss=self.last_loss, rank=self.rank, step_hashes=hashes,
                                step_seconds=seconds, collective_seconds=collective,
-                               interrupted=self.step if self.role is Role.TORN else None,
+                               interrupted=self.step if self.role is Role.TORN else None, regroups=regroups,
                                evaluations=evaluations, eval_seconds=eval_seconds,
                                publish_us_median=statistics.median(recent) / 1e3 if recent else None,
                                publisher=self.publisher.stats(), kernel=self.kernel())
