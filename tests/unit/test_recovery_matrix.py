@@ -19,7 +19,7 @@ from zocheck_ray.testing import FaultInjection
 from zocheck_ray.testing.in_process import run_in_process
 from zocheck_ray.testing.reference import uninterrupted_hashes
 
-OPTIMIZERS = ["zo-sgd", "zo-adam", "sparse-mezo", "zo-sgd-sign", "zo-sgd-mmt", "zo-sgd-cons"]
+OPTIMIZERS = ["zo-sgd", "zo-adam", "sparse-mezo", "zo-sgd-sign", "zo-signsgd", "zo-sgd-mmt", "zo-sgd-cons"]
 ADAPTERS = {"full": None, "lora": {"method": "lora", "r": 2, "lora_alpha": 4},
             "prefix": {"method": "prefix", "num_virtual_tokens": 3}}
 STEPS, SOFTWARE, HOST = 12, [2, 5, 7], 9
