@@ -202,7 +202,7 @@ def test_recover_command_writes_a_model_directory_hugging_face_loads(tmp_path, c
 
 def test_recover_command_reports_bad_storage_by_url(tmp_path, capsys):
     missing = str(tmp_path / "nowhere")
-    assert run_cli(["recover", "--storage", missing]) == 1
+    assert run_cli(["recover", "--storage", missing]) == 2  # input that cannot be used: 2, as verify says it
     assert f"error: {missing} does not exist" in capsys.readouterr().err
-    assert run_cli(["recover", "--storage", "gs://bucket/run"]) == 1
+    assert run_cli(["recover", "--storage", "gs://bucket/run"]) == 2
     assert "unsupported storage URL scheme 'gs'" in capsys.readouterr().err
