@@ -49,11 +49,13 @@ def _annotation(model: type[BaseModel], name: str) -> str:
     return re.sub(r"\b(typing|zocheck_ray(\.\w+)*)\.", "", repr(annotation))
 
 
-def _default(model: type[BaseModel], name: str) -> str:
+def _default(model: type[BaseModel], name: str, section: BaseModel | None = None) -> str:
     info = model.model_fields[name]
-    if info.is_required():
+    if section is not None:  # the job's own default for a section's field (the job's `zo.lr`, not `ZOConfig`'s)
+        value = getattr(section, name)
+    elif info.is_required():
         return "required"
-    if info.default_factory is not None:
+    elif info.default_factory is not None:
         first, second = info.default_factory(), info.default_factory()
         if first != second:
             return "generated"
@@ -70,8 +72,10 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def model_table(model: type[BaseModel], prefix: str = "", with_defaults: bool = True) -> str:
-    """A Markdown table of `model`'s fields: name, type, default (if `with_defaults`), description."""
+def model_table(model: type[BaseModel], prefix: str = "", with_defaults: bool = True,
+                section: BaseModel | None = None) -> str:
+    """A Markdown table of `model`'s fields: name, type, default (if `with_defaults`: `section`'s values, where the
+    job's default section differs from the model's), description."""
     docs = field_docs(model)
     header = "| field | type | default | description |\n| --- | --- | --- | --- |" if with_defaults else \
         "| field | type | description |\n| --- | --- | --- |"
@@ -79,7 +83,7 @@ def model_table(model: type[BaseModel], prefix: str = "", with_defaults: bool = 
     for name in model.model_fields:
         cells = [f"`{prefix}{name}`", f"`{_cell(_annotation(model, name))}`"]
         if with_defaults:
-            cells.append(_default(model, name))
+            cells.append(_default(model, name, section))
         cells.append(_cell(docs.get(name, "")))
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -99,12 +103,15 @@ def _sections():
     from zocheck_ray.config import DurabilitySettings, FailureSettings, JobConfig, ScalingSettings, ShadowSettings
     from zocheck_ray.control.summary import Recovery, RunSummary
     from zocheck_ray.core.config import ZOConfig
+    from zocheck_ray.workload.peft_settings import PeftSettings
     from zocheck_ray.workload.task_config import TaskConfig
 
     return [
         ("`JobConfig`: the job (YAML file, `--set key=value`)", JobConfig, "", True),
         ("`zo`: the zeroth-order optimizer (`ZOConfig`)", ZOConfig, "zo.", True),
         ("`task`: data, prompt, batches, evaluation (`TaskConfig`)", TaskConfig, "task.", True),
+        ("`peft`: an adapter trained alone (`PeftSettings`; absent by default: set `peft.method`)", PeftSettings,
+         "peft.", True),
         ("`shadow`: the shadow's CPUs, snapshots and lag (`ShadowSettings`)", ShadowSettings, "shadow.", True),
         ("`durability`: durable snapshots, the step log, the lease (`DurabilitySettings`)", DurabilitySettings,
          "durability.", True),
@@ -121,8 +128,13 @@ def render_reference() -> str:
     """The whole generated section (without the markers)."""
     parts = [f"_Generated from the schemas' field docstrings by `zocheck-ray config-reference --write "
              f"{REFERENCE_FILE}`; a test fails when this section is out of date._"]
+    from zocheck_ray.config import JobConfig
+
+    job = JobConfig(run_id="reference")
     for title, model, prefix, with_defaults in _sections():
-        parts.append(f"#### {title}\n\n{model_table(model, prefix, with_defaults)}")
+        section = getattr(job, prefix[:-1], None) if prefix else None
+        section = section if isinstance(section, model) else None
+        parts.append(f"#### {title}\n\n{model_table(model, prefix, with_defaults, section)}")
     return "\n\n".join(parts) + "\n"
 
 

@@ -2,8 +2,8 @@
 
     zocheck-ray train                     # the embedded default job (see zocheck_ray/demo.py)
     zocheck-ray train [--config FILE] [--set key=value ...] [--steps N] [--storage URL]
-                      [--fail-at 20,35,50|none] [--fail-mode software|host] [--fail-rank R] [--verify]
-                      [--json FILE]
+                      [--fail-at 20,35,50|none] [--fail-mode software|host|shadow] [--fail-rank R] [--verify]
+                      [--json FILE] [--address HOST:PORT]
     zocheck-ray status RUN_ID [--json] [--address HOST:PORT] [--timeout SECONDS]
     zocheck-ray config-reference [--check docs/configuration.md | --write docs/configuration.md]
 
@@ -239,15 +239,17 @@ def status(args: argparse.Namespace) -> int:
             connect_ray(address or "auto")
         except RayConnectionError as exc:
             print(f"zocheck-ray status: {exc}" + ("" if address else "; a run's `zocheck-ray train` prints its "
-                                                                    "cluster's address on its `ray:` line"),
-                  file=sys.stderr)
+                                                                    "cluster's address on its `ray:` line")
+                  + "; a finished run's figures are in its `train --json` summary and `zocheck-ray verify "
+                    "STORAGE/RUN_ID`", file=sys.stderr)
             return 2
     name = shadow_name(args.run_id)
     try:
         shadow = ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
         print(f"zocheck-ray status: no running shadow for run {args.run_id!r} on the Ray cluster at "
-              f"{ray.get_runtime_context().gcs_address}", file=sys.stderr)
+              f"{ray.get_runtime_context().gcs_address}; a finished run's figures are in its `train --json` summary "
+              "and `zocheck-ray verify STORAGE/RUN_ID`", file=sys.stderr)
         return 2
     try:
         metrics = ray.get(shadow.metrics.remote(), timeout=args.timeout)
@@ -273,7 +275,8 @@ def add_train_arguments(p: argparse.ArgumentParser, with_config: bool = True) ->
         p.add_argument("--config", help="job YAML (see the configuration reference); none: the embedded default")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set zo.lr=1e-3 --set task.batch_size=8")
-    p.add_argument("--steps", type=int)
+    p.add_argument("--steps", type=int, metavar="N", help="training steps (sets the job's `steps`); a run resumed "
+                                                        "from its storage trains up to step N")
     p.add_argument("--storage", help="durable storage root URL (path, file://, s3://)")
     p.add_argument("--fail-at", type=_fail_at, default=None,
                    help="kill the trainer at these steps (default: once at 60%% of the steps for the embedded "

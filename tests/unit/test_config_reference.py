@@ -39,3 +39,22 @@ def test_check_and_write_on_a_stale_copy(tmp_path, capsys):
     assert main(["config-reference", "--check", str(stale)]) == 0
     text = stale.read_text()
     assert text.startswith("# title\n\n") and text.endswith(f"{END}\n\nrest\n") and "old table" not in text
+
+
+def dotted_fields(model, prefix: str = "") -> list[str]:
+    """Every field a job can set, sections opened (`zo.lr`, `peft.target_modules`)."""
+    from pydantic import BaseModel
+
+    out = []
+    for name, info in model.model_fields.items():
+        kinds = [t for t in getattr(info.annotation, "__args__", (info.annotation,))
+                 if isinstance(t, type) and issubclass(t, BaseModel)]
+        out += dotted_fields(kinds[0], f"{prefix}{name}.") if kinds else [f"{prefix}{name}"]
+    return out
+
+
+def test_every_field_a_job_can_set_has_a_row_in_the_reference_with_the_jobs_default():
+    text = REFERENCE.read_text()
+    missing = [name for name in dotted_fields(JobConfig) if f"| `{name}` |" not in text]
+    assert missing == [], f"no row in {REFERENCE_FILE}: {missing}"
+    assert "| `zo.lr` | `float` | `0.002` |" in text  # the job's default, not ZOConfig's
