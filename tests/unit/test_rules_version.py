@@ -13,7 +13,6 @@ import torch
 from zocheck_ray import StepRecord, ZOConfig, replay
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.control.startup import check_run
-from zocheck_ray.core import layout as layout_module
 from zocheck_ray.core.errors import StateMismatchError
 from zocheck_ray.core.layout import Layout
 from zocheck_ray.core.record import RULES_VERSION
@@ -71,13 +70,26 @@ def test_a_job_on_old_storage_fails_its_start_checks_before_ray(tmp_path, monkey
         check_run(job, say=None)
 
 
-def test_records_carry_the_rules_version_in_their_fingerprint(monkeypatch):
-    s = state()
-    layout = Layout.from_state(s, CONFIG)
-    current = layout.fingerprint(CONFIG)
-    monkeypatch.setattr(layout_module, "RULES_VERSION", 1)
-    old = layout.fingerprint(CONFIG)
-    monkeypatch.undo()
-    assert old != current
-    with pytest.raises(StateMismatchError, match="fingerprint"):
-        replay(s, [StepRecord(0, 7, 0.5, 1e-2, 1e-3, old)], CONFIG, start_step=0)
+def test_records_carry_the_rules_version_in_their_fingerprint():
+    layout = Layout.from_state(state(), CONFIG)
+    fingerprints = {v: layout.fingerprint(CONFIG, rules=v) for v in (1, 2, 3)}
+    assert fingerprints[RULES_VERSION] == layout.fingerprint(CONFIG) and len(set(fingerprints.values())) == 3
+    with pytest.raises(StateMismatchError, match="fingerprint"):  # a later version's record: not one we know
+        replay(state(), [StepRecord(0, 7, 0.5, 1e-2, 1e-3, fingerprints[3])], CONFIG, start_step=0)
+
+
+LLAMA_LIKE = {"model.layers.0.fc.weight": torch.zeros(2, 3), "model.layers.0.fc.bias": torch.zeros(3),
+              "model.norm.weight": torch.zeros(3)}
+PREVIOUS_FINGERPRINTS = {"zo-sgd": 0xd89baef92099e5c2, "zo-sgd-sign": 0xcf263f05ab864f98}
+"""What the previous release (rules version 1) put in the records of LLAMA_LIKE with weight_decay=0.1."""
+
+
+@pytest.mark.parametrize("optimizer", sorted(PREVIOUS_FINGERPRINTS))
+def test_records_of_the_previous_rules_are_refused_naming_both_versions(optimizer):
+    config = ZOConfig(optimizer=optimizer, lr=1e-2, weight_decay=0.1)
+    state = {k: v.clone() for k, v in LLAMA_LIKE.items()}
+    assert Layout.from_state(state, config).fingerprint(config, rules=1) == PREVIOUS_FINGERPRINTS[optimizer]
+    old = StepRecord(0, 7, 0.5, 1e-2, 1e-3, PREVIOUS_FINGERPRINTS[optimizer], optimizer)
+    with pytest.raises(StateMismatchError, match="update rules version 1, and this zocheck-ray applies version 2"):
+        replay(state, [old], config, start_step=0)
+    assert torch.equal(state["model.norm.weight"], LLAMA_LIKE["model.norm.weight"])  # refused before any work

@@ -154,13 +154,19 @@ class Layout:
             for s in self.params
         ]
 
-    def fingerprint(self, config: ZOConfig) -> int:
-        """64-bit id of (layout, replay-relevant config, rules); records carry it."""
+    def fingerprint(self, config: ZOConfig, rules: int = RULES_VERSION) -> int:
+        """64-bit id of (layout, replay-relevant config, rules); records carry it. `rules`: an older version's."""
         dumped = config.model_dump(mode="json", exclude={"lr", "eps"})
         for key, default in NEW_CONFIG_DEFAULTS.items():
             if dumped.get(key) == default:
                 del dumped[key]
-        doc = {"layout": [[s.name, list(s.shape), s.dtype, s.decay] for s in self.params], "config": dumped,
-               "rules": RULES_VERSION}
+        if rules == 1:  # its decay rule: 2-D and up, no "bias" or "norm" in the lowered name; no "rules" key
+            decays = [len(s.shape) >= 2 and "bias" not in s.name.lower() and "norm" not in s.name.lower()
+                      for s in self.params]
+            doc = {"layout": [[s.name, list(s.shape), s.dtype, d] for s, d in zip(self.params, decays)],
+                   "config": dumped}
+        else:
+            doc = {"layout": [[s.name, list(s.shape), s.dtype, s.decay] for s in self.params], "config": dumped,
+                   "rules": rules}
         digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).digest()
         return int.from_bytes(digest[:8], "little")

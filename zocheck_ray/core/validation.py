@@ -10,7 +10,7 @@ import torch
 from zocheck_ray.core.config import ZOConfig
 from zocheck_ray.core.errors import NonFiniteError, RecordSequenceError, StateMismatchError
 from zocheck_ray.core.layout import Layout
-from zocheck_ray.core.record import StepRecord
+from zocheck_ray.core.record import RULES_VERSION, StepRecord
 from zocheck_ray.core.scalars import StepScalars
 
 
@@ -46,6 +46,12 @@ def check_replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], 
                 f"step {record.step} was taken by {record.optimizer!r}, the config says {config.optimizer!r}"
             )
         if record.fingerprint != fingerprint:
+            older = [v for v in range(1, RULES_VERSION) if record.fingerprint == layout.fingerprint(config, v)]
+            if older:
+                raise StateMismatchError(
+                    f"step {record.step} was recorded under zocheck-ray's update rules version {older[0]}, and this "
+                    f"zocheck-ray applies version {RULES_VERSION}: replaying it would reach another state. Finish "
+                    "that run with the release that recorded it, or start a new run")
             raise StateMismatchError(
                 f"step {record.step} was recorded for layout/config fingerprint {record.fingerprint:016x}, "
                 f"this state and config have {fingerprint:016x}: the parameter names, order, shapes or "
