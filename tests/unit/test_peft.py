@@ -13,6 +13,7 @@ tests/integration/test_ray_zo_methods.py takes adapters through Ray's restarts a
 """
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -115,6 +116,10 @@ def test_snapshot_loads_with_peft_and_a_recovery_takes_the_base_from_the_model(t
             got = loaded(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
         assert torch.equal(got, want)
         info = SnapshotStore(job.run_url).get(10)
+        # the snapshot names its base: the adapter config by name, the manifest by (model, dtype, run_seed)
+        with open(f"{directory}/adapter_config.json") as f:
+            assert json.load(f)["base_model_name_or_path"] == job.model
+        assert info.manifest.user["base"] == {"model": job.model, "dtype": job.dtype, "run_seed": job.run_seed}
         files = {name: entry.size for name, entry in info.manifest.files.items()}
         assert "adapter_model.safetensors" in files and "adapter_config.json" in files
         assert "model.safetensors" not in files and "config.json" not in files

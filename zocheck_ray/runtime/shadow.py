@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 ADAPTER_KEY = "adapter"
 """The key of a parameter-efficient run's `AdapterIdentity` in its snapshots' user metadata."""
+BASE_KEY = "base"
+"""An adapter snapshot's base: the job's model, dtype and run_seed, from which a built-in base is built again."""
 
 
 class Shadow:
@@ -107,7 +109,8 @@ class Shadow:
             meta["hf_config"] = self.model_config
         elif self.adapter is not None:
             meta["adapter_config"] = self.adapter.adapter_config
-            meta["user"] = {ADAPTER_KEY: self.adapter.model_dump(mode="json")}
+            meta["user"] = {ADAPTER_KEY: self.adapter.model_dump(mode="json"), BASE_KEY: {
+                "model": self.job.model, "dtype": self.job.dtype, "run_seed": self.job.run_seed}}
         return meta
 
     def _on_image(self, image: Image) -> None:

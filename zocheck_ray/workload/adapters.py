@@ -125,6 +125,7 @@ def build_trainable(name: str, dtype: str, seed: int, peft: PeftSettings | None 
     """The model a trainer trains: `build_model(...)`'s, or with `peft` the loaded base wrapped with the adapter.
     `weights="none"`: a skeleton whose trained parameters an image fills."""
     from zocheck_ray.workload.models import build_model, model_kind, trainable_parameters
+    from zocheck_ray.workload.names import model_directory
 
     if peft is None:
         model = build_model(name, dtype, seed=seed, device=device, weights=weights)
@@ -133,4 +134,7 @@ def build_trainable(name: str, dtype: str, seed: int, peft: PeftSettings | None 
     base_hash = base_identity(base)
     task_type = "SEQ_CLS" if model_kind(name) == "sequence-classification" else "CAUSAL_LM"
     wrapped = wrap_model(base, peft, seed, task_type)
-    return TrainableModel(wrapped, adapter_parameters(wrapped), base_hash, adapter_config(wrapped))
+    config = adapter_config(wrapped)
+    directory = model_directory(name)  # what `PeftModel.from_pretrained` finds the base by, or the built-in's name
+    config["base_model_name_or_path"] = str(directory.resolve()) if directory is not None else name
+    return TrainableModel(wrapped, adapter_parameters(wrapped), base_hash, config)
