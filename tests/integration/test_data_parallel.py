@@ -243,3 +243,17 @@ def test_the_restarted_process_joins_at_a_step_boundary_and_takes_shards(tmp_pat
     assert all(digest == expected[step] for step, digest in summary.step_hashes.items())
     verification = verify_run(job, summary)
     assert verification.verified, verification.mismatches
+
+
+def test_below_min_every_rank_stops_and_rejoins_from_the_shadow(tmp_path):
+    # {min: 2, max: 2}: a lost rank leaves too few, so the survivor stops torn and the run recovers as a fixed one.
+    from zocheck_ray.testing.injection import FaultInjection
+
+    steps = 6
+    job = dp_job(tmp_path, trainers={"min": 2, "max": 2}, steps=steps, task=SHARDED)
+    faults = FaultInjection(die_at_exchange={1: [(3, 1)]}, marker_dir=str(tmp_path))
+    summary = run(job, faults=faults, progress=None)
+    expected = uninterrupted_data_parallel_hashes(job)
+    assert summary.group_changes == [] and [r.rank for r in summary.recoveries] == [1]
+    assert summary.final_state_hash == summary.shadow_state_hash == expected[steps]
+    assert summary.rank_state_hashes == [expected[steps]] * 2

@@ -229,7 +229,7 @@ class TrainerGroup:
     def _gather(self, pending: dict[int, ray.ObjectRef]) -> tuple[dict[int, TrainerProgress], list[int]]:
         """The ranks' results and the lost ranks. Polls the state API, because a dead rank's call fails
         only after Ray's wait for death details."""
-        results, lost = {}, []
+        results, lost, released = {}, [], False
         poll = DEATH_POLL_SECONDS if actor_states() is not None else None
         while pending:
             # an elastic group acts on the first loss, while the others wait in an exchange
@@ -251,7 +251,17 @@ class TrainerGroup:
             if lost and self.elastic and self.k - len(lost) >= self.min_k:
                 pending, results = self._shrink(sorted(lost), pending, results)
                 lost = []
+            elif lost and self.elastic and not released:  # too few: every rank stops and rejoins from the shadow
+                self._release([r for r in pending if r not in lost], lost)
+                released = True
         return results, sorted(lost)
+
+    def _release(self, waiting: list[int], lost: list[int]) -> None:
+        """An empty plan to the ranks waiting for a group: they stop torn, as without `min`."""
+        self.generation += 1
+        plan = GroupPlan(generation=self.generation, cause=f"ranks {lost} lost, fewer than {self.min_k} left")
+        for r in waiting:
+            self.ranks[r].offer_plan.remote(r, plan)
 
     def _shrink(self, lost: list[int], pending: dict, results: dict) -> tuple[dict, dict]:
         """Go on without the `lost` ranks (their shards dealt round); returns `pending` and `results` by new

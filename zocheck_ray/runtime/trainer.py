@@ -339,6 +339,8 @@ class Trainer:
         while True:
             self.group.leave()
             rank, plan = self._plans.get()
+            while not self._plans.empty():  # only the newest plan stands
+                rank, plan = self._plans.get_nowait()
             if plan.generation <= self.generation or (generation is not None and plan.generation < generation):
                 continue  # a stale plan
             if not plan.held:
