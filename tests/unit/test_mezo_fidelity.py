@@ -37,6 +37,31 @@ ROWS = {
 }
 MAX_LENGTH = 64
 
+PAIRS = [{"premise": "The cat sat.", "hypothesis": "A cat sits.", "label": 0},
+         {"premise": "Rain fell.", "hypothesis": "It is dry.", "label": 1}]
+ROWS |= {
+    "cb": PAIRS,
+    "boolq": [{"passage": "Cats purr.", "question": "do cats purr", "label": True},
+              {"passage": "Dogs bark.", "question": "do dogs meow?", "label": False}],
+    "wsc": [{"text": "Mark told Pete he won.", "span1_text": "Mark", "span2_text": "He", "label": 1},
+            {"text": "Ann met Sue as she left.", "span1_text": "Ann", "span2_text": "she", "label": 0}],
+    "wic": [{"word": "bank", "sentence1": "A river bank.", "sentence2": "A bank loan.", "label": 0},
+            {"word": "run", "sentence1": "I run.", "sentence2": "We run.", "label": 1}],
+    "multirc": [{"paragraph": "Ann has two cats.", "question": "What does Ann have?", "answer": "cats", "label": 1},
+                {"paragraph": "Bob has a dog.", "question": "What does Bob have?", "answer": "a cat", "label": 0}],
+}
+TEMPLATE_TEXTS = {  # templates.py's prompt of row 0 and its candidates, in class order
+    "rte": (ROWS["rte"][0]["premise"] + '\nDoes this mean that "It is wet." is true? Yes or No?\n', ("Yes", "No")),
+    "cb": ('Suppose The cat sat. Can we infer that "A cat sits."? Yes, No, or Maybe?\n', ("Yes", "No", "Maybe")),
+    "boolq": ("Cats purr. Do cats purr?\n", ("Yes", "No")),
+    "wsc": ('Mark told Pete he won.\nIn the previous sentence, does the pronoun "he" refer to Mark? Yes or No?\n',
+            ("No", "Yes")),
+    "wic": ('Does the word "bank" have the same meaning in these two sentences? Yes, No?\nA river bank.\n'
+            "A bank loan.\n", ("No", "Yes")),
+    "multirc": ('Ann has two cats.\nQuestion: What does Ann have?\nI found this answer "cats". Is that correct? '
+                "Yes or No?\n", ("No", "Yes")),
+}
+
 
 @pytest.fixture(scope="module")
 def opt_dir(tmp_path_factory):
@@ -133,7 +158,14 @@ def test_copa_scores_every_token_after_the_prompt_and_trains_on_the_gold_option(
     batch = task.batch(0)  # one row: its gold candidate's sequence only
     assert set(batch) == {"input_ids", "attention_mask", "targets"}
     ex = next(ex for ex in task.train_examples if ex.sequences[ex.label] == batch["input_ids"][0].tolist())
-    want = -mezo_option_log_probs(model, ex.sequences[ex.label], ex.option_lens[ex.label]).mean()
+    picked = batch["targets"][0] != IGNORE
+    assert batch["targets"][0][picked].tolist() == ex.sequences[ex.label][-ex.option_lens[ex.label]:]
+    with torch.no_grad():  # utils.py: CrossEntropyLoss(ignore_index=-100) on shift_logits, shift_labels
+        shift_logits = model(input_ids=batch["input_ids"]).logits[..., :-1, :].contiguous()
+    shift_labels = batch["input_ids"].clone()[..., 1:].contiguous()
+    shift_labels[0, :-ex.option_lens[ex.label]] = -100
+    want = torch.nn.CrossEntropyLoss(ignore_index=-100)(shift_logits.view(-1, shift_logits.shape[-1]),
+                                                        shift_labels.view(-1))
     assert torch.equal(task.loss(model, batch), want)
 
 
@@ -149,6 +181,23 @@ def test_truncation_keeps_the_bos_and_the_last_max_length_minus_one_tokens(tmp_p
         want, option_len = mezo_encode(tokenizer, prompt, prompt + answer, MAX_LENGTH)
         assert batch["input_ids"][k][:len(want)].tolist() == want == [0, *full[-(MAX_LENGTH - 1):]]
         assert example.option_lens[k] == option_len
+
+
+@pytest.mark.parametrize("kind", sorted(TEMPLATE_TEXTS))
+def test_every_classification_task_gives_mezo_s_strings_ids_and_scored_tokens(tmp_path, opt_dir, kind):
+    _, tokenizer, _ = opt_dir
+    task = task_of(tmp_path, opt_dir, kind)
+    example = task.eval_examples[0]
+    prompt, candidates = TEMPLATE_TEXTS[kind]
+    assert len(example.sequences) == len(candidates)
+    batch = task._eval_collate([example])
+    for k, (candidate, sequence, option_len) in enumerate(zip(candidates, example.sequences, example.option_lens)):
+        assert tokenizer.decode(sequence[1:]) == prompt + candidate
+        assert tokenizer.decode(sequence[-option_len:]) == candidate
+        want, want_len = mezo_encode(tokenizer, prompt, prompt + candidate, MAX_LENGTH)  # truncated as MeZO does
+        assert option_len == want_len and batch["input_ids"][k][:len(want)].tolist() == want
+        picked = batch["targets"][k] != IGNORE
+        assert batch["targets"][k][picked].tolist() == want[-option_len:]
 
 
 class Scripted(torch.nn.Module):

@@ -275,16 +275,17 @@ class PromptLanguageModelTask(PromptClassificationTask):
     def _eval_collate(self, examples: list[PromptExample]) -> dict[str, torch.Tensor]:
         return PromptClassificationTask._collate(self, examples)
 
-    def _nll(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return -_target_log_probs(logits, batch["targets"]).sum(), (batch["targets"] != IGNORE).sum()
+    def _cross_entropy(self, model, batch, reduction: str) -> torch.Tensor:
+        # MeZO's forward_wrap_with_option_len: one CrossEntropyLoss(ignore_index=-100) over the shifted batch
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["targets"][:, :-1].reshape(-1),
+                               ignore_index=IGNORE, reduction=reduction)
 
     def _loss(self, model, batch):
-        total, count = self._nll(model, batch)
-        return total / count
+        return self._cross_entropy(model, batch, "mean")
 
     def _loss_sum(self, model, batch):
-        return self._nll(model, batch)
+        return self._cross_entropy(model, batch, "sum"), (batch["targets"] != IGNORE).sum()
 
     def _eval_sums(self, model, batch):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
