@@ -59,11 +59,15 @@ STORAGE_MARGIN_BYTES = 1 << 20
 
 def snapshot_bytes(job: JobConfig) -> int | None:
     """The bytes of one snapshot of `job`'s trained state (moments included), counted on a model built on the meta
-    device; None for an adapter run (its snapshots are small)."""
-    if job.peft is not None:
-        return None
+    device; None where that cannot be counted cheaply."""
     from zocheck_ray.core import ZOOptimizer
     from zocheck_ray.workload.models import build_model, trainable_parameters
+    from zocheck_ray.workload.names import model_directory
+    from zocheck_ray.workload.weights import checkpoint_files
+
+    directory = model_directory(job.model)
+    if job.peft is not None or (directory is not None and checkpoint_files(directory) is None):
+        return None  # an adapter's snapshots are small; a directory without safetensors would load its weights
 
     model = build_model(job.model, job.dtype, device="meta", weights="none")
     state = ZOOptimizer(trainable_parameters(model), job.zo).state_tensors()
