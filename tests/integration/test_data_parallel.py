@@ -208,6 +208,9 @@ def test_a_lost_rank_leaves_the_others_training_on_its_shards(tmp_path, trainers
     faults = FaultInjection(die_at_exchange={lost: [(at, exchange)]}, marker_dir=str(tmp_path))
     summary = run(job, faults=faults, progress=None)
     assert summary.recoveries == []  # nobody restored from the shadow
+    (change,) = summary.group_changes
+    assert (change.kind, change.step, change.ranks) == ("shrink", at, trainers - 1)
+    assert 0 < change.plan_wait_seconds < change.stall_seconds  # the plan came, then the shards were evaluated
     assert summary.final_state_hash == summary.shadow_state_hash == expected[steps]
     assert summary.rank_state_hashes == [expected[steps]] * (trainers - 1)
     assert summary.step_hashes and all(digest == expected[step] for step, digest in summary.step_hashes.items())

@@ -147,8 +147,9 @@ class ProgressPrinter(RunCallback):
 
     def on_group_change(self, run, c):
         verb = "go on" if c.kind == "shrink" else "train"
+        plan = f", {c.plan_wait_seconds:.3f} s of it for the plan" if c.plan_wait_seconds is not None else ""
         self.say(f"  step {c.step}: {c.cause}; {c.ranks} ranks {verb} with shards {c.held} "
-                 f"(the others waited {c.stall_seconds:.3f} s)")
+                 f"(the others waited {c.stall_seconds:.3f} s{plan})")
 
     def on_resync(self, run, step, reason, lag_steps):
         self.say(f"  {reason}: resynced from the trainer at step {step}")

@@ -213,10 +213,11 @@ class TrainerGroup:
                 lost = sorted(set(lost) | set(self.lost_ranks()))
                 logger.warning("a regroup failed (%s): every rank rejoins", str(exc).splitlines()[0])
         for change in self._shrunk:  # where the survivors stood, and the slowest one's stall
-            stalls = [(s, seconds) for p in results.values() for s, seconds in p.regroups]
+            stalls = [regroup for p in results.values() for regroup in p.regroups]
+            slowest = max(stalls, key=lambda regroup: regroup[1], default=(step, 0.0, None))
             self.changes.append(change.model_copy(update={
-                "step": min((s for s, _ in stalls), default=step),
-                "stall_seconds": max((seconds for _, seconds in stalls), default=0.0)}))
+                "step": min(s for s, _, _ in stalls) if stalls else step, "stall_seconds": slowest[1],
+                "plan_wait_seconds": slowest[2]}))
         self._shrunk = []
         self.times.add(results, self.k)
         interrupted = [r for r, p in results.items() if p.interrupted is not None]

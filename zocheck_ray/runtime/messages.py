@@ -131,9 +131,9 @@ class TrainerProgress(BaseModel):
     """Data parallel: each step's all-gather time."""
     interrupted: int | None = None
     """Data parallel: the step a failed gather interrupted (the state is torn)."""
-    regroups: list[tuple[int, float]] = []
-    """Elastic data parallel: (step, seconds) of each group formed mid-step, from the failed exchange to its
-    repeat (the stall a lost rank cost this rank)."""
+    regroups: list[tuple[int, float, float]] = []
+    """Elastic data parallel: (step, stall, wait for the plan) of each group formed mid-step: seconds from the
+    failed exchange to its repeat, and of them until the controller's plan came."""
     evaluations: dict[int, dict[str, float]] = {}
     """Held-out metrics by step, taken in this segment."""
     eval_seconds: float = 0.0

@@ -77,7 +77,8 @@ class Trainer:
 
         self._calls = 0
         self._last_exchange: tuple[int, ShardTable] | None = None
-        self._regroups: list[tuple[int, float]] = []
+        self._regroups: list[tuple[int, float, float]] = []
+        self._planned_at = 0.0
 
         self.role = Role.WAITING
         self._collective_seconds: list[float] = []
@@ -309,8 +310,8 @@ class Trainer:
                     if mine[shard] is None:
                         mine[shard] = closure_of(shard)()
         self._step_collective += time.perf_counter() - began
-        if lost_at is not None:
-            self._regroups.append((t, time.perf_counter() - lost_at))
+        if lost_at is not None:  # (step, stall, of it the wait for the controller's plan)
+            self._regroups.append((t, time.perf_counter() - lost_at, self._planned_at - lost_at))
         if missing(merged):
             raise RuntimeError(f"rank {self.rank}: no rank evaluated shards {missing(merged)}")
         self._last_exchange = (number, merged)
@@ -341,6 +342,7 @@ class Trainer:
             rank, plan = self._plans.get()
             while not self._plans.empty():  # only the newest plan stands
                 rank, plan = self._plans.get_nowait()
+            self._planned_at = time.perf_counter()
             if plan.generation <= self.generation or (generation is not None and plan.generation < generation):
                 continue  # a stale plan
             if not plan.held:
