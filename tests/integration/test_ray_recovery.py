@@ -39,7 +39,9 @@ def test_three_software_failures_recover_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
     os.mkdir(tmp_path / "temp")
     summary = run(job, fail_at=[5, 17, 30], progress=None)
-    assert os.listdir(tmp_path / "temp") == []  # the injection's markers went with the run
+    # the injection's markers went with the run; torch's compile cache may stay (the first import of a transformers
+    # model in this process makes it in the temporary directory)
+    assert [name for name in os.listdir(tmp_path / "temp") if not name.startswith("torchinductor_")] == []
     assert [r.failed_at_step for r in summary.recoveries] == [5, 17, 30]
     assert all(r.image_source == "memory" for r in summary.recoveries)
     for r in summary.recoveries:
