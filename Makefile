@@ -52,7 +52,7 @@ test: $(STAMP)
 
 # The cluster subset (the tests marked `ray_range`: job submit, a software and a host recovery, a data-parallel
 # rank loss, a Tune trial, `status`) and the exactness tests of the core, peft and the recovery matrix at the lower
-# corner of pyproject.toml, in an environment of its own (scripts/install_ray_oldest.sh: Ray, torch, NumPy, numba,
+# corner of pyproject.toml, in an environment of its own (scripts/install_ray_oldest.sh: Ray, NumPy, numba,
 # transformers and peft each at its lower bound). `make test` runs the newest.
 OLDEST_VENV := .venv-ray-oldest
 OLDEST_STAMP := $(OLDEST_VENV)/.installed

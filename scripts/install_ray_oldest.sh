@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Set up a second environment (argument 2, default .venv-ray-oldest) at the lower corner of what pyproject.toml
-# admits: Ray at the lower bound of its `ray[default,tune]` range, and torch, NumPy, numba, transformers and peft
-# each at its `>=` bound, with zocheck-ray and its test extras, editable. `make test-ray-oldest` runs the cluster
-# subset (`-m ray_range`) in it. Argument 3 names another Ray release instead (to try a lower bound).
-# torch is the CPU build wherever there is no CUDA device (install_torch.sh), so torch's bound must be the release
-# install_torch.sh installs, or the two pins conflict.
+# admits: Ray at the lower bound of its `ray[default,tune]` range, and NumPy, numba, transformers and peft each at
+# its `>=` bound, with zocheck-ray and its test extras, editable. `make test-ray-oldest` runs the cluster subset
+# (`-m ray_range`) in it. Argument 3 names another Ray release instead (to try a lower bound).
+# torch is install_torch.sh's (the CPU build wherever there is no CUDA device): no older CPU build installs here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${1:-python3}
@@ -14,8 +13,8 @@ ray=${3:-$(sed -n 's/^ *"ray\[default,tune\]>=\([0-9.]*\),.*/\1/p' pyproject.tom
 test -x "$venv/bin/python" || "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 bash scripts/install_torch.sh "$venv/bin/python" "$venv/constraints.txt"
-# each lower bound as a pin, beside install_torch.sh's (torch==2.13 admits its 2.13.0+cpu)
-for name in torch numpy numba transformers peft; do
+# each lower bound as a pin, beside install_torch.sh's CPU torch (its bound is not tested: pyproject.toml)
+for name in numpy numba transformers peft; do
   bound=$(sed -n "s/^ *\"$name>=\([0-9.]*\)[,\"].*/\1/p" pyproject.toml)
   [ -n "$bound" ] || { echo "install_ray_oldest: no '\"$name>=X' in pyproject.toml's dependencies" >&2; exit 1; }
   echo "$name==$bound" >> "$venv/constraints.txt"
