@@ -69,7 +69,7 @@ def _warm_kernel() -> None:
 
     zo = ZOConfig(lr=1e-6, eps=1e-3)
     warm = make_state(4096 + 7, torch.float32, "zo-sgd")
-    replay(warm, make_records(warm, zo, 1), zo, threads=1)
+    replay(warm, make_records(warm, zo, 1), zo, threads=1, start_step=0)
 
 
 def _strategy_child(spec: dict) -> dict:

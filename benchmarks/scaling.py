@@ -44,6 +44,11 @@ INDEPENDENCE_SPREAD = 1.5
 while the trainer step's spread is above it."""
 
 
+def _replay_next(state, pending, config, threads):
+    record = next(pending)
+    replay(state, [record], config, threads=threads, start_step=record.step)
+
+
 def replay_grid(params: list[int], threads: list[int], dtypes: list[str], repeats: int = 3, say=print) -> list[dict]:
     """One row per (params, dtype, threads): fused replay of one record vs the 1R+1W bandwidth limit."""
     config = ZOConfig(lr=1e-6, eps=1e-3, weight_decay=0.01)
@@ -53,11 +58,11 @@ def replay_grid(params: list[int], threads: list[int], dtypes: list[str], repeat
             state = make_state(n, DTYPES[dtype], "zo-sgd")
             nbytes = sum(t.numel() * t.element_size() for t in state.values())
             records = make_records(state, config, 1 + len(threads) * repeats)
-            replay(state, records[:1], config, threads=threads[0])  # compiles or loads the kernel
+            replay(state, records[:1], config, threads=threads[0], start_step=0)  # compiles or loads the kernel
             pending = iter(records[1:])
             for p in threads:
                 say(f"  replay {n:,} params {dtype} {p} thread{'s' if p > 1 else ''} ...")
-                seconds = best_seconds(lambda: replay(state, [next(pending)], config, threads=p), repeats)
+                seconds = best_seconds(lambda: _replay_next(state, pending, config, p), repeats)
                 limit = bandwidth_limit_seconds(nbytes, p)
                 rows.append({"params": n, "dtype": dtype, "threads": p, "state_bytes": nbytes,
                              "replay_seconds": seconds, "bandwidth_limit_seconds": limit,
@@ -113,7 +118,7 @@ def batch_grid(batches: list[int], seq_lens: list[int], hidden: int = 128, layer
                     step_s.append(time.perf_counter() - start)
                     replay(replica, [record], config, threads=threads, start_step=t)  # the replica follows
                     # the same record again on a scratch state, timed several times (replay is cheap)
-                    replay_s.append(best_seconds(lambda: replay(scratch, [record], config, threads=threads),
+                    replay_s.append(best_seconds(lambda: replay(scratch, [record], config, threads=threads, start_step=t),
                                                   REPLAY_REPEATS))
                 rows.append({"batch_size": batch, "seq_len": seq_len, "tokens": batch * seq_len, "params": params,
                              "trainer_step_seconds": min(step_s[1:]), "replay_seconds": min(replay_s[1:])})

@@ -147,7 +147,7 @@ def measure_timings(hidden: int = 512, layers: int = 4, batch_size: int = 4, seq
     gpu_step = statistics.median(step_seconds[1:])  # the first step warms up
 
     replica = {k: v.clone() for k, v in initial.items()}
-    replay(replica, records[:1], config, threads=threads)  # compiles or loads the kernel
+    replay(replica, records[:1], config, threads=threads, start_step=records[0].step)  # compiles or loads the kernel
     replay_samples = []
     for r in records[1:]:
         start = time.perf_counter()

@@ -43,9 +43,15 @@ def test_records_out_of_order_or_with_a_gap_are_rejected_untouched(replay_fn):
     for bad, match in [([records[1], records[0]], "goes back"), ([records[0], records[2]], "gap"),
                        ([records[0], records[0]], "repeats")]:
         with pytest.raises(RecordSequenceError, match=match):
-            replay_fn(initial, bad, config)
+            replay_fn(initial, bad, config, start_step=bad[0].step)
     with pytest.raises(RecordSequenceError, match="step 1 but step 0"):
         replay_fn(initial, records[1:], config, start_step=0)
+    with pytest.raises(TypeError, match="start_step"):  # the state's step is never left out
+        replay_fn(initial, records[:1], config)
+    one_at_a_time = {k: v.clone() for k, v in initial.items()}
+    replay_fn(one_at_a_time, records[:1], config, start_step=0)
+    with pytest.raises(RecordSequenceError, match="repeats"):  # the README's loop, a record sent twice
+        replay_fn(one_at_a_time, records[:1], config, start_step=1)
     assert state_hash(initial) == before
 
 
@@ -59,13 +65,13 @@ def test_a_state_that_does_not_match_the_records_is_rejected_untouched(replay_fn
     retyped = {k: v.bfloat16() for k, v in initial.items()}
     for state in (renamed, reordered, reshaped, retyped):
         with pytest.raises(StateMismatchError, match="fingerprint"):
-            replay_fn(state, records, config)
+            replay_fn(state, records, config, start_step=0)
     with pytest.raises(StateMismatchError, match="fingerprint"):
-        replay_fn(initial, records, config.model_copy(update={"weight_decay": 0.5}))
+        replay_fn(initial, records, config.model_copy(update={"weight_decay": 0.5}), start_step=0)
     with pytest.raises(StateMismatchError, match="zo-sgd"):
-        replay_fn(initial, records, config.model_copy(update={"optimizer": "sparse-mezo"}))
+        replay_fn(initial, records, config.model_copy(update={"optimizer": "sparse-mezo"}), start_step=0)
     with pytest.raises(StateMismatchError, match="int64"):
-        replay_fn({**initial, "w.bias": torch.zeros(4, dtype=torch.int64)}, records, config)
+        replay_fn({**initial, "w.bias": torch.zeros(4, dtype=torch.int64)}, records, config, start_step=0)
     assert state_hash(initial) == before
 
 
@@ -73,11 +79,11 @@ def test_adam_state_must_hold_its_moments_in_order():
     initial, records, config = small_run("zo-adam")
     params_only = {k: v for k, v in initial.items() if not k.startswith("optimizer.")}
     with pytest.raises(StateMismatchError, match="3 per parameter"):
-        replay(params_only, records, config)
+        replay(params_only, records, config, start_step=0)
     keys = list(initial)
     swapped = {k: initial[k] for k in keys[:2] + [keys[3], keys[2]] + keys[4:]}
     with pytest.raises(StateMismatchError, match="belongs"):
-        replay(swapped, records, config)
+        replay(swapped, records, config, start_step=0)
 
 
 def test_non_finite_record_scalars_cannot_be_built():
@@ -93,17 +99,17 @@ def test_scalars_that_overflow_float32_are_rejected_before_touching_the_state():
     before = state_hash(initial)
     huge = StepRecord(0, 1, 1e300, 1e-3, 1e-3, records[0].fingerprint)
     with pytest.raises(NonFiniteError, match="grad"):
-        replay(initial, [huge], config)
+        replay(initial, [huge], config, start_step=0)
     assert state_hash(initial) == before
 
 
 def test_fused_replay_refuses_non_cpu_tensors_and_bad_thread_counts():
     initial, records, config = small_run()
     with pytest.raises(ValueError, match="threads"):
-        replay(initial, records, config, threads=0)
+        replay(initial, records, config, threads=0, start_step=0)
     meta = {k: v.to("meta") for k, v in initial.items()}
     with pytest.raises(StateMismatchError, match="CPU"):
-        replay(meta, records, config)
+        replay(meta, records, config, start_step=0)
 
 
 def test_optimizer_rejects_duplicate_names_and_bad_dtypes():

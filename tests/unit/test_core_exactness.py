@@ -79,7 +79,7 @@ def test_trainer_reference_and_fused_replay_agree_on_a_hf_model(optimizer, dtype
 def test_other_architectures_replay_exactly(model_name):
     config = config_for("zo-adam", "gaussian", "bf16")
     initial, opt, records = train(model_name, "bf16", config, steps=6)
-    assert_same_state(replay(clone(initial), records, config), clone(opt.state_tensors()))
+    assert_same_state(replay(clone(initial), records, config, start_step=0), clone(opt.state_tensors()))
 
 
 ODD_SHAPES = [(1,), (3,), (0,), (5, 7), (2, 3, 5), (4097,), (1, 8193), (3, 1, 1)]
@@ -106,8 +106,8 @@ def test_odd_tensor_shapes(optimizer, dtype):
     records = [opt.step(loss, seed=s) for s in range(20)]
     assert any(r.projected_grad != 0 for r in records)
     expected = clone(opt.state_tensors())
-    assert_same_state(replay_reference(clone(initial), records, config), expected)
-    assert_same_state(replay(clone(initial), records, config), expected)
+    assert_same_state(replay_reference(clone(initial), records, config, start_step=0), expected)
+    assert_same_state(replay(clone(initial), records, config, start_step=0), expected)
     one_by_one = clone(initial)  # a single step converts in the update itself, a batch through float32 scratch
     for r in records:
         replay(one_by_one, [r], config, start_step=r.step)
@@ -123,20 +123,20 @@ def test_mixed_dtypes_in_one_state():
     opt = ZOOptimizer(params, config)
     initial = clone(opt.state_tensors())
     records = [opt.step(lambda: sum(p.float().pow(2).sum() for _, p in params), seed=s) for s in range(15)]
-    assert_same_state(replay(clone(initial), records, config), clone(opt.state_tensors()))
+    assert_same_state(replay(clone(initial), records, config, start_step=0), clone(opt.state_tensors()))
 
 
 def test_thread_count_batching_and_chunking_do_not_change_bits(monkeypatch):
     config = config_for("zo-adam", "gaussian", "bf16")
     initial, opt, records = train("tiny-opt", "bf16", config, steps=8)
     expected = clone(opt.state_tensors())
-    one_thread = replay(clone(initial), records, config, threads=1)
-    two_threads = replay(clone(initial), records, config, threads=2)
+    one_thread = replay(clone(initial), records, config, threads=1, start_step=0)
+    two_threads = replay(clone(initial), records, config, threads=2, start_step=0)
     one_by_one = clone(initial)
     for r in records:
         replay(one_by_one, [r], config, start_step=r.step)
     monkeypatch.setattr(fused, "CHUNK_ELEMENTS", 1000)  # odd partitions, not multiples of 4
-    small_chunks = replay(clone(initial), records, config)
+    small_chunks = replay(clone(initial), records, config, start_step=0)
     for state in (one_thread, two_threads, one_by_one, small_chunks):
         assert_same_state(state, expected)
 
@@ -154,7 +154,7 @@ def test_load_state_tensors_continues_exactly():
     initial, opt, records = train("tiny-opt", "fp32", config, steps=4)
     model = build_model("tiny-opt", "fp32", seed=123)  # different weights, same layout
     other = ZOOptimizer(trainable_parameters(model), config)
-    other.load_state_tensors(replay(clone(initial), records, config), step=4)
+    other.load_state_tensors(replay(clone(initial), records, config, start_step=0), step=4)
     assert other.step_index == 4
     assert_same_state(clone(other.state_tensors()), clone(opt.state_tensors()))
 

@@ -43,16 +43,16 @@ def test_cuda_trainer_is_replayed_exactly_on_the_cpu(optimizer, dtype):
         ids = torch.randint(0, 128, (2, 12), generator=gen).cuda()
         records.append(opt.step(lambda: model(input_ids=ids, labels=ids).loss, seed=t))
     trained = {k: v.detach().cpu() for k, v in opt.state_tensors().items()}
-    fused = replay({k: v.clone() for k, v in initial.items()}, records, config)
-    reference = replay_reference({k: v.clone() for k, v in initial.items()}, records, config)
-    on_gpu = replay_reference({k: v.clone().cuda() for k, v in initial.items()}, records, config)
+    fused = replay({k: v.clone() for k, v in initial.items()}, records, config, start_step=0)
+    reference = replay_reference({k: v.clone() for k, v in initial.items()}, records, config, start_step=0)
+    on_gpu = replay_reference({k: v.clone().cuda() for k, v in initial.items()}, records, config, start_step=0)
     for name in trained:
         assert torch.equal(fused[name], trained[name]), name
         assert torch.equal(reference[name], trained[name]), name
         assert torch.equal(on_gpu[name].cpu(), trained[name]), name
     assert state_hash(fused) == state_hash(trained)
     if triton_kernels.available():
-        kernels = triton_kernels.replay_triton({k: v.clone().cuda() for k, v in initial.items()}, records, config)
+        kernels = triton_kernels.replay_triton({k: v.clone().cuda() for k, v in initial.items()}, records, config, start_step=0)
         assert state_hash({k: v.cpu() for k, v in kernels.items()}) == state_hash(trained)
 
 

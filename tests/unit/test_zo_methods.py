@@ -106,14 +106,14 @@ def test_cons_keeps_the_lowest_candidate_and_replays_without_a_forward_pass(desc
     assert record.decision == decision
     assert StepRecord.from_bytes(record.to_bytes()) == record
     trained = clone(opt.state_tensors())
-    assert_same_state(replay(clone(initial), [record], config), trained)
-    assert_same_state(replay_reference(clone(initial), [record], config), trained)
+    assert_same_state(replay(clone(initial), [record], config, start_step=0), trained)
+    assert_same_state(replay_reference(clone(initial), [record], config, start_step=0), trained)
 
 
 def test_cons_on_a_model_takes_every_decision_it_meets_exactly():
     config, initial, opt, records = train("zo-sgd-cons", "bf16", q=2, steps=8, lr=0.1)  # large steps overshoot
     assert {r.decision for r in records} == {0, 1}
-    assert_same_state(replay(clone(initial), records, config), clone(opt.state_tensors()))
+    assert_same_state(replay(clone(initial), records, config, start_step=0), clone(opt.state_tensors()))
 
 
 def test_perturbation_seeds_are_a_pure_function_of_the_step_seed():
@@ -138,7 +138,7 @@ def test_records_with_the_wrong_number_of_gradients_are_refused():
     config, initial, opt, records = train("zo-sgd", "fp32", q=2, steps=1)
     other = ZOConfig(**{**config.model_dump(), "num_perturbations": 1})
     with pytest.raises(StateMismatchError):
-        replay(clone(initial), records, other)
+        replay(clone(initial), records, other, start_step=0)
     single = StepRecord(0, 1, 0.1, 1e-3, 1e-3, records[0].fingerprint)
     with pytest.raises(StateMismatchError, match="projected gradient"):
-        replay(clone(initial), [single], config)
+        replay(clone(initial), [single], config, start_step=0)

@@ -766,7 +766,7 @@ def warm_up(dtype: torch.dtype, config: ZOConfig, steps: int = 1) -> None:
     more = (0.0,) * (config.num_perturbations - 1)
     records = [StepRecord(t, t, 0.0, config.lr, config.eps, fingerprint, config.optimizer, extras, more)
                for t in range(steps)]
-    replay(state, records, config, threads=1)
+    replay(state, records, config, threads=1, start_step=0)
     perturbation_into(np.empty(4, dtype=np.float32), 0, 0, config.perturbation)
 
 
@@ -827,8 +827,9 @@ def compute_threads() -> int:
 
 
 def replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
-           threads: int | None = None, start_step: int | None = None) -> dict[str, torch.Tensor]:
-    """Apply `records` to a CPU `state` in place with the fused kernel; same bits as the trainer."""
+           threads: int | None = None, *, start_step: int) -> dict[str, torch.Tensor]:
+    """Apply `records` to a CPU `state` at step `start_step` in place with the fused kernel; same bits as the
+    trainer. The step is required, so that a record skipped or repeated always raises."""
     layout, scalars = check_replay(state, records, config, start_step)
     for name, tensor in state.items():
         if tensor.device.type != "cpu":

@@ -16,7 +16,7 @@ from zocheck_ray.core.validation import check_replay
 
 @torch.no_grad()
 def replay_reference(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
-                     start_step: int | None = None) -> dict[str, torch.Tensor]:
+                     *, start_step: int) -> dict[str, torch.Tensor]:
     """Apply `records` to `state` in order, with the trainer's exact operation sequence (z generated once per step
     and chunk)."""
     layout, all_scalars = check_replay(state, records, config, start_step)

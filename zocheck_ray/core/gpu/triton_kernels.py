@@ -286,7 +286,7 @@ class KernelStepper:
 
 
 def replay_triton(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
-                  start_step: int | None = None) -> dict[str, torch.Tensor]:
+                  *, start_step: int) -> dict[str, torch.Tensor]:
     """Apply `records` to `state` in place with the kernels: same bits as `replay`."""
     layout, all_scalars = check_replay(state, records, config, start_step)
     if not records:
@@ -305,8 +305,8 @@ def replay_triton(state: dict[str, torch.Tensor], records: Sequence[StepRecord],
 
 
 def replay_on_device(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
-                     start_step: int | None = None, backend: str = "triton") -> dict[str, torch.Tensor]:
+                     *, start_step: int, backend: str = "triton") -> dict[str, torch.Tensor]:
     """Replay on the state's own device: `replay_triton` for backend "triton", else `replay_reference`."""
     if backend == "triton":
-        return replay_triton(state, records, config, start_step)
-    return replay_reference(state, records, config, start_step)
+        return replay_triton(state, records, config, start_step=start_step)
+    return replay_reference(state, records, config, start_step=start_step)
