@@ -30,6 +30,7 @@ import sys
 from zocheck_ray import demo
 from zocheck_ray.demo import EMBEDDED_DEFAULT, default_failures, describe
 from zocheck_ray.config import JobConfigError, check_job_environment, load_job_config
+from zocheck_ray.policies.cli import output_file_error
 
 
 def _fail_at(text: str) -> list[int]:
@@ -39,19 +40,6 @@ def _fail_at(text: str) -> list[int]:
         return [int(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--fail-at takes comma-separated steps or 'none', got {text!r}") from None
-
-
-def output_file_error(flag: str, path: str) -> str | None:
-    """Why `path` cannot take a command's output file, or None; checked before the work, so no result is lost."""
-    target = os.path.abspath(os.path.expanduser(path))
-    parent = os.path.dirname(target)
-    if os.path.isdir(target):
-        return f"{flag} {path} is a directory; name a file"
-    if not os.path.isdir(parent):
-        return f"{flag} {path}: {parent} is not an existing directory; create it or name another file"
-    if not os.access(parent, os.W_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
-        return f"{flag} {path} is not writable here; name a file you may write"
-    return None
 
 
 def resume_point(job) -> int | None:

@@ -236,6 +236,16 @@ def test_plan_writes_json_with_the_bounds_regime_and_interval(tmp_path, capsys):
     assert "keep-pace" in printed and "snapshot interval N" in printed and "async-checkpoint" in printed
 
 
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys, command):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = [command, *TIMING_ARGS, "--mtbf-hours", "24", "--json", str(blocker / "out.json")]
+    assert run_cli(argv) == 2
+    err = capsys.readouterr()
+    assert "--json" in err.err and "not an existing directory" in err.err and err.out == ""  # no work printed
+
+
 def test_plan_in_the_lag_regime(tmp_path):
     out = tmp_path / "plan.json"
     argv = ["plan", "--gpu-step", "2.85", "--replay-step", "3.68", "--snapshot-cost", "2", "--persist-time", "10"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -118,8 +119,24 @@ def _format_plan(result: Plan) -> str:
     return "\n".join(lines)
 
 
+def output_file_error(flag: str, path: str) -> str | None:
+    """Why `path` cannot take a command's output file, or None; checked before the work, so no result is lost."""
+    target = os.path.abspath(os.path.expanduser(path))
+    parent = os.path.dirname(target)
+    if os.path.isdir(target):
+        return f"{flag} {path} is a directory; name a file"
+    if not os.path.isdir(parent):
+        return f"{flag} {path}: {parent} is not an existing directory; create it or name another file"
+    if not os.access(parent, os.W_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
+        return f"{flag} {path} is not writable here; name a file you may write"
+    return None
+
+
 def plan_command(args: argparse.Namespace) -> int:
     """`zocheck-ray plan`: bounds, regime, N and the expected waste of each strategy."""
+    if args.json is not None and (problem := output_file_error("--json", str(args.json))) is not None:
+        print(f"zocheck-ray plan: error: {problem}", file=sys.stderr)
+        return 2
     try:
         timings = _timings(args)
         failures = None if args.mtbf_hours is None else _failures(args, args.mtbf_hours)
@@ -147,6 +164,9 @@ def _mtbf_points(args: argparse.Namespace) -> list[float]:
 def simulate_command(args: argparse.Namespace) -> int:
     """`zocheck-ray simulate`: Monte-Carlo wasted time against MTBF for each strategy."""
     rows = []
+    if args.json is not None and (problem := output_file_error("--json", str(args.json))) is not None:
+        print(f"zocheck-ray simulate: error: {problem}", file=sys.stderr)
+        return 2
     if args.plot is not None:  # asked for a figure: say at once if it cannot be drawn, not after the simulation
         from zocheck_ray.plotting import missing_reason
 
