@@ -351,20 +351,23 @@ class TrainerGroup:
         Returns the change, a `Failure`, or None."""
         if not self.elastic or self.k >= self.job.scaling.trainers:
             return None
-        name = self._returned()
-        if name is None:
+        back = self._returned()
+        if back is None:
             return None
+        name, incarnation = back
         began = time.perf_counter()
         expected = self.deliver(step)  # the shadow then holds every record before `step`
         if isinstance(expected, Failure):
             return expected
-        actor, _ = self.departed.pop(name)
+        actor, _ = self.departed[name]
         try:
             info = ray.get(actor.rejoin.remote(step, self.k, self.k + 1))
-        except RayError as exc:
+        except RayError as exc:  # still departed (ended with the run), asked again only after another restart
+            self.departed[name] = (actor, incarnation)
             logger.warning("%s could not rejoin (%s); the group goes on without it", name,
                            str(exc).splitlines()[0])
             return None
+        del self.departed[name]
         self.ranks.append(actor), self.names.append(name), self.incarnations.append(info.incarnation)
         self.times.rank_seconds.append(0.0), self.times.rank_steps.append(0)
         self.k += 1
@@ -393,8 +396,8 @@ class TrainerGroup:
             rank.offer_plan.remote(r, plan)
         return [rank.reform.remote(self.generation) for rank in ranks]
 
-    def _returned(self) -> str | None:
-        """A departed rank whose restarted process answers, or None."""
+    def _returned(self) -> tuple[str, str] | None:
+        """(name, incarnation) of a departed rank whose restarted process answers, or None."""
         for name, (actor, incarnation) in list(self.departed.items()):
             if name not in self._probes:
                 self._probes[name] = actor.recovery.remote()  # waits while Ray restarts the process
@@ -408,7 +411,7 @@ class TrainerGroup:
                 del self.departed[name]
                 continue
             if info.incarnation != incarnation:
-                return name
+                return name, info.incarnation
         return None
 
     def lost_ranks(self) -> tuple[int, ...]:
