@@ -71,7 +71,8 @@ def _loss(job, fail_at: int, elastic: bool, markers: str) -> dict:
         summary = run_with_faults(job, fail_at=[fail_at], fail_rank=1, progress=None)
         (recovery,) = summary.recoveries
         stall, how, plan_wait = recovery.seconds, f"whole-group recovery ({recovery.replaced_by})", None
-    return {"elastic": elastic, "stall_seconds": stall, "plan_wait_seconds": plan_wait, "how": how, "final_state_hash": summary.final_state_hash,
+    return {"elastic": elastic, "stall_seconds": stall, "plan_wait_seconds": plan_wait, "how": how,
+            "final_state_hash": summary.final_state_hash,
             "step_seconds": summary.trainer_seconds_per_step, "ranks_at_end": len(summary.rank_state_hashes),
             "exact": set(summary.rank_state_hashes) == {summary.shadow_state_hash}}
 

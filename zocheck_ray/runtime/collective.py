@@ -54,7 +54,8 @@ class LossGroup:
         self._store = open_rendezvous(address, self.ranks, timeout)
         return self._store.port
 
-    def join(self, address: str, port: int, timeout: float = TIMEOUT_SECONDS, store: dist.TCPStore | None = None) -> float:
+    def join(self, address: str, port: int, timeout: float = TIMEOUT_SECONDS,
+             store: dist.TCPStore | None = None) -> float:
         """Join (or re-join) the group at rank 0's address:port (`store`: rank 0's, opened by
         `open_rendezvous`); returns the seconds."""
         began = time.perf_counter()
