@@ -249,10 +249,15 @@ class TrainerGroup:
                 elif poll is not None and died_since(self.names[r], self._restarts.get(self.names[r])):
                     del pending[r]  # its call cannot succeed any more
                     lost.append(r)
-            if lost and self.elastic and self.k - len(lost) >= self.min_k:
-                pending, results = self._shrink(sorted(lost), pending, results)
-                lost = []
-            elif lost and self.elastic and not released:  # too few: every rank stops and rejoins from the shadow
+            if lost and self.elastic and not released:
+                try:
+                    if self.k - len(lost) >= self.min_k:
+                        pending, results = self._shrink(sorted(lost), pending, results)
+                        lost = []
+                        continue
+                except RayActorError:  # the new rank 0 is gone too
+                    lost = sorted(set(lost) | set(self.lost_ranks()))
+                # too few: every rank stops and rejoins from the shadow
                 self._release([r for r in pending if r not in lost], lost)
                 released = True
         return results, sorted(lost)
