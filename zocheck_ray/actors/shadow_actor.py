@@ -131,15 +131,20 @@ class ShadowActor:
         if self._gauges is None:
             self._gauges = {n: Gauge(f"zocheck_shadow_{n}", description=f"zocheck-ray shadow {n}",
                                      tag_keys=("run_id",)) for n in type(m).model_fields
-                            if n not in ("run_id", "incarnation", "regime", "source", "rank_seconds_per_step", "standby")
+                            if n not in ("run_id", "incarnation", "regime", "source", "rank_seconds_per_step", "standby",
+                                      "rank_shards", "last_group_change")
                             and not n.endswith("_error")}
             self._rank_gauge = Gauge("zocheck_shadow_rank_seconds_per_step", tag_keys=("run_id", "rank"),
                                      description="zocheck-ray trainer rank's mean step seconds (last segment)")
+            self._shards_gauge = Gauge("zocheck_shadow_rank_shards", tag_keys=("run_id", "rank"),
+                                       description="zocheck-ray trainer rank's shards of the batch")
         for name, gauge in self._gauges.items():
             if name in values:
                 gauge.set(values[name], tags={"run_id": m.run_id})
         for rank, seconds in enumerate(m.rank_seconds_per_step):
             self._rank_gauge.set(seconds, tags={"run_id": m.run_id, "rank": str(rank)})
+        for rank, shards in enumerate(m.rank_shards):
+            self._shards_gauge.set(len(shards), tags={"run_id": m.run_id, "rank": str(rank)})
 
     @ray.method(concurrency_group="control")
     def profile_replay(self, threads: int) -> float | None:

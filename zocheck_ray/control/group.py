@@ -130,7 +130,15 @@ class TrainerGroup:
     def trainer_times(self) -> TrainerTimes | None:
         """The last segment's step times and the standby's state, for the shadow's metrics."""
         recent = self.times.recent
-        return recent.model_copy(update={"standby": self.standby_state()}) if recent is not None else None
+        if recent is None:
+            return None
+        last = self.changes[-1] if self.changes else None
+        return recent.model_copy(update={
+            "standby": self.standby_state(), "ranks": self.k, "rank_shards": [list(h) for h in self.held],
+            "group_changes": len(self.changes),
+            "last_group_change": None if last is None else f"{last.kind} at step {last.step} to {last.ranks} ranks "
+                                                           f"({last.cause}), the others stalled "
+                                                           f"{last.stall_seconds:.3f} s"})
 
     def _drop_unready_standby(self) -> None:
         """End a standby still building when a rank is lost, so that its set-up leaves the cores to

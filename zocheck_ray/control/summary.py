@@ -66,9 +66,9 @@ class GroupChange(BaseModel):
     """Each rank's shards after the change."""
     cause: str
     stall_seconds: float
+    """The others' wait: the slowest survivor's (`shrink`), or the joiner's restore and the new group."""
     plan_wait_seconds: float | None = None
     """Of a shrink's stall: the wait for the controller's plan (its detection of the loss included)."""
-    """The others' wait: the slowest survivor's (`shrink`), or the joiner's restore and the new group."""
 
 
 class RunSummary(BaseModel):

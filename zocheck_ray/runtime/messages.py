@@ -220,6 +220,10 @@ class TrainerTimes(BaseModel):
     """Its metrics (`accuracy`; `f1` and `exact_match` for SQuAD; `loss`)."""
     standby: StandbyState = "none"
     """The warm standby: `none`, `starting` (building its model) or `ready` (replaces a lost rank at once)."""
+    ranks: int = 1
+    rank_shards: list[list[int]] = []
+    group_changes: int = 0
+    last_group_change: str | None = None
 
 
 class ShadowStatus(BaseModel):
@@ -322,6 +326,14 @@ class ShadowStats(BaseModel):
     """The newest held-out metrics (`accuracy`, `f1`, `exact_match`, `loss`, ...)."""
     standby: StandbyState = "none"
     """The warm standby: `none`, `starting` or `ready` (a lost rank is replaced at once)."""
+    ranks: int = 1
+    """The data-parallel ranks training now (k; an elastic group's changes over time)."""
+    rank_shards: list[list[int]] = []
+    """Each rank's shards of the batch (`task.shards`)."""
+    group_changes: int = 0
+    """Times an elastic group went on without a lost rank or took one back."""
+    last_group_change: str | None = None
+    """The newest of them: kind, step, ranks, cause and the others' stall."""
     regime: Literal["keep-pace", "lag", "unknown"]
     """The cost model's regime (`unknown`: no profile yet)."""
     source: str

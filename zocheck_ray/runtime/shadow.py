@@ -61,6 +61,8 @@ class Shadow:
         self.trainer_step: int | None = None
         self.rank_seconds_per_step: list[float] = []
         self.standby = "none"
+        self.group: dict = {}
+        """The ranks and their shards, as the controller last reported them (`note_trainers`)."""
         self.collective_seconds_per_step: float | None = None
         self.held_out_step: int | None = None
         self.held_out: dict[str, float] = {}
@@ -342,7 +344,7 @@ class Shadow:
             snapshot_seconds_median=statistics.median(copies) if copies else None,
             rank_seconds_per_step=self.rank_seconds_per_step, standby=self.standby,
             collective_seconds_per_step=self.collective_seconds_per_step, regime=self.regime, source=replay.source,
-            held_out_step=self.held_out_step, held_out=self.held_out,
+            held_out_step=self.held_out_step, held_out=self.held_out, **self.group,
         )
 
     def note_trainers(self, times: TrainerTimes) -> None:
@@ -351,6 +353,8 @@ class Shadow:
         self.collective_seconds_per_step = times.collective_seconds_per_step
         self.held_out_step, self.held_out = times.held_out_step, dict(times.held_out)
         self.standby = times.standby
+        self.group = {"ranks": times.ranks, "rank_shards": [list(h) for h in times.rank_shards],
+                      "group_changes": times.group_changes, "last_group_change": times.last_group_change}
 
     def close(self) -> bool:
         """Stop the stages (persistence seals the log first), then release the lease; returns whether it was
