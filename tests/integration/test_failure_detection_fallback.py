@@ -2,19 +2,17 @@
 fails (after Ray's wait for the death's details), and the run recovers as it does with one, exactly.
 
 The shared local instance (`local_ray`) is started without the dashboard, as a cluster may be, so every
-recovery test on it takes this path (test_standby.py's promotions too); with the state API:
-test_failure_detection.py.
+recovery test on it takes this path and ends exact (test_ray_recovery.py, test_standby.py's promotions); with
+the state API: test_failure_detection.py.
 """
 
 import pytest
 import ray
 
-from reference_runs import assert_exact, job_for, uninterrupted_hashes
 from support import wait_until
 from zocheck_ray.actors.names import NAMESPACE, actor_states, describe_actor, trainer_name
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.group import TrainerGroup
-from zocheck_ray.testing import run_with_faults as run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
@@ -57,10 +55,3 @@ def test_a_rank_that_dies_in_its_segment_is_lost_when_its_call_fails(tmp_path):
                                               "answer without a dashboard)")
     ray.kill(rank, no_restart=True)
 
-
-def test_a_killed_trainer_is_seen_and_recovered_exactly(tmp_path):
-    job = job_for(tmp_path)
-    summary = run(job, fail_at=[13], progress=None)
-    (recovery,) = summary.recoveries
-    assert recovery.failed_at_step == 13 and recovery.replaced_by == "restart"
-    assert_exact(summary, uninterrupted_hashes(job))
