@@ -50,13 +50,20 @@ def test_open_write_returns_every_byte_at_its_true_size(tmp_path, size):
 
 
 def test_buffered_fallback_writes_the_same_bytes(tmp_path, monkeypatch):
-    monkeypatch.setattr(storage_fs.os, "O_DIRECT", 0, raising=False)  # a platform without direct I/O
-    storage = open_storage(str(tmp_path / "store"), create=True)
-    data = os.urandom(DIRECT_BUFFER_BYTES + 77)
-    with storage.open_write("blob") as f:
-        assert type(f) is storage_fs._WritebackFile
-        f.write(data)
-    assert (tmp_path / "store" / "blob").read_bytes() == data
+    from zocheck_ray.host.capabilities import capabilities
+
+    monkeypatch.delattr(storage_fs.os, "O_DIRECT", raising=False)  # a platform without direct I/O
+    capabilities.cache_clear()  # probed again without it
+    try:
+        storage = open_storage(str(tmp_path / "store"), create=True)
+        data = os.urandom(DIRECT_BUFFER_BYTES + 77)
+        with storage.open_write("blob") as f:
+            assert type(f) is storage_fs._WritebackFile
+            f.write(data)
+        assert (tmp_path / "store" / "blob").read_bytes() == data
+    finally:
+        monkeypatch.undo()
+        capabilities.cache_clear()
 
 
 def test_a_direct_file_ends_at_its_flush(tmp_path):

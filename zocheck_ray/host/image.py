@@ -161,12 +161,8 @@ class SharedBuffer:
         if self.fd < 0:
             return
         self.bytes = None
-        region, self._map = self._map, None
-        if region is not None:
-            try:
-                region.close()
-            except BufferError:  # a view is still referenced (an exception's frame): unmapped with the last one
-                pass
+        _unmap(self._map)
+        self._map = None
         os.close(self.fd)
         self.fd = -1
 
@@ -192,12 +188,16 @@ class PrivateBuffer:
             return
         self.closed = True
         self.bytes = None
-        region, self._map = self._map, None
-        if region is not None:
-            try:
-                region.close()
-            except BufferError:
-                pass
+        _unmap(self._map)
+        self._map = None
+
+
+def _unmap(region: mmap.mmap | None) -> None:
+    if region is not None:
+        try:
+            region.close()
+        except BufferError:  # a view is still referenced (an exception's frame): unmapped with the last one
+            pass
 
 
 ImageBuffer = SharedBuffer | PrivateBuffer

@@ -37,10 +37,9 @@ def open_local_write(path: str):
     """A new local file to write: a `_DirectFile`, or a `_WritebackFile` where O_DIRECT is refused (or off)."""
     from zocheck_ray.host.capabilities import capabilities
 
-    flag = getattr(os, "O_DIRECT", 0)
-    if flag and capabilities().direct_io:
+    if capabilities().direct_io:  # O_DIRECT exists here and is not turned off
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise

@@ -196,7 +196,8 @@ class RecoveryInfo(BaseModel):
     copy_threads: int | None = None
     """The threads that copy ran on (`host.image.transfer_threads`)."""
     read_through: str | None = None
-    """How the image was read: `memfd` (opened on the shadow's node) or `ray` (windows through Ray)."""
+    """How the image was read: `memfd` (opened on the shadow's node), `ray` (windows through Ray) or `process`
+    (a state in this process)."""
     preinstalled: bool = False
     """The image was in the state already (a CPU standby copies each new one)."""
     replay_seconds: float | None = None

@@ -55,6 +55,7 @@ class StateOffer:
         self.adapter = adapter
         self.token = None  # a state of this process's: nothing to recognise it by later
         self.threads = 1  # `copy_into`'s
+        self.through = "process"  # no hand-over: the state is here
         self.layout = ImageLayout.of(state)
         self._release = release or (lambda: None)
 

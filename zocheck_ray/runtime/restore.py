@@ -104,6 +104,6 @@ class Restorer:
                             replayed_records=len(records), state_hash=digest, state_bytes=offer.layout.state_bytes,
                             preinstalled=preinstalled, copy_seconds=copy_seconds,
                             copy_threads=offer.threads if copy_seconds is not None else None,
-                            read_through=getattr(offer, "through", None) if copy_seconds is not None else None,
+                            read_through=offer.through if copy_seconds is not None else None,
                             install_seconds=loaded - began, replay_seconds=replayed - loaded,
                             replay_threads=replay_threads, hash_seconds=time.perf_counter() - replayed), records
