@@ -71,6 +71,17 @@ class Plan(BaseModel):
     """What the plan assumed where the inputs left a choice."""
 
 
+def _without_failures(timings: Timings, kind: str, lag_bound_steps: float | None, notes: list[str]):
+    """N, the resync bound, and (keep-pace only) the replay distance and recovery time, with no MTBF."""
+    n = snapshot_interval(timings)
+    if kind != "keep-pace":
+        notes.append("lag regime without an MTBF: N is the persistence bound; give mtbf_hours "
+                     "to balance snapshots against replay and to choose the resync bound")
+        return n, lag_bound_steps, None, None
+    distance = expected_replay_distance(n, availability_delay_steps(timings, "software"))
+    return n, lag_bound_steps, distance, keep_pace_recovery_seconds(timings, n, "software")
+
+
 def plan(
     timings: Timings,
     failures: FailureModel | None = None,
@@ -92,15 +103,7 @@ def plan(
     kind = regime(timings)
     waste: dict[str, WasteEstimate] = {}
     if failures is None:
-        n = snapshot_interval(timings)
-        distance = recovery = None
-        if kind == "keep-pace":
-            distance = expected_replay_distance(n, availability_delay_steps(timings, "software"))
-            recovery = keep_pace_recovery_seconds(timings, n, "software")
-        else:
-            notes.append("lag regime without an MTBF: N is the persistence bound; give mtbf_hours "
-                         "to balance snapshots against replay and to choose the resync bound")
-        bound = lag_bound_steps
+        n, bound, distance, recovery = _without_failures(timings, kind, lag_bound_steps, notes)
     else:
         check_failure_model(timings, failures)
         for strategy in STRATEGIES:
@@ -108,8 +111,7 @@ def plan(
                                checkpoint_interval_steps=checkpoint_interval_steps)
             waste[strategy] = expected_waste(timings, failures, config)
         zocheck = waste["zocheck"]
-        n = zocheck.config.snapshot_interval
-        bound = zocheck.config.lag_bound_steps
+        n, bound = zocheck.config.snapshot_interval, zocheck.config.lag_bound_steps
         distance, recovery = zocheck.replay_distance_steps, zocheck.recovery_seconds
     rate = lag_growth_steps_per_second(timings, n)
     if rate == 0:

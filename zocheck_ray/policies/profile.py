@@ -187,66 +187,30 @@ def profile_startup(
     if (known.replay_step_seconds is None) != (known.replay_threads is None):
         raise PolicyInputError("known.replay_threads", "give replay_step_seconds and replay_threads together")
     started = clock()
-    measure_gpu = known.gpu_step_seconds is None
-    scan_replay = known.replay_step_seconds is None
-    steps_needed = max(settings.warmup_steps + settings.timed_steps if measure_gpu else 0,
-                       settings.replays_needed if scan_replay else 0)
-    if steps_needed > settings.max_training_steps:
-        raise PolicyInputError(
-            "thread_counts",
-            f"{settings.warmup_steps} warm-up + {settings.timed_steps} timed steps and "
-            f"{len(settings.thread_counts)} thread counts x {1 + settings.replay_repeats} replays need "
-            f"{steps_needed} training steps, more than max_training_steps={settings.max_training_steps}; "
-            "try fewer thread_counts or replay_repeats",
-        )
+    steps_needed = _training_steps_needed(known, settings)
     measured: list[str] = []
-    gpu_samples: list[float] = []
-    if steps_needed:
-        step = _require("trainer_step", trainer_step)
-        for i in range(steps_needed):
-            seconds = _timed("trainer_step", lambda: step(i), clock)
-            if measure_gpu and i >= settings.warmup_steps:
-                gpu_samples.append(seconds)
+    gpu_samples = _time_training(trainer_step, steps_needed, known, settings, clock)
     gpu_step = known.gpu_step_seconds
-    if measure_gpu:
+    if known.gpu_step_seconds is None:
         gpu_step = statistics.median(gpu_samples)
         measured.append("gpu_step_seconds")
-
     by_threads: dict[int, float] = {}
-    if scan_replay:
-        replay = _require("replay_step", replay_step)
-        record = 0
-        for threads in settings.thread_counts:
-            samples = []
-            for repeat in range(1 + settings.replay_repeats):
-                seconds = _timed("replay_step", lambda: replay(record, threads), clock)
-                record += 1
-                if repeat:
-                    samples.append(seconds)
-            by_threads[threads] = statistics.median(samples)
+    if known.replay_step_seconds is None:
+        by_threads = _scan_replay(_require("replay_step", replay_step), settings, clock)
         threads = min(by_threads, key=lambda p: (by_threads[p], p))
         replay_seconds = by_threads[threads]
         measured.append("replay_step_seconds")
     else:
         threads, replay_seconds = known.replay_threads, known.replay_step_seconds
-
-    snapshot_samples: list[float] = []
-    persist_samples: list[float] = []
-    snapshot_cost, persist_time = known.snapshot_cost_seconds, known.persist_seconds
-    if snapshot_cost is None:
-        copy = _require("snapshot_copy", snapshot_copy)
-        snapshot_samples = [_timed("snapshot_copy", copy, clock) for _ in range(settings.snapshot_repeats)]
-        snapshot_cost = statistics.median(snapshot_samples)
-        measured.append("snapshot_cost_seconds")
-    if persist_time is None:
-        write = _require("persist", persist)
-        persist_samples = [_timed("persist", write, clock) for _ in range(settings.persist_repeats)]
-        persist_time = statistics.median(persist_samples)
-        measured.append("persist_seconds")
-
+    snapshot_samples = _samples("snapshot_copy", snapshot_copy, known.snapshot_cost_seconds,
+                                settings.snapshot_repeats, clock, measured, "snapshot_cost_seconds")
+    persist_samples = _samples("persist", persist, known.persist_seconds, settings.persist_repeats, clock,
+                               measured, "persist_seconds")
     timings = Timings(
         gpu_step_seconds=gpu_step, replay_step_seconds=replay_seconds,
-        snapshot_cost_seconds=snapshot_cost, persist_seconds=persist_time, **dict(extra_timings or {}),
+        snapshot_cost_seconds=statistics.median(snapshot_samples) if snapshot_samples else known.snapshot_cost_seconds,
+        persist_seconds=statistics.median(persist_samples) if persist_samples else known.persist_seconds,
+        **dict(extra_timings or {}),
     )
     chosen = plan(timings, failures, lag_bound_steps=lag_bound_steps, replay_threads=threads,
                   storage_share=storage_share)
@@ -256,3 +220,54 @@ def profile_startup(
         replay_threads=threads, timings=timings, plan=chosen, snapshot_interval=chosen.snapshot_interval,
         profile_seconds=clock() - started,
     )
+
+
+def _training_steps_needed(known: KnownTimings, settings: ProfileSettings) -> int:
+    """Training steps the profile runs: the timed GPU steps, and the records the replay scan consumes."""
+    needed = max(settings.warmup_steps + settings.timed_steps if known.gpu_step_seconds is None else 0,
+                 settings.replays_needed if known.replay_step_seconds is None else 0)
+    if needed > settings.max_training_steps:
+        raise PolicyInputError(
+            "thread_counts",
+            f"{settings.warmup_steps} warm-up + {settings.timed_steps} timed steps and "
+            f"{len(settings.thread_counts)} thread counts x {1 + settings.replay_repeats} replays need "
+            f"{needed} training steps, more than max_training_steps={settings.max_training_steps}; "
+            "try fewer thread_counts or replay_repeats",
+        )
+    return needed
+
+
+def _time_training(trainer_step, steps: int, known: KnownTimings, settings: ProfileSettings, clock) -> list[float]:
+    """Run `steps` training steps; the timed ones after warm-up, when the GPU step is not known."""
+    samples: list[float] = []
+    if steps:
+        step = _require("trainer_step", trainer_step)
+        for i in range(steps):
+            seconds = _timed("trainer_step", lambda: step(i), clock)
+            if known.gpu_step_seconds is None and i >= settings.warmup_steps:
+                samples.append(seconds)
+    return samples
+
+
+def _scan_replay(replay, settings: ProfileSettings, clock) -> dict[int, float]:
+    """Median replay seconds per thread count, each after one untimed replay."""
+    by_threads: dict[int, float] = {}
+    record = 0
+    for threads in settings.thread_counts:
+        samples = []
+        for repeat in range(1 + settings.replay_repeats):
+            seconds = _timed("replay_step", lambda: replay(record, threads), clock)
+            record += 1
+            if repeat:
+                samples.append(seconds)
+        by_threads[threads] = statistics.median(samples)
+    return by_threads
+
+
+def _samples(name: str, fn, known: float | None, repeats: int, clock, measured: list[str], field: str) -> list[float]:
+    """`repeats` timings of `fn` where its figure is not known (none where it is)."""
+    if known is not None:
+        return []
+    call = _require(name, fn)
+    measured.append(field)
+    return [_timed(name, call, clock) for _ in range(repeats)]
