@@ -39,11 +39,12 @@ FOLLOW_WAIT_SECONDS = 2.0
 """One wait of `TrainerActor.follow` for the shadow's next image (a promotion ends it within this)."""
 
 
-@ray.remote(concurrency_groups={"standby": 1, "regroup": 1})
+@ray.remote(concurrency_groups={"standby": 1, "regroup": 1, "report": 1})
 class TrainerActor:
     """One `Trainer`, a rank or the standby. Methods run in order on one thread; `follow` on its own, so a
     promotion (`rejoin`) waits only for the copy in progress (`_state`); `open_group` and `offer_plan` on
-    their own, as an elastic rank takes its new group while its `run` waits in an exchange."""
+    their own, as an elastic rank takes its new group while its `run` waits in an exchange; `peer_lost` on
+    its own too, as it waits for a failed exchange."""
 
     def __init__(self, job: dict, hooks=None, rank: int = 0, standby: bool = False):
         size_numba_pool()  # before anything imports numba in this process
@@ -135,6 +136,11 @@ class TrainerActor:
     @ray.method(concurrency_group="regroup")
     def offer_plan(self, rank: int, plan) -> None:
         self._trainer.offer_plan(rank, plan)
+
+    @ray.method(concurrency_group="report")
+    def peer_lost(self):
+        """Waits for this rank's next failed exchange; returns its `PeerLost` report (None: not built)."""
+        return self._trainer.next_loss() if self._trainer is not None else None
 
     def reform(self, generation: int) -> int:
         """At a step boundary, after `run`: join group `generation` unless an exchange already did."""

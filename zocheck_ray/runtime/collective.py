@@ -6,7 +6,9 @@
 
 Rank 0 opens a TCP store, every rank joins through it (as Ray Train does). An exchange carries a few float64
 numbers per shard (`runtime/shards.py`), so gloo serves CPU and GPU ranks alike. A dead peer's sockets close
-and `gather` raises `RankLostError`.
+and `gather` raises `RankLostError`; `lost_peers` then names it at once: every process listens on a socket
+that only its death closes, so a refused connection means the peer's process is gone (Ray says so a second
+later).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import socket
+import threading
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,8 +28,53 @@ TIMEOUT_SECONDS = 600.0
 """How long a join or a gather waits: long, as ranks wait in the gather while rank 0 evaluates."""
 
 
+PROBE_SECONDS = 2.0
+"""How long `lost_peers` waits for a peer's connection (a refusal comes at once; a lost node's never)."""
+ARRIVAL_POLL_SECONDS = 0.01
+"""Pause between a joining rank's looks at who reached the rendezvous."""
+
+
 class RankLostError(RuntimeError):
     """The collective failed: a peer rank died (or could not be reached)."""
+
+
+_liveness: socket.socket | None = None
+_liveness_lock = threading.Lock()
+
+
+def liveness_port() -> int:
+    """This process's liveness socket's port (opened on first use, closed only by the process's end)."""
+    global _liveness
+    with _liveness_lock:
+        if _liveness is None:
+            listener = socket.create_server(("", 0), backlog=64)
+            threading.Thread(target=_answer, args=(listener,), name="zocheck-liveness", daemon=True).start()
+            _liveness = listener
+        return _liveness.getsockname()[1]
+
+
+def _answer(listener: socket.socket) -> None:
+    while True:
+        connection, _ = listener.accept()
+        connection.close()
+
+
+def local_address(toward: str, port: int) -> str:
+    """This host's address on the route to `toward` (no packet is sent)."""
+    if ipaddress.ip_address(toward).is_loopback:
+        return toward
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((toward, port))
+        return probe.getsockname()[0]
+
+
+def alive(address: tuple[str, int], timeout: float = PROBE_SECONDS) -> bool:
+    """Whether a process listens at `address` (refused, unreachable or silent: False)."""
+    try:
+        socket.create_connection(address, timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def open_rendezvous(address: str, ranks: int, timeout: float = TIMEOUT_SECONDS) -> dist.TCPStore:
@@ -43,6 +93,10 @@ class LossGroup:
         """How often the group was formed."""
         self._store: dist.TCPStore | None = None
         """Rank 0's listening rendezvous between `listen` and `join`."""
+        self.key: tuple[str, int] | None = None
+        """The group's rendezvous (address, port): which group a report speaks of."""
+        self.peers: dict[int, tuple[str, int]] = {}
+        """Each other rank's liveness socket."""
 
     @property
     def joined(self) -> bool:
@@ -55,21 +109,48 @@ class LossGroup:
         return self._store.port
 
     def join(self, address: str, port: int, timeout: float = TIMEOUT_SECONDS,
-             store: dist.TCPStore | None = None) -> float:
+             store: dist.TCPStore | None = None, abandon: Callable[[], bool] | None = None) -> float:
         """Join (or re-join) the group at rank 0's address:port (`store`: rank 0's, opened by
-        `open_rendezvous`); returns the seconds."""
+        `open_rendezvous`); returns the seconds. Until every rank has arrived, `abandon()` True (a newer
+        plan) ends the wait with `RankLostError`, so a rank that dies before it arrives holds nobody."""
         began = time.perf_counter()
         store, self._store = store or self._store, None
         self.leave()
         if ipaddress.ip_address(address).is_loopback:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own lookup of the host name may not be
-        if store is None:  # every rank but rank 0: a client of rank 0's store
-            store = dist.TCPStore(address, port, self.ranks, is_master=False,
-                                  timeout=datetime.timedelta(seconds=timeout))
-        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.ranks,
-                                timeout=datetime.timedelta(seconds=timeout))
+        try:
+            if store is None:  # every rank but rank 0: a client of rank 0's store
+                store = dist.TCPStore(address, port, self.ranks, is_master=False,
+                                      timeout=datetime.timedelta(seconds=timeout))
+            self._arrive(store, local_address(address, port), timeout, abandon)
+            dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.ranks,
+                                    timeout=datetime.timedelta(seconds=timeout))
+            self.peers = {r: _address(store.get(f"zocheck/live/{r}").decode())
+                          for r in range(self.ranks) if r != self.rank}
+        except (RuntimeError, OSError) as exc:  # rank 0's store gone, or a rank that never came
+            if isinstance(exc, RankLostError):
+                raise
+            raise RankLostError(f"rank {self.rank}: could not join the group at {address}:{port} "
+                                f"({str(exc).splitlines()[0]})") from exc
+        self.key = (address, port)
         self.generation += 1
         return time.perf_counter() - began
+
+    def _arrive(self, store: dist.TCPStore, host: str, timeout: float, abandon: Callable[[], bool] | None) -> None:
+        """Leave this rank's liveness address in the store and wait until every rank has."""
+        store.set(f"zocheck/live/{self.rank}", f"{host}:{liveness_port()}")
+        store.add("zocheck/arrived", 1)
+        deadline = time.monotonic() + timeout
+        while store.add("zocheck/arrived", 0) < self.ranks:
+            if abandon is not None and abandon():
+                raise RankLostError(f"rank {self.rank}: a newer group was planned before every rank arrived")
+            if time.monotonic() > deadline:
+                raise RankLostError(f"rank {self.rank}: not every rank arrived within {timeout:g} s")
+            time.sleep(ARRIVAL_POLL_SECONDS)
+
+    def lost_peers(self, timeout: float = PROBE_SECONDS) -> list[int]:
+        """The other ranks whose process is gone (or whose node does not answer within `timeout`)."""
+        return [r for r, address in sorted(self.peers.items()) if not alive(address, timeout)]
 
     def leave(self) -> None:
         if dist.is_initialized():
@@ -89,3 +170,8 @@ class LossGroup:
         except RuntimeError as exc:
             raise RankLostError(f"rank {self.rank}: the all-gather failed ({str(exc).splitlines()[0]})") from exc
         return [tuple(t.tolist()) for t in out]
+
+
+def _address(text: str) -> tuple[str, int]:
+    host, port = text.rsplit(":", 1)
+    return host, int(port)

@@ -34,6 +34,23 @@ class GroupPlan(BaseModel):
         return len(self.held)
 
 
+class PeerLost(BaseModel):
+    """A survivor's report that its exchange failed, sent to the controller at once (Ray reports the dead
+    rank's call only after it has asked for the death's details)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    group: tuple[str, int]
+    """The group's rendezvous: a report of a group since left is stale."""
+    rank: int
+    step: int
+    exchange: int
+    """The exchange of `step` that failed (0: at +eps, 1: at -eps)."""
+    lost: tuple[int, ...]
+    """The ranks whose process the survivor found gone (empty: none, e.g. a timeout)."""
+    detail: str = ""
+
+
 def exchange_number(step: int, call: int) -> int:
     return step * CALLS_PER_STEP + call
 

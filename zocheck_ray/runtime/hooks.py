@@ -21,6 +21,9 @@ class TrainerHooks(Protocol):
         """Called before data-parallel rank `rank` sends its shards' losses of `step`'s `exchange`-th exchange
         (0: at +eps)."""
 
+    def before_regroup(self, rank: int, generation: int) -> None:
+        """Called before elastic rank `rank` joins the planned group `generation`."""
+
     def after_restore(self) -> None:
         """Called once a restored state is in place, before its records are replayed."""
 
@@ -46,6 +49,9 @@ class NoHooks:
         pass
 
     def before_exchange(self, rank: int, step: int, exchange: int) -> None:
+        pass
+
+    def before_regroup(self, rank: int, generation: int) -> None:
         pass
 
     def after_restore(self) -> None:

@@ -25,7 +25,7 @@ from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray.core.fused import warm_up
 from zocheck_ray.host.image import prepare_skeleton
 from zocheck_ray.runtime.collective import LossGroup, RankLostError, open_rendezvous
-from zocheck_ray.runtime.elastic import GroupPlan, catch_up, exchange_number, standing
+from zocheck_ray.runtime.elastic import CALLS_PER_STEP, GroupPlan, PeerLost, catch_up, exchange_number, standing
 from zocheck_ray.runtime.hooks import NO_HOOKS, TrainerHooks
 from zocheck_ray.runtime.messages import AdapterIdentity, KernelCheckInfo, KernelInfo, RecoveryInfo, Role, TrainerProgress
 from zocheck_ray.runtime.publisher import FLUSH_SECONDS, Publisher, ShadowLink
@@ -72,6 +72,8 @@ class Trainer:
         """A lost peer leaves this rank waiting for a smaller group, not torn."""
         self._plans: queue.Queue[tuple[int, GroupPlan]] = queue.Queue()
         self._rendezvous: dict[int, object] = {}
+        self._losses: queue.Queue[PeerLost] = queue.Queue()
+        """This rank's failed exchanges, for the controller (`next_loss`)."""
 
         self.generation = 0
 
@@ -301,7 +303,9 @@ class Trainer:
                 if not self.elastic:
                     raise
                 logger.warning("%s: waiting at step %d for the controller's smaller group", exc, t)
-                lost_at = lost_at or time.perf_counter()
+                if lost_at is None:
+                    lost_at = time.perf_counter()
+                    self._report_loss(t, number, exc)
                 adopted = self._regroup(number, inside=True)
                 if adopted is not None:  # a survivor completed this exchange before the loss
                     merged = adopted
@@ -318,6 +322,17 @@ class Trainer:
         return merged
 
     # ------------------------------------------------------------------ elastic groups
+
+    def _report_loss(self, t: int, number: int, exc: Exception) -> None:
+        """Tell the controller which peers' processes are gone (`next_loss`), before waiting for its plan."""
+        if self.group.key is None:
+            return
+        self._losses.put(PeerLost(group=self.group.key, rank=self.rank, step=t, lost=tuple(self.group.lost_peers()),
+                                  exchange=number - exchange_number(t, 0), detail=str(exc).splitlines()[0]))
+
+    def next_loss(self) -> PeerLost:
+        """The next failed exchange's report; waits for one."""
+        return self._losses.get()
 
     def open_group(self, address: str, ranks: int, generation: int) -> int:
         """As rank 0 of group `generation`: open its rendezvous (the training thread may wait in an exchange)."""
@@ -348,19 +363,23 @@ class Trainer:
             if not plan.held:
                 raise RankLostError(f"rank {self.rank}: too few ranks survive ({plan.cause}); rejoining from "
                                     "the shadow")
-            self._apply(rank, plan)
             try:
+                self._apply(rank, plan)
                 gathered = self.group.gather(standing(number, inside, self._last_exchange, self.shards))
             except RankLostError as exc:  # lost another peer meanwhile: wait for the next plan
                 logger.warning("%s: during the regroup", exc)
+                self._report_loss(number // CALLS_PER_STEP, number, exc)
                 continue
             return catch_up(gathered, number)
 
     def _apply(self, rank: int, plan: GroupPlan) -> None:
+        """Join `plan`'s group as `rank`; a newer plan ends the wait for the others (`RankLostError`)."""
+        self.hooks.before_regroup(self.rank, plan.generation)
+        self.group = LossGroup(rank, plan.ranks)
+        self.group.join(plan.address, plan.port, store=self._rendezvous.pop(plan.generation, None),
+                        abandon=lambda: not self._plans.empty())
         was_leader = self.rank == 0
         self.rank, self.ranks, self.held, self.generation = rank, plan.ranks, plan.held[rank], plan.generation
-        self.group = LossGroup(rank, plan.ranks)
-        self.group.join(plan.address, plan.port, store=self._rendezvous.pop(plan.generation, None))
         if rank == 0 and not was_leader:
             self.publisher.take_over()  # rank 0 sends the records; the shadow gets those the lost one had not
         logger.info("rank %d of %d from group %d (%s), shards %s", rank, plan.ranks, plan.generation, plan.cause,

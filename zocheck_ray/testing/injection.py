@@ -29,6 +29,9 @@ class FaultInjection(BaseModel):
     die_at_exchange: dict[int, list[tuple[int, int]]] = {}
     """Rank -> (step, exchange) before which the process serving that rank exits, once each (0: at +eps,
     1: at -eps): a rank lost mid-step."""
+    die_at_regroup: dict[int, list[int]] = {}
+    """Rank -> group generations before whose rendezvous the process serving that rank exits, once each: a
+    survivor lost while the group re-forms."""
     marker_dir: str | None = None
     """Where each exit leaves a marker, so the restarted process does not exit there again."""
     standby_builds_after: str | None = None
@@ -52,6 +55,13 @@ class FaultInjection(BaseModel):
             if not os.path.exists(marker):
                 open(marker, "w").close()
                 os._exit(1)  # its shards' losses of this exchange never leave the process
+
+    def before_regroup(self, rank: int, generation: int) -> None:
+        if generation in self.die_at_regroup.get(rank, ()):
+            marker = os.path.join(self.marker_dir, f"rank{rank}-regroup{generation}")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(1)  # planned into the new group, never arrives
 
     def after_restore(self) -> None:
         marker = self.crash_in_recovery_marker
