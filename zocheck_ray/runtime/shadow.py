@@ -38,7 +38,10 @@ from zocheck_ray.runtime.hooks import NO_HOOKS, ShadowHooks
 from zocheck_ray.storage import (CorruptSnapshotError, Lease, LeaseError, RulesVersionError, SnapshotNotFoundError,
                                  SnapshotStore, StorageError, recover)
 from zocheck_ray.core.dtypes import JOB_DTYPES
+from zocheck_ray.workload.errors import WorkloadError
 from zocheck_ray.workload.models import model_config_dict
+from zocheck_ray.workload.names import model_directory
+from zocheck_ray.workload.tokenization import byte_tokenizer_files, is_byte_level
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,7 @@ class Shadow:
         self.model_config: dict | None = None
         """The model's Hugging Face config for every snapshot of a full run, from the first trainer or the durable
         snapshot (the shadow never imports transformers to build it)."""
+        self._tokenizer: dict[str, str] | None = None  # `_tokenizer_files`, once known
         warm = threading.Thread(target=warm_up, args=(JOB_DTYPES[job.dtype], job.zo), name="zocheck-warm-up")
         warm.start()  # the replay kernel loads while storage is read; profiles then time the kernel, not its load
         self.ledger = RecordLedger(0, on_accept=lambda: self.replay.wake())
@@ -109,11 +113,24 @@ class Shadow:
             if self.model_config is None:  # a caller that gave none (the trainers of a run give theirs)
                 self.model_config = model_config_dict(self.job.model)
             meta["hf_config"] = self.model_config
+            meta["text_files"] = self._tokenizer_files()
         elif self.adapter is not None:
             meta["adapter_config"] = self.adapter.adapter_config
             meta["user"] = {ADAPTER_KEY: self.adapter.model_dump(mode="json"), BASE_KEY: {
                 "model": self.job.model, "dtype": self.job.dtype, "run_seed": self.job.run_seed}}
         return meta
+
+    def _tokenizer_files(self) -> dict[str, str]:
+        """A byte-level run's tokenizer (`byte_tokenizer_files`); others carry none."""
+        if self._tokenizer is None:
+            vocab, job = self.model_config.get("vocab_size"), self.job
+            try:
+                byte = vocab is not None and is_byte_level(model_directory(job.model), vocab, job.task.tokenizer)
+            except (WorkloadError, OSError) as exc:  # the model directory is not readable here
+                logger.warning("snapshots carry no tokenizer: %s", exc)
+                byte = False
+            self._tokenizer = byte_tokenizer_files(vocab) if byte else {}
+        return self._tokenizer
 
     def _on_image(self, image: Image) -> None:
         if self.persist is not None:

@@ -131,6 +131,8 @@ def write_model_dir(url: str, result, digest: str, source: str) -> None:
         storage.write_atomic(HF_CONFIG_FILE, json.dumps(result.meta.hf_config, indent=2, sort_keys=True).encode())
     if adapter is not None:  # a peft adapter directory: PeftModel.from_pretrained(base, url) loads it
         storage.write_atomic(ADAPTER_CONFIG_FILE, json.dumps(adapter, indent=2, sort_keys=True).encode())
+    for name, text in result.meta.text_files.items():  # a byte-level run's tokenizer
+        storage.write_atomic(name, text.encode())
     summary = {
         "step": result.step, "state_hash": digest, "storage": source,
         "snapshot_step": result.snapshot.step, "records_replayed": result.records_replayed,

@@ -33,6 +33,8 @@ class SnapshotMeta(BaseModel):
     `adapter_model.safetensors`."""
     user: dict[str, Any] = Field(default_factory=dict)
     """Any other JSON metadata."""
+    text_files: dict[str, str] = Field(default_factory=dict)
+    """Other files by name (a byte-level run's tokenizer), written and hashed with the tensors."""
 
     @field_validator("zo_config", "hf_config", mode="before")
     @classmethod

@@ -279,6 +279,9 @@ class SnapshotStore:
                 extras[ADAPTER_CONFIG_FILE] = json.dumps(meta.adapter_config, indent=2, sort_keys=True).encode()
             if (index := model_index(layout)) is not None:
                 extras[MODEL_INDEX_FILE] = index
+            if clash := sorted(meta.text_files.keys() & (extras.keys() | layout.keys() | {MANIFEST_FILE})):
+                raise ValueError(f"text_files may not replace the snapshot's own {clash}")
+            extras.update((name, text.encode()) for name, text in meta.text_files.items())
             for name, data in extras.items():
                 with self.storage.open_write(f"{directory}/{name}", durable=False) as f:
                     f.write(data)
@@ -321,9 +324,8 @@ class SnapshotStore:
             if digest.sha256 != entry.sha256 or digest.size != entry.size:
                 raise CorruptSnapshotError(f"{url} fails its SHA-256 check (the file is damaged)", url)
         hf_config = adapter_config = None
-        for name in (HF_CONFIG_FILE, MODEL_INDEX_FILE, ADAPTER_CONFIG_FILE):
-            if name not in manifest.files:
-                continue
+        text_files = {}
+        for name in sorted(manifest.files.keys() - {e.file for e in manifest.tensors}):
             rel = f"{directory}/{name}"
             url = self.storage.url_of(rel)
             data = self._read(rel)
@@ -333,11 +335,13 @@ class SnapshotStore:
                 hf_config = json.loads(data)
             if name == ADAPTER_CONFIG_FILE:
                 adapter_config = json.loads(data)
+            if name not in (HF_CONFIG_FILE, MODEL_INDEX_FILE, ADAPTER_CONFIG_FILE):
+                text_files[name] = data.decode()
         if _state_hash_of_files(manifest.tensors, manifest.files) != manifest.state_hash:
             url = self.storage.url_of(f"{directory}/{MANIFEST_FILE}")
             raise CorruptSnapshotError(f"the tensors of {info.url} do not hash to the state_hash in {url}", url)
         meta = SnapshotMeta(run_id=manifest.run_id, zo_config=manifest.zo_config, hf_config=hf_config,
-                            adapter_config=adapter_config, user=manifest.user)
+                            adapter_config=adapter_config, user=manifest.user, text_files=text_files)
         return tensors, meta
 
     def check(self, which: SnapshotInfo | int) -> SnapshotInfo:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal, Protocol, Sequence
 
@@ -62,6 +63,48 @@ class ByteTokenizer:
         return bytes((i - 2) % 256 for i in ids if i >= 2).decode("utf-8", errors="replace")
 
 
+EXACT_BYTE_VOCAB = 258
+"""From this vocab_size each byte has an id of its own."""
+
+
+def byte_tokenizer_files(vocab_size: int) -> dict[str, str]:
+    """A full snapshot's files with which `AutoTokenizer` encodes as `ByteTokenizer(vocab_size)`. Below
+    `EXACT_BYTE_VOCAB` bytes share ids (no exact decoder): its tokenizer.json makes it raise, naming `ByteTokenizer`."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "pad_token": "<pad>",
+              "split_special_tokens": True,  # "<s>" in a text is its bytes, as for ByteTokenizer
+              "model_max_length": 1_000_000_000, "clean_up_tokenization_spaces": False}
+    chars = _byte_chars()
+    vocab = {"<pad>": 0, "<s>": 1, **{chars[b]: 2 + b % (vocab_size - 2) for b in range(256)}}
+    special = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+    bos, a, b = ({"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"Sequence": {"id": "B", "type_id": 1}})
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    version = "1.0" if vocab_size >= EXACT_BYTE_VOCAB else (  # tokenizers raises, naming it
+        f"none: this run's byte-level tokenizer folds 256 bytes into {vocab_size - 2} ids, which no Hugging Face "
+        f"tokenizer decodes; use zocheck_ray.workload.tokenization.ByteTokenizer({vocab_size})")
+    tokenizer = {
+        "version": version, "truncation": None, "padding": None,
+        "added_tokens": [{"id": 0, "content": "<pad>", **special}, {"id": 1, "content": "<s>", **special}],
+        "normalizer": None, "pre_tokenizer": byte_level,
+        "post_processor": {"type": "TemplateProcessing", "single": [bos, a], "pair": [bos, a, b],
+                           "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": []},  # no merges: one token per byte
+    }
+    return {"tokenizer.json": json.dumps(tokenizer, ensure_ascii=False),
+            "tokenizer_config.json": json.dumps(config)}
+
+
+def _byte_chars() -> dict[int, str]:
+    # GPT-2's printable stand-in for each byte, which the ByteLevel pre-tokenizer and decoder use
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    rest = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
+
+
 OPT_BOS_ID = 0
 """MeZO's run.py sets OPT's `bos_token_id = 0`."""
 
@@ -104,9 +147,15 @@ def has_tokenizer(directory: str | Path | None) -> bool:
     return directory is not None and any((Path(directory) / f).is_file() for f in TOKENIZER_FILES)
 
 
+def is_byte_level(model_dir: str | Path | None, vocab_size: int, choice: TokenizerChoice = "auto") -> bool:
+    """Whether `load_tokenizer` gives a `ByteTokenizer` (a byte-level run's snapshot too)."""
+    return choice == "byte" or (choice == "auto" and not has_tokenizer(model_dir)) or \
+        _is_byte_snapshot(model_dir, vocab_size)
+
+
 def load_tokenizer(model_dir: str | Path | None, vocab_size: int, choice: TokenizerChoice = "auto") -> TextTokenizer:
     """The tokenizer for a model: `auto` the directory's own if it has one, else byte-level; `model` requires it."""
-    if choice == "byte" or (choice == "auto" and not has_tokenizer(model_dir)):
+    if is_byte_level(model_dir, vocab_size, choice):
         return ByteTokenizer(vocab_size)
     if not has_tokenizer(model_dir):
         where = "a model built from a named config" if model_dir is None else f"model directory {model_dir}"
@@ -114,6 +163,13 @@ def load_tokenizer(model_dir: str | Path | None, vocab_size: int, choice: Tokeni
                                  f"({', '.join(TOKENIZER_FILES)}); save one with tokenizer.save_pretrained "
                                  "or set task.tokenizer to 'byte'")
     return HFTokenizer(model_dir, OPT_BOS_ID if _model_type(model_dir) == "opt" else None)
+
+
+def _is_byte_snapshot(model_dir: str | Path | None, vocab_size: int) -> bool:
+    if model_dir is None or not (path := Path(model_dir) / "tokenizer.json").is_file():
+        return False
+    expected = byte_tokenizer_files(vocab_size)["tokenizer.json"].encode()
+    return path.stat().st_size == len(expected) and path.read_bytes() == expected
 
 
 def _model_type(model_dir: str | Path) -> str | None:
