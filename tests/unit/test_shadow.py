@@ -10,6 +10,7 @@ from zocheck_ray.host.memory import process_memory
 from zocheck_ray.runtime.shadow import Shadow
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import replay, state_hash
+from zocheck_ray.storage import snapshot_dir
 from zocheck_ray.workload.models import trainable_parameters
 
 
@@ -309,3 +310,48 @@ def test_the_shadow_never_imports_transformers_its_snapshots_carry_the_trainers_
     # without the config, the rebuilt shadow would have had to build it, and import transformers
     written = json.loads((tmp_path / job.run_id / snapshot_dir(10) / "config.json").read_text())
     assert written == json.loads(json.dumps(config))  # (id2label: JSON keys are strings)
+
+
+def test_the_best_dev_step_s_snapshot_is_pinned_against_retention_and_loads_to_that_step(job):
+    """With dev rows every evaluation step gets a durable snapshot, held until its dev loss is told; the lowest
+    (MeZO's `load_best_model_at_end`) is pinned in retention.json, so retention, which keeps the newest two,
+    never deletes it, and a shadow rebuilt from storage knows it."""
+    from zocheck_ray.storage import SnapshotStore
+    from zocheck_ray.storage.retention import read_retention
+
+    job = job.model_copy(update={"steps": 13, "task": job.task.model_copy(
+        update={"num_train": 8, "num_dev": 4, "eval_interval": 3})})
+    initial, opt, records = trained(job, 13)
+    shadow = Shadow(job)
+    try:
+        shadow.initialize(0, initial)
+        shadow.push(b"".join(r.to_bytes() for r in records))
+        assert shadow.replay.wait_replayed(13, timeout=60)
+        store = SnapshotStore(job.run_url, create=False)
+        # every evaluation step's snapshot is durable and held (replay waited for each), undecided yet
+        assert wait_until(lambda: {3, 6, 9, 12} <= {i.step for i in store.committed()})
+        shadow.note_dev({3: 0.5, 6: 0.7, 9: 0.6, 12: 0.5}, through=12)  # 3 and 12 tie: the first is MeZO's
+        m = shadow.drain(13)
+        assert (m.best_dev_step, m.best_dev_loss) == (3, 0.5)
+        assert m.best_dev_snapshot == f"{job.run_url}/{snapshot_dir(3)}"
+        assert [i.step for i in store.committed()] == [13, 12, 3]  # the newest two, and the pinned best
+        assert read_retention(store.storage).pins == {"best_dev": 3}
+        shadow.note_dev({13: 0.6}, through=13)
+        m = shadow.drain(13)
+        assert [i.step for i in store.committed()] == [13, 12, 3] and m.best_dev_step == 3
+        assert shadow.replica_hash() == (13, state_hash(opt.state_tensors()))  # the run's state is unchanged
+    finally:
+        shadow.close()
+    rebuilt = Shadow(job)  # as after a node loss: the pin is durable, retention at its start keeps it
+    try:
+        m = rebuilt.metrics()
+        assert (m.best_dev_step, m.best_dev_snapshot) == (3, f"{job.run_url}/{snapshot_dir(3)}")
+        assert 3 in [i.step for i in SnapshotStore(job.run_url, create=False).committed()]
+    finally:
+        rebuilt.close()
+    expected = {k: v.clone() for k, v in initial.items()}
+    replay(expected, records[:3], job.zo, start_step=0)
+    from transformers import AutoModelForCausalLM
+    loaded = AutoModelForCausalLM.from_pretrained(m.best_dev_snapshot)
+    for name, tensor in trainable_parameters(loaded):
+        assert torch.equal(tensor.detach(), expected[name]), name

@@ -5,7 +5,8 @@ record it still needs, and a record goes once every floor has passed it. The ima
 are read together, so a recovering trainer never sees a gap between them. The shadow writes each
 image into the previous one's memory when nobody reads it, so the ledger knows who does:
 persistence pins it, a recovering trainer borrows it, and the replay stage claims the memory
-before writing into it. The lock is never held while a caller does work.
+before writing into it. An image with `hold` (a dev evaluation's step) is not written over
+until persistence has saved it. The lock is never held while a caller does work.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class RecordLedger:
         """The step the next accepted record must carry."""
         self._floors = {REPLAY: next_step, LOG: next_step}
         self.image = None
-        """The newest image offered (any object with `.step`, `.lent` and `.pinned`)."""
+        """The newest image offered (any object with `.step`, `.lent`, `.pinned` and `.hold`)."""
         self._writing = False             # the image's memory is claimed: no image is offered meanwhile
         self._missing: str | None = None  # why an initialized shadow holds no image
         self.generation_start = next_step
@@ -123,15 +124,15 @@ class RecordLedger:
             self._release(REPLAY, image.step)
             self._lock.notify_all()
 
-    def claim(self, wait: bool = False, timeout: float = 300.0) -> tuple[Claim, object]:
+    def claim(self, wait: bool = False, timeout: float = 300.0, over_hold: bool = False) -> tuple[Claim, object]:
         """Claim the image's memory for writing; returns what was found and the image it held.
 
-        `busy` (pinned, claimed, or with `wait=False` being read) changes nothing; otherwise no image is
-        offered until `publish` or `unclaim`."""
+        `busy` (pinned, claimed, held until durable unless `over_hold`, or with `wait=False` being read)
+        changes nothing; otherwise no image is offered until `publish` or `unclaim`."""
         with self._lock:
-            if wait and not self._lock.wait_for(lambda: not self._busy(), timeout):
+            if wait and not self._lock.wait_for(lambda: not self._busy(over_hold), timeout):
                 raise TimeoutError(f"the image stayed pinned by persistence for {timeout:.0f} s")
-            if self._busy() or (not wait and self._read_now()):
+            if self._busy(over_hold) or (not wait and self._read_now()):
                 return "busy", self.image
             image, self.image, self._writing = self.image, None, True
             if image is None:
@@ -156,8 +157,9 @@ class RecordLedger:
         image = self.image
         return image is not None and image.lent > 0 and time.monotonic() < image.read_until
 
-    def _busy(self) -> bool:
-        return self._writing or (self.image is not None and self.image.pinned)
+    def _busy(self, over_hold: bool = False) -> bool:
+        image = self.image
+        return self._writing or (image is not None and (image.pinned or (image.hold and not over_hold)))
 
     def pin(self, skip_step: int | None, due: Callable[[int], bool] = lambda step: True):
         """The newest image for the persistence stage, pinned until `unpin`, unless at `skip_step` or not `due`."""
@@ -168,9 +170,11 @@ class RecordLedger:
             image.pinned = True
             return image
 
-    def unpin(self, image) -> None:
+    def unpin(self, image, durable: bool = False) -> None:
+        """Persistence is done with `image`; `durable`: it was saved, so a `hold` on it ends."""
         with self._lock:
             image.pinned = False
+            image.hold = image.hold and not durable
             self._lock.notify_all()
 
     def recovery_view(self, lend: bool = False, timeout: float = 300.0):

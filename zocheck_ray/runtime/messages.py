@@ -324,7 +324,13 @@ class ShadowStats(BaseModel):
     held_out_step: int | None = None
     """The step of the newest held-out evaluation."""
     held_out: dict[str, float] = {}
-    """The newest held-out metrics (`accuracy`, `f1`, `exact_match`, `loss`, ...)."""
+    """The newest held-out metrics (`accuracy`, `f1`, `exact_match`, `loss`, ...; `dev_loss`, ... with dev rows)."""
+    best_dev_step: int | None = None
+    """With dev rows (`task.num_dev`): the step of the lowest `dev_loss` so far, after step 0."""
+    best_dev_loss: float | None = None
+    """Its `dev_loss`."""
+    best_dev_snapshot: str | None = None
+    """Its durable snapshot, pinned against retention (None until committed): a `from_pretrained` directory."""
     standby: StandbyState = "none"
     """The warm standby: `none`, `starting` or `ready` (a lost rank is replaced at once)."""
     ranks: int = 1

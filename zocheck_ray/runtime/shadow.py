@@ -34,6 +34,7 @@ from zocheck_ray.core import StepRecord
 from zocheck_ray.core.errors import CorruptRecordError
 from zocheck_ray.core.fused import warm_up
 from zocheck_ray.core.record import decode_records
+from zocheck_ray.runtime.best_dev import PIN, BestDev
 from zocheck_ray.runtime.hooks import NO_HOOKS, ShadowHooks
 from zocheck_ray.storage import (CorruptSnapshotError, Lease, LeaseError, RulesVersionError, SnapshotNotFoundError,
                                  SnapshotStore, StorageError, recover)
@@ -83,8 +84,9 @@ class Shadow:
         warm.start()  # the replay kernel loads while storage is read; profiles then time the kernel, not its load
         self.ledger = RecordLedger(0, on_accept=lambda: self.replay.wake())
         self.persist: PersistStage | None = None
+        self.best_dev = BestDev(job)
         self.replay = ReplayStage(self.ledger, job, self._on_image, threads, hooks, token_prefix=self.incarnation,
-                                  nice=nice)
+                                  nice=nice, forced=self.best_dev.forced, hold_forced=persist)
         self.lease: Lease | None = None
         if persist:
             self.lease = _with_retries(lambda: Lease(job.run_url, job.storage_options,
@@ -94,8 +96,10 @@ class Shadow:
             self.lease.start_heartbeat()
             store = _with_retries(lambda: SnapshotStore(job.run_url, job.storage_options, lease=self.lease),
                                   f"opening the snapshot store {job.run_url}")
-            self.persist = PersistStage(self.ledger, job, store, self.lease, self._snapshot_meta, nice=nice)
+            self.persist = PersistStage(self.ledger, job, store, self.lease, self._snapshot_meta, nice=nice,
+                                        holds=self.best_dev.holds)
             try:
+                self.best_dev.restore(_with_retries(self.persist.load_retention, f"reading {job.run_url}'s retention"))
                 self._durable_rebuild(store)
             except BaseException:  # storage nothing can resume from: the next writer need not wait for the lease
                 self.lease.release()
@@ -362,7 +366,14 @@ class Shadow:
             rank_seconds_per_step=self.rank_seconds_per_step, standby=self.standby,
             collective_seconds_per_step=self.collective_seconds_per_step, regime=self.regime, source=replay.source,
             held_out_step=self.held_out_step, held_out=self.held_out, **self.group,
+            best_dev_step=self.best_dev.step, best_dev_loss=self.best_dev.loss,
+            best_dev_snapshot=persist.pinned.get(PIN, (None, None))[1] if persist else None,
         )
+
+    def note_dev(self, losses: dict[int, float], through: int) -> None:
+        """The trainer's dev losses by step, evaluated up to `through`: the best is pinned, the rest released."""
+        if self.best_dev.note(losses, through) and self.persist is not None:
+            self.persist.want_retention(self.best_dev.retention())
 
     def note_trainers(self, times: TrainerTimes) -> None:
         """The trainers' step times, as the controller measured them over its last segment."""

@@ -27,8 +27,9 @@ from zocheck_ray.core import StepRecord, ZOConfig, replay, state_hash
 from zocheck_ray.core.layout import ALL_MOMENT_PREFIXES, Layout, moment_prefixes
 from zocheck_ray.core.fused import default_threads
 from zocheck_ray.runtime.hooks import ShadowHooks
-from zocheck_ray.storage import (Lease, LeaseError, LeaseHeldError, SnapshotStore, StepLog, StorageError,
-                                 StorageFullError)
+from zocheck_ray.storage import (CorruptSnapshotError, Lease, LeaseError, LeaseHeldError, SnapshotNotFoundError,
+                                 SnapshotStore, StepLog, StorageError, StorageFullError)
+from zocheck_ray.storage.retention import Retention
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +48,16 @@ STARTUP_STORAGE_SECONDS = 120.0
 
 
 class Image:
-    """A frozen copy of the replica at `step`; `lent` and `pinned` change only in the ledger, under its lock."""
+    """A frozen copy of the replica at `step`; `lent`, `pinned` and `hold` change only in the ledger, under its
+    lock."""
 
-    def __init__(self, step: int, buffer: ImageBuffer, layout: ImageLayout, token: str):
+    def __init__(self, step: int, buffer: ImageBuffer, layout: ImageLayout, token: str, hold: bool = False):
         self.step, self.buffer, self.layout, self.token = step, buffer, layout, token
         self.lent = 0
         self.read_until = 0.0
         self.pinned = False
+        self.hold = hold
+        """Not written over until persistence saved it (a dev evaluation's step)."""
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The image's tensors: views of its buffer, never written."""
@@ -83,11 +87,15 @@ class Budget:
 
 
 class ReplayStage:
-    """Owns the replica and the image memory: applies the ledger's records, snapshots at multiples of N."""
+    """Owns the replica and the image memory: applies the ledger's records, snapshots at multiples of N and at
+    the steps `forced` names (held until durable where `hold_forced`)."""
 
     def __init__(self, ledger: RecordLedger, job: JobConfig, on_image: Callable[[Image], None],
-                 threads: int | None, hooks: ShadowHooks, token_prefix: str = "", nice: int = 0):
+                 threads: int | None, hooks: ShadowHooks, token_prefix: str = "", nice: int = 0,
+                 forced: Callable[[int], int | None] = lambda step: None, hold_forced: bool = False):
+        """`forced(step)`: the first step after `step` that must have its own image, or None."""
         self.ledger = ledger
+        self._forced, self._hold_forced = forced, hold_forced
         self._nice = nice
         self.zo = job.zo
         self.threads = threads
@@ -178,8 +186,13 @@ class ReplayStage:
     def _replay_batch(self) -> bool:
         if self.replica is None or self.error is not None or self._hooks.replay_stalled:
             return False
+        if self._forced_missing():
+            return False  # a forced step waits for its image: replaying on would lose that state
         n = self.snapshot_interval
         boundary = (self.replayed_step // n + 1) * n
+        forced = self._forced(self.replayed_step)
+        if forced is not None:
+            boundary = min(boundary, forced)
         batch = self.ledger.read(self.replayed_step, boundary, MAX_REPLAY_BATCH)
         if not batch:
             return False
@@ -199,9 +212,21 @@ class ReplayStage:
         with self._progress:
             self.replayed_step += len(batch)
             self._progress.notify_all()
-        if self.replayed_step % n == 0:
+        if self.replayed_step % n == 0 or self.replayed_step == forced:
             self._snapshot(wait=False)
         return True
+
+    def _forced_missing(self) -> bool:
+        """The replica stands at a forced step without its image: try again; whether it is still missing."""
+        step = self.replayed_step
+        if step == 0 or self._forced(step - 1) != step:
+            return False
+        image = self.ledger.image
+        if image is not None and image.step == step:
+            return False
+        if not self.ledger.writable_now():
+            return True  # persistence saves the image before (or a reader gives it back): polled again soon
+        return self._snapshot(wait=False) is None and self.snapshot_error is None
 
     # ------------------------------------------------------------------ images
 
@@ -235,7 +260,8 @@ class ReplayStage:
         return buffer
 
     def _offer(self, buffer: ImageBuffer, step: int) -> Image:
-        image = Image(step, buffer, self.layout, next(self._tokens))
+        hold = self._hold_forced and step > 0 and self._forced(step - 1) == step
+        image = Image(step, buffer, self.layout, next(self._tokens), hold=hold)
         self.ledger.publish(image)
         self.snapshots_taken += 1
         self._on_image(image)
@@ -259,7 +285,8 @@ class ReplayStage:
             return self.intake  # a second request (the first writer was lost): the same memory
         if self.intake is not None:
             self.abort_intake()
-        kind, old = self.ledger.claim(wait=True, timeout=timeout)
+        # A trainer's state replaces the replica: a held image not yet durable is given up for it.
+        kind, old = self.ledger.claim(wait=True, timeout=timeout, over_hold=True)
         self.intake, self._intake_layout = self._memory_for(kind, old, layout), layout
         return self.intake
 
@@ -444,12 +471,20 @@ def _longer(backoff: float) -> float:
 
 
 class PersistStage:
-    """Owns the snapshot store and the step log: makes records and images durable, whatever the store does."""
+    """Owns the snapshot store, the step log and `retention.json`: makes records, images and pins durable,
+    whatever the store does."""
 
     def __init__(self, ledger: RecordLedger, job: JobConfig, store: SnapshotStore, lease: Lease,
-                 meta: Callable[[], dict], nice: int = 0):
-        """`meta()`: what the next snapshot carries besides its tensors."""
+                 meta: Callable[[], dict], nice: int = 0, holds: Callable[[int], bool] = lambda step: False):
+        """`meta()`: what the next snapshot carries besides its tensors; `holds(step)`: its snapshot is saved
+        with `hold` (and always persisted)."""
         self.ledger = ledger
+        self._holds = holds
+        self.retention = Retention()
+        """What `retention.json` says now (`load_retention`)."""
+        self._wanted_retention: Retention | None = None
+        self.pinned: dict[str, tuple[int, str]] = {}
+        """Each pin whose snapshot is committed: its (step, URL)."""
         self._nice = nice
         self.job = job
         self.store = store
@@ -492,10 +527,32 @@ class PersistStage:
         self._wake.set()
         with self._durable:
             begun = self.failures  # only fullness met while waiting ends the wait: space freed before counts
+            done = lambda: self.durable_step == step and self._log_covers(step) and self._wanted_retention is None
             return self._durable.wait_for(lambda: self.stopped is not None or (
-                self.full and self.failures - begun >= FULL_TRIES) or (
-                self.durable_step == step and self._log_covers(step)), timeout) \
-                and self.stopped is None and self.durable_step == step and self._log_covers(step)
+                self.full and self.failures - begun >= FULL_TRIES) or done(), timeout) \
+                and self.stopped is None and done()
+
+    def load_retention(self) -> Retention:
+        """Read `retention.json` and find its pinned snapshots (before the thread starts)."""
+        self.retention = self.store.retention()
+        self.pinned = self._committed_pins(self.retention, {})
+        return self.retention
+
+    def _committed_pins(self, retention: Retention, known: dict[str, tuple[int, str]]) -> dict[str, tuple[int, str]]:
+        pinned = {name: at for name, at in known.items() if retention.pins.get(name) == at[0]}
+        for name, step in retention.pins.items():
+            if name not in pinned:
+                try:
+                    pinned[name] = (step, self.store.get(step).url)
+                except (SnapshotNotFoundError, CorruptSnapshotError):
+                    pass  # not saved yet (its save names it), or damaged
+        return pinned
+
+    def want_retention(self, retention: Retention) -> None:
+        """Write `retention` before any later snapshot (so none of them prunes what it keeps)."""
+        with self._durable:
+            self._wanted_retention = retention if retention != self.retention else None
+        self._wake.set()
 
     @property
     def full(self) -> bool:
@@ -528,6 +585,7 @@ class PersistStage:
                 self._persist_log(seal=stopping or self._seal_requested)
                 log_failed, log_backoff = False, 0.0
                 if stopping or time.monotonic() >= image_retry_at:
+                    self._persist_retention()
                     self._persist_image()
                     image_backoff = 0.0
                     self._recovered()
@@ -615,20 +673,35 @@ class PersistStage:
         self.ledger.release(LOG, (durable + 1) if durable is not None else self.ledger.generation_start)
 
     def _due(self, step: int) -> bool:
-        return step % self.durable_interval == 0 or step == self._wanted_step or step == self.ledger.generation_start
+        return step % self.durable_interval == 0 or step == self._wanted_step or step == self.ledger.generation_start \
+            or self._holds(step)
+
+    def _persist_retention(self) -> None:
+        wanted = self._wanted_retention
+        if wanted is None:
+            return
+        self.store.set_retention(wanted)
+        self.pinned = self._committed_pins(wanted, self.pinned)  # before a waiter reads it
+        with self._durable:
+            self.retention = wanted
+            if self._wanted_retention is wanted:
+                self._wanted_retention = None
+            self._durable.notify_all()
 
     def _persist_image(self) -> None:
         image = self.ledger.pin(skip_step=self.durable_step, due=self._due)  # read in place: pinned, not rewritten
         if image is None:
             return
         self.persist_in_flight = True
-        started = time.perf_counter()
+        started, saved = time.perf_counter(), None
         try:
-            self.store.save(image.step, image.tensors(), self._meta())
+            saved = self.store.save(image.step, image.tensors(), self._meta(), hold=self._holds(image.step))
         finally:
-            self.ledger.unpin(image)
+            self.ledger.unpin(image, durable=saved is not None)
             self.persist_in_flight = False
             self.last_persist_seconds = time.perf_counter() - started
+        self.pinned = {**self.pinned, **{name: (step, saved.url) for name, step in self.retention.pins.items()
+                                         if step == saved.step}}
         # Before the snapshot is reported durable, so a drained run's log is already collected.
         try:
             committed = self.store.committed()
@@ -641,3 +714,4 @@ class PersistStage:
             self.snapshots_persisted += 1
             self._recovered()  # before the waiters are told
             self._durable.notify_all()
+

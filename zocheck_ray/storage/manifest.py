@@ -79,6 +79,8 @@ class Manifest(BaseModel):
     user: dict[str, Any] = Field(default_factory=dict)
     rules_version: int = Field(1, ge=1)
     """`core.record.RULES_VERSION` of the run (absent before version 2)."""
+    held: bool = False
+    """Saved with `hold`: retention keeps it until `retention.json` releases or pins it."""
 
     def encode(self) -> bytes:
         body = self.model_dump(mode="json")

@@ -8,7 +8,8 @@ A snapshot is a directory `snapshots/step-000000001234/` that `from_pretrained` 
 `manifest.json`, which lists every tensor and every file's SHA-256 and is written last: it is the
 commit marker. A directory without one is never loaded, and a manifest carries its own checksum,
 so a damaged one is never trusted. Retention deletes the manifest first, so a snapshot is
-uncommitted before any of its files go.
+uncommitted before any of its files go; it keeps the newest `keep` and what `retention.json`
+pins or holds (storage/retention.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from zocheck_ray.storage.hf_layout import (
 from zocheck_ray.storage.lease import Lease, check_lease_for, require_lease
 from zocheck_ray.host.localfile import staging_reuse
 from zocheck_ray.storage.manifest import FileEntry, Manifest, SnapshotMeta, TensorEntry
+from zocheck_ray.storage.retention import RETENTION_FILE, Retention, read_retention
 from zocheck_ray.core.dtypes import BY_NAME
 from zocheck_ray.storage.tensorfile import CHUNK_BYTES, read_tensors, write_tensors
 
@@ -191,11 +193,13 @@ class SnapshotStore:
     # ------------------------------------------------------------------ saving
 
     def save(self, step: int, tensors: Mapping[str, torch.Tensor],
-             meta: SnapshotMeta | Mapping[str, Any] | None = None, *, state_hash: str | None = None) -> SnapshotInfo:
+             meta: SnapshotMeta | Mapping[str, Any] | None = None, *, state_hash: str | None = None,
+             hold: bool = False) -> SnapshotInfo:
         """Write a snapshot of `tensors` at `step`, commit it, then prune old ones; returns once it is durable.
 
         A step committed already with the same state returns unchanged (with another, raises). The tensors
-        must not change meanwhile. `state_hash`: what the caller expects; a mismatch commits nothing."""
+        must not change meanwhile. `state_hash`: what the caller expects; a mismatch commits nothing.
+        `hold`: kept until `retention.json` releases it (`Retention`)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if state_hash is not None and (not isinstance(state_hash, str) or not _HEX_SHA256.match(state_hash)):
@@ -221,7 +225,7 @@ class SnapshotStore:
             self.storage.remove_tree(directory)  # a save that never committed (or a damaged manifest)
         try:
             with staging_reuse():  # the files' staging buffers pass from one file to the next, and go after
-                info = self._write_and_commit(step, directory, entries, tensors, meta, state_hash)
+                info = self._write_and_commit(step, directory, entries, tensors, meta, state_hash, hold)
         except BaseException:
             self._remove_torn(directory)
             raise
@@ -229,7 +233,7 @@ class SnapshotStore:
         return info
 
     def _write_and_commit(self, step: int, directory: str, entries: list, tensors: Mapping[str, torch.Tensor],
-                          meta: SnapshotMeta, state_hash: str | None) -> SnapshotInfo:
+                          meta: SnapshotMeta, state_hash: str | None, hold: bool) -> SnapshotInfo:
         self.storage.make_dirs(directory)
         self.storage.sync_dir(SNAPSHOTS_DIR)
         files, file_of = self._write_files(directory, tensors, meta)
@@ -245,7 +249,8 @@ class SnapshotStore:
         check_lease_for(self.lease, self.storage)  # a writer that lost the lease commits nothing
         manifest = Manifest(step=step, run_id=meta.run_id, created_unix=time.time(), state_hash=digest_of_state,
                             tensors=tensor_entries,
-                            files=files, zo_config=meta.zo_config, user=meta.user, rules_version=RULES_VERSION)
+                            files=files, zo_config=meta.zo_config, user=meta.user, rules_version=RULES_VERSION,
+                            held=hold)
         self.storage.write_atomic(f"{directory}/{MANIFEST_FILE}", manifest.encode())  # the commit
         return SnapshotInfo(step, self.storage.url_of(directory), manifest)
 
@@ -381,16 +386,33 @@ class SnapshotStore:
 
     # ------------------------------------------------------------------ retention and cleanup
 
+    def retention(self) -> Retention:
+        """What `retention.json` pins and holds (`storage/retention.py`)."""
+        return read_retention(self.storage)
+
+    def set_retention(self, retention: Retention) -> list[int]:
+        """Write `retention.json` atomically, then prune; returns the steps removed."""
+        check_lease_for(self.lease, self.storage)
+        self.storage.write_atomic(RETENTION_FILE, retention.encode())
+        return self.prune()
+
     def prune(self) -> list[int]:
-        """Delete all but the newest `keep` committed snapshots; returns the steps removed."""
+        """Delete all but the newest `keep` committed snapshots and those `retention.json` keeps; returns the
+        steps removed."""
         check_lease_for(self.lease, self.storage)
         kept: list[int] = []
         removed, doomed = [], []
+        retention = None
         for step, directory in self._steps():
             if len(kept) < self.keep:
                 if self._info(step, directory) is not None:
                     kept.append(step)
                 continue  # an uncommitted directory newer than a kept snapshot may be a save in flight
+            retention = retention or self.retention()
+            if step in retention.pins.values():
+                continue
+            if (info := self._info(step, directory)) is not None and retention.keeps(step, info.manifest.held):
+                continue
             # Uncommit first: once the manifest is gone, no reader can pick a half-deleted snapshot.
             self.storage.remove(f"{directory}/{MANIFEST_FILE}")
             if self.storage.local:
