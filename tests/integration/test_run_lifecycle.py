@@ -8,6 +8,7 @@ import ray
 
 from reference_runs import SMALL_TASK, assert_exact, job_for, uninterrupted_hashes
 from zocheck_ray.actors.names import NAMESPACE, shadow_name
+from zocheck_ray.actors.trainer_actor import TrainerActor
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.control import RunFailedError
 from zocheck_ray.control.placement import Placement
@@ -15,6 +16,8 @@ from zocheck_ray.control.profile import profile_steps
 from zocheck_ray.storage import read_lease
 from zocheck_ray.storage.fs import open_storage
 from zocheck_ray.testing import run_with_faults as run
+from zocheck_ray.testing.injection import FaultInjection
+from zocheck_ray.workload.errors import WorkloadError
 from zocheck_ray.train_cli import result_table
 
 pytestmark = pytest.mark.usefixtures("local_ray")  # conftest: the local Ray instance (slow)
@@ -30,12 +33,26 @@ def profiled_job(tmp_path, steps: int) -> JobConfig:
                                          hash_every_step=True, zo=dict(lr=2e-3, eps=1e-3), task=SMALL_TASK))
 
 
-def test_a_failed_run_has_released_its_lease(tmp_path):
+def test_a_failed_run_has_released_its_lease(tmp_path, capfd):
     job = job_for(tmp_path, steps=12, failure={"max_restarts": 0})
     with pytest.raises(RunFailedError, match="more than failure.max_restarts=0"):
         run(job, fail_at=[5], progress=None)
     lease = lease_of(job)
     assert lease is not None and lease.released
+
+    # A trainer that refuses in its constructor: the run ends in one line, its lease released, and Ray prints no
+    # traceback, as the constructor returns and the trainer's first call raises the error instead.
+    refused, faults = job.model_copy(update={"run_id": "refused"}), FaultInjection(build_error="no weights here")
+    with pytest.raises(RunFailedError) as failed:
+        run(refused, faults=faults, progress=None)
+    assert str(failed.value) == "run refused failed at step 0: the trainers could not start: no weights here"
+    assert lease_of(refused).released
+    trainer = TrainerActor.remote(refused.model_dump(mode="json"), faults)
+    assert ray.get(trainer.pid.remote()) > 0  # alive: Ray has no constructor's error to print
+    with pytest.raises(WorkloadError, match="no weights here"):  # the error itself, from its first call
+        ray.get(trainer.recovery.remote())
+    ray.kill(trainer)
+    assert "creation task" not in capfd.readouterr().err
 
 
 def test_extending_a_finished_run_works_at_once_with_a_profile_or_without_one(tmp_path):

@@ -35,6 +35,11 @@ def size_numba_pool() -> None:
     os.environ["NUMBA_NUM_THREADS"] = str(max(RECOVERY_THREADS, process_cpus()))
 
 
+def _ours(exc: Exception) -> bool:
+    """Whether `exc` is a zocheck-ray error, or Ray's report of one raised by a remote call."""
+    return any(cls.__module__.startswith("zocheck_ray.") for cls in type(exc).__mro__)
+
+
 FOLLOW_WAIT_SECONDS = 2.0
 """One wait of `TrainerActor.follow` for the shadow's next image (a promotion ends it within this)."""
 
@@ -57,10 +62,20 @@ class TrainerActor:
         self.prepared_by: Prepared | None = None  # which call built the trainer
         self._state = threading.Lock()  # held while `follow` copies or `rejoin` restores
         self._rejoined = threading.Event()  # ends a `follow`
+        self._refusal: Exception | None = None
         if not (restarted and job.get("failure", {}).get("standby")):
-            self._prepare("constructor")
+            try:
+                self._prepare("constructor")
+            except Exception as exc:
+                if restarted or standby or not _ours(exc):
+                    raise
+                # Ray prints a constructor's error with its traceback, above the run's one line: a rank's first
+                # start raises it from its first call instead (a restart or a standby still ends as Ray reports)
+                self._refusal = exc
 
     def _prepare(self, by: Prepared) -> None:
+        if self._refusal is not None:
+            raise self._refusal
         if self._trainer is not None:
             return
         from zocheck_ray.host.heap import settling_heap

@@ -34,6 +34,8 @@ class FaultInjection(BaseModel):
     survivor lost while the group re-forms."""
     marker_dir: str | None = None
     """Where each exit leaves a marker, so the restarted process does not exit there again."""
+    build_error: str | None = None
+    """A message a rank's first build raises as a `WorkloadError`: a trainer that refuses in its constructor."""
     standby_builds_after: str | None = None
     """A path: a process created as the standby builds its model only once the file exists (a loss meets a
     standby that is not ready)."""
@@ -70,6 +72,10 @@ class FaultInjection(BaseModel):
             os._exit(1)  # die with the image loaded and its records not yet replayed
 
     def before_build(self, standby: bool) -> None:
+        if self.build_error and not standby:
+            from zocheck_ray.workload.errors import WorkloadError
+
+            raise WorkloadError(self.build_error)
         while standby and self.standby_builds_after and not os.path.exists(self.standby_builds_after):
             time.sleep(0.05)
 
