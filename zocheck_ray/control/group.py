@@ -4,9 +4,7 @@ A single trainer is a group of one; data parallel is k ranks in one gloo process
 `run` returns a lost rank as a `Failure` value, so the controller decides what to do.
 `recover` replaces a lost rank by the ready standby (the restarted process becomes the next
 one) or by Ray's restart, and rejoins every rank at the shadow's step. An elastic group
-(`scaling.trainers: {min, max}`) instead re-forms mid-step without the lost rank (`_shrink`):
-the survivors take its shards and train on; the process Ray restarts joins at a later step
-boundary (`grow`).
+(`control/elastic_group.py`) re-forms mid-step without a lost rank instead.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ from zocheck_ray.runtime.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.outcomes import Restored, StepTimes
 from zocheck_ray.control.summary import GroupChange
-from zocheck_ray.runtime.elastic import GroupPlan, deal
 from zocheck_ray.runtime.shards import assign, shard_count
 from zocheck_ray.control.policy import Failure
 
@@ -63,21 +60,10 @@ class TrainerGroup:
         self.times = StepTimes([0.0] * self.k, [0] * self.k)
         self.held = assign(shard_count(job), self.k)
         """Each rank's shards."""
-        self.min_k = job.scaling.min_trainers or self.k
-        self.generation = 0
-
         self.changes: list[GroupChange] = []
-        self._reforms: list = []
-        self._shrunk: list[GroupChange] = []
-
-        self.departed: dict[str, tuple[object, str | None]] = {}
-        """Lost ranks' (actor, incarnation) by name."""
-        self._probes: dict[str, object] = {}
-
-    @property
-    def elastic(self) -> bool:
-        """Whether a lost rank leaves the others training (`scaling.trainers: {min, max}`)."""
-        return self.job.scaling.min_trainers is not None and self.job.scaling.trainers > 1
+        """Each shrink and join of an elastic group."""
+        self.key: tuple[str, int] | None = None
+        """The ranks' process group's rendezvous (address, port)."""
 
     @property
     def leader(self):
@@ -206,6 +192,7 @@ class TrainerGroup:
         """(Re-)form the ranks' gloo process group on a fresh port of rank 0's."""
         address, port = ray.get(self.leader.group_address.remote(self.job.scaling.placement == "pack"))
         ray.get([rank.join_group.remote(address, port) for rank in self.ranks])
+        self.key = (address, port)
 
     # ------------------------------------------------------------------ training
 
@@ -213,20 +200,7 @@ class TrainerGroup:
         """Train every rank from `step` to `target`; returns (progress by rank, the failure or None)."""
         refs = {r: rank.run.remote(target, self.durable_next) for r, rank in enumerate(self.ranks)}
         results, lost = self._gather(refs)
-        if self._reforms:  # every survivor in the new group, also one whose segment ended before the loss
-            reforms, self._reforms = self._reforms, []
-            try:
-                ray.get(reforms)
-            except RayError as exc:
-                lost = sorted(set(lost) | set(self.lost_ranks()))
-                logger.warning("a regroup failed (%s): every rank rejoins", str(exc).splitlines()[0])
-        for change in self._shrunk:  # where the survivors stood, and the slowest one's stall
-            stalls = [regroup for p in results.values() for regroup in p.regroups]
-            slowest = max(stalls, key=lambda regroup: regroup[1], default=(step, 0.0, None))
-            self.changes.append(change.model_copy(update={
-                "step": min(s for s, _, _ in stalls) if stalls else step, "stall_seconds": slowest[1],
-                "plan_wait_seconds": slowest[2]}))
-        self._shrunk = []
+        lost = self._settle(results, step, lost)
         self.times.add(results, self.k)
         interrupted = [r for r, p in results.items() if p.interrupted is not None]
         if lost or interrupted:
@@ -238,66 +212,33 @@ class TrainerGroup:
     def _gather(self, pending: dict[int, ray.ObjectRef]) -> tuple[dict[int, TrainerProgress], list[int]]:
         """The ranks' results and the lost ranks. Polls the state API, because a dead rank's call fails
         only after Ray's wait for death details."""
-        results, lost, released = {}, [], False
+        results, lost = {}, []
         poll = DEATH_POLL_SECONDS if actor_states() is not None else None
         while pending:
-            # an elastic group acts on the first loss, while the others wait in an exchange
-            done, _ = ray.wait(list(pending.values()), num_returns=1 if self.elastic else len(pending), timeout=poll)
-            for r, ref in list(pending.items()):
-                if ref in done:
-                    del pending[r]
-                    try:
-                        results[r] = ray.get(ref)
-                    except RayActorError:
-                        lost.append(r)
-                    except RayTaskError as exc:  # the call reached the rank's restarted process (its node was lost)
-                        if not isinstance(exc.cause, RejoinRequiredError):
-                            raise
-                        lost.append(r)
-                elif poll is not None and died_since(self.names[r], self._restarts.get(self.names[r])):
-                    del pending[r]  # its call cannot succeed any more
-                    lost.append(r)
-            if lost and self.elastic and not released:
-                try:
-                    if self.k - len(lost) >= self.min_k:
-                        pending, results = self._shrink(sorted(lost), pending, results)
-                        lost = []
-                        continue
-                except RayActorError:  # the new rank 0 is gone too
-                    lost = sorted(set(lost) | set(self.lost_ranks()))
-                # too few: every rank stops and rejoins from the shadow
-                self._release([r for r in pending if r not in lost], lost)
-                released = True
+            done, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=poll)
+            self._collect(pending, done, results, lost, poll is not None)
         return results, sorted(lost)
 
-    def _release(self, waiting: list[int], lost: list[int]) -> None:
-        """An empty plan to the ranks waiting for a group: they stop torn, as without `min`."""
-        self.generation += 1
-        plan = GroupPlan(generation=self.generation, cause=f"ranks {lost} lost, fewer than {self.min_k} left")
-        for r in waiting:
-            self.ranks[r].offer_plan.remote(r, plan)
+    def _collect(self, pending: dict, done: list, results: dict, lost: list, polled: bool) -> None:
+        """Move the finished calls of `pending` to `results` or `lost` (also one the state API calls dead)."""
+        for r, ref in list(pending.items()):
+            if ref in done:
+                del pending[r]
+                try:
+                    results[r] = ray.get(ref)
+                except RayActorError:
+                    lost.append(r)
+                except RayTaskError as exc:  # the call reached the rank's restarted process (its node was lost)
+                    if not isinstance(exc.cause, RejoinRequiredError):
+                        raise
+                    lost.append(r)
+            elif polled and died_since(self.names[r], self._restarts.get(self.names[r])):
+                del pending[r]  # its call cannot succeed any more
+                lost.append(r)
 
-    def _shrink(self, lost: list[int], pending: dict, results: dict) -> tuple[dict, dict]:
-        """Go on without the `lost` ranks (their shards dealt round); returns `pending` and `results` by new
-        rank. A survivor joins in its exchange, or at `reform` if its segment had ended."""
-        survivors = [r for r in range(self.k) if r not in lost]
-        self.generation += 1
-        held = deal(self.held, lost)
-        cause = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost"
-        self._reforms = self._hand_out([self.ranks[r] for r in survivors], held, cause)
-        self.departed.update({self.names[r]: (self.ranks[r], self.incarnations[r]) for r in lost})
-        renumbered = {r: new for new, r in enumerate(survivors)}
-        self.ranks = [self.ranks[r] for r in survivors]
-        self.names = [self.names[r] for r in survivors]
-        self.incarnations = [self.incarnations[r] for r in survivors]
-        self.times.rank_seconds = [self.times.rank_seconds[r] for r in survivors]
-        self.times.rank_steps = [self.times.rank_steps[r] for r in survivors]
-        self.k, self.held = len(survivors), held
-        self._shrunk.append(GroupChange(kind="shrink", step=0, ranks=self.k, held=[list(h) for h in held],
-                                        cause=cause, stall_seconds=0.0))
-        logger.info("%s: the %d others go on, shards %s", cause, self.k, held)
-        return ({renumbered[r]: ref for r, ref in pending.items() if r in renumbered},
-                {renumbered[r]: p for r, p in results.items() if r in renumbered})
+    def _settle(self, results: dict[int, TrainerProgress], step: int, lost: list[int]) -> list[int]:
+        """After a segment's calls: the lost ranks (an elastic group also settles its changes)."""
+        return lost
 
     # ------------------------------------------------------------------ recovering
 
@@ -360,71 +301,7 @@ class TrainerGroup:
             time.sleep(0.02)
 
     def grow(self, step: int) -> GroupChange | Failure | None:
-        """At a step boundary: a lost rank's process Ray restarted restores to `step` from the shadow and joins.
-        Returns the change, a `Failure`, or None."""
-        if not self.elastic or self.k >= self.job.scaling.trainers:
-            return None
-        back = self._returned()
-        if back is None:
-            return None
-        name, incarnation = back
-        began = time.perf_counter()
-        expected = self.deliver(step)  # the shadow then holds every record before `step`
-        if isinstance(expected, Failure):
-            return expected
-        actor, _ = self.departed[name]
-        try:
-            info = ray.get(actor.rejoin.remote(step, self.k, self.k + 1))
-        except RayError as exc:  # still departed (ended with the run), asked again only after another restart
-            self.departed[name] = (actor, incarnation)
-            logger.warning("%s could not rejoin (%s); the group goes on without it", name,
-                           str(exc).splitlines()[0])
-            return None
-        del self.departed[name]
-        self.ranks.append(actor), self.names.append(name), self.incarnations.append(info.incarnation)
-        self.times.rank_seconds.append(0.0), self.times.rank_steps.append(0)
-        self.k += 1
-        self.held = assign(shard_count(self.job), self.k)
-        self.generation += 1
-        cause = f"{name} back after Ray restarted its process: rank {self.k - 1}, from the shadow's " \
-                f"{info.source} image of step {info.image_step} and {info.replayed_records} records"
-        try:
-            ray.get(self._hand_out(self.ranks, self.held, cause))
-        except RayActorError as exc:
-            return Failure("trainer_lost", step, f"lost while a rank joined: {str(exc).splitlines()[0]}",
-                           ranks=self.lost_ranks())
-        self._note_restarts()
-        change = GroupChange(kind="join", step=step, ranks=self.k, held=[list(h) for h in self.held], cause=cause,
-                             stall_seconds=time.perf_counter() - began)
-        self.changes.append(change)
-        logger.info("%s; %d ranks, shards %s", cause, self.k, self.held)
-        return change
-
-    def _hand_out(self, ranks: list, held: list[tuple[int, ...]], cause: str) -> list:
-        """Open group `generation` at `ranks[0]`, give each rank its place; returns the `reform` calls."""
-        address, port = ray.get(ranks[0].open_group.remote(self.job.scaling.placement == "pack", len(ranks),
-                                                           self.generation))
-        plan = GroupPlan(generation=self.generation, held=tuple(held), address=address, port=port, cause=cause)
-        for r, rank in enumerate(ranks):
-            rank.offer_plan.remote(r, plan)
-        return [rank.reform.remote(self.generation) for rank in ranks]
-
-    def _returned(self) -> tuple[str, str] | None:
-        """(name, incarnation) of a departed rank whose restarted process answers, or None."""
-        for name, (actor, incarnation) in list(self.departed.items()):
-            if name not in self._probes:
-                self._probes[name] = actor.recovery.remote()  # waits while Ray restarts the process
-            probe = self._probes[name]
-            if not ray.wait([probe], timeout=READINESS_WAIT_SECONDS)[0]:
-                continue
-            del self._probes[name]
-            try:
-                info = ray.get(probe)
-            except RayError:  # gone for good
-                del self.departed[name]
-                continue
-            if info.incarnation != incarnation:
-                return name, info.incarnation
+        """At a step boundary, take back a lost rank (an elastic group); None: no change."""
         return None
 
     def lost_ranks(self) -> tuple[int, ...]:
@@ -491,7 +368,7 @@ class TrainerGroup:
 
     def kill(self) -> list:
         """End every trainer process (no restart); returns the actors, to wait on their deaths."""
-        actors = [*self.all_actors(), *(actor for actor, _ in self.departed.values())]
+        actors = self.all_actors()
         for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)

@@ -12,6 +12,7 @@ from zocheck_ray.actors.client import ShadowClient
 from zocheck_ray.actors.link import ShadowActor, wait_until_dead
 from zocheck_ray.actors.trainer_actor import TrainerActor
 from zocheck_ray.config import JobConfig, JobConfigError
+from zocheck_ray.control.elastic_group import trainer_group
 from zocheck_ray.control.group import TrainerGroup
 from zocheck_ray.core.kernel_cache import cache_env
 from zocheck_ray.host.capabilities import PLAIN_ENV, plain as plain_host
@@ -143,7 +144,7 @@ class Placement:
                 ray.kill(actor, no_restart=True)
             raise
         self._shadow = shadow
-        self._group = TrainerGroup(job, trainers, self.start_standby if job.failure.standby else None)
+        self._group = trainer_group(job, trainers, self.start_standby if job.failure.standby else None)
         return ShadowClient(shadow, job.run_id), self._group
 
     def start_standby(self, name: str):

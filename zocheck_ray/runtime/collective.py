@@ -6,9 +6,7 @@
 
 Rank 0 opens a TCP store, every rank joins through it (as Ray Train does). An exchange carries a few float64
 numbers per shard (`runtime/shards.py`), so gloo serves CPU and GPU ranks alike. A dead peer's sockets close
-and `gather` raises `RankLostError`; `lost_peers` then names it at once: every process listens on a socket
-that only its death closes, so a refused connection means the peer's process is gone (Ray says so a second
-later).
+and `gather` raises `RankLostError`; `lost_peers` names it: a refused connection to its liveness socket.
 """
 
 from __future__ import annotations
@@ -28,10 +26,9 @@ TIMEOUT_SECONDS = 600.0
 """How long a join or a gather waits: long, as ranks wait in the gather while rank 0 evaluates."""
 
 
-PROBE_SECONDS = 2.0
-"""How long `lost_peers` waits for a peer's connection (a refusal comes at once; a lost node's never)."""
+PROBE_SECONDS = 1.0
+"""`lost_peers`' wait for a lost node (a dead process's refusal is at once)."""
 ARRIVAL_POLL_SECONDS = 0.01
-"""Pause between a joining rank's looks at who reached the rendezvous."""
 
 
 class RankLostError(RuntimeError):
@@ -43,7 +40,7 @@ _liveness_lock = threading.Lock()
 
 
 def liveness_port() -> int:
-    """This process's liveness socket's port (opened on first use, closed only by the process's end)."""
+    """The port of this process's liveness socket, which only its end closes."""
     global _liveness
     with _liveness_lock:
         if _liveness is None:
@@ -60,7 +57,6 @@ def _answer(listener: socket.socket) -> None:
 
 
 def local_address(toward: str, port: int) -> str:
-    """This host's address on the route to `toward` (no packet is sent)."""
     if ipaddress.ip_address(toward).is_loopback:
         return toward
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -69,7 +65,6 @@ def local_address(toward: str, port: int) -> str:
 
 
 def alive(address: tuple[str, int], timeout: float = PROBE_SECONDS) -> bool:
-    """Whether a process listens at `address` (refused, unreachable or silent: False)."""
     try:
         socket.create_connection(address, timeout=timeout).close()
         return True
@@ -94,9 +89,9 @@ class LossGroup:
         self._store: dist.TCPStore | None = None
         """Rank 0's listening rendezvous between `listen` and `join`."""
         self.key: tuple[str, int] | None = None
-        """The group's rendezvous (address, port): which group a report speaks of."""
+
         self.peers: dict[int, tuple[str, int]] = {}
-        """Each other rank's liveness socket."""
+
 
     @property
     def joined(self) -> bool:
@@ -111,8 +106,7 @@ class LossGroup:
     def join(self, address: str, port: int, timeout: float = TIMEOUT_SECONDS,
              store: dist.TCPStore | None = None, abandon: Callable[[], bool] | None = None) -> float:
         """Join (or re-join) the group at rank 0's address:port (`store`: rank 0's, opened by
-        `open_rendezvous`); returns the seconds. Until every rank has arrived, `abandon()` True (a newer
-        plan) ends the wait with `RankLostError`, so a rank that dies before it arrives holds nobody."""
+        `open_rendezvous`); returns the seconds. `abandon()` True ends the wait for the others (`RankLostError`)."""
         began = time.perf_counter()
         store, self._store = store or self._store, None
         self.leave()
@@ -137,7 +131,6 @@ class LossGroup:
         return time.perf_counter() - began
 
     def _arrive(self, store: dist.TCPStore, host: str, timeout: float, abandon: Callable[[], bool] | None) -> None:
-        """Leave this rank's liveness address in the store and wait until every rank has."""
         store.set(f"zocheck/live/{self.rank}", f"{host}:{liveness_port()}")
         store.add("zocheck/arrived", 1)
         deadline = time.monotonic() + timeout
@@ -149,8 +142,15 @@ class LossGroup:
             time.sleep(ARRIVAL_POLL_SECONDS)
 
     def lost_peers(self, timeout: float = PROBE_SECONDS) -> list[int]:
-        """The other ranks whose process is gone (or whose node does not answer within `timeout`)."""
-        return [r for r, address in sorted(self.peers.items()) if not alive(address, timeout)]
+        """The other ranks whose process is gone (or node silent), looked for until `timeout`: a dying
+        process's socket may accept for a moment after its gloo sockets closed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            gone = [r for r, address in sorted(self.peers.items()) if not alive(address, max(left, 0.05))]
+            if gone or left <= 0:
+                return gone
+            time.sleep(ARRIVAL_POLL_SECONDS)
 
     def leave(self) -> None:
         if dist.is_initialized():

@@ -73,7 +73,6 @@ class Trainer:
         self._plans: queue.Queue[tuple[int, GroupPlan]] = queue.Queue()
         self._rendezvous: dict[int, object] = {}
         self._losses: queue.Queue[PeerLost] = queue.Queue()
-        """This rank's failed exchanges, for the controller (`next_loss`)."""
 
         self.generation = 0
 
@@ -324,14 +323,14 @@ class Trainer:
     # ------------------------------------------------------------------ elastic groups
 
     def _report_loss(self, t: int, number: int, exc: Exception) -> None:
-        """Tell the controller which peers' processes are gone (`next_loss`), before waiting for its plan."""
+        """Report the peers gone (`next_loss`)."""
         if self.group.key is None:
             return
         self._losses.put(PeerLost(group=self.group.key, rank=self.rank, step=t, lost=tuple(self.group.lost_peers()),
                                   exchange=number - exchange_number(t, 0), detail=str(exc).splitlines()[0]))
 
     def next_loss(self) -> PeerLost:
-        """The next failed exchange's report; waits for one."""
+        """Waits for the next report."""
         return self._losses.get()
 
     def open_group(self, address: str, ranks: int, generation: int) -> int:
@@ -373,7 +372,6 @@ class Trainer:
             return catch_up(gathered, number)
 
     def _apply(self, rank: int, plan: GroupPlan) -> None:
-        """Join `plan`'s group as `rank`; a newer plan ends the wait for the others (`RankLostError`)."""
         self.hooks.before_regroup(self.rank, plan.generation)
         self.group = LossGroup(rank, plan.ranks)
         self.group.join(plan.address, plan.port, store=self._rendezvous.pop(plan.generation, None),

@@ -1,0 +1,229 @@
+"""`ElasticGroup` (`scaling.trainers: {min, max}`): the survivors of a lost rank take its shards mid-step.
+
+The first survivor to report a peer gone (`PeerLost`) is acted on: Ray reports the dead rank's own call
+only after asking for the death's details. The named rank is killed first, so nothing of it runs twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import ray
+from ray.exceptions import RayActorError, RayError
+
+from zocheck_ray.actors.names import actor_states
+from zocheck_ray.config import JobConfig
+from zocheck_ray.control.group import DEATH_POLL_SECONDS, READINESS_WAIT_SECONDS, TrainerGroup
+from zocheck_ray.control.policy import Failure
+from zocheck_ray.control.summary import GroupChange
+from zocheck_ray.runtime.elastic import GroupPlan, PeerLost, deal
+from zocheck_ray.runtime.messages import TrainerProgress
+from zocheck_ray.runtime.shards import assign, shard_count
+
+logger = logging.getLogger(__name__)
+
+
+def trainer_group(job: JobConfig, ranks: list, start_standby: Callable[[str], object] | None = None) -> TrainerGroup:
+    """An `ElasticGroup` where `min` is set and k > 1."""
+    elastic = job.scaling.min_trainers is not None and job.scaling.trainers > 1
+    return (ElasticGroup if elastic else TrainerGroup)(job, ranks, start_standby)
+
+
+class ElasticGroup(TrainerGroup):
+    """The ranks of an elastic run: a lost rank's shards go to the others mid-step."""
+
+    def __init__(self, job: JobConfig, ranks: list, start_standby: Callable[[str], object] | None = None):
+        super().__init__(job, ranks, start_standby)
+        self.min_k = job.scaling.min_trainers or self.k
+        self.generation = 0
+        self._reforms: list = []
+        self._shrunk: list[GroupChange] = []
+        self.departed: dict[str, tuple[object, str | None]] = {}
+        """Lost ranks' (actor, incarnation) by name."""
+        self._probes: dict[str, object] = {}
+        self._watches: dict[str, tuple[object, ray.ObjectRef | None]] = {}
+        """By name (None: no trainer to ask)."""
+
+    # ------------------------------------------------------------------ a loss
+
+    def _gather(self, pending: dict[int, ray.ObjectRef]) -> tuple[dict[int, TrainerProgress], list[int]]:
+        """As `TrainerGroup._gather`, acting on the first loss (a report, a failed call, a death)."""
+        results, lost, released = {}, [], False
+        poll = DEATH_POLL_SECONDS if actor_states() is not None else None
+        while pending:
+            watches = {} if released else self._watch()
+            done, _ = ray.wait([*pending.values(), *watches], num_returns=1, timeout=poll)
+            self._collect(pending, done, results, lost, poll is not None)
+            for ref in set(done) & set(watches):
+                lost += self._reported(watches[ref], ref, pending)
+            if lost and not released:
+                try:
+                    if self.k - len(lost) >= self.min_k:
+                        pending, results = self._shrink(sorted(set(lost)), pending, results)
+                        lost = []
+                        continue
+                except RayActorError:  # the new rank 0 is gone too
+                    lost = sorted(set(lost) | set(self.lost_ranks()))
+                # too few: every rank stops and rejoins from the shadow
+                self._release([r for r in pending if r not in lost], lost)
+                released = True
+        return results, sorted(set(lost))
+
+    def _watch(self) -> dict[ray.ObjectRef, str]:
+        """Each rank's waiting `peer_lost` call, by name."""
+        for name, actor in zip(self.names, self.ranks):
+            if name not in self._watches or self._watches[name][0] is not actor:
+                self._watches[name] = (actor, actor.peer_lost.remote())
+        return {ref: name for name, (_, ref) in self._watches.items() if ref is not None and name in self.names}
+
+    def _reported(self, name: str, ref: ray.ObjectRef, pending: dict[int, ray.ObjectRef]) -> list[int]:
+        """The ranks a report of the current group names gone, killed and taken from `pending`."""
+        actor, _ = self._watches.pop(name)
+        try:
+            report: PeerLost | None = ray.get(ref)
+        except RayError:  # the reporter is gone too: Ray's report of its own call says so
+            return []
+        if report is None:
+            self._watches[name] = (actor, None)  # not built: it has nothing to report
+            return []
+        gone = [r for r in report.lost if r in pending] if report.group == self.key else []
+        for r in gone:
+            try:
+                ray.kill(self.ranks[r], no_restart=False)  # Ray restarts it, to join later
+            except Exception:  # gone already
+                pass
+            del pending[r]
+        if gone:
+            logger.info("rank %d reports ranks %s gone at step %d (exchange %d: %s)", report.rank, gone, report.step,
+                        report.exchange, report.detail)
+        return gone
+
+    def _release(self, waiting: list[int], lost: list[int]) -> None:
+        """An empty plan to the ranks waiting for a group: they stop torn, as without `min`."""
+        self.generation += 1
+        plan = GroupPlan(generation=self.generation, cause=f"ranks {lost} lost, fewer than {self.min_k} left")
+        for r in waiting:
+            self.ranks[r].offer_plan.remote(r, plan)
+
+    def _shrink(self, lost: list[int], pending: dict, results: dict) -> tuple[dict, dict]:
+        """Go on without the `lost` ranks (their shards dealt round); returns `pending` and `results` by new
+        rank. A survivor joins in its exchange, or at `reform` if its segment had ended."""
+        survivors = [r for r in range(self.k) if r not in lost]
+        self.generation += 1
+        held = deal(self.held, lost)
+        cause = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost"
+        self._reforms = self._hand_out([self.ranks[r] for r in survivors], held, cause)
+        self.departed.update({self.names[r]: (self.ranks[r], self.incarnations[r]) for r in lost})
+        renumbered = {r: new for new, r in enumerate(survivors)}
+        self.ranks = [self.ranks[r] for r in survivors]
+        self.names = [self.names[r] for r in survivors]
+        self.incarnations = [self.incarnations[r] for r in survivors]
+        self.times.rank_seconds = [self.times.rank_seconds[r] for r in survivors]
+        self.times.rank_steps = [self.times.rank_steps[r] for r in survivors]
+        self.k, self.held = len(survivors), held
+        self._shrunk.append(GroupChange(kind="shrink", step=0, ranks=self.k, held=[list(h) for h in held],
+                                        cause=cause, stall_seconds=0.0))
+        logger.info("%s: the %d others go on, shards %s", cause, self.k, held)
+        return ({renumbered[r]: ref for r, ref in pending.items() if r in renumbered},
+                {renumbered[r]: p for r, p in results.items() if r in renumbered})
+
+    def _settle(self, results: dict[int, TrainerProgress], step: int, lost: list[int]) -> list[int]:
+        """Every survivor in the new group; each shrink with the slowest survivor's stall."""
+        if self._reforms:
+            reforms, self._reforms = self._reforms, []
+            try:
+                ray.get(reforms)
+            except RayError as exc:
+                lost = sorted(set(lost) | set(self.lost_ranks()))
+                logger.warning("a regroup failed (%s): every rank rejoins", str(exc).splitlines()[0])
+        for change in self._shrunk:
+            stalls = [regroup for p in results.values() for regroup in p.regroups]
+            slowest = max(stalls, key=lambda regroup: regroup[1], default=(step, 0.0, None))
+            self.changes.append(change.model_copy(update={
+                "step": min(s for s, _, _ in stalls) if stalls else step, "stall_seconds": slowest[1],
+                "plan_wait_seconds": slowest[2]}))
+        self._shrunk = []
+        return lost
+
+    # ------------------------------------------------------------------ a join
+
+    def grow(self, step: int) -> GroupChange | Failure | None:
+        """At a step boundary: a lost rank's process Ray restarted restores to `step` from the shadow and joins.
+        Returns the change, a `Failure`, or None."""
+        if self.k >= self.job.scaling.trainers:
+            return None
+        back = self._returned()
+        if back is None:
+            return None
+        name, incarnation = back
+        began = time.perf_counter()
+        expected = self.deliver(step)  # the shadow then holds every record before `step`
+        if isinstance(expected, Failure):
+            return expected
+        actor, _ = self.departed[name]
+        try:
+            info = ray.get(actor.rejoin.remote(step, self.k, self.k + 1))
+        except RayError as exc:  # still departed (ended with the run), asked again only after another restart
+            self.departed[name] = (actor, incarnation)
+            logger.warning("%s could not rejoin (%s); the group goes on without it", name,
+                           str(exc).splitlines()[0])
+            return None
+        del self.departed[name]
+        self.ranks.append(actor), self.names.append(name), self.incarnations.append(info.incarnation)
+        self.times.rank_seconds.append(0.0), self.times.rank_steps.append(0)
+        self.k += 1
+        self.held = assign(shard_count(self.job), self.k)
+        self.generation += 1
+        cause = f"{name} back after Ray restarted its process: rank {self.k - 1}, from the shadow's " \
+                f"{info.source} image of step {info.image_step} and {info.replayed_records} records"
+        try:
+            ray.get(self._hand_out(self.ranks, self.held, cause))
+        except RayActorError as exc:
+            return Failure("trainer_lost", step, f"lost while a rank joined: {str(exc).splitlines()[0]}",
+                           ranks=self.lost_ranks())
+        self._note_restarts()
+        change = GroupChange(kind="join", step=step, ranks=self.k, held=[list(h) for h in self.held], cause=cause,
+                             stall_seconds=time.perf_counter() - began)
+        self.changes.append(change)
+        logger.info("%s; %d ranks, shards %s", cause, self.k, self.held)
+        return change
+
+    def _hand_out(self, ranks: list, held: list[tuple[int, ...]], cause: str) -> list:
+        """Open group `generation` at `ranks[0]`, give each rank its place; returns the `reform` calls."""
+        address, port = ray.get(ranks[0].open_group.remote(self.job.scaling.placement == "pack", len(ranks),
+                                                           self.generation))
+        self.key = (address, port)
+        plan = GroupPlan(generation=self.generation, held=tuple(held), address=address, port=port, cause=cause)
+        for r, rank in enumerate(ranks):
+            rank.offer_plan.remote(r, plan)
+        return [rank.reform.remote(self.generation) for rank in ranks]
+
+    def _returned(self) -> tuple[str, str] | None:
+        """(name, incarnation) of a departed rank whose restarted process answers, or None."""
+        for name, (actor, incarnation) in list(self.departed.items()):
+            if name not in self._probes:
+                self._probes[name] = actor.recovery.remote()  # waits while Ray restarts the process
+            probe = self._probes[name]
+            if not ray.wait([probe], timeout=READINESS_WAIT_SECONDS)[0]:
+                continue
+            del self._probes[name]
+            try:
+                info = ray.get(probe)
+            except RayError:  # gone for good
+                del self.departed[name]
+                continue
+            if info.incarnation != incarnation:
+                return name, info.incarnation
+        return None
+
+    def kill(self) -> list:
+        """As `TrainerGroup.kill`, the departed too."""
+        departed = [actor for actor, _ in self.departed.values()]
+        for actor in departed:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # gone already
+                pass
+        return [*super().kill(), *departed]
