@@ -17,8 +17,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast
 
 from zocheck_ray.workload import TaskConfig, build_model, build_task
-from zocheck_ray.workload.mezo_tasks import MAX_NEW_TOKENS, f1_score
-from zocheck_ray.workload.tasks import IGNORE
+from zocheck_ray.workload.examples import MAX_NEW_TOKENS
+from zocheck_ray.workload.tasks import IGNORE, f1_score
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

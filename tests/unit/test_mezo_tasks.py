@@ -14,8 +14,10 @@ from zocheck_ray.testing.in_process import run_in_process
 from zocheck_ray.testing.reference import uninterrupted_hashes
 from zocheck_ray.workload import TaskConfig, build_model, build_task, trainable_parameters
 from zocheck_ray.workload.errors import DataFileError, DataFormatError, LabelError
-from zocheck_ray.workload.mezo_tasks import TEMPLATES, f1_score, normalize_answer
+from zocheck_ray.workload.prompts import TEMPLATES, Rendered
+from zocheck_ray.workload.rows import READERS
 from zocheck_ray.workload.sampling import k_shot
+from zocheck_ray.workload.tasks import f1_score, normalize_answer
 
 ROWS = 24
 
@@ -110,27 +112,32 @@ def test_every_task_has_a_loss_and_its_metric(tmp_path, kind, model):
     assert metrics["loss"] > 0
 
 
+def rendered(kind: str, record: dict) -> Rendered:
+    """One record through the rows and render stages."""
+    fields, label = READERS[kind](record, ("f", 1))
+    return Rendered(*TEMPLATES[kind](fields), label, "f", 1)
+
+
 def test_mezo_s_templates_and_verbalizers():
-    where = ("f", 1)
-    rte = TEMPLATES["rte"]({"premise": "It rains.", "hypothesis": "It is wet.", "label": "entailment"}, where)
+    rte = rendered("rte", {"premise": "It rains.", "hypothesis": "It is wet.", "label": "entailment"})
     assert rte.prompt == 'It rains.\nDoes this mean that "It is wet." is true? Yes or No?\n'
     assert rte.options == ("Yes", "No") and rte.label == 0
-    cb = TEMPLATES["cb"]({"premise": "It rains.", "hypothesis": "It is wet.", "label": "neutral"}, where)
+    cb = rendered("cb", {"premise": "It rains.", "hypothesis": "It is wet.", "label": "neutral"})
     assert cb.prompt == 'Suppose It rains. Can we infer that "It is wet."? Yes, No, or Maybe?\n'
     assert cb.options == ("Yes", "No", "Maybe") and cb.label == 2
-    boolq = TEMPLATES["boolq"]({"passage": "Cats purr.", "question": "do cats purr", "label": True}, where)
+    boolq = rendered("boolq", {"passage": "Cats purr.", "question": "do cats purr", "label": True})
     assert boolq.prompt == "Cats purr. Do cats purr?\n" and boolq.options == ("Yes", "No") and boolq.label == 0
-    answer = TEMPLATES["boolq"]({"passage": "P.", "question": "is it?", "answer": False}, where)  # `boolq`'s fields
+    answer = rendered("boolq", {"passage": "P.", "question": "is it?", "answer": False})  # `boolq`'s fields
     assert answer.prompt == "P. Is it?\n" and answer.label == 1
-    copa = TEMPLATES["copa"]({"premise": "The man fell.", "choice1": "He slipped.", "choice2": "He won.",
-                              "question": "cause", "label": 0}, where)
+    copa = rendered("copa", {"premise": "The man fell.", "choice1": "He slipped.", "choice2": "He won.",
+                             "question": "cause", "label": 0})
     assert copa.prompt == "The man fell because " and copa.options == ("he slipped.", "he won.")
-    effect = TEMPLATES["copa"]({"premise": "I was cold!", "choice1": "I shivered.", "choice2": "Ann LEFT.",
-                                "question": "effect", "label": 0}, where)
+    effect = rendered("copa", {"premise": "I was cold!", "choice1": "I shivered.", "choice2": "Ann LEFT.",
+                               "question": "effect", "label": 0})
     assert effect.prompt == "I was cold! so " and effect.options == ("I shivered.", "ann LEFT.")
-    wsc = TEMPLATES["wsc"]({"text": "Tom said he ran.", "span1_text": "Tom", "span2_text": "He", "label": 1}, where)
+    wsc = rendered("wsc", {"text": "Tom said he ran.", "span1_text": "Tom", "span2_text": "He", "label": 1})
     assert wsc.prompt.endswith('does the pronoun "he" refer to Tom? Yes or No?\n') and wsc.options == ("No", "Yes")
-    wic = TEMPLATES["wic"]({"word": "bank", "sentence1": "s1", "sentence2": "s2", "label": 0}, where)
+    wic = rendered("wic", {"word": "bank", "sentence1": "s1", "sentence2": "s2", "label": 0})
     assert wic.prompt == 'Does the word "bank" have the same meaning in these two sentences? Yes, No?\ns1\ns2\n'
 
 

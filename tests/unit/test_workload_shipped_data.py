@@ -12,7 +12,8 @@ import json
 from collections import Counter
 
 from zocheck_ray.workload.datafiles import SHIPPED_SST2, read_rows
-from zocheck_ray.workload.tasks import TaskConfig, split_rows
+from zocheck_ray.workload.sampling import split_rows
+from zocheck_ray.workload.task_config import TaskConfig
 
 SUBJECTS = [
     "the film", "this movie", "the plot", "the acting", "the ending", "the soundtrack", "the cast",

@@ -34,13 +34,13 @@ if TYPE_CHECKING:
         model_kind,
         trainable_parameters,
     )
+    from zocheck_ray.workload.sampling import split_rows
     from zocheck_ray.workload.task_config import TaskConfig
     from zocheck_ray.workload.tasks import (
         LanguageModelingTask,
         PromptClassificationTask,
         SequenceClassificationTask,
         Task,
-        split_rows,
     )
     from zocheck_ray.workload.tokenization import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -56,8 +56,9 @@ __getattr__, __dir__ = on_first_use(globals(), {
         "PACKAGED_MODELS", "SMALL_MODELS", "build_model", "model_config_dict", "model_directory", "model_kind",
         "trainable_parameters",
     ),
+    "sampling": ("split_rows",),
     "task_config": ("TaskConfig",),
-    "tasks": ("LanguageModelingTask", "PromptClassificationTask", "SequenceClassificationTask", "Task", "split_rows"),
+    "tasks": ("LanguageModelingTask", "PromptClassificationTask", "SequenceClassificationTask", "Task"),
     "tokenization": ("ByteTokenizer", "HFTokenizer", "load_tokenizer"),
 })
 """The names load with their modules on first use: the job's schema loads without torch and the model's libraries."""

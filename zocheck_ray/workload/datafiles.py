@@ -2,8 +2,7 @@
 file and line.
 
     rows = read_rows("train.jsonl", text_field="sentence", label_field="label")
-    records = read_records("rte/train.parquet")          # every field of every row (MeZO's tasks)
-    records = read_records("rte_saved/", split="train")  # a folder written by `save_to_disk`
+    records = read_records("rte_saved/", split="train")  # every field; a `save_to_disk` folder
 
 Nothing is coerced silently: a float, boolean or null label is an error (CSV's text "1" matches key 1).
 """
@@ -15,20 +14,29 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from zocheck_ray.workload.errors import DataFileError, DataFormatError
+from zocheck_ray.workload.task_config import MEZO_KINDS, DataFormat, TaskConfig
 
 SHIPPED_SST2 = Path(__file__).resolve().parent / "data" / "sst2_small.jsonl"
 """The shipped sentiment dataset: 480 short movie-review sentences, labels 0 (negative) and 1 (positive)."""
 
-DataFormat = Literal["auto", "jsonl", "csv", "parquet", "dataset"]
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+
+
+class Splits(NamedTuple):
+    """What each stage of `build_task` hands on."""
+
+    train: list
+    held: list | None
+    """None: sampling holds them out of `train`."""
+    dev: list
 
 
 @dataclass(frozen=True)
 class Row:
-    """One record: its text, its label as written (None for unlabelled tasks) and where it came from."""
+    """A text, its label as written (None: unlabelled) and where it came from."""
 
     text: str
     label: int | str | None
@@ -50,7 +58,7 @@ def data_format(path: str | Path, declared: DataFormat = "auto") -> Literal["jso
 
 
 def read_records(path: str | Path, fmt: DataFormat = "auto", split: str = "train") -> list[tuple[int, dict]]:
-    """(line, record) of every row of a JSONL or Parquet file, or of split `split` of a `save_to_disk` folder."""
+    """(line, record) of every row of a JSONL or Parquet file or a `save_to_disk` folder's `split`."""
     path = Path(path)
     kind = data_format(path, fmt)
     if kind == "csv":
@@ -214,3 +222,22 @@ def read_rows(path: str | Path, text_field: str = "sentence", label_field: str |
     if not rows:
         raise DataFileError(f"data file {path} holds no rows")
     return rows
+
+
+def read_splits(config: TaskConfig) -> Splits:
+    """(line, record) pairs for MeZO's kinds, else `Row`s; held out: `eval_path`'s, else `eval_split`'s."""
+    path = config.data_path or SHIPPED_SST2
+    if config.kind in MEZO_KINDS:
+        def read(where, split):
+            return read_records(where, config.data_format, split)
+    else:
+        label_field = None if config.kind == "lm" else config.label_field
+
+        def read(where, split):
+            return read_rows(where, config.text_field, label_field, config.data_format, split)
+    train = read(path, config.split)
+    if config.eval_path is not None:
+        return Splits(train, read(config.eval_path, config.eval_split), [])
+    if has_split(path, config.eval_split, config.data_format):
+        return Splits(train, read(path, config.eval_split), [])
+    return Splits(train, None, [])

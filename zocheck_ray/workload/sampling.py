@@ -1,4 +1,4 @@
-"""Sampling rows as pure functions of the rows and a seed: our k-shot and MeZO's sampler.
+"""Sampling rows as pure functions of the rows and a seed: held-out rows, our k-shot and MeZO's sampler.
 
     kept = k_shot(rows, 16, data_seed, label_of=lambda row: row.label)
     train, dev, held_out = mezo_sample(train_rows, held_rows, 1000, 500, 1000, seed=0)
@@ -11,22 +11,26 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+from pathlib import Path
 from typing import Callable, Hashable, Sequence, TypeVar
 
 import numpy as np
+
+from zocheck_ray.workload.datafiles import Splits
+from zocheck_ray.workload.errors import WorkloadError
+from zocheck_ray.workload.task_config import MEZO_KINDS
 
 Row = TypeVar("Row")
 
 
 def row_rank(seed: int, record: object) -> bytes:
-    """The SHA-256 of (seed, record) that orders rows for sampling and holding out (record: JSON-able)."""
+    """The SHA-256 of (seed, JSON-able record) that orders rows."""
     return hashlib.sha256(f"{seed}:".encode() + json.dumps(record, sort_keys=True, default=str).encode()).digest()
 
 
 def k_shot(rows: Sequence[Row], k: int | None, seed: int, label_of: Callable[[Row], Hashable],
            content_of: Callable[[Row], object] = lambda row: row) -> list[Row]:
-    """Per class of `label_of(row)`, the k rows of smallest `row_rank(seed, content_of(row))`, in order; every row if
-    k is None."""
+    """Per class of `label_of(row)`, the k rows of smallest `row_rank(seed, content_of(row))`, in order."""
     if k is None:
         return list(rows)
     by_class: dict = collections.defaultdict(list)
@@ -53,10 +57,41 @@ def mezo_sample(train: Sequence[Row], held: Sequence[Row], num_train: int, num_d
 
 def sample_rows(config, train: Sequence[Row], held: Sequence[Row], label_of: Callable[[Row], Hashable],
                 content_of: Callable[[Row], object] = lambda row: row) -> tuple[list[Row], list[Row], list[Row]]:
-    """(train, dev, held-out) rows of a `TaskConfig`."""
+    """(train, dev, held-out) by MeZO's sampler or our k-shot (held-out: the first `eval_size`)."""
     if config.num_train is not None:
         return mezo_sample(train, held, config.num_train, config.num_dev, config.num_eval, config.train_set_seed)
     return k_shot(train, config.k_shot, config.data_seed, label_of, content_of), [], list(held[:config.eval_size])
 
 
-__all__ = ["k_shot", "mezo_sample", "mezo_subset", "row_rank", "sample_rows"]
+def hold_out(rows: Sequence[Row], eval_size: int, rank: Callable[[Row], bytes]) -> tuple[list[Row], list[Row]]:
+    """(train, held-out): the `eval_size` rows of smallest `rank(row)` held out, file order kept."""
+    if eval_size >= len(rows):
+        raise WorkloadError(f"task.eval_size={eval_size} holds out every row of {Path(rows[0].path)} ({len(rows)} "
+                            "rows); lower eval_size or give held-out rows in task.eval_path")
+    ranked = sorted(range(len(rows)), key=lambda i: (rank(rows[i]), i))
+    held = set(ranked[:eval_size])
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
+def split_rows(rows: Sequence[Row], eval_size: int) -> tuple[list[Row], list[Row]]:
+    """`hold_out` by the SHA-256 of the text."""
+    return hold_out(rows, eval_size, lambda row: hashlib.sha256(row.text.encode()).digest())
+
+
+def sample(config, splits: Splits) -> Splits:
+    """`sample_rows` of `TaskRow`s, held-out rows first held out where no file holds them."""
+    train, held = splits.train, splits.held
+    if held is None:
+        if config.num_train is not None:
+            raise WorkloadError("MeZO's sampler (task.num_train) draws held-out rows from a validation split: give "
+                                "task.eval_path, or a save_to_disk folder with task.eval_split")
+        if config.kind in MEZO_KINDS:
+            train, held = hold_out(train, config.eval_size, lambda row: row_rank(config.data_seed, row.content))
+        else:
+            train, held = hold_out(train, config.eval_size,
+                                   lambda row: hashlib.sha256(row.fields["text"].encode()).digest())
+    train, dev, held = sample_rows(config, train, held, lambda row: row.label, lambda row: row.content)
+    return Splits(train, held, dev)
+
+
+__all__ = ["hold_out", "k_shot", "mezo_sample", "mezo_subset", "row_rank", "sample", "sample_rows", "split_rows"]

@@ -12,12 +12,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from zocheck_ray.workload.datafiles import DataFormat
 from zocheck_ray.workload.tokenization import TokenizerChoice
 
+DataFormat = Literal["auto", "jsonl", "csv", "parquet", "dataset"]
 TaskKind = Literal["sst2", "lm", "classification", "rte", "cb", "boolq", "wsc", "wic", "multirc", "copa", "squad"]
 MEZO_KINDS = ("rte", "cb", "boolq", "wsc", "wic", "multirc", "copa", "squad")
-"""MeZO's tasks beyond SST-2, with MeZO's fields, templates and verbalizers (`workload/mezo_tasks.py`)."""
+"""MeZO's tasks beyond SST-2 (`rows.py`, `prompts.py`)."""
 
 
 class TaskConfig(BaseModel):

@@ -8,45 +8,33 @@
         opt.step(lambda: task.loss(model, batch), seed=step_seed(run_seed, t))
     task.evaluate(model)                                   # {"accuracy": ..., "loss": ...}
 
-`sst2` is MeZO's prompt-based classification: each candidate word after the prompt is scored by the
-mean log-probability of its tokens (as MeZO's `train_as_classification`), the loss is the correct
-candidate's cross-entropy. `lm` is next-token cross-entropy, `classification` a head's logits;
-MeZO's SuperGLUE and SQuAD tasks are in `mezo_tasks.py`.
+Prompt classification (`sst2`, MeZO's SuperGLUE tasks) scores each candidate by the mean log-probability
+of its tokens (MeZO's `train_as_classification`); COPA trains on its gold candidate's tokens.
 """
 
 from __future__ import annotations
 
-import hashlib
+import collections
 import math
+import re
+import string
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from zocheck_ray.workload.data import batch_indices
-from zocheck_ray.workload.datafiles import Row
-from zocheck_ray.workload.errors import TaskModelMismatchError, WorkloadError
+from zocheck_ray.workload.errors import WorkloadError
+from zocheck_ray.workload.examples import MAX_NEW_TOKENS, AnswerExample, PromptExample, TextExample
 from zocheck_ray.workload.task_config import TaskConfig
 from zocheck_ray.workload.tokenization import TextTokenizer
 
 __all__ = ["Task", "PromptClassificationTask", "PromptLanguageModelTask", "LanguageModelingTask",
-           "SequenceClassificationTask", "TaskConfig", "candidate_examples", "mezo_encode", "split_rows", "truncate"]
+           "SequenceClassificationTask", "SquadTask", "TaskConfig", "f1_score", "normalize_answer", "truncate"]
 
 IGNORE = -100
 """Target id that contributes no loss (padding, prompt tokens)."""
-
-
-def split_rows(rows: Sequence[Row], eval_size: int) -> tuple[list[Row], list[Row]]:
-    """(train, held-out): the held-out rows are the `eval_size` rows whose text has the smallest SHA-256, so the
-    split depends on the texts only. Both keep file order."""
-    if eval_size >= len(rows):
-        raise WorkloadError(f"task.eval_size={eval_size} holds out every row of {rows[0].path} ({len(rows)} rows); "
-                            "lower eval_size or give held-out rows in task.eval_path")
-    ranked = sorted(range(len(rows)), key=lambda i: (hashlib.sha256(rows[i].text.encode()).digest(), i))
-    held = set(ranked[:eval_size])
-    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
 
 def _pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +63,11 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device | str | None) -> dict[str, torch.Tensor]:
     return batch if device is None else {k: v.to(device) for k, v in batch.items()}
+
+
+def truncate(ids: list[int], max_length: int, keeps_first: bool) -> list[int]:
+    """MeZO's truncation: the first token (a BOS) and the last `max_length - 1`, else the last `max_length`."""
+    return ids[:1] + ids[1:][-(max_length - 1):] if keeps_first else ids[-max_length:]
 
 
 class Task(ABC):
@@ -211,15 +204,6 @@ def _classification_finish(sums: dict[str, float]) -> dict[str, float]:
     return {"accuracy": sums["correct"] / sums["rows"], "loss": sums["loss"] / sums["rows"]}
 
 
-@dataclass(frozen=True)
-class PromptExample:
-    sequences: list[list[int]]
-    """Each candidate's ids after the prompt's, untruncated, in class order."""
-    option_lens: list[int]
-    """MeZO's `option_len`: how many last tokens are the candidate's."""
-    label: int
-
-
 def _option_spans(seqs: list[list[int]], option_lens: list[int], pad_id: int) -> dict[str, torch.Tensor]:
     """ids, mask and targets of each sequence's last `option_len` tokens."""
     ids, mask = _pad(seqs, pad_id)
@@ -301,12 +285,6 @@ class PromptLanguageModelTask(PromptClassificationTask):
         return {"accuracy": sums["correct"] / sums["rows"], "loss": sums["nll"] / sums["tokens"]}
 
 
-@dataclass(frozen=True)
-class TextExample:
-    ids: list[int]
-    label: int
-
-
 class SequenceClassificationTask(Task):
     """`classification`: cross-entropy of a classification head's logits."""
 
@@ -369,37 +347,64 @@ class LanguageModelingTask(TokenLossTask):
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
 
 
-# ---------------------------------------------------------------- examples
+# ---------------------------------------------------------------- SQuAD
 
 
-def truncate(ids: list[int], max_length: int, keeps_first: bool) -> list[int]:
-    """MeZO's truncation: the first token (a BOS) and the last `max_length - 1`, else the last `max_length`."""
-    return ids[:1] + ids[1:][-(max_length - 1):] if keeps_first else ids[-max_length:]
+def normalize_answer(text: str) -> str:
+    """SQuAD's normalisation: lowercase, punctuation and articles removed, whitespace collapsed."""
+    text = "".join(c for c in text.lower() if c not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
 
 
-def mezo_encode(tokenizer: TextTokenizer, prompts: list[str], wholes: list[str]) -> list[tuple[list[int], int]]:
-    """(ids of each whole text, its token count less the prompt's), as MeZO's `encode_prompt`."""
-    prompt_ids = tokenizer.encode([p.strip(" ") for p in prompts])
-    whole_ids = tokenizer.encode([w.strip(" ") for w in wholes])
-    return [(ids, len(ids) - len(p)) for p, ids in zip(prompt_ids, whole_ids)]
+def f1_score(prediction: str, gold: str) -> float:
+    """SQuAD's token F1 of two answers (after `normalize_answer`)."""
+    pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    common = collections.Counter(pred) & collections.Counter(ref)
+    same = sum(common.values())
+    if same == 0:  # both empty too, as MeZO's metrics.py (SQuAD v1.1's script)
+        return 0.0
+    precision, recall = same / len(pred), same / len(ref)
+    return 2 * precision * recall / (precision + recall)
 
 
-def candidate_examples(config: TaskConfig, tokenizer: TextTokenizer, prompts: list[str],
-                       options: list[Sequence[str]], labels: list[int], what: str = "candidate") -> list[PromptExample]:
-    """Prompt-classification examples: each prompt followed by each candidate's text (`mezo_encode`)."""
-    if not prompts:
-        return []
-    width = max(len(o) for o in options)
-    per_option = [mezo_encode(tokenizer, prompts, [p + (o[k] if k < len(o) else "") for p, o in zip(prompts, options)])
-                  for k in range(width)]
-    examples = []
-    for i, label in enumerate(labels):
-        encoded = [per_option[k][i] for k in range(len(options[i]))]
-        for text, (_, n) in zip(options[i], encoded):
-            if n < 1 or n >= config.max_length:
-                raise TaskModelMismatchError(
-                    f"{what} {text.strip()!r} takes {n} tokens with {tokenizer.describe()}, which leaves "
-                    f"no room for the prompt within task.max_length={config.max_length}; raise max_length or "
-                    "choose shorter words")
-        examples.append(PromptExample([ids for ids, _ in encoded], [n for _, n in encoded], label))
-    return examples
+class SquadTask(TokenLossTask):
+    """`squad`: the answer tokens' mean cross-entropy; evaluation decodes greedily (F1, exact match)."""
+
+    metric = "f1"
+    higher_is_better = True
+    max_answer_tokens = MAX_NEW_TOKENS
+
+    def _collate(self, examples: list[AnswerExample]) -> dict[str, torch.Tensor]:
+        room = self.config.max_length - self.max_answer_tokens
+        seqs = [truncate(ex.sequence, room, self.tokenizer.adds_bos) for ex in examples]
+        return _option_spans(seqs, [ex.answer_len for ex in examples], self.tokenizer.pad_id)
+
+    def _finish(self, sums):
+        return {"loss": sums["nll"] / sums["tokens"]}
+
+    @torch.no_grad()
+    def answer(self, model: torch.nn.Module, example: AnswerExample) -> str:
+        """MeZO's greedy answer: up to `max_answer_tokens`, stopping at the id of "\n" or EOS."""
+        device = next(model.parameters()).device
+        ids = truncate(example.prompt, self.config.max_length - self.max_answer_tokens, self.tokenizer.adds_bos)
+        stop = {self.tokenizer.encode(["\n"])[0][-1], self.tokenizer.eos_id}
+        generated: list[int] = []
+        for _ in range(min(self.max_answer_tokens, self.config.max_length - len(ids))):
+            x = torch.tensor([ids + generated], device=device)
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0, -1]
+            token = int(logits.float().argmax())
+            if token in stop:
+                break
+            generated.append(token)
+        return self.tokenizer.decode(generated).strip()
+
+    def _metrics(self, model: torch.nn.Module, examples: list) -> dict[str, float]:
+        metrics = super()._metrics(model, examples)  # the gold answers' loss
+        f1 = exact = 0.0
+        for example in examples:
+            prediction = self.answer(model, example)
+            f1 += max(f1_score(prediction, gold) for gold in example.answers)
+            exact += max(float(normalize_answer(prediction) == normalize_answer(gold)) for gold in example.answers)
+        n = max(1, len(examples))
+        return {"f1": f1 / n, "exact_match": exact / n, **metrics}
