@@ -11,7 +11,8 @@ With no --config, `train` runs the embedded default: one injected trainer failur
 60% of the steps and `--verify` (the durable log replayed and compared with every
 step). With a --config, nothing is injected unless --fail-at says so.
 Exit status: 0 when the shadow equals the trainer (and the verification passed),
-1 when not, 2 for a configuration that cannot run, 143 (SIGTERM) or 130 (SIGINT) when
+1 when not or when the run fails, 2 for a configuration or input that cannot run (storage
+whose every snapshot is damaged too), 143 (SIGTERM) or 130 (SIGINT) when
 stopped by that signal at a step boundary with its state durable; the same command
 resumes it.
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from zocheck_ray.config import JobConfig
+from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.control.controller import Controller
 from zocheck_ray.control.outcomes import Restored, StepTimes
 from zocheck_ray.control.policy import Failure
@@ -373,3 +373,15 @@ def test_trainers_that_cannot_take_their_first_state_fail_the_run_in_one_line_na
     parts.group.start = lambda: (_ for _ in ()).throw(RuntimeError("not ours"))
     with pytest.raises(RuntimeError, match="not ours"):  # anything else keeps its traceback
         run.run()
+
+
+def test_a_shadow_that_finds_every_snapshot_damaged_refuses_the_storage_as_an_input_that_cannot_run(tmp_path):
+    run, parts = controller(tmp_path)
+    report = ("The actor died because of an error raised in its creation task\n  File ...\n"
+              "zocheck_ray.storage.errors.CorruptSnapshotError: every committed snapshot under R is corrupt: R/x fails "
+              "its SHA-256 check (the file is damaged); nothing was deleted: restore the damaged files from a copy")
+    parts.start = lambda: (_ for _ in ()).throw(RuntimeError(report))  # as Ray reports the shadow's constructor
+    with pytest.raises(JobConfigError, match=f"^storage='{tmp_path}' cannot be resumed: every committed snapshot "
+                                             "under R is corrupt: R/x fails its SHA-256 check .* from a copy$"):
+        run.run()  # exit 2 from the CLI, like the sizes' check before Ray
+    assert parts.stopped

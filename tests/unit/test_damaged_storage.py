@@ -1,6 +1,6 @@
 """Damaged snapshots met on a resume: the newest set aside and written again, so storage is sound and the
-durable step true; every snapshot damaged: the shadow refuses at once, naming them, deletes nothing and
-releases the lease."""
+durable step true; every snapshot damaged: refused at once (a missing or cut-short file before Ray starts),
+naming them, deleting nothing, the lease released."""
 
 from __future__ import annotations
 
@@ -88,3 +88,20 @@ def test_the_resume_point_is_read_before_ray_so_an_injected_failure_lies_after_i
     assert resume_point(job) is None  # a fresh run
     run_to(job, 8)
     assert resume_point(job) == 8
+
+
+def test_storage_whose_every_snapshot_lacks_a_file_or_is_cut_short_is_refused_before_ray(job, tmp_path, capsys):
+    from zocheck_ray.cli import main
+
+    run_to(job, 8)
+    newest, older = (os.path.join(job.run_url, snapshot_dir(info.step), "model.safetensors")
+                     for info in SnapshotStore(job.run_url, create=False).committed())
+    os.truncate(newest, os.path.getsize(newest) // 2)
+    os.remove(older)
+    (tmp_path / "job.yaml").write_text(f"run_id: {job.run_id}\n")
+    assert main(["train", "--config", str(tmp_path / "job.yaml"), "--storage", str(tmp_path)]) == 2  # no Ray
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"cannot be resumed: every committed snapshot under {job.run_url} is damaged: {newest} holds " in err
+    assert f"{older} is missing; nothing was deleted: restore the damaged files from a copy" in err
+    assert os.path.exists(newest) and read_lease(open_storage(job.run_url, create=False)).released

@@ -16,7 +16,7 @@ import enum
 import time
 from typing import Iterable, Protocol
 
-from zocheck_ray.config import JobConfig
+from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.control.callbacks import RunCallback, RunRecord, Segment
 from zocheck_ray.control.monitor import Monitor
 from zocheck_ray.control.policy import Action, Failure, FailureBudget, decide
@@ -26,7 +26,7 @@ from zocheck_ray.control.summary import Recovery, RunFailedError, RunSummary
 from zocheck_ray.runtime.errors import DrainFailedError, ShadowCallError, ShadowGoneError
 from zocheck_ray.runtime.messages import ShadowMetrics, ShadowStatus, TrainerProgress, TrainerTimes
 from zocheck_ray.runtime.shadow import ShadowRestartedError
-from zocheck_ray.storage import LeaseError, StorageError
+from zocheck_ray.storage import CorruptSnapshotError, LeaseError, StorageError
 from zocheck_ray.storage.lease import release_dead_holder
 
 PROFILE_TOLERANCE = 3.0
@@ -140,6 +140,8 @@ class Controller:
         except Exception as exc:  # the shadow or a trainer could not take its first state: one line, if it is ours
             if (cause := _our_cause(exc)) is None:
                 raise
+            if self.group is None and _raised(exc, CorruptSnapshotError):  # no snapshot to resume from: the input's
+                raise JobConfigError(f"storage={self.job.storage!r} cannot be resumed: {cause}") from None
             who = "the trainers" if self.group is not None else "the shadow"
             return self._fail(Failure("drain_failed", self.step, f"{who} could not start: {cause}"))
         self.step = started.step
@@ -372,6 +374,12 @@ class _ShadowGone(Exception):
     def __init__(self, failure: Failure):
         super().__init__(failure.detail)
         self.failure = failure
+
+
+def _raised(exc: Exception, kind: type[Exception]) -> bool:
+    """Whether `exc` is a `kind`, or Ray's report of one (its last line)."""
+    last = (str(exc).strip().splitlines() or [""])[-1]
+    return isinstance(exc, kind) or last.startswith(f"{kind.__module__}.{kind.__qualname__}: ")
 
 
 def _our_cause(exc: Exception) -> str | None:

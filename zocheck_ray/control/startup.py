@@ -16,7 +16,7 @@ from zocheck_ray.control.connect import connect_ray
 from zocheck_ray.control.placement import _check_resources, group_name, running_here
 from zocheck_ray.storage import LeaseHeldError, StorageError, check_no_live_writer, check_run_rules
 from zocheck_ray.storage.fs import open_storage, parse_url
-from zocheck_ray.storage.snapshot import SNAPSHOTS_DIR
+from zocheck_ray.storage.snapshot import SNAPSHOTS_DIR, SnapshotStore, snapshot_dir
 
 
 def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group: PlacementGroup | None = None,
@@ -27,6 +27,7 @@ def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group
     try:
         open_storage(job.run_url, job.storage_options, create=True)
         check_run_rules(job.run_url, job.storage_options)  # a run stored under other update rules
+        check_snapshots_whole(job)
     except StorageError as exc:
         raise JobConfigError(f"storage={job.storage!r} cannot be used: {exc}") from exc
     check_storage_room(job)
@@ -87,6 +88,35 @@ def check_storage_room(job: JobConfig) -> None:
         raise JobConfigError(f"storage={job.storage!r}: {root} has {free} bytes free, and this run needs {needed} "
                              f"(snapshots of {size} bytes, the newest written beside the one before, and the log); "
                              "free space there or choose another --storage")
+
+
+def check_snapshots_whole(job: JobConfig) -> None:
+    """Refuse storage whose every committed snapshot lacks a file or has one of another size than its manifest's.
+    Sizes only, so it is cheap: damage inside a file is found by its SHA-256 when the shadow reads it."""
+    if SNAPSHOTS_DIR not in open_storage(job.run_url, job.storage_options, create=False).list_dir(""):
+        return
+    damaged = []
+    with SnapshotStore(job.run_url, job.storage_options, create=False) as store:
+        for info in store.committed():
+            if (problem := _size_problem(store, info)) is None:
+                return
+            damaged.append(problem)
+    if damaged:
+        raise JobConfigError(f"storage={job.storage!r} cannot be resumed: every committed snapshot under {store.url} "
+                             f"is damaged: {'; '.join(damaged)}; nothing was deleted: restore the damaged files from "
+                             "a copy, or start the job under another run_id or storage")
+
+
+def _size_problem(store: SnapshotStore, info) -> str | None:
+    for name, entry in info.manifest.files.items():
+        rel = f"{snapshot_dir(info.step)}/{name}"
+        try:
+            size = store.storage.size(rel)
+        except FileNotFoundError:
+            return f"{store.storage.url_of(rel)} is missing"
+        if size != entry.size:
+            return f"{store.storage.url_of(rel)} holds {size} bytes where its manifest says {entry.size}"
+    return None
 
 
 def check_not_running_here(job: JobConfig, held: LeaseHeldError | None = None, creates_group: bool = True) -> None:
