@@ -148,6 +148,15 @@ def test_label_error_in_the_eval_file(tmp_path):
         build_task(TaskConfig(data_path=train, eval_path=held_out), "tiny-opt")
 
 
+@pytest.mark.parametrize("sampler", [{"eval_size": 1}, {"num_train": 1, "num_eval": 1}])
+def test_a_bad_row_is_refused_whether_or_not_it_is_sampled(tmp_path, sampler):
+    """Rows are checked before sampling: evaluating one held-out row does not let a bad third one through."""
+    train = write_jsonl(tmp_path / "train.jsonl", GOOD)
+    held_out = write_jsonl(tmp_path / "eval.jsonl", GOOD + [json.dumps({"sentence": "so so", "label": 7})])
+    with pytest.raises(LabelError, match=r"eval\.jsonl:3: label 7"):
+        build_task(TaskConfig(data_path=train, eval_path=held_out, **sampler), "tiny-opt")
+
+
 def test_prompt_task_on_an_encoder_is_a_mismatch():
     with pytest.raises(TaskModelMismatchError, match="task kind 'sst2' needs a causal LM, but model 'tiny-bert' is an "
                                                      r"encoder with a classification head \(BertForSequenceClassification\)"):
