@@ -94,6 +94,9 @@ def result_table(summary, verification=None) -> list[tuple[str, str]]:
         (("held-out before" if not evaluations or min(evaluations) in (0, resumed) else "held-out first")
          + (f" (step {min(evaluations)})" if evaluations else ""), _metrics_text(first)),
         (f"held-out after (step {summary.steps})", _metrics_text(last)),
+        *([("best dev step", f"{summary.best_dev_step} (lowest dev_loss), snapshot "
+                             f"{summary.best_dev_snapshot or '- (not durable)'}")]
+          if summary.best_dev_step is not None else []),
         ("training loss", _losses_text(summary.losses)),
         ("publish overhead per step",
          f"{summary.publish_us_median:.2f} us (median), trainer step {summary.trainer_seconds_per_step * 1e3:.1f} ms"

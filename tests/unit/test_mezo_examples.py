@@ -100,3 +100,30 @@ def test_the_best_dev_step_is_mezo_s_best_checkpoint():
     ev = {0: {"dev_loss": 0.1, "accuracy": 0.5}, 4: {"dev_loss": 0.6}, 8: {"dev_loss": 0.4}, 12: {"dev_loss": 0.4}}
     assert best_dev_step(ev) == 8
     assert best_dev_step({0: {"accuracy": 0.5}, 4: {"accuracy": 0.6}}) is None
+
+
+@pytest.mark.slow  # a run, in process
+def test_the_best_dev_snapshot_survives_a_host_failure_and_is_the_state_of_that_step(tmp_path):
+    """Dev rows evaluated every 2 steps, snapshots every 4, a host failure at step 5: the pinned snapshot is the
+    trainer's state at the best dev step (step 4 here, which retention, keeping the newest two, would delete), the
+    other evaluation steps' snapshots are released, and the run's states are those of the uninterrupted run."""
+    from zocheck_ray.control.summary import best_dev_step
+    from zocheck_ray.storage import SnapshotStore
+    from zocheck_ray.testing.reference import uninterrupted_hashes
+
+    job = load_job_config(EXAMPLE, overrides=[
+        "model=tiny-opt", "dtype=fp32", f"storage={tmp_path / 'runs'}", f"task.data_path={sst2_folder(tmp_path)}",
+        "task.max_length=32", "task.batch_size=4", "task.num_train=16", "task.num_dev=4", "task.num_eval=4",
+        "task.eval_interval=2", "zo.lr=1e-2", "steps=8", "log_interval=2", "shadow.snapshot_interval=4",
+        "hash_every_step=true"])
+    run = run_in_process(job, host=[5])
+    best = best_dev_step(run.evaluations)
+    assert run.metrics.best_dev_step == best and best is not None
+    store = SnapshotStore(job.run_url, create=False)
+    pinned = store.get(best)
+    assert run.metrics.best_dev_snapshot == pinned.url and store.retention().pins == {"best_dev": best}
+    assert {i.step for i in store.committed()} == {8, 6, best}
+    assert pinned.state_hash == run.step_hashes[best][0]
+    expected = uninterrupted_hashes(job)
+    assert {step: hashes[-1] for step, hashes in run.step_hashes.items()} == \
+        {step: expected[step] for step in run.step_hashes}

@@ -355,3 +355,33 @@ def test_the_best_dev_step_s_snapshot_is_pinned_against_retention_and_loads_to_t
     loaded = AutoModelForCausalLM.from_pretrained(m.best_dev_snapshot)
     for name, tensor in trainable_parameters(loaded):
         assert torch.equal(tensor.detach(), expected[name]), name
+
+
+def test_a_rebuilt_shadow_saves_the_pinned_step_whose_snapshot_was_lost_with_its_predecessor(job):
+    """The pin names step 3, but its snapshot never became durable (the shadow was lost first) and the log runs
+    past it from step 0: the rebuild replays to step 3, saves it there, pinned, and goes on to the log's end."""
+    from zocheck_ray.storage import SnapshotStore, StepLog
+    from zocheck_ray.storage.retention import Retention
+
+    job = job.model_copy(update={"steps": 6, "task": job.task.model_copy(
+        update={"num_train": 8, "num_dev": 4, "eval_interval": 3})})
+    initial, opt, records = trained(job, 5)
+    with SnapshotStore(job.run_url) as store:
+        store.save(0, initial, {"run_id": job.run_id, "zo_config": job.zo.model_dump(mode="json")})
+        store.storage.write_atomic("retention.json", Retention(pins={"best_dev": 3}, released_through=3).encode())
+    log = StepLog(job.run_url)
+    for record in records:
+        log.append(record)
+    log.close()
+    shadow = Shadow(job)
+    try:
+        m = shadow.metrics()
+        assert (m.replayed_step, m.best_dev_step) == (5, 3)
+        assert m.best_dev_snapshot == f"{job.run_url}/{snapshot_dir(3)}"
+        assert shadow.replica_hash() == (5, state_hash(opt.state_tensors()))
+    finally:
+        shadow.close()
+    expected = {k: v.clone() for k, v in initial.items()}
+    replay(expected, records[:3], job.zo, start_step=0)
+    tensors, _ = SnapshotStore(job.run_url, create=False).load(3)
+    assert all(torch.equal(tensors[name], expected[name]) for name in expected)

@@ -39,6 +39,10 @@ class ShadowClient:
     def metrics(self, trainers: TrainerTimes | None = None) -> ShadowMetrics:
         return self._call(lambda: self.actor.metrics.remote(trainers))
 
+    def note_dev(self, losses: dict[int, float], through: int) -> None:
+        """The dev losses so far (`Shadow.note_dev`)."""
+        self._call(lambda: self.actor.note_dev.remote(losses, through))
+
     def drain(self, step: int, timeout: float, incarnation: str | None = None) -> ShadowMetrics:
         """Replay to `step` and make its image durable (`Shadow.drain`). Raises `ShadowRestartedError`
         if a new incarnation answered, `DrainFailedError` if it failed."""

@@ -122,6 +122,11 @@ class ShadowActor:
         self._export(m)
         return m
 
+    @ray.method(concurrency_group="control")
+    def note_dev(self, losses: dict, through: int) -> None:
+        """The trainer's dev losses by step, evaluated up to `through` (`Shadow.note_dev`)."""
+        self.shadow.note_dev(losses, through)
+
     def _export(self, m) -> None:
         from ray.util.metrics import Gauge
 
@@ -132,7 +137,7 @@ class ShadowActor:
             self._gauges = {n: Gauge(f"zocheck_shadow_{n}", description=f"zocheck-ray shadow {n}",
                                      tag_keys=("run_id",)) for n in type(m).model_fields
                             if n not in ("run_id", "incarnation", "regime", "source", "rank_seconds_per_step", "standby",
-                                      "rank_shards", "last_group_change")
+                                      "rank_shards", "last_group_change", "best_dev_snapshot")
                             and not n.endswith("_error")}
             self._rank_gauge = Gauge("zocheck_shadow_rank_seconds_per_step", tag_keys=("run_id", "rank"),
                                      description="zocheck-ray trainer rank's mean step seconds (last segment)")

@@ -90,6 +90,7 @@ class Controller:
         self.max_lag_steps = job.shadow.max_lag_steps or DEFAULT_MAX_LAG_STEPS
         self.summary: RunSummary | None = None
         self._changes_reported = 0
+        self._dev_told: tuple | None = None
 
     def run(self) -> RunSummary:
         self.stop.describe_now = lambda: (f"at step {self.step}, without waiting: the durable state under "
@@ -170,6 +171,7 @@ class Controller:
         results, failure = self.group.run(step, self.step)
         for progress in results.values():
             self.record.absorb(self, progress)
+        self._note_dev()
         if failure is not None:
             raise RunFailedError(f"a trainer was lost during the startup profile ({failure.detail}); run again, or "
                                  "set shadow.snapshot_interval to skip the profile")
@@ -196,6 +198,7 @@ class Controller:
             return self._fail(failure)
         progress = results[0]
         self.step = progress.step
+        self._note_dev()
         metrics = self._metrics(self.group.trainer_times())
         failure = self.monitor.check(self, metrics, progress)  # check
         if failure is not None:
@@ -331,6 +334,22 @@ class Controller:
             return self.shadow.metrics(times)
         except ShadowGoneError as exc:
             raise _ShadowGone(Failure("shadow_gone", self.step, str(exc))) from exc
+
+    def _note_dev(self) -> None:
+        """With dev rows: tell the shadow every dev loss so far (it pins the best step's snapshot, releases the
+        others), again after it restarted."""
+        evaluations = self.record.evaluations
+        if self.job.task.num_dev is None or not evaluations:
+            return
+        losses = {step: m["dev_loss"] for step, m in evaluations.items() if "dev_loss" in m}
+        told = (len(losses), max(evaluations), self.monitor.shadow_incarnation)
+        if told == self._dev_told:
+            return
+        try:
+            self.shadow.note_dev(losses, max(evaluations))
+        except ShadowGoneError as exc:
+            raise _ShadowGone(Failure("shadow_gone", self.step, str(exc))) from exc
+        self._dev_told = told
 
     def _status(self) -> ShadowStatus:
         try:

@@ -115,7 +115,10 @@ class RunSummary(BaseModel):
     metric_after: float | None = None
     """`metric` at the last step."""
     best_dev_step: int | None = None
-    """With MeZO's dev rows: the step MeZO's `--load_best_model_at_end` keeps (`best_dev_step`)."""
+    """With MeZO's dev rows: the step MeZO's `--load_best_model_at_end` keeps (`best_dev_step`; the shadow's
+    choice, which a resumed run carries over)."""
+    best_dev_snapshot: str | None = None
+    """That step's durable snapshot, pinned against retention: load it with `from_pretrained`."""
     eval_seconds: float = 0.0
     """Trainer time spent evaluating (not counted in `trainer_seconds_per_step`)."""
     shadow_restarts: int = 0

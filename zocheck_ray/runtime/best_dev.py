@@ -1,10 +1,6 @@
-"""`BestDev`: the snapshot MeZO's `--load_best_model_at_end` would keep, chosen as the run goes.
+"""`BestDev`: the snapshot MeZO's `--load_best_model_at_end` keeps (docs/running.md, "The best dev snapshot").
 
-With MeZO's dev rows (`task.num_dev`), every evaluation step after step 0 gets its own image, held
-until durable, and its snapshot is saved with `hold`, so retention keeps it until the trainer's dev
-loss there is known. The lowest `dev_loss` (the first on ties) is then pinned in the run's
-`retention.json`; the others are released. Replay stops at those steps but replays the same
-records: the trained state does not change.
+Each evaluation step's snapshot is held until its dev loss is known; the lowest is pinned.
 """
 
 from __future__ import annotations
@@ -17,18 +13,17 @@ PIN = "best_dev"
 
 
 class BestDev:
-    """The best dev step so far and the steps that need their own snapshot; owned by the shadow."""
+    """The best dev step so far, and the steps that get their own snapshot."""
 
     def __init__(self, job: JobConfig):
         self.enabled = job.task.num_dev is not None
         self.interval, self.last_step = job.task.eval_interval, job.steps
         self.step: int | None = None
         self.loss: float | None = None
-        self.released_through = -1
-        """Every evaluation step up to here has been decided (its dev loss was told)."""
+        self.released_through = -1  # every evaluation step up to here was decided
 
     def forced(self, step: int) -> int | None:
-        """The first evaluation step after `step` that needs its own snapshot; None without dev rows."""
+        """The first evaluation step after `step`; None without dev rows."""
         if not self.enabled:
             return None
         following = (step // self.interval + 1) * self.interval
@@ -39,14 +34,14 @@ class BestDev:
         return step > 0 and self.forced(step - 1) == step
 
     def restore(self, retention: Retention) -> None:
-        """Take up a durable storage's choice (a shadow rebuilt, or a run resumed)."""
+        """Take up the durable choice (a rebuilt shadow, a resumed run)."""
         if PIN in retention.pins:
             self.step = retention.pins[PIN]
             self.loss = retention.notes.get(PIN, {}).get("dev_loss")
         self.released_through = max(self.released_through, retention.released_through)
 
     def note(self, losses: dict[int, float], through: int) -> bool:
-        """The trainer's dev losses by step, evaluated up to `through`; whether the retention changed."""
+        """Dev losses by step, evaluated up to `through`; whether the retention changed."""
         before = (self.step, self.released_through)
         for step, loss in sorted(losses.items()):
             if step > 0 and (self.step is None or self.loss is None or (loss, step) < (self.loss, self.step)):

@@ -148,25 +148,43 @@ class Shadow:
         # peak, as in every other phase.
         layout = ImageLayout.from_specs([(t.name, t.dtype, tuple(t.shape)) for t in latest.manifest.tensors])
         buffer = self.replay.open_intake(layout)
+        # A held step the log passes without its snapshot (the shadow was lost before it was durable) is saved now,
+        # where undecided or pinned: the trainer evaluated it, or will, and only this replay passes it again.
+        committed, saved = {info.step for info in store.committed()}, set()
+        best = self.best_dev
+
+        def save_held(step: int, state: dict, meta) -> None:
+            self._take_meta(meta)
+            store.save(step, state, self._snapshot_meta(), hold=True)
+            saved.add(step)
+
         result = _with_retries(lambda: recover(store, self.job.run_url, storage_options=self.job.storage_options,
                                                config=self.job.zo, threads=self.replay.threads,
-                                               out=layout.views(buffer.bytes)),
+                                               out=layout.views(buffer.bytes), pause=save_held,
+                                               pause_at=lambda step: step not in committed and best.holds(step) and (
+                                                   step > best.released_through or step == best.step)),
                                f"rebuilding from {self.job.run_url}")
         for problem in result.problems:
             logger.warning("durable recovery: %s", problem)
         try:  # so that nothing reads a damaged snapshot as durable, and its step is written again
-            store.set_aside_newer(result.snapshot.step)
+            store.set_aside_newer(result.snapshot.step, keep=frozenset(saved))
         except StorageError as exc:  # the next save of that step sets it aside (SnapshotStore.save)
             logger.warning("could not set aside the damaged snapshots after step %d: %s", result.snapshot.step, exc)
-        recorded = result.meta.user.get(ADAPTER_KEY)
-        if recorded is not None:
-            self.adapter = AdapterIdentity.model_validate(recorded)
-        if result.meta.hf_config is not None:
-            self.model_config = result.meta.hf_config
+        self._take_meta(result.meta)
+        if saved:
+            self.persist.load_retention()  # a pinned step among them: its URL
         self.replay.commit_intake(result.step, "durable")
         self.persist.durable_step = result.snapshot.step
         logger.info("shadow rebuilt from durable storage at step %d (%d records replayed)", result.step,
                     result.records_replayed)
+
+    def _take_meta(self, meta) -> None:
+        """A durable snapshot's adapter and model config, for the snapshots this shadow writes."""
+        recorded = meta.user.get(ADAPTER_KEY)
+        if recorded is not None:
+            self.adapter = AdapterIdentity.model_validate(recorded)
+        if meta.hf_config is not None:
+            self.model_config = meta.hf_config
 
     # ------------------------------------------------------------------ state in
 

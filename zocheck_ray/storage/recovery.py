@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from pydantic import ValidationError
@@ -45,9 +45,12 @@ class RecoveredState:
 
 def recover(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *, storage_options: dict | None = None,
             config: ZOConfig | None = None, threads: int | None = None,
-            out: Mapping[str, torch.Tensor] | None = None) -> RecoveredState:
+            out: Mapping[str, torch.Tensor] | None = None,
+            pause: Callable[[int, dict[str, torch.Tensor], SnapshotMeta], None] | None = None,
+            pause_at: Callable[[int], bool] = lambda step: False) -> RecoveredState:
     """Rebuild the newest exact state from a snapshot store and the step log (by default under the same root);
-    `out`: CPU tensors to read and replay into."""
+    `out`: CPU tensors to read and replay into. `pause(step, state, meta)` sees the state at each replayed
+    step that `pause_at` names (the replay goes on after it, with the same bits)."""
     store = snapshots if isinstance(snapshots, SnapshotStore) else SnapshotStore(
         snapshots, storage_options, create=False)
     problems: list[str] = []
@@ -64,7 +67,14 @@ def recover(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *,
             continue
         zo_config = config if config is not None else _config_of(info, meta)
         records = _records(store, log, storage_options, info.step, problems)
-        replay(state, records, zo_config, threads=threads, start_step=info.step)
+        position = info.step
+        for step in range(info.step + 1, info.step + len(records) + 1):
+            if pause is not None and pause_at(step):
+                replay(state, records[position - info.step: step - info.step], zo_config, threads=threads,
+                       start_step=position)
+                pause(step, state, meta)
+                position = step
+        replay(state, records[position - info.step:], zo_config, threads=threads, start_step=position)
         return RecoveredState(state, info.step + len(records), info, meta, zo_config, len(records), problems)
     raise CorruptSnapshotError(f"every committed snapshot under {store.url} is corrupt: {'; '.join(problems)}; "
                                "nothing was deleted: restore the damaged files from a copy, or start the job under "

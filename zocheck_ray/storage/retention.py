@@ -3,10 +3,7 @@
     store.save(step, state, meta, hold=True)           # kept until released or pinned
     store.set_retention(Retention(pins={"best_dev": 40}, released_through=60))
 
-A pinned step is never pruned. A snapshot saved with `hold` is kept until `released_through` reaches
-its step, so a caller may decide about it later (a run pins its best dev step only once the trainer
-has evaluated it). The file is written atomically and carries its own SHA-256: a damaged one is
-read as "nothing released", which keeps every held snapshot.
+A held snapshot waits for its caller's decision. A damaged file (its SHA-256) releases nothing.
 """
 
 from __future__ import annotations
@@ -26,19 +23,19 @@ RETENTION_FILE = "retention.json"
 
 
 class Retention(BaseModel):
-    """Pinned snapshots and the release point of held ones."""
+    """Pinned steps and the release point of held ones."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     pins: dict[str, int] = Field(default_factory=dict)
-    """Name -> step of a snapshot that retention never deletes."""
+    """Name -> step never pruned."""
     released_through: int = -1
-    """Held snapshots at or before this step are pruned like any other (unless pinned)."""
+    """Held snapshots up to here are pruned as any other."""
     notes: dict[str, Any] = Field(default_factory=dict)
-    """JSON beside each pin (the best dev step's loss, say)."""
+    """JSON beside each pin."""
 
     def keeps(self, step: int, held: bool) -> bool:
-        """Whether retention must keep the committed snapshot of `step` (`held`: saved with `hold`)."""
+        """Whether the snapshot of `step` (`held`: saved with `hold`) is kept."""
         return step in self.pins.values() or (held and step > self.released_through)
 
     def encode(self) -> bytes:
@@ -48,7 +45,7 @@ class Retention(BaseModel):
 
 
 def read_retention(storage: Storage) -> Retention:
-    """The run's `Retention`: empty without a file; a damaged one releases nothing."""
+    """The run's `Retention` (empty without a file, or a damaged one)."""
     try:
         data = storage.read_bytes(RETENTION_FILE)
     except FileNotFoundError:

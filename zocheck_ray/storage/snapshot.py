@@ -474,11 +474,11 @@ class SnapshotStore:
                        self.storage.url_of(target))
         return self.storage.url_of(target)
 
-    def set_aside_newer(self, step: int) -> list[str]:
-        """`set_aside` every committed snapshot newer than `step`, the one a recovery used: each was skipped as
-        damaged (`recover` takes the newest sound one)."""
+    def set_aside_newer(self, step: int, keep: frozenset[int] = frozenset()) -> list[str]:
+        """`set_aside` every committed snapshot newer than `step`, the one a recovery used, but those at `keep` (saved
+        since): each was skipped as damaged (`recover` takes the newest sound one)."""
         return [self.set_aside(s) for s, directory in self._steps()
-                if s > step and MANIFEST_FILE in self.storage.list_dir(directory)]
+                if s > step and s not in keep and MANIFEST_FILE in self.storage.list_dir(directory)]
 
     def clean_uncommitted(self) -> list[str]:
         """Remove what killed saves left (directories without a manifest, temporary files, open uploads), under

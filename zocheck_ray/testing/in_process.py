@@ -101,6 +101,12 @@ class InProcessRun:
             self.step_hashes.setdefault(step, []).append(digest)
         self.evaluations.update(progress.evaluations)
 
+    def note_dev(self, job: JobConfig, shadow: Shadow) -> None:
+        """With dev rows: the dev losses so far to the shadow, as the controller tells them."""
+        if job.task.num_dev is not None and self.evaluations:
+            shadow.note_dev({s: m["dev_loss"] for s, m in self.evaluations.items() if "dev_loss" in m},
+                            max(self.evaluations))
+
 
 def run_in_process(job: JobConfig, software=(), host=(), drain_timeout: float = 120.0,
                    first_shadow_hooks=NO_HOOKS) -> InProcessRun:
@@ -119,11 +125,13 @@ def run_in_process(job: JobConfig, software=(), host=(), drain_timeout: float = 
                 result.absorb(trainer.progress())
                 trainer = _replace(trainer, job, shadow, hooks, result)
                 continue
+            result.note_dev(job, shadow)
             if pending_host and trainer.step == pending_host[0]:
                 pending_host.pop(0)
                 trainer.close(hand_over=False)
                 shadow.close()
                 shadow = Shadow(job)  # rebuilt from durable storage
+                result.note_dev(job, shadow)  # told again, as the controller tells a restarted shadow
                 trainer = _replace(None, job, shadow, hooks, result)
         result.final_hash = trainer.state_hash()[1]
         trainer.close()
