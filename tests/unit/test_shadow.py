@@ -346,6 +346,8 @@ def test_the_best_dev_step_s_snapshot_is_pinned_against_retention_and_loads_to_t
     try:
         m = rebuilt.metrics()
         assert (m.best_dev_step, m.best_dev_snapshot) == (3, f"{job.run_url}/{snapshot_dir(3)}")
+        # its image is at step 13, an evaluation step durable already: no longer held, so replay goes on
+        assert wait_until(lambda: not rebuilt.ledger.image.hold)
         assert 3 in [i.step for i in SnapshotStore(job.run_url, create=False).committed()]
     finally:
         rebuilt.close()

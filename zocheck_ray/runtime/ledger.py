@@ -165,6 +165,9 @@ class RecordLedger:
         """The newest image for the persistence stage, pinned until `unpin`, unless at `skip_step` or not `due`."""
         with self._lock:
             image = self.image
+            if image is not None and image.step == skip_step and image.hold:
+                image.hold = False  # durable already (a shadow rebuilt at that step)
+                self._lock.notify_all()
             if image is None or image.step == skip_step or not due(image.step):
                 return None
             image.pinned = True
