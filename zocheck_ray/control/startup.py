@@ -82,11 +82,13 @@ def check_storage_room(job: JobConfig) -> None:
     if scheme != "file" or (size := snapshot_bytes(job)) is None:
         return
     snapshots = os.path.join(root, SNAPSHOTS_DIR)
-    needed = size * (1 if os.path.isdir(snapshots) and os.listdir(snapshots) else 2) + STORAGE_MARGIN_BYTES
+    kept = 1 if job.task.num_dev is not None else 0  # the best dev step's, pinned
+    needed = size * (kept + (1 if os.path.isdir(snapshots) and os.listdir(snapshots) else 2)) + STORAGE_MARGIN_BYTES
     free = shutil.disk_usage(root).free
     if free < needed:
         raise JobConfigError(f"storage={job.storage!r}: {root} has {free} bytes free, and this run needs {needed} "
-                             f"(snapshots of {size} bytes, the newest written beside the one before, and the log); "
+                             f"(snapshots of {size} bytes, the newest written beside the one before"
+                             f"{', the best dev step' if kept else ''}, and the log); "
                              "free space there or choose another --storage")
 
 
