@@ -385,3 +385,24 @@ def test_a_shadow_that_finds_every_snapshot_damaged_refuses_the_storage_as_an_in
                                              "under R is corrupt: R/x fails its SHA-256 check .* from a copy$"):
         run.run()  # exit 2 from the CLI, like the sizes' check before Ray
     assert parts.stopped
+
+
+def test_with_dev_rows_the_shadow_is_told_every_dev_loss_after_each_segment_and_again_after_it_restarted(tmp_path):
+    run, parts = controller(tmp_path, task={"num_train": 8, "num_dev": 4, "eval_interval": 8})
+    dev_loss = {0: 0.9, 8: 0.3, 16: 0.4, 20: 0.3}
+    told: list[tuple[dict, int]] = []
+    parts.shadow.note_dev = lambda losses, through: told.append((dict(losses), through))
+    original = parts.group.run
+
+    def evaluating(target, step):
+        results, failure = original(target, step)
+        evaluations = {s: {"loss": 1.0, "dev_loss": dev_loss[s]} for s in dev_loss if step <= s <= parts.group.step}
+        if step == 5:
+            parts.shadow.incarnation = "shadow-2"  # Ray restarted it: it is told everything again
+        return {r: p.model_copy(update={"evaluations": evaluations}) for r, p in results.items()}, failure
+
+    parts.group.run = evaluating
+    summary = run.run()
+    assert [through for _, through in told] == [0, 8, 8, 20]  # each new evaluation, and again after the restart
+    assert told[2] == told[1] and told[-1] == (dev_loss, 20)
+    assert summary.best_dev_step == 8  # the first of the lowest (8 and 20)
