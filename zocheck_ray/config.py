@@ -114,6 +114,9 @@ class ScalingSettings(BaseModel):
     every rank until it is replaced."""
     placement: Literal["pack", "spread"] = "pack"
     """`pack`: every rank and the shadow on one node; `spread`: rank 0 with the shadow, the others anywhere."""
+    collective_timeout_seconds: float = Field(600.0, gt=0)
+    """How long a rank waits in an exchange or a rendezvous (gloo's timeout): above rank 0's longest evaluation,
+    which the others wait out. A node lost without a TCP reset is seen after it."""
     use_gpu: Literal["auto", "yes", "no"] = "auto"
     """Train on a GPU: `auto` uses one when the cluster has one, `yes` requires one."""
 

@@ -85,7 +85,8 @@ def test_the_groups_keep_their_defaults():
                                            "max_undurable_steps": 5000, "log_seal_records": 1024,
                                            "lease_seconds": 30.0}
     assert job.failure.model_dump() == {"max_restarts": 10, "standby": False}
-    assert job.scaling.model_dump() == {"trainers": 1, "min_trainers": None, "placement": "pack", "use_gpu": "auto"}
+    assert job.scaling.model_dump() == {"trainers": 1, "min_trainers": None, "placement": "pack",
+                                        "collective_timeout_seconds": 600.0, "use_gpu": "auto"}
 
 
 def test_a_misspelt_field_inside_a_group_is_refused():

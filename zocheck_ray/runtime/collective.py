@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 TIMEOUT_SECONDS = 600.0
-"""How long a join or a gather waits: long, as ranks wait in the gather while rank 0 evaluates."""
+"""How long a join or a gather waits by default (`scaling.collective_timeout_seconds`)."""
 
 
 PROBE_SECONDS = 1.0
@@ -82,8 +82,8 @@ def open_rendezvous(address: str, ranks: int, timeout: float = TIMEOUT_SECONDS) 
 class LossGroup:
     """This rank's membership of the ranks' process group (the default torch.distributed group)."""
 
-    def __init__(self, rank: int, ranks: int):
-        self.rank, self.ranks = rank, ranks
+    def __init__(self, rank: int, ranks: int, timeout: float = TIMEOUT_SECONDS):
+        self.rank, self.ranks, self.timeout = rank, ranks, timeout
         self.generation = 0
         """How often the group was formed."""
         self._store: dist.TCPStore | None = None
@@ -97,17 +97,17 @@ class LossGroup:
     def joined(self) -> bool:
         return dist.is_initialized()
 
-    def listen(self, address: str, timeout: float = TIMEOUT_SECONDS) -> int:
+    def listen(self, address: str, timeout: float | None = None) -> int:
         """Rank 0: open the group's rendezvous (a TCP store on a free port of `address`); returns the port."""
         self.leave()
-        self._store = open_rendezvous(address, self.ranks, timeout)
+        self._store = open_rendezvous(address, self.ranks, timeout or self.timeout)
         return self._store.port
 
-    def join(self, address: str, port: int, timeout: float = TIMEOUT_SECONDS,
+    def join(self, address: str, port: int, timeout: float | None = None,
              store: dist.TCPStore | None = None, abandon: Callable[[], bool] | None = None) -> float:
         """Join (or re-join) the group at rank 0's address:port (`store`: rank 0's, opened by
         `open_rendezvous`); returns the seconds. `abandon()` True ends the wait for the others (`RankLostError`)."""
-        began = time.perf_counter()
+        began, timeout = time.perf_counter(), timeout or self.timeout
         store, self._store = store or self._store, None
         self.leave()
         if ipaddress.ip_address(address).is_loopback:

@@ -67,7 +67,7 @@ class Trainer:
         self.shards = shard_count(job)
         self.held = assign(self.shards, self.ranks)[rank]
         """The shards this rank evaluates each step."""
-        self.group = LossGroup(rank, self.ranks) if self.ranks > 1 else None
+        self.group = self._loss_group(rank, self.ranks)
         self.elastic = job.scaling.min_trainers is not None and self.ranks > 1
         """A lost peer leaves this rank waiting for a smaller group, not torn."""
         self._plans: queue.Queue[tuple[int, GroupPlan]] = queue.Queue()
@@ -182,7 +182,7 @@ class Trainer:
         if (rank, ranks) != (self.rank, self.ranks) or self.group is None and ranks > 1:
             self.rank, self.ranks = rank, ranks
             self.held = assign(self.shards, ranks)[rank]
-            self.group = LossGroup(rank, ranks) if ranks > 1 else None
+            self.group = self._loss_group(rank, ranks)
         if self.role is not Role.RANK or step is None or self.step != step:
             self._restore(time.perf_counter(), may_start_fresh=self.role is Role.RANK)
         else:
@@ -335,7 +335,7 @@ class Trainer:
 
     def open_group(self, address: str, ranks: int, generation: int) -> int:
         """As rank 0 of group `generation`: open its rendezvous (the training thread may wait in an exchange)."""
-        store = open_rendezvous(address, ranks)
+        store = open_rendezvous(address, ranks, self.job.scaling.collective_timeout_seconds)
         self._rendezvous[generation] = store
         return store.port
 
@@ -373,7 +373,7 @@ class Trainer:
 
     def _apply(self, rank: int, plan: GroupPlan) -> None:
         self.hooks.before_regroup(self.rank, plan.generation)
-        self.group = LossGroup(rank, plan.ranks)
+        self.group = LossGroup(rank, plan.ranks, self.job.scaling.collective_timeout_seconds)  # of one too
         self.group.join(plan.address, plan.port, store=self._rendezvous.pop(plan.generation, None),
                         abandon=lambda: not self._plans.empty())
         was_leader = self.rank == 0
@@ -382,6 +382,9 @@ class Trainer:
             self.publisher.take_over()  # rank 0 sends the records; the shadow gets those the lost one had not
         logger.info("rank %d of %d from group %d (%s), shards %s", rank, plan.ranks, plan.generation, plan.cause,
                     list(self.held))
+
+    def _loss_group(self, rank: int, ranks: int) -> LossGroup | None:
+        return LossGroup(rank, ranks, self.job.scaling.collective_timeout_seconds) if ranks > 1 else None
 
     def join_group(self, address: str, port: int) -> float:
         """Join the ranks' group at rank 0's address:port; returns the seconds."""
