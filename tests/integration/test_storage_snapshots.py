@@ -367,6 +367,28 @@ def test_retention_keeps_the_newest_k(root, keep):
     assert len(store.storage.list_dir("snapshots")) == keep
 
 
+def test_retention_keeps_pinned_and_undecided_held_snapshots_beside_the_newest_k(root):
+    """A held snapshot stays until `released_through` reaches it, a pinned one for good, also in a reopened store;
+    a damaged retention.json releases nothing."""
+    from zocheck_ray.storage.retention import RETENTION_FILE, Retention
+
+    url, options = root
+    store = SnapshotStore(url, options, keep=2)
+    for step in range(1, 7):
+        store.save(step, make_state(step, adam=False), hold=step in (2, 4))
+    assert [i.step for i in store.committed()] == [6, 5, 4, 2]
+    assert store.set_retention(Retention(pins={"best_dev": 2}, released_through=4)) == [4]
+    store.save(7, make_state(7, adam=False))
+    assert [i.step for i in SnapshotStore(url, options, create=False).committed()] == [7, 6, 2]
+    assert store.retention().pins == {"best_dev": 2} and store.get(2).manifest.held
+    store.save(8, make_state(8, adam=False), hold=True)
+    store.storage.write_atomic(RETENTION_FILE, b"{}")  # damaged: every held snapshot is kept, none pinned
+    store.save(9, make_state(9, adam=False))
+    store.save(10, make_state(10, adam=False))
+    assert [i.step for i in store.committed()] == [10, 9, 8, 2]
+    store.close()
+
+
 class CheckEveryDeletion:
     """Passes storage calls through; after every deletion or move, a fresh reader must load a snapshot.
 
