@@ -714,4 +714,3 @@ class PersistStage:
             self.snapshots_persisted += 1
             self._recovered()  # before the waiters are told
             self._durable.notify_all()
-
