@@ -1,6 +1,7 @@
-"""A full snapshot of a byte-level run carries its tokenizer: `AutoTokenizer.from_pretrained(snapshot)` encodes
-as the run did, bit for bit, where every byte has an id of its own (vocab_size >= 258); below that it raises one
-line naming `ByteTokenizer`, never an empty tokenizer. `recover --to` writes the same files."""
+"""A full snapshot carries its run's tokenizer. A byte-level run's: `AutoTokenizer.from_pretrained(snapshot)`
+encodes as the run did, bit for bit, where every byte has an id of its own (vocab_size >= 258); below that it
+raises one line naming `ByteTokenizer`, never an empty tokenizer; `recover --to` writes the same files. A run on
+its model directory's tokenizer: a copy of its files."""
 
 from __future__ import annotations
 
@@ -38,12 +39,15 @@ def test_below_258_ids_autotokenizer_raises_naming_the_byte_tokenizer(tmp_path):
         autotokenizer(tmp_path)
 
 
-def snapshot_of_a_byte_level_run(tmp_path, vocab: int) -> tuple[JobConfig, str]:
-    """A model directory without a tokenizer (so the run is byte-level), trained 4 steps; its snapshot at 4."""
+def snapshot_of_a_run(tmp_path, vocab: int, tokenizer=None) -> tuple[JobConfig, str]:
+    """A model directory (with `tokenizer` saved beside it; without one the run is byte-level), trained 4 steps;
+    its snapshot at 4."""
     from zocheck_ray.workload import build_model
 
     model_dir = tmp_path / "model"
     build_model("tiny-opt", overrides={"vocab_size": vocab}).save_pretrained(model_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(model_dir)
     job = JobConfig(model=str(model_dir), storage=str(tmp_path / "runs"), shadow={"snapshot_interval": 4})
     initial, _, records = trained(job, 4)
     shadow = Shadow(job)
@@ -60,7 +64,7 @@ def snapshot_of_a_byte_level_run(tmp_path, vocab: int) -> tuple[JobConfig, str]:
 def test_a_byte_level_runs_snapshot_and_recovered_directory_carry_its_tokenizer(tmp_path, vocab):
     from zocheck_ray.cli import main
 
-    job, snapshot = snapshot_of_a_byte_level_run(tmp_path, vocab)
+    job, snapshot = snapshot_of_a_run(tmp_path, vocab)
     assert main(["recover", "--storage", job.run_url, "--to", str(tmp_path / "recovered")]) == 0
     for directory in (snapshot, tmp_path / "recovered"):
         if vocab < 258:  # bytes share ids: one line saying what to use, never an empty tokenizer
@@ -70,3 +74,21 @@ def test_a_byte_level_runs_snapshot_and_recovered_directory_carry_its_tokenizer(
             assert [autotokenizer(directory)(t)["input_ids"] for t in TEXTS] == ByteTokenizer(vocab).encode(TEXTS)
         assert isinstance(load_tokenizer(directory, vocab), ByteTokenizer)  # a run from it tokenizes as this one
     SnapshotStore(job.run_url, create=False).check(4)  # the tokenizer's files are hashed in the manifest
+
+
+def test_a_run_on_its_model_directorys_tokenizer_snapshots_a_copy_of_it(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(TEXTS * 4, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "<pad>", "</s>"],
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[("</s>", 2)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="</s>", eos_token="</s>", pad_token="<pad>")
+    job, snapshot = snapshot_of_a_run(tmp_path, len(tokenizer), tokenizer)
+    model_dir = tmp_path / "model"
+    assert [autotokenizer(snapshot)(t)["input_ids"] for t in TEXTS] == \
+        [autotokenizer(model_dir)(t)["input_ids"] for t in TEXTS]
+    run, again = load_tokenizer(model_dir, len(tokenizer)), load_tokenizer(snapshot, len(tokenizer))
+    assert again.encode(TEXTS) == run.encode(TEXTS) and again.bos_id == run.bos_id == 0  # OPT: MeZO's BOS

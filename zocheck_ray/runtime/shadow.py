@@ -42,7 +42,7 @@ from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray.workload.errors import WorkloadError
 from zocheck_ray.workload.models import model_config_dict
 from zocheck_ray.workload.names import model_directory
-from zocheck_ray.workload.tokenization import byte_tokenizer_files, is_byte_level
+from zocheck_ray.workload.tokenization import snapshot_tokenizer_files
 
 logger = logging.getLogger(__name__)
 
@@ -125,15 +125,15 @@ class Shadow:
         return meta
 
     def _tokenizer_files(self) -> dict[str, str]:
-        """A byte-level run's tokenizer (`byte_tokenizer_files`); others carry none."""
+        """The run's tokenizer, for `AutoTokenizer` (`snapshot_tokenizer_files`), read once."""
         if self._tokenizer is None:
             vocab, job = self.model_config.get("vocab_size"), self.job
             try:
-                byte = vocab is not None and is_byte_level(model_directory(job.model), vocab, job.task.tokenizer)
-            except (WorkloadError, OSError) as exc:  # the model directory is not readable here
+                self._tokenizer = {} if vocab is None else \
+                    snapshot_tokenizer_files(model_directory(job.model), vocab, job.task.tokenizer)
+            except (WorkloadError, OSError, UnicodeDecodeError) as exc:  # the model directory is not readable here
                 logger.warning("snapshots carry no tokenizer: %s", exc)
-                byte = False
-            self._tokenizer = byte_tokenizer_files(vocab) if byte else {}
+                self._tokenizer = {}
         return self._tokenizer
 
     def _on_image(self, image: Image) -> None:

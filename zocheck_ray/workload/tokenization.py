@@ -147,6 +147,22 @@ def has_tokenizer(directory: str | Path | None) -> bool:
     return directory is not None and any((Path(directory) / f).is_file() for f in TOKENIZER_FILES)
 
 
+MODEL_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                         "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json")
+"""A model directory's tokenizer files a full snapshot copies (text: a sentencepiece model alone is not copied)."""
+
+
+def snapshot_tokenizer_files(model_dir: str | Path | None, vocab_size: int,
+                             choice: TokenizerChoice = "auto") -> dict[str, str]:
+    """What a full snapshot holds so that `AutoTokenizer.from_pretrained(snapshot)` gives the run's tokenizer."""
+    if is_byte_level(model_dir, vocab_size, choice):
+        return byte_tokenizer_files(vocab_size)
+    found = {name: Path(model_dir) / name for name in MODEL_TOKENIZER_FILES if (Path(model_dir) / name).is_file()}
+    if not found.keys() & {"tokenizer.json", "vocab.json", "vocab.txt"}:
+        return {}  # a sentencepiece model alone: nothing here loads without it
+    return {name: path.read_text(encoding="utf-8") for name, path in found.items()}
+
+
 def is_byte_level(model_dir: str | Path | None, vocab_size: int, choice: TokenizerChoice = "auto") -> bool:
     """Whether `load_tokenizer` gives a `ByteTokenizer` (a byte-level run's snapshot too)."""
     return choice == "byte" or (choice == "auto" and not has_tokenizer(model_dir)) or \
