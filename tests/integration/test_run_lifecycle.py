@@ -13,7 +13,7 @@ from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.control import RunFailedError
 from zocheck_ray.control.placement import Placement
 from zocheck_ray.control.profile import profile_steps
-from zocheck_ray.storage import read_lease
+from zocheck_ray.storage import SnapshotStore, read_lease
 from zocheck_ray.storage.fs import open_storage
 from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.testing.injection import FaultInjection
@@ -40,19 +40,24 @@ def test_a_failed_run_has_released_its_lease(tmp_path, capfd):
     lease = lease_of(job)
     assert lease is not None and lease.released
 
-    # A trainer that refuses in its constructor: the run ends in one line, its lease released, and Ray prints no
-    # traceback, as the constructor returns and the trainer's first call raises the error instead.
-    refused, faults = job.model_copy(update={"run_id": "refused"}), FaultInjection(build_error="no weights here")
-    with pytest.raises(RunFailedError) as failed:
-        run(refused, faults=faults, progress=None)
-    assert str(failed.value) == "run refused failed at step 0: the trainers could not start: no weights here"
-    assert lease_of(refused).released
-    trainer = TrainerActor.remote(refused.model_dump(mode="json"), faults)
+    # Every snapshot of its storage damaged: the shadow refuses the run in one line (an input that cannot run), the
+    # lease released again, and Ray prints no traceback: the shadow's constructor returns and its `ready` raises.
+    for info in SnapshotStore(job.run_url, create=False).committed():
+        with open(f"{info.url}/model.safetensors", "r+b") as f:
+            f.seek(-10, 2)
+            f.write(bytes([f.read(1)[0] ^ 0xFF]))
+    with pytest.raises(JobConfigError, match=r"cannot be resumed: every committed snapshot under .* is corrupt"):
+        run(job, progress=None)
+    assert lease_of(job).released
+
+    # A trainer that refuses in its constructor: Ray prints no traceback, as the constructor returns and the first
+    # call raises the error (the controller makes it the run's one line: test_controller.py).
+    trainer = TrainerActor.remote(job.model_dump(mode="json"), FaultInjection(build_error="no weights here"))
     assert ray.get(trainer.pid.remote()) > 0  # alive: Ray has no constructor's error to print
     with pytest.raises(WorkloadError, match="no weights here"):  # the error itself, from its first call
         ray.get(trainer.recovery.remote())
     ray.kill(trainer)
-    assert "creation task" not in capfd.readouterr().err
+    assert "creation task" not in capfd.readouterr().err  # neither the shadow's nor a trainer's
 
 
 def test_extending_a_finished_run_works_at_once_with_a_profile_or_without_one(tmp_path):

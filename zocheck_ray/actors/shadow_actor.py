@@ -12,9 +12,12 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from zocheck_ray.actors.trainer_actor import is_ours
+
 if TYPE_CHECKING:
     from zocheck_ray.host.handle import ImageHandle
     from zocheck_ray.runtime.messages import AdapterIdentity, RecoveryOffer, ShadowMetrics, ShadowStatus, TrainerTimes
+    from zocheck_ray.runtime.shadow import Shadow
 
 
 def shadow_writer(run_id: str) -> str:
@@ -39,14 +42,27 @@ class ShadowActor:
             from zocheck_ray.config import JobConfig
 
             self.job = JobConfig.model_validate(job)
-            # replay and persistence run at `shadow.nice`; Ray's threads and the actor's methods do not
-            self.shadow = Shadow(self.job, threads=threads, hooks=hooks or NO_HOOKS,
-                                 writer=shadow_writer(self.job.run_id), nice=self.job.shadow.nice)
+            self._refusal: Exception | None = None
+            try:  # replay and persistence run at `shadow.nice`; Ray's threads and the actor's methods do not
+                self._shadow = Shadow(self.job, threads=threads, hooks=hooks or NO_HOOKS,
+                                      writer=shadow_writer(self.job.run_id), nice=self.job.shadow.nice)
+            except Exception as exc:
+                if ray.get_runtime_context().was_current_actor_reconstructed or not is_ours(exc):
+                    raise
+                # Ray prints a constructor's error with its traceback (and aborts its process) above the run's one
+                # line: a first start raises it from every call instead, `ready` first
+                self._refusal = exc
         self._gauges = None
+
+    @property
+    def shadow(self) -> Shadow:
+        if self._refusal is not None:
+            raise self._refusal
+        return self._shadow
 
     @ray.method(concurrency_group="control")
     def ready(self) -> bool:
-        return True
+        return self.shadow is not None
 
     @ray.method(concurrency_group="inbox")  # one at a time, in submission order
     def push(self, data: bytes, trainer_step: int | None = None) -> tuple:

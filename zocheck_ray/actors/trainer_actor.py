@@ -35,7 +35,7 @@ def size_numba_pool() -> None:
     os.environ["NUMBA_NUM_THREADS"] = str(max(RECOVERY_THREADS, process_cpus()))
 
 
-def _ours(exc: Exception) -> bool:
+def is_ours(exc: Exception) -> bool:
     """Whether `exc` is a zocheck-ray error, or Ray's report of one raised by a remote call."""
     return any(cls.__module__.startswith("zocheck_ray.") for cls in type(exc).__mro__)
 
@@ -67,7 +67,7 @@ class TrainerActor:
             try:
                 self._prepare("constructor")
             except Exception as exc:
-                if restarted or standby or not _ours(exc):
+                if restarted or standby or not is_ours(exc):
                     raise
                 # Ray prints a constructor's error with its traceback, above the run's one line: a rank's first
                 # start raises it from its first call instead (a restart or a standby still ends as Ray reports)
