@@ -47,3 +47,31 @@ def test_the_benchmark_pairs_k1_and_k2_side_by_side(tmp_path):
     assert doc["targets"]["exact"] is True and doc["collective"]["gathers"] == 20
     assert json.loads(path.read_text())["weak_scaling_ratios"] == doc["weak_scaling_ratios"]
     assert f"{doc['weak_scaling_ratio']:.2f}" in markdown(doc)
+
+
+def test_the_elastic_benchmark_refuses_a_bad_run_before_any_run():
+    from benchmarks.elastic import elastic_benchmark
+
+    with pytest.raises(ValueError, match="fail_at=5 must lie in"):
+        elastic_benchmark(steps=20, fail_at=5)
+    with pytest.raises(ValueError, match="rounds=0"):
+        elastic_benchmark(steps=20, fail_at=12, rounds=0)
+
+
+def test_the_elastic_benchmark_sets_the_three_losses_side_by_side(tmp_path):
+    # The table and targets from the runs' own figures (the runs themselves: `python -m benchmarks elastic`).
+    from benchmarks.elastic import _report
+
+    throughput = [{"trainers": k, "seconds_per_step": 0.02 * k, "steps_per_second": 50 / k, "final_state_hash": "h",
+                   "exact": True} for k in (1, 2, 3)]
+    stalls = {"report": [(0.05, 0.02), (0.09, 0.06), (0.07, 0.03)], "ray": [(1.4, 1.38), (1.6, 1.59), (1.5, 1.47)],
+              "fixed": [(4.0, None), (6.0, None), (5.0, None)]}
+    losses = [{"round": i, "detection": d, "stall_seconds": s, "plan_wait_seconds": w, "final_state_hash": "h",
+               "exact": True} for d, runs in stalls.items() for i, (s, w) in enumerate(runs)]
+    doc = _report(throughput, losses, dict(rounds=3, shards=6), str(tmp_path / "elastic.json"))
+    report = doc["medians"]["report"]
+    assert report == {"stall_seconds": 0.07, "stall_range": [0.05, 0.09], "plan_wait_seconds": 0.03,
+                      "after_plan_seconds": pytest.approx(0.03)}
+    assert doc["medians"]["fixed"] == {"stall_seconds": 5.0, "stall_range": [4.0, 6.0]}
+    assert all(doc["targets"].values())
+    assert json.loads((tmp_path / "elastic.json").read_text())["stall_ratio"] == 0.07 / 5.0

@@ -35,19 +35,15 @@ class GroupPlan(BaseModel):
 
 
 class PeerLost(BaseModel):
-    """A survivor's report that its exchange failed, sent to the controller at once (Ray reports the dead
-    rank's call only after it has asked for the death's details)."""
+    """A survivor's failed exchange (0: at +eps) and the peers it found gone, for the controller."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     group: tuple[str, int]
-    """The group's rendezvous: a report of a group since left is stale."""
     rank: int
     step: int
     exchange: int
-    """The exchange of `step` that failed (0: at +eps, 1: at -eps)."""
     lost: tuple[int, ...]
-    """The ranks whose process the survivor found gone (empty: none, e.g. a timeout)."""
     detail: str = ""
 
 
