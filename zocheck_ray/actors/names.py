@@ -135,6 +135,11 @@ def actor_states() -> ActorStates | None:
     return _connected[2]
 
 
+def is_ours(exc: Exception) -> bool:
+    """Whether `exc` is a zocheck-ray error, or Ray's report of one raised by a remote call."""
+    return any(cls.__module__.startswith("zocheck_ray.") for cls in type(exc).__mro__)
+
+
 def actor_status(name: str, namespace: str = NAMESPACE) -> ActorStatus | None:
     """The state API's status of actor `name` now; None where it cannot say."""
     states = actor_states()

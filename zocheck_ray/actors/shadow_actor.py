@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from zocheck_ray.actors.trainer_actor import is_ours
+from zocheck_ray.actors.names import is_ours
 
 if TYPE_CHECKING:
     from zocheck_ray.host.handle import ImageHandle

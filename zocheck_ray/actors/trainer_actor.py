@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Literal
 
 import ray
 
+from zocheck_ray.actors.names import is_ours
+
 if TYPE_CHECKING:
     from zocheck_ray.runtime.messages import KernelInfo, PublisherStats, RecoveryInfo, TrainerProgress
     from zocheck_ray.runtime.trainer import Trainer
@@ -33,11 +35,6 @@ def size_numba_pool() -> None:
     from zocheck_ray.core.cpus import process_cpus  # the standard library only: the core's names load on first use
 
     os.environ["NUMBA_NUM_THREADS"] = str(max(RECOVERY_THREADS, process_cpus()))
-
-
-def is_ours(exc: Exception) -> bool:
-    """Whether `exc` is a zocheck-ray error, or Ray's report of one raised by a remote call."""
-    return any(cls.__module__.startswith("zocheck_ray.") for cls in type(exc).__mro__)
 
 
 FOLLOW_WAIT_SECONDS = 2.0
