@@ -10,9 +10,11 @@ Two measurements on a local Ray instance, with one shard layout (`--shards` S) t
 2. A rank lost mid-step (rank 1 of 2, its process exits before its exchange at +eps of step
    `--fail-at`), `--rounds` times, medians: the survivor's stall in an elastic run (`scaling.trainers:
    {min: 1, max: 2}`: from the failed exchange to its repeat, detection included) with the survivor's
-   report, and with Ray's report of the lost call alone (the controller's `peer_lost` calls left out, as
-   before the report), against the recovery of the same loss in a fixed k=2 run (every rank stops, Ray
-   restarts the lost rank, every rank rejoins). The target: a stall under one k=2 step plus detection.
+   report, with it where Ray does not restart the lost process (`failure.max_restarts: 0`: no new worker
+   process starts beside the survivor), and with Ray's report of the lost call alone (the controller's
+   `peer_lost` calls left out, as before the report), against the recovery of the same loss in a fixed
+   k=2 run (every rank stops, Ray restarts the lost rank, every rank rejoins). The target: a stall under
+   one k=2 step plus detection.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ WARM_STEPS = 10
 """Steps before the throughput window opens (kernels load, caches and Ray's connections warm)."""
 
 
-def _job(trainers, shards: int, rows_per_shard: int, steps: int, model: str, storage: str, tag: str):
+def _job(trainers, shards: int, rows_per_shard: int, steps: int, model: str, storage: str, tag: str,
+         restarts: int = 10):
     from benchmarks.common import BENCH_TASK
     from zocheck_ray.config import JobConfig
 
     return JobConfig(model=model, steps=steps, storage=storage, shadow={"snapshot_interval": 10}, log_interval=5,
+                     failure={"max_restarts": restarts},
                      scaling={"trainers": trainers}, run_id=f"elastic-bench-{tag}-{time.time_ns()}",
                      task={**BENCH_TASK, "batch_size": shards * rows_per_shard, "shards": shards})
 
@@ -59,8 +63,8 @@ def _throughput(job) -> dict:
             "exact": set(summary.rank_state_hashes or [summary.final_state_hash]) == {summary.shadow_state_hash}}
 
 
-LOSSES = {"report": "elastic, the survivor's report", "ray": "elastic, Ray's report alone",
-          "fixed": "fixed, whole-group recovery"}
+LOSSES = {"report": "elastic, the survivor's report", "unrestarted": "the same, the lost process not restarted",
+          "ray": "elastic, Ray's report alone", "fixed": "fixed, whole-group recovery"}
 """The three ways a loss is met, side by side in each round."""
 
 
@@ -116,7 +120,8 @@ def elastic_benchmark(steps: int = 60, fail_at: int = 30, shards: int = 6, rows_
             for detection in LOSSES:
                 say(f"  round {i}, {LOSSES[detection]}: rank 1 of 2 lost at step {fail_at} ...")
                 trainers = 2 if detection == "fixed" else {"min": 1, "max": 2}
-                job = _job(trainers, shards, rows_per_shard, steps, model, storage, f"{detection}{i}")
+                job = _job(trainers, shards, rows_per_shard, steps, model, storage, f"{detection}{i}",
+                           restarts=0 if detection == "unrestarted" else 10)
                 losses.append({"round": i, **_loss(job, fail_at, detection, tempfile.mkdtemp(dir=storage))})
     return _report(throughput, losses, dict(model=model, steps=steps, shards=shards, rows_per_shard=rows_per_shard,
                                             fail_at=fail_at, rounds=rounds), json_path)
@@ -129,6 +134,7 @@ def _report(throughput: list[dict], losses: list[dict], settings: dict, json_pat
     finals = {r["final_state_hash"] for r in throughput + losses}
     targets = {"stall_below_whole_group_recovery": report["stall_seconds"] < fixed["stall_seconds"],
                "stall_after_the_plan_under_a_step": report["after_plan_seconds"] < step_k2,
+               "unrestarted_after_the_plan_under_a_step": medians["unrestarted"]["after_plan_seconds"] < step_k2,
                "report_faster_than_ray": report["stall_seconds"] < ray_only["stall_seconds"],
                "same_state_whatever_k": len(finals) == 1, "exact": all(r["exact"] for r in throughput + losses)}
     doc = {"benchmark": "elastic", "machine": machine(), **settings, "throughput": throughput, "losses": losses,

@@ -64,7 +64,8 @@ def test_the_elastic_benchmark_sets_the_three_losses_side_by_side(tmp_path):
 
     throughput = [{"trainers": k, "seconds_per_step": 0.02 * k, "steps_per_second": 50 / k, "final_state_hash": "h",
                    "exact": True} for k in (1, 2, 3)]
-    stalls = {"report": [(0.05, 0.02), (0.09, 0.06), (0.07, 0.03)], "ray": [(1.4, 1.38), (1.6, 1.59), (1.5, 1.47)],
+    stalls = {"report": [(0.05, 0.02), (0.09, 0.06), (0.07, 0.03)], "unrestarted": [(0.03, 0.02)] * 3,
+              "ray": [(1.4, 1.38), (1.6, 1.59), (1.5, 1.47)],
               "fixed": [(4.0, None), (6.0, None), (5.0, None)]}
     losses = [{"round": i, "detection": d, "stall_seconds": s, "plan_wait_seconds": w, "final_state_hash": "h",
                "exact": True} for d, runs in stalls.items() for i, (s, w) in enumerate(runs)]
