@@ -73,9 +73,7 @@ class Trainer:
         self._plans: queue.Queue[tuple[int, GroupPlan]] = queue.Queue()
         self._rendezvous: dict[int, object] = {}
         self._losses: queue.Queue[PeerLost] = queue.Queue()
-
         self.generation = 0
-
         self._calls = 0
         self._last_exchange: tuple[int, ShardTable] | None = None
         self._regroups: list[tuple[int, float, float]] = []
