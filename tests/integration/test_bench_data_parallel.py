@@ -7,6 +7,7 @@ from statistics import median
 import pytest
 
 from benchmarks.data_parallel import data_parallel_benchmark, markdown, round_order
+from benchmarks.elastic import elastic_benchmark
 
 
 RAY_CPUS = 4
@@ -23,6 +24,10 @@ def test_a_failure_too_early_to_time_steps_before_it_is_refused_before_any_run()
         data_parallel_benchmark(steps=50, fail_at=20)
     with pytest.raises(ValueError, match="rounds=0"):
         data_parallel_benchmark(steps=50, fail_at=40, rounds=0)
+    with pytest.raises(ValueError, match="fail_at=5 must lie in"):  # the elastic benchmark's too
+        elastic_benchmark(steps=20, fail_at=5)
+    with pytest.raises(ValueError, match="rounds=0"):
+        elastic_benchmark(steps=20, fail_at=12, rounds=0)
 
 
 def test_the_benchmark_pairs_k1_and_k2_side_by_side(tmp_path):
@@ -47,15 +52,6 @@ def test_the_benchmark_pairs_k1_and_k2_side_by_side(tmp_path):
     assert doc["targets"]["exact"] is True and doc["collective"]["gathers"] == 20
     assert json.loads(path.read_text())["weak_scaling_ratios"] == doc["weak_scaling_ratios"]
     assert f"{doc['weak_scaling_ratio']:.2f}" in markdown(doc)
-
-
-def test_the_elastic_benchmark_refuses_a_bad_run_before_any_run():
-    from benchmarks.elastic import elastic_benchmark
-
-    with pytest.raises(ValueError, match="fail_at=5 must lie in"):
-        elastic_benchmark(steps=20, fail_at=5)
-    with pytest.raises(ValueError, match="rounds=0"):
-        elastic_benchmark(steps=20, fail_at=12, rounds=0)
 
 
 def test_the_elastic_benchmark_sets_the_three_losses_side_by_side(tmp_path):
