@@ -57,7 +57,11 @@ class ElasticGroup(TrainerGroup):
             done, _ = ray.wait([*pending.values(), *watches], num_returns=1, timeout=poll)
             self._collect(pending, done, results, lost, poll is not None)
             for ref in set(done) & set(watches):
-                lost += self._reported(watches[ref], ref, pending)
+                gone = self._reported(watches[ref], ref, pending)
+                if gone is None and not released:  # an exchange failed, nobody died (gloo's timeout)
+                    self._release(list(pending), "an exchange failed with every rank alive")
+                    released = True
+                lost += gone or []
             if lost and not released:
                 try:
                     if self.k - len(lost) >= self.min_k:
@@ -67,7 +71,8 @@ class ElasticGroup(TrainerGroup):
                 except RayActorError:  # the new rank 0 is gone too
                     lost = sorted(set(lost) | set(self.lost_ranks()))
                 # too few: every rank stops and rejoins from the shadow
-                self._release([r for r in pending if r not in lost], lost)
+                waiting = [r for r in pending if r not in lost]
+                self._release(waiting, f"ranks {lost} lost, fewer than {self.min_k} left")
                 released = True
         return results, sorted(set(lost))
 
@@ -78,8 +83,9 @@ class ElasticGroup(TrainerGroup):
                 self._watches[name] = (actor, actor.peer_lost.remote())
         return {ref: name for name, (_, ref) in self._watches.items() if ref is not None and name in self.names}
 
-    def _reported(self, name: str, ref: ray.ObjectRef, pending: dict[int, ray.ObjectRef]) -> list[int]:
-        """The ranks a report of the current group names gone, killed and taken from `pending`."""
+    def _reported(self, name: str, ref: ray.ObjectRef, pending: dict[int, ray.ObjectRef]) -> list[int] | None:
+        """The ranks a report of the current group names gone, killed and taken from `pending`; None: it
+        names none."""
         actor, _ = self._watches.pop(name)
         try:
             report: PeerLost | None = ray.get(ref)
@@ -88,6 +94,9 @@ class ElasticGroup(TrainerGroup):
         if report is None:
             self._watches[name] = (actor, None)  # not built: it has nothing to report
             return []
+        if report.group == self.key and not report.lost:
+            logger.warning("rank %d: %s, and no rank is gone: every rank rejoins", report.rank, report.detail)
+            return None
         gone = [r for r in report.lost if r in pending] if report.group == self.key else []
         for r in gone:
             try:
@@ -100,10 +109,10 @@ class ElasticGroup(TrainerGroup):
                         report.exchange, report.detail)
         return gone
 
-    def _release(self, waiting: list[int], lost: list[int]) -> None:
+    def _release(self, waiting: list[int], cause: str) -> None:
         """An empty plan to the ranks waiting for a group: they stop torn, as without `min`."""
         self.generation += 1
-        plan = GroupPlan(generation=self.generation, cause=f"ranks {lost} lost, fewer than {self.min_k} left")
+        plan = GroupPlan(generation=self.generation, cause=cause)
         for r in waiting:
             self.ranks[r].offer_plan.remote(r, plan)
 

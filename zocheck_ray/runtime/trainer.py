@@ -358,7 +358,7 @@ class Trainer:
             if plan.generation <= self.generation or (generation is not None and plan.generation < generation):
                 continue  # a stale plan
             if not plan.held:
-                raise RankLostError(f"rank {self.rank}: too few ranks survive ({plan.cause}); rejoining from "
+                raise RankLostError(f"rank {self.rank}: no group to join ({plan.cause}); rejoining from "
                                     "the shadow")
             try:
                 self._apply(rank, plan)
