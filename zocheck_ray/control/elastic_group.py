@@ -95,7 +95,7 @@ class ElasticGroup(TrainerGroup):
             self._watches[name] = (actor, None)  # not built: it has nothing to report
             return []
         if report.group == self.key and not report.lost:
-            logger.warning("rank %d: %s, and no rank is gone: every rank rejoins", report.rank, report.detail)
+            logger.warning("%s, and no rank is gone: every rank rejoins", report.detail)
             return None
         gone = [r for r in report.lost if r in pending] if report.group == self.key else []
         for r in gone:
