@@ -39,8 +39,9 @@ def recovery(tmp_path_factory):
     late = failure_steps(16, 1, spacing=3, align_to=early[0])
     scenario = Scenario("depth", "tiny-opt", 23_360, {"early": early, "late": late}, baseline_points=("early",))
     comparison = ComparisonSpec("comparison", "tiny-opt", 23_360, 9,
-                                (Strategy("log-only"), Strategy("sync", 4), Strategy("zocheck")),
+                                (Strategy("log-only"), Strategy("zocheck")),
                                 modes=("software",), nominal_steps=12)  # host failures: test_ray_host_failure
+    # (a checkpointing strategy's restart from its newest checkpoint: test_bench_strategies, without Ray)
     # (an async checkpoint's recovery on Ray: the depth scenario's baseline, async K=7)
     doc = recovery_benchmark([scenario], storage=str(path.parent), snapshot_interval=4, log_interval=3,
                              json_path=str(path), say=lambda line: None, comparisons=[comparison])
@@ -218,7 +219,7 @@ def test_the_comparison_recovers_every_strategy_to_the_uninterrupted_state(recov
     comparison = recovery[0]["comparisons"]["comparison"]
     assert comparison["failure_step"] == 9 and comparison["reference_state_hash"]
     rows = comparison["rows"]
-    assert {(r["strategy"], r["mode"]) for r in rows} == {(s, "software") for s in ("log-only", "sync K=4", "zocheck")}
+    assert {(r["strategy"], r["mode"]) for r in rows} == {(s, "software") for s in ("log-only", "zocheck")}
     for r in rows:
         assert r["state_equal"] is True, (r["strategy"], r["mode"])
         assert not r["extrapolated"]
@@ -232,7 +233,6 @@ def test_the_comparison_recovers_every_strategy_to_the_uninterrupted_state(recov
         assert sum(parts.values()) == pytest.approx(r["restore_seconds"], abs=0.01), (r["strategy"], r["mode"])
     by = {(r["strategy"], r["mode"]): r for r in rows}
     assert by[("log-only", "software")]["image_step"] == 0  # replays every record from the start
-    assert by[("sync K=4", "software")]["image_step"] == 8  # the save at step 8 finished before the failure
     assert by[("zocheck", "software")]["image_source"] == "memory"
 
 
