@@ -168,4 +168,5 @@ class Placement:
                 pass
         for group in self.groups:
             remove_placement_group(group)
-        return wait_until_dead([lambda actor=actor: actor.pid.remote() for actor in actors])
+        # no retries: Ray would log each probe of a killed actor as a task it retries
+        return wait_until_dead([lambda actor=actor: actor.pid.options(max_task_retries=0).remote() for actor in actors])
