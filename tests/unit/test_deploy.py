@@ -127,7 +127,7 @@ def test_the_named_examples_exist():
     assert {"sst2-opt.yaml", "sst2-opt-gpu-s3.yaml", "lm-llama.yaml"} <= names
 
 
-NEEDS_LOCAL_FILES = {"sst2-opt-mezo.yaml"}
+NEEDS_LOCAL_FILES = {"sst2-opt-mezo.yaml", "sst2-opt-mezo-lora.yaml", "sst2-opt-mezo-prefix.yaml"}
 """Examples of a model and data set saved locally first: their schema here, their run in test_mezo_examples.py."""
 
 

@@ -80,13 +80,24 @@ def test_the_sampler_s_mistakes_get_one_line(tmp_path):
 
 
 @pytest.mark.slow  # a run, in process
-def test_the_mezo_sst2_example_runs_to_its_first_evaluation(tmp_path):
-    """The example with a tiny OPT and rows written here in place of OPT-13B and GLUE's SST-2."""
-    job = load_job_config(EXAMPLE, overrides=[
+@pytest.mark.parametrize("name, lr, eps, peft", [
+    ("sst2-opt-mezo", 1e-7, 1e-3, None),
+    ("sst2-opt-mezo-lora", 5e-5, 1e-2, {"method": "lora", "r": 8, "lora_alpha": 16.0,
+                                        "target_modules": ["q_proj", "v_proj"]}),
+    ("sst2-opt-mezo-prefix", 1e-3, 1e-1, {"method": "prefix", "num_virtual_tokens": 5})])
+def test_each_mezo_sst2_example_runs_to_its_first_evaluation(tmp_path, name, lr, eps, peft):
+    """MeZO's three settings (mezo.sh MODE=ft, lora, prefix) with a tiny OPT and rows written here in place of
+    OPT-13B and GLUE's SST-2."""
+    job = load_job_config(EXAMPLE.with_name(f"{name}.yaml"), overrides=[
         "model=tiny-opt", "dtype=fp32", f"storage={tmp_path / 'runs'}", f"task.data_path={sst2_folder(tmp_path)}",
-        "task.max_length=64", "task.num_train=16", "task.num_dev=4", "task.num_eval=4", "steps=1",
+        "task.max_length=48", "task.num_train=16", "task.num_dev=4", "task.num_eval=4", "steps=1",
         "log_interval=1"])
-    assert (job.zo.lr, job.zo.eps, job.task.batch_size, job.task.eval_interval) == (1e-7, 1e-3, 16, 4000)
+    assert (job.zo.lr, job.zo.eps, job.task.batch_size, job.task.eval_interval) == (lr, eps, 16, 4000)
+    assert (job.task.num_train, job.task.train_set_seed) == (16, 0)
+    if peft is None:
+        assert job.peft is None
+    else:
+        assert job.peft.model_dump(include=set(peft)) == peft
     run = run_in_process(job)
     assert sorted(run.evaluations) == [0, 1]
     assert {"accuracy", "dev_accuracy"} <= set(run.evaluations[0])
