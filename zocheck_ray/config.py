@@ -107,8 +107,9 @@ class ScalingSettings(BaseModel):
 
     trainers: int = Field(1, ge=1)
     """Data-parallel trainer ranks (one GPU each, or one CPU); `task.batch_size` must divide among them. The
-    ranks stay bit-identical replicas, served by one shadow. `{min: a, max: b}`: start b, and go on with as few
-    as a while ranks are lost (elastic; the answer depends on `task.shards` only)."""
+    ranks stay bit-identical replicas, served by one shadow. `{min: a, max: b}` (elastic; the answer depends on
+    `task.shards` only): go on with as few as a while ranks are lost; under `spread`, start once a can be
+    placed and grow to b as the cluster has room (under `pack`, start b)."""
     min_trainers: int | None = Field(None, ge=1)
     """The fewest ranks an elastic run trains with (set by `trainers: {min, max}`); None: a lost rank stops
     every rank until it is replaced."""

@@ -1,9 +1,10 @@
-"""Data parallel across nodes: with `placement: spread` on a 3-node `ray.cluster_utils.Cluster`,
-rank 0 and the shadow share one node and rank 1 runs on another. Removing the node of rank 0
-and the shadow makes the shadow rebuild from durable storage, rank 1 hand it the records it
-lacks, and rank 0 rejoin from it. An elastic run loses rank 1's node without stopping rank 0,
-and takes the rank back once Ray has placed it on another node (its state streamed from the
-shadow's node). Each run ends with the state of the uninterrupted two-rank run, bit for bit.
+"""Data parallel across nodes: with `placement: spread` on a `ray.cluster_utils.Cluster`, rank 0 and
+the shadow share one node and rank 1 runs on another. Removing the node of rank 0 and the shadow
+makes the shadow rebuild from durable storage, rank 1 hand it the records it lacks, and rank 0
+rejoin from it. An elastic run of {min: 2, max: 3} starts with the 2 ranks the cluster has room
+for, grows to 3 when a node is added, loses rank 1's node without stopping the others, and takes
+the rank back once Ray has placed it on another node (its state streamed from the shadow's node).
+Each run ends with the state of the uninterrupted one-trainer run of its shards, bit for bit.
 """
 
 import pytest
@@ -22,14 +23,14 @@ STEPS = 24
 
 @pytest.fixture(scope="module")
 def cluster():
-    # rank 0 and the shadow (STRICT_PACK) on the first node; rank 1, and the node it moves to
-    with multi_node_cluster(2, 1, 1) as (c, (home, *others)):
+    # rank 0 and the shadow (STRICT_PACK) on the first node; rank 1 on the second (room for no third rank)
+    with multi_node_cluster(2, 1) as (c, (home, *others)):
         yield c, home, others
 
 
-def spread_job(tmp_path, trainers=2):
+def spread_job(tmp_path, trainers=2, **kw):
     return job_for(tmp_path, scaling={"trainers": trainers, "placement": "spread"}, steps=STEPS,
-                   task=dict(batch_size=6, max_length=32, eval_size=16, eval_interval=10))
+                   task=dict(batch_size=6, max_length=32, eval_size=16, eval_interval=10), **kw)
 
 
 def lose_node_of(c: Cluster, job, rank: int, placed: dict):
@@ -56,24 +57,30 @@ def node_cpus(node_id: str) -> float:
     return next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == node_id)
 
 
-def test_an_elastic_run_loses_the_node_of_rank_1_without_stopping_rank_0(cluster, tmp_path):
+def test_an_elastic_run_grows_when_a_node_appears_and_loses_the_node_of_rank_1_without_stopping(cluster, tmp_path):
     from zocheck_ray.control.callbacks import RunCallback
 
-    class UntilPlacedAgain(RunCallback):  # holds the run at a boundary until Ray has placed the lost rank again
+    class Placed(RunCallback):  # holds the run at a boundary until Ray has placed what the cluster now has room for
         def on_segment(self, run, segment):
+            if segment.progress.step >= 4 and not added:
+                added.append(c.add_node(num_cpus=1))  # room for a third rank
+            ray.get([vacancy.ready for vacancy in run.group.vacancies] if added else [])
             for actor, _ in list(run.group.departed.values()):
-                ray.get(actor.readiness.remote())  # sent during Ray's restart, it waits for the new process
+                ray.get(actor.readiness.remote())  # sent while Ray starts the process, it waits for it
 
     c, home, _ = cluster
-    job = spread_job(tmp_path, trainers={"min": 1, "max": 2})
-    placed: dict = {}
-    summary = run(job, progress=None, callbacks=[UntilPlacedAgain()], on_segment=lose_node_of(c, job, 1, placed))
+    job = spread_job(tmp_path, trainers={"min": 2, "max": 3}, log_interval=4)
+    placed, added, lines = {}, [], []
+    summary = run(job, progress=lines.append, callbacks=[Placed()], on_segment=lose_node_of(c, job, 1, placed))
+    assert any("2 of 3 data-parallel ranks (spread; waiting for room" in line for line in lines), lines
     assert placed["ranks"][0] == home.node_id and placed["before"] != home.node_id
     assert placed["after"] not in (home.node_id, placed["before"])  # restored there from the shadow's image
     assert summary.recoveries == []  # rank 0 never stopped
-    assert [(c.kind, c.ranks) for c in summary.group_changes] == [("shrink", 1), ("join", 2)]
-    assert summary.group_changes[0].cause == "rank 1 lost"
-    assert_exact(summary, job)
+    assert [(c.kind, c.ranks) for c in summary.group_changes] == [("join", 3), ("shrink", 2), ("join", 3)]
+    assert summary.group_changes[0].step == 8  # the first boundary after its process was built
+    assert summary.group_changes[0].cause.startswith("scale-up: resources for rank 2 appeared")
+    assert summary.group_changes[1].cause == "rank 1 lost"
+    assert_exact(summary, job, ranks=3)
 
 
 def test_losing_the_node_of_rank_0_and_the_shadow_recovers_from_durable_storage_exactly(cluster, tmp_path):
@@ -88,9 +95,9 @@ def test_losing_the_node_of_rank_0_and_the_shadow_recovers_from_durable_storage_
     assert_exact(summary, job)
 
 
-def assert_exact(summary, job):
+def assert_exact(summary, job, ranks=2):
     expected = uninterrupted_data_parallel_hashes(job)
     assert summary.final_state_hash == summary.shadow_state_hash == expected[STEPS]
-    assert summary.rank_state_hashes == [expected[STEPS]] * 2
+    assert summary.rank_state_hashes == [expected[STEPS]] * ranks
     for step, digest in summary.step_hashes.items():
         assert digest == expected[step], f"state after step {step} differs"

@@ -99,7 +99,10 @@ class ProgressPrinter(RunCallback):
         self.say(f"  task {task.config.kind}: {task.n_train} training rows, {task.n_eval} held-out rows "
                  f"({task.metric}), batch {task.config.batch_size}, {task.tokenizer.describe()}")
         if job.scaling.trainers > 1:
-            self.say(f"  {job.scaling.trainers} data-parallel ranks ({job.scaling.placement}), batch slices of "
+            k, most = run.group.k, job.scaling.trainers
+            count, waiting = (f"{k} of {most}", f"; waiting for room in the cluster for the other {most - k}") \
+                if k < most else (f"{k}", "")
+            self.say(f"  {count} data-parallel ranks ({job.scaling.placement}{waiting}), batch slices of "
                      f"{job.task.batch_size // job.scaling.trainers} rows, gloo process group formed")
         if started.source != "fresh":
             self.say(f"  resumed at step {started.step} from durable storage (its newest sound snapshot and the logged "

@@ -2,12 +2,14 @@
 
 The first survivor to report a peer gone (`PeerLost`) is acted on: Ray reports the dead rank's own call
 only after asking for the death's details. The named rank is killed first, so nothing of it runs twice.
+A rank the cluster had no room for at the start joins as one Ray restarted does, once placed.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import ray
@@ -25,23 +27,37 @@ from zocheck_ray.runtime.shards import assign, shard_count
 logger = logging.getLogger(__name__)
 
 
-def trainer_group(job: JobConfig, ranks: list, start_standby: Callable[[str], object] | None = None) -> TrainerGroup:
+@dataclass
+class Vacancy:
+    """A rank the cluster had no room for: its placement group's `ready()`, and how its process starts."""
+
+    name: str
+    ready: ray.ObjectRef
+    start: Callable[[], object]
+
+
+def trainer_group(job: JobConfig, ranks: list, start_standby: Callable[[str], object] | None = None,
+                  names: list[str] | None = None, vacancies: list[Vacancy] = ()) -> TrainerGroup:
     """An `ElasticGroup` where `min` is set and k > 1."""
-    elastic = job.scaling.min_trainers is not None and job.scaling.trainers > 1
-    return (ElasticGroup if elastic else TrainerGroup)(job, ranks, start_standby)
+    if job.scaling.min_trainers is None or job.scaling.trainers == 1:
+        return TrainerGroup(job, ranks, start_standby, names)
+    return ElasticGroup(job, ranks, start_standby, names, vacancies)
 
 
 class ElasticGroup(TrainerGroup):
-    """The ranks of an elastic run: a lost rank's shards go to the others mid-step."""
+    """The ranks of an elastic run: a lost rank's shards go to the others mid-step; a rank placed late joins."""
 
-    def __init__(self, job: JobConfig, ranks: list, start_standby: Callable[[str], object] | None = None):
-        super().__init__(job, ranks, start_standby)
+    def __init__(self, job: JobConfig, ranks: list, start_standby: Callable[[str], object] | None = None,
+                 names: list[str] | None = None, vacancies: list[Vacancy] = ()):
+        super().__init__(job, ranks, start_standby, names)
         self.min_k = job.scaling.min_trainers or self.k
         self.generation = 0
         self._reforms: list = []
         self._shrunk: list[GroupChange] = []
         self.departed: dict[str, tuple[object, str | None]] = {}
-        """Lost ranks' (actor, incarnation) by name."""
+        """Ranks out of the group, (actor, incarnation) by name: lost ones, and new ones (None) to join."""
+        self.vacancies = list(vacancies)
+        self._newcomers: set[str] = set()
         self._probes: dict[str, object] = {}
         self._watches: dict[str, tuple[object, ray.ObjectRef | None]] = {}
         """By name (None: no trainer to ask)."""
@@ -159,14 +175,16 @@ class ElasticGroup(TrainerGroup):
     # ------------------------------------------------------------------ a join
 
     def grow(self, step: int) -> GroupChange | Failure | None:
-        """At a step boundary: a lost rank's process Ray restarted restores to `step` from the shadow and joins.
-        Returns the change, a `Failure`, or None."""
+        """At a step boundary: a process Ray restarted for a lost rank, or one started where the cluster found
+        room, restores to `step` from the shadow and joins. Returns the change, a `Failure`, or None."""
+        self._place()
         if self.k >= self.job.scaling.trainers:
             return None
         back = self._returned()
-        if back is None:
-            return None
-        name, incarnation = back
+        return None if back is None else self._join(step, *back)
+
+    def _join(self, step: int, name: str, incarnation: str) -> GroupChange | Failure | None:
+        """Departed `name`, whose process answers as `incarnation`, restores to `step` and joins."""
         began = time.perf_counter()
         expected = self.deliver(step)  # the shadow then holds every record before `step`
         if isinstance(expected, Failure):
@@ -185,8 +203,11 @@ class ElasticGroup(TrainerGroup):
         self.k += 1
         self.held = assign(shard_count(self.job), self.k)
         self.generation += 1
-        cause = f"{name} back after Ray restarted its process: rank {self.k - 1}, from the shadow's " \
-                f"{info.source} image of step {info.image_step} and {info.replayed_records} records"
+        how = f"scale-up: resources for rank {self.k - 1} appeared ({name})" if name in self._newcomers else \
+            f"{name} back after Ray restarted its process: rank {self.k - 1}"
+        self._newcomers.discard(name)
+        cause = f"{how}, from the shadow's {info.source} image of step {info.image_step} and " \
+                f"{info.replayed_records} records"
         try:
             ray.get(self._hand_out(self.ranks, self.held, cause))
         except RayActorError as exc:
@@ -199,6 +220,23 @@ class ElasticGroup(TrainerGroup):
         logger.info("%s; %d ranks, shards %s", cause, self.k, self.held)
         return change
 
+    def _place(self) -> None:
+        """Start a process in each vacancy the cluster has placed: it builds while the others train."""
+        placed = set(ray.wait([v.ready for v in self.vacancies], num_returns=len(self.vacancies), timeout=0)[0]) \
+            if self.vacancies else set()
+        for vacancy in [v for v in self.vacancies if v.ready in placed]:
+            self.vacancies.remove(vacancy)
+            self.departed[vacancy.name] = (vacancy.start(), None)
+            self._newcomers.add(vacancy.name)
+            logger.info("the cluster has room for %s: its process starts, to join at a step boundary", vacancy.name)
+
+    def _first_group(self) -> None:
+        """Fewer ranks than `max` (the cluster's room): their group forms by a plan, as after a join."""
+        if self.k == self.job.scaling.trainers:
+            return super()._first_group()
+        self.generation += 1
+        ray.get(self._hand_out(self.ranks, self.held, f"{self.k} of {self.job.scaling.trainers} ranks placed"))
+
     def _hand_out(self, ranks: list, held: list[tuple[int, ...]], cause: str) -> list:
         """Open group `generation` at `ranks[0]`, give each rank its place; returns the `reform` calls."""
         address, port = ray.get(ranks[0].open_group.remote(self.job.scaling.placement == "pack", len(ranks),
@@ -210,7 +248,7 @@ class ElasticGroup(TrainerGroup):
         return [rank.reform.remote(self.generation) for rank in ranks]
 
     def _returned(self) -> tuple[str, str] | None:
-        """(name, incarnation) of a departed rank whose restarted process answers, or None."""
+        """(name, incarnation) of a departed rank whose new process answers, or None."""
         for name, (actor, incarnation) in list(self.departed.items()):
             if name not in self._probes:
                 self._probes[name] = actor.recovery.remote()  # waits while Ray restarts the process

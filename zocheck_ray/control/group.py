@@ -41,11 +41,12 @@ PROBE_SECONDS = 5.0
 class TrainerGroup:
     """The trainer ranks of a run and its optional warm standby."""
 
-    def __init__(self, job: JobConfig, ranks: list, start_standby: Callable[[str], object] | None = None):
+    def __init__(self, job: JobConfig, ranks: list, start_standby: Callable[[str], object] | None = None,
+                 names: list[str] | None = None):
         self.job = job
-        self.k = job.scaling.trainers
+        self.k = len(ranks)
         self.ranks = list(ranks)
-        self.names = [trainer_name(job.run_id, r) for r in range(self.k)]
+        self.names = list(names) if names is not None else [trainer_name(job.run_id, r) for r in range(self.k)]
         self.standby_name = trainer_name(job.run_id, "standby")
         self.incarnations: list[str | None] = [None] * self.k
         self._start_standby = start_standby
@@ -85,10 +86,13 @@ class TrainerGroup:
         if any(info.step != infos[0].step for info in infos[1:]):  # a rank asked before rank 0 initialized
             infos[1:] = ray.get([rank.rejoin.remote(infos[0].step) for rank in self.ranks[1:]])
         self.incarnations = [info.incarnation for info in infos]
-        if self.k > 1:
-            self.form()
+        self._first_group()
         self._note_restarts()
         return infos[0]
+
+    def _first_group(self) -> None:
+        if self.k > 1:
+            self.form()
 
     def _note_restarts(self) -> None:
         self._restarts = {name: status.restarts for name in self.all_names()

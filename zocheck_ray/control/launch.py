@@ -44,5 +44,5 @@ def launch(job: JobConfig, progress: Callable[[str], None] | None, callbacks: It
             stopped = stop.before_start()
             say(f"  {stopped}")
             raise stopped
-        placement = Placement(job, gpus, placement_group, first_bundle, hooks)
+        placement = Placement(job, gpus, placement_group, first_bundle, hooks, say)
         return Controller(job, task, placement, chain, stop, writer=shadow_writer(job.run_id)).run()

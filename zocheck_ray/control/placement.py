@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import ray
-from ray.exceptions import RaySystemError
+from ray.exceptions import GetTimeoutError, RaySystemError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -12,13 +14,24 @@ from zocheck_ray.actors.client import ShadowClient
 from zocheck_ray.actors.link import ShadowActor, wait_until_dead
 from zocheck_ray.actors.trainer_actor import TrainerActor
 from zocheck_ray.config import JobConfig, JobConfigError
-from zocheck_ray.control.elastic_group import trainer_group
+from zocheck_ray.control.elastic_group import Vacancy, trainer_group
 from zocheck_ray.control.group import TrainerGroup
 from zocheck_ray.core.kernel_cache import cache_env
 from zocheck_ray.host.capabilities import PLAIN_ENV, plain as plain_host
 
 STANDBY_GPU_SHARE = 0.01
 """The fraction of rank 0's GPU the standby reserves; it allocates no device memory until promoted."""
+PLACEMENT_WAIT_SECONDS = 120
+"""How long a start waits for the cluster to place the ranks it needs."""
+PLACEMENT_NOTICE_SECONDS = 2.0
+"""After this a start says what it waits for."""
+
+
+def scales_up(job: JobConfig, pg: PlacementGroup | None = None) -> bool:
+    """Whether the run starts with `min` ranks or more and grows to `max` as the cluster has room: an elastic
+    run under `spread`, each other rank in a placement group of its own."""
+    s = job.scaling
+    return pg is None and s.placement == "spread" and s.min_trainers is not None and s.min_trainers < s.trainers
 
 
 def _check_resources(job: JobConfig) -> int:
@@ -27,8 +40,9 @@ def _check_resources(job: JobConfig) -> int:
     gpus = max((n["Resources"].get("GPU", 0) for n in nodes), default=0)
     total_cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
     total_gpus = sum(n["Resources"].get("GPU", 0) for n in nodes)
-    shadow_cpus, k, pack, use_gpu = job.shadow.cpus, job.scaling.trainers, job.scaling.placement == "pack", \
-        job.scaling.use_gpu
+    shadow_cpus, pack, use_gpu = job.shadow.cpus, job.scaling.placement == "pack", job.scaling.use_gpu
+    k = job.scaling.min_trainers if scales_up(job) else job.scaling.trainers  # the ranks a start needs
+    named = f"scaling.trainers: min={k}" if scales_up(job) else f"scaling.trainers={k}"
     if shadow_cpus + 1 > max_cpus:
         raise JobConfigError(f"shadow.cpus={shadow_cpus} plus one trainer CPU exceed the largest node "
                              f"({max_cpus:g} CPUs); lower shadow.cpus")
@@ -38,14 +52,14 @@ def _check_resources(job: JobConfig) -> int:
                                  f"CPUs plus shadow.cpus={shadow_cpus}, but the largest node has {max_cpus:g} CPUs; "
                                  "lower scaling.trainers or set scaling.placement=spread")
         if k + shadow_cpus > total_cpus:
-            raise JobConfigError(f"scaling.trainers={k} plus shadow.cpus={shadow_cpus} need {k + shadow_cpus} CPUs, "
+            raise JobConfigError(f"{named} plus shadow.cpus={shadow_cpus} need {k + shadow_cpus} CPUs, "
                                  f"but the cluster has {total_cpus:g}; lower scaling.trainers")
     if use_gpu == "yes" and gpus < 1:
         raise JobConfigError("scaling.use_gpu=yes but no node of the Ray cluster has a GPU; set scaling.use_gpu=auto "
                              "or no")
     placeable = (gpus if pack else total_gpus) >= k
     if use_gpu == "yes" and not placeable:
-        raise JobConfigError(f"scaling.use_gpu=yes and scaling.trainers={k} need {k} GPUs "
+        raise JobConfigError(f"scaling.use_gpu=yes and {named} need {k} GPUs "
                              f"({'on one node' if pack else 'in the cluster'}); lower scaling.trainers")
     return 1 if (use_gpu == "yes" or (use_gpu == "auto" and gpus >= 1 and placeable)) else 0
 
@@ -76,29 +90,43 @@ def rank_placements(job: JobConfig, gpus: int, pg: PlacementGroup | None = None,
     """(the groups created here, (group, bundle) of the shadow then of each rank).
 
     `pack`: one STRICT_PACK group. `spread`: rank 0 and the shadow STRICT_PACK, the other ranks
-    SPREAD. A given `pg` (a Tune trial's) holds them all from `first_bundle` on."""
+    SPREAD (`scales_up`: rank 0's only). A given `pg` (a Tune trial's) holds them all from `first_bundle` on."""
     if pg is not None:
         return [], [(pg, first_bundle + 1), (pg, first_bundle)] + [(pg, first_bundle + 1 + r)
                                                                   for r in range(1, job.scaling.trainers)]
-    if job.scaling.placement == "pack" or job.scaling.trainers == 1:
+    k = job.scaling.trainers
+    if job.scaling.placement == "pack" or k == 1:
         pg = placement_group(job_bundles(job, gpus), strategy="STRICT_PACK", name=group_name(job.run_id))
-        return [pg], [(pg, 1), (pg, 0)] + [(pg, 1 + r) for r in range(1, job.scaling.trainers)]
+        return [pg], [(pg, 1), (pg, 0)] + [(pg, 1 + r) for r in range(1, k)]
     home = placement_group(job_bundles(job, gpus)[:2], strategy="STRICT_PACK", name=group_name(job.run_id))
+    if scales_up(job):  # the other ranks' groups come once this one is placed (`Placement.start`)
+        return [home], [(home, 1), (home, 0)]
     try:
-        others = placement_group([trainer_bundle(gpus)] * (job.scaling.trainers - 1), strategy="SPREAD",
+        others = placement_group([trainer_bundle(gpus)] * (k - 1), strategy="SPREAD",
                                  name=f"{group_name(job.run_id)}-ranks")
     except RaySystemError:
         remove_placement_group(home)
         raise
-    return [home, others], [(home, 1), (home, 0)] + [(others, r - 1) for r in range(1, job.scaling.trainers)]
+    return [home, others], [(home, 1), (home, 0)] + [(others, r - 1) for r in range(1, k)]
+
+
+def _placed(refs: list) -> list:
+    """The placement groups' `ready()` refs that are ready now."""
+    return ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs else []
+
+
+def _placed_within(refs: list, count: int, seconds: float = PLACEMENT_NOTICE_SECONDS) -> bool:
+    """Whether `count` of the `ready()` refs are ready within `seconds` (Ray places a group in a moment)."""
+    return count == 0 or len(ray.wait(refs, num_returns=count, timeout=seconds)[0]) == count
 
 
 class Placement:
     """A run's placement groups, and how each actor is started in them."""
 
     def __init__(self, job: JobConfig, gpus: int, pg: PlacementGroup | None = None, first_bundle: int = 0,
-                 hooks=None):
-        self.job, self.gpus, self.hooks = job, gpus, hooks
+                 hooks=None, say: Callable[[str], None] | None = None):
+        """`say`: the progress line naming what a start waits for."""
+        self.job, self.gpus, self.hooks, self.say = job, gpus, hooks, say or (lambda line: None)
         try:
             self.groups, places = rank_placements(job, gpus, pg, first_bundle)
         except RaySystemError as exc:  # another job of the run started after `check_run` looked
@@ -106,12 +134,14 @@ class Placement:
                 raise
             raise running_here(job, f"its placement group {group_name(job.run_id)} exists (the job is starting)") \
                 from None
-        self._given = pg
+        self._given, self._scales = pg, scales_up(job, pg)
         self._shadow_place, self._rank_places = places[0], places[1:]
         self._payload = job.model_dump(mode="json")
         env = {**cache_env(), **({PLAIN_ENV: "1"} if plain_host() else {})}
         self._options = {"runtime_env": {"env_vars": env}} if env else {}
         """Hands the user's `NUMBA_CACHE_DIR` and `ZOCHECK_HOST_PLAIN` to every actor."""
+        self._ready: list = []
+        """Each rank slot's placement group's `ready()`."""
         self._shadow = None
         self._group: TrainerGroup | None = None
 
@@ -121,8 +151,7 @@ class Placement:
     def start(self) -> tuple[ShadowClient, TrainerGroup]:
         """Start the shadow and the trainers side by side, so their set-ups overlap; returns the shadow's
         client and the group once the shadow is up. If the shadow cannot start, no trainer is left behind."""
-        for group in self.groups or [self._given]:
-            ray.get(group.ready(), timeout=120)
+        placed = self._wait_for_room()
         job = self.job
         shadow = ShadowActor.options(
             **self._options,
@@ -130,13 +159,7 @@ class Placement:
             max_restarts=job.failure.max_restarts, max_task_retries=-1,
             scheduling_strategy=self._strategy(self._shadow_place),
         ).remote(self._payload, self.hooks)
-        share = STANDBY_GPU_SHARE if job.failure.standby and self.gpus else 0
-        trainers = [TrainerActor.options(
-            **self._options,
-            name=trainer_name(job.run_id, rank), namespace=NAMESPACE, num_cpus=1,
-            num_gpus=self.gpus - (share if rank == 0 else 0), max_restarts=job.failure.max_restarts,
-            scheduling_strategy=self._strategy(place),
-        ).remote(self._payload, self.hooks, rank) for rank, place in enumerate(self._rank_places)]
+        trainers = [self._start_rank(slot) for slot in placed]
         try:
             ray.get(shadow.ready.options(max_task_retries=0).remote())  # a constructor that raised: its error, once
         except BaseException:
@@ -144,8 +167,55 @@ class Placement:
                 ray.kill(actor, no_restart=True)
             raise
         self._shadow = shadow
-        self._group = trainer_group(job, trainers, self.start_standby if job.failure.standby else None)
+        vacancies = [Vacancy(trainer_name(job.run_id, slot), self._ready[slot],
+                             lambda slot=slot: self._start_rank(slot, waits=True))
+                     for slot in range(len(self._rank_places)) if slot not in placed]
+        self._group = trainer_group(job, trainers, self.start_standby if job.failure.standby else None,
+                                    [trainer_name(job.run_id, slot) for slot in placed], vacancies)
         return ShadowClient(shadow, job.run_id), self._group
+
+    def _wait_for_room(self) -> list[int]:
+        """Wait until the cluster has placed what a start needs: every rank, or with `scales_up` rank 0 with the
+        shadow, then `min` - 1 others, each in a group of its own; returns the rank slots placed."""
+        scaling = self.job.scaling
+        groups = self.groups or [self._given]
+        ready = {group.id: group.ready() for group in groups}
+        what = "rank 0 with the shadow" + ("" if self._scales or scaling.trainers == 1 else
+                                           f" and the other {scaling.trainers - 1} ranks")
+        self._wait_for(list(ready.values()), len(ready), what)
+        if self._scales:  # asked for once rank 0 has its room, so that no other rank can take that room
+            extra = [placement_group([trainer_bundle(self.gpus)], name=f"{group_name(self.job.run_id)}-rank{r}")
+                     for r in range(1, scaling.trainers)]
+            self.groups += extra
+            self._rank_places += [(group, 0) for group in extra]
+            ready.update({group.id: group.ready() for group in extra})
+            self._wait_for([ready[group.id] for group in extra], scaling.min_trainers - 1,
+                           f"{scaling.min_trainers - 1} of the other {scaling.trainers - 1} ranks")
+        self._ready = [ready[group.id] for group, _ in self._rank_places]
+        placed = set(_placed(list(ready.values())))
+        return [slot for slot, ref in enumerate(self._ready) if ref in placed]
+
+    def _wait_for(self, refs: list, count: int, what: str) -> None:
+        """Wait for `count` of the groups' `ready()` refs, saying what for if Ray does not place them at once."""
+        if _placed_within(refs, count):
+            return
+        scaling = self.job.scaling
+        trainers = scaling.trainers if scaling.min_trainers is None else \
+            f"{{min: {scaling.min_trainers}, max: {scaling.trainers}}}"
+        self.say(f"  waiting for the Ray cluster to have room for {what} (scaling.trainers={trainers}, "
+                 f"scaling.placement={scaling.placement})")
+        if not _placed_within(refs, count, PLACEMENT_WAIT_SECONDS):
+            raise GetTimeoutError(f"the Ray cluster had no room for {what} in {PLACEMENT_WAIT_SECONDS} s")
+
+    def _start_rank(self, slot: int, waits: bool = False):
+        """Rank `slot`'s process in its bundle (`waits`: it restores only at `rejoin`, as the standby does)."""
+        job = self.job
+        share = STANDBY_GPU_SHARE if job.failure.standby and self.gpus and slot == 0 else 0
+        return TrainerActor.options(
+            **self._options,
+            name=trainer_name(job.run_id, slot), namespace=NAMESPACE, num_cpus=1, num_gpus=self.gpus - share,
+            max_restarts=job.failure.max_restarts, scheduling_strategy=self._strategy(self._rank_places[slot]),
+        ).remote(self._payload, self.hooks, slot, waits)
 
     def start_standby(self, name: str):
         """Start the warm standby in rank 0's bundle: it waits, so it takes no CPU of its own."""
