@@ -158,21 +158,12 @@ def train(args: argparse.Namespace) -> int:
     from zocheck_ray.control import RunFailedError, run
     from zocheck_ray.control.connect import RayConnectionError, connect_ray
     from zocheck_ray.control.stop import RunStopped
-    from zocheck_ray.control.profile import profile_steps
     from zocheck_ray.testing import run_with_faults
-    from zocheck_ray.testing.faults import check_failures
     from zocheck_ray.verify import verify_run
 
     try:
-        fail_at = args.fail_at
-        resumes_at = resume_point(job) if embedded or fail_at else None
-        if fail_at is None:
-            first_allowed = (resumes_at or 0) + (1 if job.shadow.snapshot_interval else profile_steps(job) + 1)
-            fail_at = default_failures(job.steps, first_allowed) if embedded else []
-        fail_at = check_failures(job, fail_at, args.fail_mode, args.fail_rank)  # before anything is said
+        fail_at = _failures(args, job, embedded)
         verify = embedded if args.verify is None else args.verify
-        if resumes_at is not None and fail_at and fail_at[0] <= resumes_at:
-            print(f"  note: the run resumes at step {resumes_at}, so --fail-at {fail_at[0]} does not fire")
         if embedded:
             print(describe(job))
             injected = f"injected trainer failure at step {', '.join(map(str, fail_at))}" if fail_at else \
@@ -195,6 +186,29 @@ def train(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         return stopped.code
     verification = verify_run(job, summary) if verify else None
+    _report(summary, verification, args.json)
+    exact = summary.final_state_hash == summary.shadow_state_hash
+    return 0 if exact and (verification is None or verification.verified) else 1
+
+
+def _failures(args: argparse.Namespace, job, embedded: bool) -> list[int]:
+    """The checked steps of `--fail-at`, or the embedded default's."""
+    from zocheck_ray.control.profile import profile_steps
+    from zocheck_ray.testing.faults import check_failures
+
+    fail_at = args.fail_at
+    resumes_at = resume_point(job) if embedded or fail_at else None
+    if fail_at is None:
+        first_allowed = (resumes_at or 0) + (1 if job.shadow.snapshot_interval else profile_steps(job) + 1)
+        fail_at = default_failures(job.steps, first_allowed) if embedded else []
+    fail_at = check_failures(job, fail_at, args.fail_mode, args.fail_rank)  # before anything is said
+    if resumes_at is not None and fail_at and fail_at[0] <= resumes_at:
+        print(f"  note: the run resumes at step {resumes_at}, so --fail-at {fail_at[0]} does not fire")
+    return fail_at
+
+
+def _report(summary, verification, json_path: str | None) -> None:
+    """The result table, the verification, and `--json`."""
     print()
     rows = result_table(summary, verification)
     width = max(len(k) for k, _ in rows)
@@ -202,14 +216,12 @@ def train(args: argparse.Namespace) -> int:
         print(f"  {key.ljust(width)}  {value}")
     if verification is not None:
         print("verified" if verification.verified else "NOT verified: the durable log does not reproduce the run")
-    if args.json:  # checked before the run: see `train`
+    if json_path:
         doc = summary.model_dump(mode="json")
         doc["verification"] = verification.model_dump(mode="json") if verification is not None else None
-        with open(args.json, "w") as f:
+        with open(json_path, "w") as f:
             json.dump(doc, f, indent=2)
-        print(f"wrote {args.json}")
-    exact = summary.final_state_hash == summary.shadow_state_hash
-    return 0 if exact and (verification is None or verification.verified) else 1
+        print(f"wrote {json_path}")
 
 
 def status(args: argparse.Namespace) -> int:
