@@ -14,6 +14,7 @@ import threading
 import pytest
 import ray
 
+from conftest import free_port
 from reference_runs import assert_exact, job_for, uninterrupted_hashes
 from support import wait_until
 from zocheck_ray.actors.names import NAMESPACE, actor_states, actor_status, describe_actor, trainer_name
@@ -30,6 +31,7 @@ DEATH_INFO_WAIT_MS = 600_000
 @pytest.fixture(scope="module")
 def slow_death_info_ray():
     ray.init(address="local", num_cpus=3, namespace=NAMESPACE, include_dashboard=True, log_to_driver=False,
+             dashboard_port=free_port(),  # never the default, which another test's Ray may hold
              _system_config={"timeout_ms_task_wait_for_death_info": DEATH_INFO_WAIT_MS})
     assert actor_states() is not None, "the state API answers where the cluster runs its dashboard"
     yield

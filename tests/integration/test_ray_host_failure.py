@@ -2,15 +2,19 @@
 multi-node `ray.cluster_utils.Cluster`; Ray reschedules the placement group onto the
 surviving node, the shadow rebuilds from durable storage (a real S3 endpoint on
 loopback: the storage a lost node cannot take with it), the trainer recovers from it,
-and the final state is the one an uninterrupted run reaches. The same loss with a local
+and the final state is the one an uninterrupted run reaches, the driver never held up
+by a state API it cannot find. The same loss with a local
 directory as storage: test_data_parallel_nodes.py (rank 0's node, the shadow's too).
 """
+
+import socket
+import threading
 
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from zocheck_ray.actors.names import NAMESPACE, trainer_name
+from zocheck_ray.actors.names import NAMESPACE, actor_states, trainer_name
 from zocheck_ray.config import JobConfig
 from zocheck_ray.testing import run_with_faults as run
 from reference_runs import SMALL_TASK, STEPS, assert_exact, uninterrupted_hashes
@@ -19,12 +23,28 @@ from support import multi_node_cluster
 pytestmark = pytest.mark.slow  # multi-node clusters, node loss, rebuilds from durable storage
 
 NODE_CPUS = 2
+DEFAULT_DASHBOARD_PORT = 8265
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    with multi_node_cluster(NODE_CPUS, NODE_CPUS) as (c, workers):
-        yield c, workers
+    """The cluster, started while Ray's default dashboard port is taken (as by another Ray on the host): its
+    head's dashboard does not start, and the state API's address is nowhere to be found."""
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            taken.bind(("0.0.0.0", DEFAULT_DASHBOARD_PORT))
+            taken.listen()
+        except OSError:  # taken already
+            pass
+        with multi_node_cluster(NODE_CPUS, NODE_CPUS) as (c, workers):
+            yield c, workers
+
+
+def test_a_state_api_that_cannot_be_found_holds_up_no_caller(cluster):
+    assert actor_states(wait=0) is None
+    # Ray's client goes on looking for the dashboard's address (for about 40 s) in a thread of its own
+    assert any(t.name == "zocheck-state-api" and t.is_alive() for t in threading.enumerate())
 
 
 def lose_trainer_node(c: Cluster, job: JobConfig, lost: list):

@@ -8,6 +8,7 @@ later, from the calls that fail.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -116,23 +117,46 @@ def _status(actor) -> ActorStatus:
                        node_id=actor.node_id)
 
 
-_connected: tuple[str, float, ActorStates | None] | None = None
-"""(GCS address, when connected, its `ActorStates` or None)."""
+class _Connection:
+    """One attempt to reach a cluster's state API, in a thread: without the head's dashboard (its port taken),
+    Ray's `StateApiClient` looks for it for 40 s."""
+
+    def __init__(self, address: str, say):
+        self.address, self.finished = address, None
+        self.states: ActorStates | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._connect, args=(say,), name="zocheck-state-api", daemon=True).start()
+
+    def _connect(self, say) -> None:
+        try:
+            self.states = ActorStates.connect(say)
+        finally:
+            self.finished = time.monotonic()
+            self.done.set()
 
 
-def actor_states() -> ActorStates | None:
-    """The connected cluster's `ActorStates`, made once per cluster; None without one."""
-    global _connected
+_connection: _Connection | None = None
+
+
+def actor_states(wait: float = STATE_API_TIMEOUT_SECONDS) -> ActorStates | None:
+    """The connected cluster's `ActorStates`; None without one, or while it is being reached. The first attempt
+    is waited for `wait` s at most, a retry not at all: a state API that cannot be found holds up no caller."""
+    global _connection
     import ray
 
     if not ray.is_initialized():
         return None
     address = ray.get_runtime_context().gcs_address
-    if _connected is None or _connected[0] != address:
-        _connected = (address, time.monotonic(), ActorStates.connect())
-    elif _connected[2] is None and time.monotonic() - _connected[1] > STATE_API_RETRY_SECONDS:
-        _connected = (address, time.monotonic(), ActorStates.connect(say=logger.debug))  # said once already
-    return _connected[2]
+    connection = _connection
+    if connection is None or connection.address != address:
+        connection = _connection = _Connection(address, logger.info)
+        if not connection.done.wait(wait):
+            logger.info("Ray's state API did not answer within %g s: actors' deaths are seen when calls to them "
+                        "fail until it does", wait)
+    elif connection.done.is_set() and connection.states is None \
+            and time.monotonic() - connection.finished > STATE_API_RETRY_SECONDS:
+        _connection = _Connection(address, logger.debug)  # said once already
+    return connection.states if connection.done.is_set() else None
 
 
 def is_ours(exc: Exception) -> bool:
