@@ -14,6 +14,7 @@ import ray
 import yaml
 
 from reference_runs import job_for, uninterrupted_data_parallel_hashes, uninterrupted_hashes
+from support import PausableS3, wait_until
 from zocheck_ray.config import JobConfigError, load_job_config
 from zocheck_ray.control import Action, Failure, FailureBudget, decide
 from zocheck_ray.testing import run_with_faults as run
@@ -214,29 +215,48 @@ def test_a_lost_rank_leaves_the_others_training_on_its_shards(tmp_path):
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_the_restarted_process_joins_at_a_step_boundary_and_takes_shards(tmp_path):
-    # Rank 1 of 3 is lost at step 3 at -eps (after an exchange at +eps that had its losses); the others go on at
-    # k=2 while Ray restarts its process, which then joins from the shadow's image and records at a step boundary:
-    # k=3 again, every rank and the shadow exact.
+def test_the_restarted_process_joins_at_a_step_boundary_and_takes_shards(tmp_path, aws_env):
+    # Rank 1 of 3 is lost at step 5 at -eps (after an exchange at +eps that had its losses) while the shadow holds
+    # the snapshot of step 4 open (its storage paused, the image not durable). The others go on at k=2 while Ray
+    # restarts its process, which then joins from that image and the records after it at a step boundary: k=3
+    # again, every rank and the shadow exact, and the durable log whole once the storage answers again.
     from zocheck_ray.control.callbacks import RunCallback
     from zocheck_ray.testing.injection import FaultInjection
 
-    steps = 12
-    job = dp_job(tmp_path, trainers={"min": 2, "max": 3}, steps=steps, task=SHARDED, log_interval=2)
+    steps, snapshot, lost = 12, 4, 5
+    server = PausableS3()
 
-    class UntilRestarted(RunCallback):  # holds the run at a boundary until the lost process is back
+    class SnapshotOpenUntilJoined(RunCallback):
         def on_segment(self, run, segment):
-            for actor, _ in list(run.group.departed.values()):
+            m, step = run.shadow.metrics(), segment.progress.step
+            if step == snapshot - 2:  # paused from a settled state: nothing in flight
+                assert wait_until(lambda: (m := run.shadow.metrics()).replayed_step == step
+                                  and m.durable_step == m.snapshot_step and not m.persist_in_flight), m
+                server.pause()
+            elif step == snapshot:  # the image of step 4 taken, its save held
+                assert wait_until(lambda: (m := run.shadow.metrics()).snapshot_step == snapshot
+                                  and (m.durable_step or 0) < snapshot), m
+            for actor, _ in list(run.group.departed.values()):  # the lost process back, to join at this boundary
                 ray.get(actor.readiness.remote())  # sent during Ray's restart, it waits for the new process
+            if run.group.k == 3 and step > lost:
+                server.resume()
 
-    faults = FaultInjection(die_at_exchange={1: [(3, 1)]}, marker_dir=str(tmp_path))
-    summary = run(job, faults=faults, progress=None, callbacks=[UntilRestarted()])
-    expected = uninterrupted_data_parallel_hashes(job)
+    try:
+        job = dp_job(tmp_path, trainers={"min": 2, "max": 3}, steps=steps, task=SHARDED, log_interval=2,
+                     shadow={"snapshot_interval": snapshot}, storage=f"s3://{server.new_bucket()}/runs",
+                     storage_options=server.options(), durability={"lease_seconds": 300})  # no pause outlasts it
+        faults = FaultInjection(die_at_exchange={1: [(lost, 1)]}, marker_dir=str(tmp_path))
+        summary = run(job, faults=faults, progress=None, callbacks=[SnapshotOpenUntilJoined()])
+        expected = uninterrupted_data_parallel_hashes(job)
+        verification = verify_run(job, summary)
+    finally:
+        server.close()
     assert [(c.kind, c.ranks) for c in summary.group_changes] == [("shrink", 2), ("join", 3)]
     shrink, join = summary.group_changes
-    assert shrink.step == 3 and shrink.held == [[0, 1, 2], [3, 4, 5]]  # rank 1's shards 2, 3 dealt round
+    assert shrink.step == lost and shrink.held == [[0, 1, 2], [3, 4, 5]]  # rank 1's shards 2, 3 dealt round
     assert 0 < shrink.plan_wait_seconds < shrink.stall_seconds
-    assert join.held == [[0, 1], [2, 3], [4, 5]] and join.step % 2 == 0 and "rank 2" in join.cause
+    assert join.held == [[0, 1], [2, 3], [4, 5]] and join.step in (lost + 1, lost + 3) and "rank 2" in join.cause
+    assert f"image of step {snapshot} and {join.step - snapshot} records" in join.cause  # the open snapshot
     # what `status` and the gauges show: k, each rank's shards, the changes
     m = summary.metrics
     assert (m.ranks, m.rank_shards, m.group_changes) == (3, join.held, 2)
@@ -245,7 +265,6 @@ def test_the_restarted_process_joins_at_a_step_boundary_and_takes_shards(tmp_pat
     assert summary.final_state_hash == summary.shadow_state_hash == expected[steps]
     assert summary.rank_state_hashes == [expected[steps]] * 3
     assert all(digest == expected[step] for step, digest in summary.step_hashes.items())
-    verification = verify_run(job, summary)
     assert verification.verified, verification.mismatches
 
 

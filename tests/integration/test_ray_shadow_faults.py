@@ -4,20 +4,14 @@ durability lags, a full disk. Each run ends exact (shadow == trainer,
 a durable image at the last step) or with a clear error; none hangs, none passes silently.
 """
 
-import os
 import re
-import socket
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 import ray
 
-from conftest import free_port
 from reference_runs import STEPS, assert_exact, job_for, uninterrupted_hashes
-from support import wait_until
+from support import PausableS3, wait_until
 from zocheck_ray.actors.names import NAMESPACE, shadow_name
 from zocheck_ray.control import RunCallback, RunFailedError
 from zocheck_ray.testing import run_with_faults as run
@@ -72,128 +66,6 @@ def test_an_s3_endpoint_stopped_and_restarted_mid_run_ends_durable_and_exact(tmp
     assert any("durability is behind" in line for line in lines)
     assert summary.metrics.persist_failures > 0 and summary.metrics.persist_error is None
     assert_exact(summary, uninterrupted_hashes(job))
-
-
-class PausableS3:
-    """A moto S3 server in a process of its own, reached through a proxy that can pause it: while paused,
-    connections are accepted and nothing is answered (the server never sees what they send). `resume()`
-    resets every connection the pause held, as a partition that ends with resets does: a request sent
-    while paused never reaches the server, so nothing written after the pause becomes durable later
-    (a paused server process would run every request it had buffered once it went on, even those of a
-    process killed meanwhile)."""
-
-    def __init__(self):
-        self._upstream = free_port()
-        self.process = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"),
-                                         "-H", "127.0.0.1", "-p", str(self._upstream)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.05)
-        self.port = self._listener.getsockname()[1]
-        self.endpoint_url = f"http://127.0.0.1:{self.port}"
-        self._lock = threading.Lock()
-        self._paused = self._closed = False
-        self._pairs: list[list[socket.socket]] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def pause(self) -> None:
-        with self._lock:
-            self._paused = True
-
-    def resume(self) -> None:
-        """Reset what the pause held (open connections, and those waiting to be accepted), then serve again."""
-        with self._lock:
-            for pair in self._pairs:
-                for sock in pair:
-                    _close(sock)
-            self._pairs = []
-            self._listener.setblocking(False)
-            try:
-                while True:
-                    _close(self._listener.accept()[0])
-            except (BlockingIOError, OSError):
-                pass
-            self._listener.settimeout(0.05)
-            self._paused = False
-
-    def _accept(self) -> None:
-        while not self._closed:
-            if self._paused:
-                time.sleep(0.01)
-                continue
-            try:
-                client, _ = self._listener.accept()
-            except (TimeoutError, BlockingIOError, OSError):
-                continue
-            with self._lock:
-                if self._paused:  # accepted as the pause began: it is held with the rest
-                    self._pairs.append([client])
-                    continue
-                try:
-                    upstream = socket.create_connection(("127.0.0.1", self._upstream))
-                except OSError:
-                    _close(client)
-                    continue
-                pair = [client, upstream]
-                self._pairs.append(pair)
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst, pair), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, pair: list) -> None:
-        src.settimeout(0.05)
-        try:
-            while not self._closed:
-                if self._paused:
-                    time.sleep(0.01)
-                    continue
-                try:
-                    data = src.recv(1 << 16)
-                except TimeoutError:
-                    continue
-                while self._paused and pair in self._pairs:  # read as the pause began: held, then dropped
-                    time.sleep(0.01)
-                if not data or pair not in self._pairs:
-                    break
-                dst.sendall(data)
-        except OSError:
-            pass
-        for sock in pair:
-            _close(sock)
-
-    def options(self) -> dict:
-        return {"endpoint_url": self.endpoint_url, "key": "testing", "secret": "testing",
-                "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 2,
-                                  "read_timeout": 5}}
-
-    def new_bucket(self) -> str:
-        import s3fs
-
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.options())
-        assert wait_until(lambda: _answers(fs), timeout=60)
-        fs.mkdir("zocheck-paused")
-        return "zocheck-paused"
-
-    def close(self):
-        self._closed = True
-        self.resume()
-        _close(self._listener)
-        self.process.kill()
-        self.process.wait()
-
-
-def _close(sock: socket.socket) -> None:
-    try:
-        sock.close()
-    except OSError:
-        pass
-
-
-def _answers(fs) -> bool:
-    try:
-        fs.ls("")
-        return True
-    except Exception:
-        return False
 
 
 def test_a_paused_s3_endpoint_never_holds_up_ingest_and_durability_catches_up(tmp_path, aws_env):
