@@ -268,16 +268,20 @@ def test_the_restarted_process_joins_at_a_step_boundary_and_takes_shards(tmp_pat
     assert verification.verified, verification.mismatches
 
 
-def test_below_min_every_rank_stops_and_rejoins_from_the_shadow(tmp_path):
-    # {min: 3, max: 3}: losing the last of three ranks leaves too few, so the survivors stop torn and the run
-    # recovers as a fixed one (every rank at the shadow's step), exact.
+def test_below_min_or_a_failed_exchange_with_every_rank_alive_every_rank_rejoins_from_the_shadow(tmp_path):
+    # {min: 3, max: 3}. At step 1 rank 1 is slower than the collective's timeout: the others' exchange fails with
+    # every rank alive, so the group is released and every rank rejoins from the shadow. At step 3 losing the
+    # last of three ranks leaves too few: the survivors stop torn and the run recovers as a fixed one. Exact.
     from zocheck_ray.testing.injection import FaultInjection
 
     steps = 6
-    job = dp_job(tmp_path, trainers={"min": 3, "max": 3}, steps=steps, task=SHARDED)
-    faults = FaultInjection(die_at_exchange={2: [(3, 1)]}, marker_dir=str(tmp_path))
+    job = dp_job(tmp_path, steps=steps, task=SHARDED,
+                 scaling={"trainers": {"min": 3, "max": 3}, "collective_timeout_seconds": 5})
+    faults = FaultInjection(stall_at_exchange={1: [(1, 0)]}, die_at_exchange={2: [(3, 1)]},
+                            marker_dir=str(tmp_path))
     summary = run(job, faults=faults, progress=None)
     expected = uninterrupted_data_parallel_hashes(job)
-    assert summary.group_changes == [] and [r.rank for r in summary.recoveries] == [2]
+    assert summary.group_changes == []
+    assert [(r.failed_at_step, r.replaced_by, r.rank) for r in summary.recoveries] == [(1, "torn", 0), (3, "restart", 2)]
     assert summary.final_state_hash == summary.shadow_state_hash == expected[steps]
     assert summary.rank_state_hashes == [expected[steps]] * 3

@@ -21,6 +21,9 @@ class TrainerHooks(Protocol):
         """Called before data-parallel rank `rank` sends its shards' losses of `step`'s `exchange`-th exchange
         (0: at +eps)."""
 
+    def after_exchange_failed(self, rank: int, step: int, exchange: int) -> None:
+        """Called when elastic rank `rank`'s exchange failed."""
+
     def before_regroup(self, rank: int, generation: int) -> None:
         """Called before elastic rank `rank` joins the planned group `generation`."""
 
@@ -49,6 +52,9 @@ class NoHooks:
         pass
 
     def before_exchange(self, rank: int, step: int, exchange: int) -> None:
+        pass
+
+    def after_exchange_failed(self, rank: int, step: int, exchange: int) -> None:
         pass
 
     def before_regroup(self, rank: int, generation: int) -> None:

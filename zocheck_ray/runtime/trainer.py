@@ -302,6 +302,7 @@ class Trainer:
                 logger.warning("%s: waiting at step %d for the controller's smaller group", exc, t)
                 if lost_at is None:
                     lost_at = time.perf_counter()
+                    self.hooks.after_exchange_failed(self.rank, t, number - exchange_number(t, 0))
                     self._report_loss(t, number, exc)
                 adopted = self._regroup(number, inside=True)
                 if adopted is not None:  # a survivor completed this exchange before the loss

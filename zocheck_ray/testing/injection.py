@@ -29,6 +29,8 @@ class FaultInjection(BaseModel):
     die_at_exchange: dict[int, list[tuple[int, int]]] = {}
     """Rank -> (step, exchange) before which the process serving that rank exits, once each (0: at +eps,
     1: at -eps): a rank lost mid-step."""
+    stall_at_exchange: dict[int, list[tuple[int, int]]] = {}
+    """Rank -> (step, exchange) before which that rank waits, alive, until another's exchange failed (timed out)."""
     die_at_regroup: dict[int, list[int]] = {}
     """Rank -> group generations before whose rendezvous the process serving that rank exits, once each: a
     survivor lost while the group re-forms."""
@@ -57,6 +59,17 @@ class FaultInjection(BaseModel):
             if not os.path.exists(marker):
                 open(marker, "w").close()
                 os._exit(1)  # its shards' losses of this exchange never leave the process
+        if [step, exchange] in [list(at) for at in self.stall_at_exchange.get(rank, ())]:
+            marker = os.path.join(self.marker_dir, f"rank{rank}-step{step}-exchange{exchange}-stalled")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                while not any(name.startswith("failed-") and not name.startswith(f"failed-rank{rank}-")
+                              for name in os.listdir(self.marker_dir)):
+                    time.sleep(0.05)
+
+    def after_exchange_failed(self, rank: int, step: int, exchange: int) -> None:
+        if self.marker_dir is not None:
+            open(os.path.join(self.marker_dir, f"failed-rank{rank}-step{step}-exchange{exchange}"), "w").close()
 
     def before_regroup(self, rank: int, generation: int) -> None:
         if generation in self.die_at_regroup.get(rank, ()):
