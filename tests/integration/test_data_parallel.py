@@ -268,6 +268,38 @@ def test_the_restarted_process_joins_at_a_step_boundary_and_takes_shards(tmp_pat
     assert verification.verified, verification.mismatches
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+def test_the_ready_standby_joins_in_a_lost_ranks_stead_and_its_restarted_process_stands_by(tmp_path):
+    # {min: 1, max: 2} with a warm standby: rank 1 is lost at +eps of step 3, rank 0 goes on alone, and at the
+    # next step boundary the standby joins as rank 1 from the shadow's image and records, without waiting for Ray
+    # to restart the lost process, which becomes the next standby. Exact.
+    from zocheck_ray.control.callbacks import RunCallback
+    from zocheck_ray.testing.injection import FaultInjection
+
+    steps = 8
+
+    class StandbyReady(RunCallback):
+        def on_segment(self, run, segment):
+            if segment.progress.step == 6:  # Ray restarted the lost rank's process: it is the standby now
+                assert run.group.standby_name.endswith("-rank1")
+            if segment.progress.step in (2, 6):
+                assert wait_until(run.group.prepare_standby)
+
+    job = dp_job(tmp_path, trainers={"min": 1, "max": 2}, steps=steps, task=SHARDED, log_interval=2,
+                 failure={"standby": True})
+    faults = FaultInjection(die_at_exchange={1: [(3, 0)]}, marker_dir=str(tmp_path))
+    summary = run(job, faults=faults, progress=None, callbacks=[StandbyReady()])
+    expected = uninterrupted_data_parallel_hashes(job)
+    shrink, join = summary.group_changes
+    assert (shrink.kind, shrink.step, shrink.ranks) == ("shrink", 3, 1)
+    assert (join.kind, join.step, join.ranks) == ("join", 4, 2)
+    assert join.cause.startswith("the standby zocheck-trainer-") and "-rank1's stead: rank 1" in join.cause, join.cause
+    assert summary.recoveries == []
+    assert summary.final_state_hash == summary.shadow_state_hash == expected[steps]
+    assert summary.rank_state_hashes == [expected[steps]] * 2
+    assert all(digest == expected[step] for step, digest in summary.step_hashes.items())
+
+
 def test_below_min_or_a_failed_exchange_with_every_rank_alive_every_rank_rejoins_from_the_shadow(tmp_path):
     # {min: 3, max: 3}. At step 1 rank 1 is slower than the collective's timeout: the others' exchange fails with
     # every rank alive, so the group is released and every rank rejoins from the shadow. At step 3 losing the

@@ -180,10 +180,25 @@ class ElasticGroup(TrainerGroup):
         self._place()
         if self.k >= self.job.scaling.trainers:
             return None
+        lost = [name for name in self.departed if name not in self._newcomers]
+        if lost and self._standby_ready():
+            return self._promote(step, lost[0])
         back = self._returned()
         return None if back is None else self._join(step, *back)
 
-    def _join(self, step: int, name: str, incarnation: str) -> GroupChange | Failure | None:
+    def _promote(self, step: int, name: str) -> GroupChange | Failure | None:
+        """The ready standby joins in lost rank `name`'s stead; that rank's process, once Ray restarts it,
+        stands by next."""
+        lost, _ = self.departed.pop(name)
+        self._probes.pop(name, None)
+        promoted, promoted_name = self.standby, self.standby_name
+        self.standby, self.standby_name = lost, name
+        self._new_standby()
+        self.departed[promoted_name] = (promoted, None)
+        return self._join(step, promoted_name, None, how=f"the standby {promoted_name} in {name}'s stead")
+
+    def _join(self, step: int, name: str, incarnation: str | None, how: str | None = None
+              ) -> GroupChange | Failure | None:
         """Departed `name`, whose process answers as `incarnation`, restores to `step` and joins."""
         began = time.perf_counter()
         expected = self.deliver(step)  # the shadow then holds every record before `step`
@@ -203,7 +218,8 @@ class ElasticGroup(TrainerGroup):
         self.k += 1
         self.held = assign(shard_count(self.job), self.k)
         self.generation += 1
-        how = f"scale-up: resources for rank {self.k - 1} appeared ({name})" if name in self._newcomers else \
+        how = f"{how}: rank {self.k - 1}" if how else \
+            f"scale-up: resources for rank {self.k - 1} appeared ({name})" if name in self._newcomers else \
             f"{name} back after Ray restarted its process: rank {self.k - 1}"
         self._newcomers.discard(name)
         cause = f"{how}, from the shadow's {info.source} image of step {info.image_step} and " \
