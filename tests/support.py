@@ -55,7 +55,7 @@ def trained(job, steps: int):
 
 
 @contextmanager
-def multi_node_cluster(*node_cpus: int):
+def multi_node_cluster(*node_cpus: int, system_config: dict | None = None):
     """A `ray.cluster_utils.Cluster` on this machine: a head without CPUs (so nothing is scheduled on a
     node a test cannot remove) and one node per entry of `node_cpus`, this process its driver.
     Yields (cluster, nodes); shut down on leaving."""
@@ -64,7 +64,8 @@ def multi_node_cluster(*node_cpus: int):
 
     from zocheck_ray.actors.names import NAMESPACE
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                            "_system_config": system_config or {}})
     # the driver joins before the other nodes exist: it is then the head's (a driver attaches to any node of
     # its host before Ray 2.54, and a test must never remove the driver's own node)
     ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)

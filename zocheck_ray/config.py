@@ -117,7 +117,8 @@ class ScalingSettings(BaseModel):
     """`pack`: every rank and the shadow on one node; `spread`: rank 0 with the shadow, the others anywhere."""
     collective_timeout_seconds: float = Field(600.0, gt=0)
     """How long a rank waits in an exchange or a rendezvous (gloo's timeout): above rank 0's longest evaluation,
-    which the others wait out. A node lost without a TCP reset is seen after it."""
+    which the others wait out. A fixed group sees a node lost without a TCP reset only after it (an elastic one
+    once Ray finds the node dead)."""
     use_gpu: Literal["auto", "yes", "no"] = "auto"
     """Train on a GPU: `auto` uses one when the cluster has one, `yes` requires one."""
 

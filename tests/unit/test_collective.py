@@ -34,3 +34,42 @@ def test_a_newer_plan_ends_the_wait_for_a_rank_that_never_arrives():
     with pytest.raises(RankLostError, match="a newer group was planned"):
         group.join("127.0.0.1", store.port, store=store, abandon=lambda: True)
     assert not group.joined and group.key is None
+
+
+SILENT_PEER = """
+import os, signal, sys
+from zocheck_ray.runtime.collective import LossGroup
+LossGroup(rank=1, ranks=2, timeout=600).join("127.0.0.1", int(sys.argv[1]))
+os.kill(os.getpid(), signal.SIGSTOP)  # silent, its sockets open: a node lost without a TCP reset
+"""
+
+
+def test_an_exchange_with_a_silent_peer_is_given_up_for_a_newer_group_at_once():
+    # gloo would wait out its timeout (600 s here) for the frozen peer, and leaving the group would wait for that
+    # too: the exchange ends at the plan, the group is left at once, and the next group works.
+    import subprocess
+    import sys
+    import threading
+
+    from zocheck_ray.runtime.collective import GroupAbandoned
+
+    store = open_rendezvous("127.0.0.1", 2, timeout=600)
+    peer = subprocess.Popen([sys.executable, "-c", SILENT_PEER, str(store.port)])
+    group = LossGroup(rank=0, ranks=2, timeout=600)
+    try:
+        group.join("127.0.0.1", store.port, store=store)
+        asked = []
+        with pytest.raises(GroupAbandoned, match="a newer group was planned during the exchange"):
+            group.gather((1.0,), abandon=lambda: asked.append(1) or len(asked) > 2)
+        leaving = threading.Thread(target=group.leave)
+        leaving.start()
+        leaving.join(timeout=60)  # a ceiling, far below the exchange's 600 s
+        assert not leaving.is_alive() and not group.joined
+        alone = LossGroup(rank=0, ranks=1, timeout=600)
+        alone.join("127.0.0.1", alone.listen("127.0.0.1"))
+        assert alone.gather((2.0,)) == [(2.0,)]
+        alone.leave()
+    finally:
+        peer.kill()
+        peer.wait()
+        group.leave()

@@ -29,10 +29,16 @@ TIMEOUT_SECONDS = 600.0
 PROBE_SECONDS = 1.0
 """`lost_peers`' wait for a lost node (a dead process's refusal is at once)."""
 ARRIVAL_POLL_SECONDS = 0.01
+ABANDON_POLL_SECONDS = 0.2
+"""How often an abandonable exchange checks."""
 
 
 class RankLostError(RuntimeError):
     """The collective failed: a peer rank died (or could not be reached)."""
+
+
+class GroupAbandoned(RankLostError):
+    """An exchange given up for a newer group (a silent peer: a node lost without a TCP reset)."""
 
 
 _liveness: socket.socket | None = None
@@ -91,7 +97,7 @@ class LossGroup:
         self.key: tuple[str, int] | None = None
 
         self.peers: dict[int, tuple[str, int]] = {}
-
+        self._work = None
 
     @property
     def joined(self) -> bool:
@@ -154,22 +160,53 @@ class LossGroup:
 
     def leave(self) -> None:
         if dist.is_initialized():
+            work, self._work = self._work, None
+            if work is not None and not work.is_completed():
+                _set_aside(dist.group.WORLD, work)
             try:
                 dist.destroy_process_group()
             except Exception:  # a group broken by a dead peer may not shut down cleanly; it is gone either way
                 pass
 
-    def gather(self, local: tuple[float, ...]) -> list[tuple[float, ...]]:
-        """Every rank's `local` numbers (float64), in rank order."""
+    def gather(self, local: tuple[float, ...], abandon: Callable[[], bool] | None = None
+               ) -> list[tuple[float, ...]]:
+        """Every rank's `local` numbers (float64), in rank order; `abandon()` True ends the wait."""
         if not dist.is_initialized():
             raise RankLostError(f"rank {self.rank} is not in a process group (it was left after a failure)")
         mine = torch.tensor(local, dtype=torch.float64)
         out = [torch.empty_like(mine) for _ in range(self.ranks)]
         try:
-            dist.all_gather(out, mine)
+            self._work = dist.all_gather(out, mine, async_op=True)
+            self._wait(abandon)
         except RuntimeError as exc:
+            if isinstance(exc, RankLostError):
+                raise
             raise RankLostError(f"rank {self.rank}: the all-gather failed ({str(exc).splitlines()[0]})") from exc
+        self._work = None
         return [tuple(t.tolist()) for t in out]
+
+    def _wait(self, abandon: Callable[[], bool] | None) -> None:
+        if abandon is None:
+            self._work.wait()
+            return
+        while True:
+            try:
+                self._work.wait(timeout=datetime.timedelta(seconds=ABANDON_POLL_SECONDS))
+                return
+            except RuntimeError:
+                if self._work.is_completed():  # the exchange itself failed
+                    raise
+            if abandon():
+                raise GroupAbandoned(f"rank {self.rank}: a newer group was planned during the exchange")
+
+
+def _set_aside(group, work) -> None:
+    """Hold a left group whose exchange is stuck: its destruction waits for gloo's timeout, so in a thread."""
+    def hold(group, work) -> None:
+        while not work.is_completed():
+            time.sleep(1.0)
+
+    threading.Thread(target=hold, args=(group, work), name="zocheck-abandoned-group", daemon=True).start()
 
 
 def _address(text: str) -> tuple[str, int]:

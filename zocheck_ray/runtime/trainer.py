@@ -24,7 +24,7 @@ from zocheck_ray.core import ZOOptimizer, state_hash
 from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray.core.fused import warm_up
 from zocheck_ray.host.image import prepare_skeleton
-from zocheck_ray.runtime.collective import LossGroup, RankLostError, open_rendezvous
+from zocheck_ray.runtime.collective import GroupAbandoned, LossGroup, RankLostError, open_rendezvous
 from zocheck_ray.runtime.elastic import CALLS_PER_STEP, GroupPlan, PeerLost, catch_up, exchange_number, standing
 from zocheck_ray.runtime.hooks import NO_HOOKS, TrainerHooks
 from zocheck_ray.runtime.messages import AdapterIdentity, KernelCheckInfo, KernelInfo, RecoveryInfo, Role, TrainerProgress
@@ -70,7 +70,8 @@ class Trainer:
         self.group = self._loss_group(rank, self.ranks)
         self.elastic = job.scaling.min_trainers is not None and self.ranks > 1
         """A lost peer leaves this rank waiting for a smaller group, not torn."""
-        self._plans: queue.Queue[tuple[int, GroupPlan]] = queue.Queue()
+        self._plans: queue.Queue[tuple[int, GroupPlan, float]] = queue.Queue()
+        """(rank, plan, when it came)."""
         self._rendezvous: dict[int, object] = {}
         self._losses: queue.Queue[PeerLost] = queue.Queue()
         self.generation = 0
@@ -294,16 +295,18 @@ class Trainer:
         lost_at = None
         while True:
             try:
-                merged = merge([decode(numbers) for numbers in self.group.gather(encode(mine))])
+                gathered = self.group.gather(encode(mine), self._abandon if self.elastic else None)
+                merged = merge([decode(numbers) for numbers in gathered])
                 break
             except RankLostError as exc:
                 if not self.elastic:
                     raise
                 logger.warning("%s: waiting at step %d for the controller's smaller group", exc, t)
-                if lost_at is None:
-                    lost_at = time.perf_counter()
+                if lost_at is None:  # given up: a silent peer stalled the whole wait
+                    lost_at = began if isinstance(exc, GroupAbandoned) else time.perf_counter()
                     self.hooks.after_exchange_failed(self.rank, t, number - exchange_number(t, 0))
-                    self._report_loss(t, number, exc)
+                    if not isinstance(exc, GroupAbandoned):  # else the controller knows: it planned anew
+                        self._report_loss(t, number, exc)
                 adopted = self._regroup(number, inside=True)
                 if adopted is not None:  # a survivor completed this exchange before the loss
                     merged = adopted
@@ -313,7 +316,7 @@ class Trainer:
                         mine[shard] = closure_of(shard)()
         self._step_collective += time.perf_counter() - began
         if lost_at is not None:  # (step, stall, of it the wait for the controller's plan)
-            self._regroups.append((t, time.perf_counter() - lost_at, self._planned_at - lost_at))
+            self._regroups.append((t, time.perf_counter() - lost_at, max(0.0, self._planned_at - lost_at)))
         if missing(merged):
             raise RuntimeError(f"rank {self.rank}: no rank evaluated shards {missing(merged)}")
         self._last_exchange = (number, merged)
@@ -332,6 +335,10 @@ class Trainer:
         """Waits for the next report."""
         return self._losses.get()
 
+    def _abandon(self) -> bool:
+        """Whether a newer group is planned."""
+        return not self._plans.empty()
+
     def open_group(self, address: str, ranks: int, generation: int) -> int:
         """As rank 0 of group `generation`: open its rendezvous (the training thread may wait in an exchange)."""
         store = open_rendezvous(address, ranks, self.job.scaling.collective_timeout_seconds)
@@ -340,7 +347,7 @@ class Trainer:
 
     def offer_plan(self, rank: int, plan: GroupPlan) -> None:
         """The next group and this rank's place in it."""
-        self._plans.put((rank, plan))
+        self._plans.put((rank, plan, time.perf_counter()))
 
     def reform(self, generation: int) -> int:
         """At a step boundary, join group `generation` unless an exchange did."""
@@ -352,10 +359,9 @@ class Trainer:
         """Join the next planned group; returns exchange `number`'s table if a survivor completed it."""
         while True:
             self.group.leave()
-            rank, plan = self._plans.get()
+            rank, plan, self._planned_at = self._plans.get()
             while not self._plans.empty():  # only the newest plan stands
-                rank, plan = self._plans.get_nowait()
-            self._planned_at = time.perf_counter()
+                rank, plan, self._planned_at = self._plans.get_nowait()
             if plan.generation <= self.generation or (generation is not None and plan.generation < generation):
                 continue  # a stale plan
             if not plan.held:
@@ -363,10 +369,12 @@ class Trainer:
                                     "the shadow")
             try:
                 self._apply(rank, plan)
-                gathered = self.group.gather(standing(number, inside, self._last_exchange, self.shards))
+                gathered = self.group.gather(standing(number, inside, self._last_exchange, self.shards),
+                                             self._abandon)
             except RankLostError as exc:  # lost another peer meanwhile: wait for the next plan
                 logger.warning("%s: during the regroup", exc)
-                self._report_loss(number // CALLS_PER_STEP, number, exc)
+                if not isinstance(exc, GroupAbandoned):
+                    self._report_loss(number // CALLS_PER_STEP, number, exc)
                 continue
             return catch_up(gathered, number)
 
@@ -374,7 +382,7 @@ class Trainer:
         self.hooks.before_regroup(self.rank, plan.generation)
         self.group = LossGroup(rank, plan.ranks, self.job.scaling.collective_timeout_seconds)  # of one too
         self.group.join(plan.address, plan.port, store=self._rendezvous.pop(plan.generation, None),
-                        abandon=lambda: not self._plans.empty())
+                        abandon=self._abandon)
         was_leader = self.rank == 0
         self.rank, self.ranks, self.held, self.generation = rank, plan.ranks, plan.held[rank], plan.generation
         if rank == 0 and not was_leader:
