@@ -239,7 +239,10 @@ def _footprints(dtypes: tuple[str, ...]) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------- runs
 
 
-def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: tuple[int, ...] = (FAIL_AT,)) -> dict:
+def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: tuple[int, ...] = (FAIL_AT,),
+                 next_standby: bool = True) -> dict:
+    """One run of the job (`standby`: with it), losing its trainer at `fail_at`; `next_standby=False`: after the
+    last failure the run ends without waiting for the restarted process to stand by (it is not sampled)."""
     import ray
 
     from zocheck_ray.actors.names import actor_status
@@ -256,9 +259,16 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: t
     metrics: list = []
 
     class Watch(RunCallback):
+        recovered = 0
+
+        def _waits(self) -> bool:  # for the standby, the restarted process after the last failure included
+            return standby and (next_standby or self.recovered < len(fail_at))
+
         def _pids(self, run) -> None:
             sampler.watch("shadow", run.shadow.pid())
             for actor, name in zip(run.group.all_actors(), run.group.all_names()):
+                if actor is run.group.standby and not self._waits():
+                    continue
                 status = actor_status(name)
                 if status is None or status.state == "ALIVE":  # no state API: the call answers once it is up
                     sampler.watch("trainer", call_when_alive(lambda actor=actor: actor.pid.remote()))
@@ -268,13 +278,14 @@ def _zocheck_run(model: str, dtype: str, storage: str, standby: bool, fail_at: t
 
         def on_segment(self, run, segment):
             metrics.append(segment.metrics)
-            if standby:  # the failure is to meet a standby that is up (its start is not what is measured)
+            if self._waits():  # the failure is to meet a standby that is up (its start is not what is measured)
                 while run.group.standby is None:
                     time.sleep(0.05)
                 call_when_alive(lambda: run.group.standby.readiness.remote())
             self._pids(run)
 
         def on_recovery(self, run, recovery):
+            self.recovered += 1
             self._pids(run)
 
     try:
@@ -328,12 +339,12 @@ def _baseline_run(model: str, dtype: str, storage: str, every: int) -> dict:
 
 
 def measure(size: str, dtype: str, root: str, every: int, footprints: dict[str, int], say=print,
-            restarts: int = len(RESTART_FAILURES)) -> dict:
+            restarts: int = len(RESTART_FAILURES), next_standby: bool = True) -> dict:
     directory, params = build_directory(size, root)
     storage = os.path.join(root, f"runs-{size}-{dtype}")
     try:
         say(f"  {size} {dtype}: {params:,} parameters: zocheck with the standby ...")
-        hot = _zocheck_run(directory, dtype, storage, standby=True)
+        hot = _zocheck_run(directory, dtype, storage, standby=True, next_standby=next_standby)
         say(f"  {size} {dtype}: zocheck without the standby ...")
         cold = _zocheck_run(directory, dtype, storage, standby=False, fail_at=RESTART_FAILURES[-restarts:])
         say(f"  {size} {dtype}: the async-checkpoint baseline ...")
@@ -456,7 +467,9 @@ def projections(rows: list[dict], footprints: dict[str, int]) -> list[dict]:
 
 def scale_benchmark(sizes: list[str] | None = None, dtypes: tuple[str, ...] = ("fp32", "bf16"), every: int = 4,
                     json_path: str | None = None, plot_path: str | None = None, say=print,
-                    restarts: int = len(RESTART_FAILURES)) -> dict:
+                    restarts: int = len(RESTART_FAILURES), next_standby: bool = True) -> dict:
+    """`next_standby=False`: the run with the standby ends after its failure without sampling the next one
+    (see `_zocheck_run`)."""
     import ray
 
     from zocheck_ray.control.connect import connect_ray
@@ -482,7 +495,7 @@ def scale_benchmark(sizes: list[str] | None = None, dtypes: tuple[str, ...] = ("
                     skipped.append({"size": size, "dtype": dtype, "reason": reason})
                     continue
                 try:
-                    rows.append(measure(size, dtype, root, every, footprints, say, restarts))
+                    rows.append(measure(size, dtype, root, every, footprints, say, restarts, next_standby))
                 except Exception as exc:  # reported, and the sizes after it still run (an hour's rows are kept)
                     lines = str(exc).strip().splitlines() or [""]  # a Ray task's error ends with its cause's line
                     error = f"{type(exc).__name__}: {lines[-1]}"
