@@ -8,7 +8,6 @@ later, from the calls that fail.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 
@@ -117,46 +116,32 @@ def _status(actor) -> ActorStatus:
                        node_id=actor.node_id)
 
 
-class _Connection:
-    """One attempt to reach a cluster's state API, in a thread: without the head's dashboard (its port taken),
-    Ray's `StateApiClient` looks for it for 40 s."""
-
-    def __init__(self, address: str, say):
-        self.address, self.finished = address, None
-        self.states: ActorStates | None = None
-        self.done = threading.Event()
-        threading.Thread(target=self._connect, args=(say,), name="zocheck-state-api", daemon=True).start()
-
-    def _connect(self, say) -> None:
-        try:
-            self.states = ActorStates.connect(say)
-        finally:
-            self.finished = time.monotonic()
-            self.done.set()
+_connected: tuple[str, float, ActorStates | None, bool] | None = None
+"""(GCS address, when connected, its `ActorStates` or None, whether to ask again)."""
 
 
-_connection: _Connection | None = None
-
-
-def actor_states(wait: float = STATE_API_TIMEOUT_SECONDS) -> ActorStates | None:
-    """The connected cluster's `ActorStates`; None without one, or while it is being reached. The first attempt
-    is waited for `wait` s at most, a retry not at all: a state API that cannot be found holds up no caller."""
-    global _connection
+def actor_states() -> ActorStates | None:
+    """The connected cluster's `ActorStates`, made once per cluster; None without one. A state API that failed
+    slowly is not asked again: where the head's dashboard did not start (its port taken), Ray's
+    `StateApiClient` looks for its address in the GCS for 40 s."""
+    global _connected
     import ray
 
     if not ray.is_initialized():
         return None
     address = ray.get_runtime_context().gcs_address
-    connection = _connection
-    if connection is None or connection.address != address:
-        connection = _connection = _Connection(address, logger.info)
-        if not connection.done.wait(wait):
-            logger.info("Ray's state API did not answer within %g s: actors' deaths are seen when calls to them "
-                        "fail until it does", wait)
-    elif connection.done.is_set() and connection.states is None \
-            and time.monotonic() - connection.finished > STATE_API_RETRY_SECONDS:
-        _connection = _Connection(address, logger.debug)  # said once already
-    return connection.states if connection.done.is_set() else None
+    if _connected is None or _connected[0] != address:
+        _connected = _connect(address, logger.info)
+    elif _connected[3] and time.monotonic() - _connected[1] > STATE_API_RETRY_SECONDS:
+        _connected = _connect(address, logger.debug)  # said once already
+    return _connected[2]
+
+
+def _connect(address: str, say) -> tuple[str, float, ActorStates | None, bool]:
+    began = time.monotonic()
+    states = ActorStates.connect(say=say)
+    now = time.monotonic()
+    return address, now, states, states is None and now - began < STATE_API_TIMEOUT_SECONDS
 
 
 def is_ours(exc: Exception) -> bool:
