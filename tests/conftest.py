@@ -217,7 +217,7 @@ class SharedLocalRay:
             return
         self.stop()
         ray.init(address="local", num_cpus=self.cpus, namespace="zocheck", include_dashboard=False,
-                 log_to_driver=False)
+                 log_to_driver=False, dashboard_port=free_port())  # never the default, which another Ray may hold
         self.started = True
 
     def before(self, item) -> None:

@@ -55,16 +55,19 @@ def trained(job, steps: int):
 
 
 @contextmanager
-def multi_node_cluster(*node_cpus: int, system_config: dict | None = None):
+def multi_node_cluster(*node_cpus: int, system_config: dict | None = None, dashboard_port: int | None = None):
     """A `ray.cluster_utils.Cluster` on this machine: a head without CPUs (so nothing is scheduled on a
-    node a test cannot remove) and one node per entry of `node_cpus`, this process its driver.
-    Yields (cluster, nodes); shut down on leaving."""
+    node a test cannot remove) and one node per entry of `node_cpus`, this process its driver; its
+    dashboard's port a free one unless given. Yields (cluster, nodes); shut down on leaving."""
     import ray
     from ray.cluster_utils import Cluster
 
     from zocheck_ray.actors.names import NAMESPACE
 
+    from conftest import free_port
+
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                            "dashboard_port": dashboard_port or free_port(),
                                                             "_system_config": system_config or {}})
     # the driver joins before the other nodes exist: it is then the head's (a driver attaches to any node of
     # its host before Ray 2.54, and a test must never remove the driver's own node)

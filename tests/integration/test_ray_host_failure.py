@@ -23,21 +23,14 @@ from support import multi_node_cluster
 pytestmark = pytest.mark.slow  # multi-node clusters, node loss, rebuilds from durable storage
 
 NODE_CPUS = 2
-DEFAULT_DASHBOARD_PORT = 8265
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """The cluster, started while Ray's default dashboard port is taken (as by another Ray on the host): its
-    head's dashboard does not start, and the state API's address is nowhere to be found."""
-    with socket.socket() as taken:
-        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            taken.bind(("0.0.0.0", DEFAULT_DASHBOARD_PORT))
-            taken.listen()
-        except OSError:  # taken already
-            pass
-        with multi_node_cluster(NODE_CPUS, NODE_CPUS) as (c, workers):
+    """The cluster, its dashboard's port taken (as by another Ray on the host): its head's dashboard does not
+    start, and the state API's address is nowhere to be found."""
+    with socket.create_server(("0.0.0.0", 0)) as taken:
+        with multi_node_cluster(NODE_CPUS, NODE_CPUS, dashboard_port=taken.getsockname()[1]) as (c, workers):
             yield c, workers
 
 
