@@ -228,14 +228,15 @@ def test_the_restarted_process_joins_at_a_step_boundary_and_takes_shards(tmp_pat
 
     class SnapshotOpenUntilJoined(RunCallback):
         def on_segment(self, run, segment):
-            m, step = run.shadow.metrics(), segment.progress.step
+            step = segment.progress.step
             if step == snapshot - 2:  # paused from a settled state: nothing in flight
                 assert wait_until(lambda: (m := run.shadow.metrics()).replayed_step == step
-                                  and m.durable_step == m.snapshot_step and not m.persist_in_flight), m
+                                  and m.durable_step == m.snapshot_step and not m.persist_in_flight), \
+                    run.shadow.metrics()
                 server.pause()
             elif step == snapshot:  # the image of step 4 taken, its save held
                 assert wait_until(lambda: (m := run.shadow.metrics()).snapshot_step == snapshot
-                                  and (m.durable_step or 0) < snapshot), m
+                                  and (m.durable_step or 0) < snapshot), run.shadow.metrics()
             for actor, _ in list(run.group.departed.values()):  # the lost process back, to join at this boundary
                 ray.get(actor.readiness.remote())  # sent during Ray's restart, it waits for the new process
             if run.group.k == 3 and step > lost:

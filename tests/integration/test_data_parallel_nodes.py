@@ -80,8 +80,8 @@ def freeze(node_id: str) -> list[int]:
         except OSError:  # gone meanwhile
             continue
     marker = f"--node_id={node_id}".encode()
-    raylet = next(pid for pid in parents if _cmdline(pid).split(b" ", 1)[0].endswith(b"/raylet")
-                  and marker in _cmdline(pid))
+    raylet = next(pid for pid in parents
+                  if (command := _cmdline(pid)).split(b" ", 1)[0].endswith(b"/raylet") and marker in command)
     frozen = [raylet]
     while found := [pid for pid, parent in parents.items() if parent in frozen and pid not in frozen]:
         frozen += found
