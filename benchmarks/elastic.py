@@ -71,7 +71,7 @@ LOSSES = {"report": "elastic, the survivor's report", "unrestarted": "the same, 
 def _loss(job, fail_at: int, detection: str, markers: str) -> dict:
     from zocheck_ray.control.elastic_group import ElasticGroup
     from zocheck_ray.testing import run_with_faults
-    from zocheck_ray.testing.injection import FaultInjection
+    from zocheck_ray.runtime.injection import FaultInjection
 
     if detection != "fixed":
         faults = FaultInjection(die_at_exchange={1: [(fail_at, 0)]}, marker_dir=markers)

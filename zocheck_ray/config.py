@@ -2,9 +2,9 @@
 
     config = load_job_config("job.yaml", overrides=["zo.lr=1e-5", "task.batch_size=32"])
 
-`load_job_config` also builds the task once (reads every data row, checks the labels
-and the model's fit), so bad input fails with a `JobConfigError` naming the field or
-file before any actor starts.
+`load_job_config` validates the job's fields; the start-up check (`control/startup.py`)
+builds its task once, so a bad row fails there, naming the file and line, before any actor
+starts.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class ShadowSettings(BaseModel):
     """Steps between shadow snapshots; None lets the startup profile choose."""
     max_lag_steps: int | None = Field(None, ge=1)
     """Resync the shadow from the trainer when it falls this many steps behind; None: the cost model's
-    bound from the startup profile (64 without one)."""
+    bound from the startup profile with `failure.mtbf_hours`, else 64."""
     recovery_snapshot: bool = True
     """A trainer recovering on the CPU is offered a fresh snapshot of the replica where that saves it replaying
     records (replaying one costs several copies of the state) and the image's memory is free. False: always the
@@ -94,6 +94,9 @@ class FailureSettings(BaseModel):
 
     max_restarts: int = Field(10, ge=0)
     """How often Ray may restart the trainer or the shadow."""
+    mtbf_hours: float | None = Field(None, gt=0)
+    """The expected hours between failures: with it the startup profile's cost model sets the lag bound
+    (unless `shadow.max_lag_steps` does) and, where replay is slower than the trainer, the snapshot interval."""
     standby: bool = False
     """Keep a warm standby trainer beside rank 0, its model's skeleton built (on the CPU one more copy of the
     state in host memory; on a GPU no device memory until promoted). It replaces a lost trainer at once; the
@@ -440,42 +443,4 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | None 
     except ValidationError as exc:
         where = f" in {path}" if path is not None else ""
         raise JobConfigError(f"invalid job configuration{where}: {describe_errors(exc, JobConfig)}") from None
-    check_task(job)
-    check_peft(job)
     return job
-
-
-def check_peft(job: JobConfig) -> None:
-    """Refuse an adapter the model cannot take (a LoRA target module it lacks), before any actor starts."""
-    if job.peft is None:
-        return
-    from zocheck_ray.workload.adapters import check_adapter
-
-    try:
-        check_adapter(job.peft, job.model)
-    except WorkloadError as exc:
-        raise JobConfigError(f"peft ({job.peft.method} on model {job.model!r}): {exc}") from exc
-    if job.peft.method == "prefix":  # the virtual tokens take positions: a learned position table must hold them
-        from zocheck_ray.workload.models import model_config_dict
-
-        hf = model_config_dict(job.model)
-        positions, tokens = hf.get("max_position_embeddings"), job.peft.num_virtual_tokens
-        if positions and not any("rope" in key for key in hf) and job.task.max_length + tokens > positions:
-            raise JobConfigError(f"peft.num_virtual_tokens={tokens} plus task.max_length={job.task.max_length} "
-                                 f"exceed model {job.model!r}'s max_position_embeddings={positions} (learned "
-                                 f"positions); lower task.max_length to {max(2, positions - tokens)} or "
-                                 "peft.num_virtual_tokens")
-
-
-def check_task(job: JobConfig):
-    """Build `job`'s task for `job.model`: every data row read, labels and the model's fit checked.
-
-    Returns the task (see `zocheck_ray.workload.build_task`); raises `JobConfigError`
-    naming the field or the file and line, before any model or actor exists.
-    """
-    from zocheck_ray.workload.builder import build_task
-
-    try:
-        return build_task(job.task, job.model)
-    except WorkloadError as exc:
-        raise JobConfigError(f"task ({job.task.kind} on model {job.model!r}): {exc}") from exc

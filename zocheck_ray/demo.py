@@ -26,12 +26,6 @@ FAILURE_FRACTION = 0.6
 """The embedded default kills the trainer once, at this fraction of its steps."""
 
 
-def default_failures(steps: int, first_allowed: int) -> list[int]:
-    """The embedded default's injected failure: at 60% of the run, after the startup profile."""
-    step = max(round(FAILURE_FRACTION * steps), first_allowed)
-    return [step] if step < steps else []
-
-
 def describe(job) -> str:
     return (f"no --config: the embedded default job: {job.model} ({job.dtype}) fine-tuned with {job.zo.optimizer} "
             f"(lr {job.zo.lr:g}, eps {job.zo.eps:g}) on {job.task.kind} over the shipped sentiment sentences, "

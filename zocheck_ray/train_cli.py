@@ -29,7 +29,7 @@ import os
 import sys
 
 from zocheck_ray import demo
-from zocheck_ray.demo import EMBEDDED_DEFAULT, default_failures, describe
+from zocheck_ray.demo import EMBEDDED_DEFAULT, FAILURE_FRACTION, describe
 from zocheck_ray.config import JobConfigError, check_job_environment, load_job_config
 from zocheck_ray.policies.cli import output_file_error
 
@@ -41,22 +41,6 @@ def _fail_at(text: str) -> list[int]:
         return [int(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--fail-at takes comma-separated steps or 'none', got {text!r}") from None
-
-
-def resume_point(job) -> int | None:
-    """The step a run of `job` resumes at from its storage (newest sound-manifest snapshot plus the logged records
-    after it), or None for a fresh run; read before Ray starts so the injected failure lies after it."""
-    from zocheck_ray.storage import SnapshotStore, StorageError
-    from zocheck_ray.storage.steplog import read_records
-
-    try:
-        store = SnapshotStore(job.run_url, job.storage_options, create=False)
-        latest = store.latest()
-        if latest is None:
-            return None
-        return latest.step + len(read_records(store.storage, after_step=latest.step - 1))
-    except (StorageError, ValueError):  # no storage yet, or damage the run itself reports
-        return None
 
 
 def _losses_text(losses) -> str:
@@ -143,6 +127,8 @@ def train(args: argparse.Namespace) -> int:
         job = load_job_config(args.config, args.set, base=EMBEDDED_DEFAULT if embedded else None,
                               steps=args.steps, storage=args.storage)
         check_job_environment(job)  # a relative path in a submitted job: refused before Ray starts
+        faults = _fault_plan(args, embedded)
+        faults.check(job)  # before anything is said
     except JobConfigError as exc:
         print(f"zocheck-ray train: {exc}", file=sys.stderr)
         return 2
@@ -153,29 +139,16 @@ def train(args: argparse.Namespace) -> int:
     from zocheck_ray.control.connect import use_token_at_hand
 
     use_token_at_hand(args.address)  # before Ray is imported: it reads RAY_AUTH_MODE then
-    import ray
-
     from zocheck_ray.control import RunFailedError, run
-    from zocheck_ray.control.connect import RayConnectionError, connect_ray
+    from zocheck_ray.control.connect import RayConnectionError
     from zocheck_ray.control.stop import RunStopped
-    from zocheck_ray.testing import run_with_faults
     from zocheck_ray.verify import verify_run
 
+    verify = embedded if args.verify is None else args.verify
+    if embedded:
+        print(f"{describe(job)}\n  verification against the durable log: {'on' if verify else 'off'}", flush=True)
     try:
-        fail_at = _failures(args, job, embedded)
-        verify = embedded if args.verify is None else args.verify
-        if embedded:
-            print(describe(job))
-            injected = f"injected trainer failure at step {', '.join(map(str, fail_at))}" if fail_at else \
-                "no injected trainer failure (no step after the startup profile is left for one)"
-            print(f"  {injected}; verification against the durable log: "
-                  f"{'on' if verify else 'off'}", flush=True)  # before Ray's processes inherit the buffer
-        if args.address and not ray.is_initialized():  # else `run` connects, once the job has passed its checks
-            connect_ray(args.address, say=print, run_id=job.run_id)
-        if fail_at:  # a failure on purpose: the testing harness injects it
-            summary = run_with_faults(job, fail_at=fail_at, fail_mode=args.fail_mode, fail_rank=args.fail_rank)
-        else:
-            summary = run(job)
+        summary = run(job, faults=faults, address=args.address)
     except (JobConfigError, RayConnectionError) as exc:
         print(f"zocheck-ray train: {exc}", file=sys.stderr)
         return 2
@@ -191,20 +164,13 @@ def train(args: argparse.Namespace) -> int:
     return 0 if exact and (verification is None or verification.verified) else 1
 
 
-def _failures(args: argparse.Namespace, job, embedded: bool) -> list[int]:
-    """The checked steps of `--fail-at`, or the embedded default's."""
-    from zocheck_ray.control.profile import profile_steps
-    from zocheck_ray.testing.faults import check_failures
+def _fault_plan(args: argparse.Namespace, embedded: bool):
+    """`--fail-at`'s plan, or the embedded default's (once, at `FAILURE_FRACTION` of the run)."""
+    from zocheck_ray.control.faults import FaultPlan
 
-    fail_at = args.fail_at
-    resumes_at = resume_point(job) if embedded or fail_at else None
-    if fail_at is None:
-        first_allowed = (resumes_at or 0) + (1 if job.shadow.snapshot_interval else profile_steps(job) + 1)
-        fail_at = default_failures(job.steps, first_allowed) if embedded else []
-    fail_at = check_failures(job, fail_at, args.fail_mode, args.fail_rank)  # before anything is said
-    if resumes_at is not None and fail_at and fail_at[0] <= resumes_at:
-        print(f"  note: the run resumes at step {resumes_at}, so --fail-at {fail_at[0]} does not fire")
-    return fail_at
+    if args.fail_at is None and embedded:
+        return FaultPlan(fraction=FAILURE_FRACTION, mode=args.fail_mode, rank=args.fail_rank)
+    return FaultPlan(steps=tuple(args.fail_at or ()), mode=args.fail_mode, rank=args.fail_rank)
 
 
 def _report(summary, verification, json_path: str | None) -> None:

@@ -33,7 +33,6 @@ from zocheck_ray.config import (
     JobConfig,
     JobConfigError,
     check_job_environment,
-    check_task,
     join_run_url,
     load_job_config,
 )
@@ -269,9 +268,14 @@ def sweep(job: JobConfig, grid: dict[str, list], *, tune_storage: str | None = N
         raise JobConfigError("a sweep needs at least one field in grid or param_space")
     space: dict[str, Any] = {key: tune.grid_search(list(values)) for key, values in grid.items()}
     space.update(param_space or {})
+    from zocheck_ray.control.startup import build_task_once
+
+    build_task_once(job)
     for key, values in grid.items():  # every point must be a valid job, its task too, before any trial starts
         for value in values:
-            check_task(trial_job(job.model_dump(mode="json"), {key: value}, "check"))
+            point = trial_job(job.model_dump(mode="json"), {key: value}, "check")
+            if key.split(".")[0] in ("task", "model", "peft"):
+                build_task_once(point)
     if not ray.is_initialized():
         from zocheck_ray.actors.names import NAMESPACE
 

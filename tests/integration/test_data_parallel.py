@@ -194,7 +194,7 @@ def test_a_lost_rank_leaves_the_others_training_on_its_shards(tmp_path):
     # lost ranks' shards at the perturbation they stand at, twice, without a restore from the shadow; the one left
     # waiting at the rendezvous goes to the next plan rather than wait for the store's timeout. Rank 1 becomes the
     # rank that sends the records: the shadow's log has no gap. (Rank 1 of 3 lost at -eps: the join test's shrink.)
-    from zocheck_ray.testing.injection import FaultInjection
+    from zocheck_ray.runtime.injection import FaultInjection
 
     steps, at = 8, 4
     job = dp_job(tmp_path, trainers={"min": 1, "max": 3}, steps=steps, task=SHARDED, shadow={"snapshot_interval": at})
@@ -221,7 +221,7 @@ def test_the_restarted_process_joins_at_a_step_boundary_and_takes_shards(tmp_pat
     # restarts its process, which then joins from that image and the records after it at a step boundary: k=3
     # again, every rank and the shadow exact, and the durable log whole once the storage answers again.
     from zocheck_ray.control.callbacks import RunCallback
-    from zocheck_ray.testing.injection import FaultInjection
+    from zocheck_ray.runtime.injection import FaultInjection
 
     steps, snapshot, lost = 12, 4, 5
     server = PausableS3()
@@ -275,7 +275,7 @@ def test_the_ready_standby_joins_in_a_lost_ranks_stead_and_its_restarted_process
     # next step boundary the standby joins as rank 1 from the shadow's image and records, without waiting for Ray
     # to restart the lost process, which becomes the next standby. Exact.
     from zocheck_ray.control.callbacks import RunCallback
-    from zocheck_ray.testing.injection import FaultInjection
+    from zocheck_ray.runtime.injection import FaultInjection
 
     steps = 8
 
@@ -305,7 +305,7 @@ def test_below_min_or_a_failed_exchange_with_every_rank_alive_every_rank_rejoins
     # {min: 3, max: 3}. At step 1 rank 1 is slower than the collective's timeout: the others' exchange fails with
     # every rank alive, so the group is released and every rank rejoins from the shadow. At step 3 losing the
     # last of three ranks leaves too few: the survivors stop torn and the run recovers as a fixed one. Exact.
-    from zocheck_ray.testing.injection import FaultInjection
+    from zocheck_ray.runtime.injection import FaultInjection
 
     steps = 6
     job = dp_job(tmp_path, steps=steps, task=SHARDED,

@@ -20,7 +20,7 @@ from support import wait_until
 from zocheck_ray.config import JobConfigError, load_job_config
 from zocheck_ray.control import RunCallback
 from zocheck_ray.testing import run_with_faults as run
-from zocheck_ray.testing import FaultInjection
+from zocheck_ray.runtime.injection import FaultInjection
 
 
 # jobs on a real Ray instance with injected failures; local_ray: the local Ray instance

@@ -12,11 +12,12 @@ from zocheck_ray.actors.trainer_actor import TrainerActor
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.control import RunFailedError
 from zocheck_ray.control.placement import Placement
+from zocheck_ray.control.startup import Startup
 from zocheck_ray.control.profile import profile_steps
 from zocheck_ray.storage import SnapshotStore, read_lease
 from zocheck_ray.storage.fs import open_storage
 from zocheck_ray.testing import run_with_faults as run
-from zocheck_ray.testing.injection import FaultInjection
+from zocheck_ray.runtime.injection import FaultInjection
 from zocheck_ray.workload.errors import WorkloadError
 from zocheck_ray.train_cli import result_table
 
@@ -132,7 +133,7 @@ def test_a_placement_group_left_by_a_starting_job_is_named_not_a_raw_ray_error(t
         assert not ray.util.list_named_actors(all_namespaces=True)
         # the same where the other job's group appears after the checks, as its placement is made
         with pytest.raises(JobConfigError, match="is already running on this Ray cluster"):
-            Placement(job, gpus=0)
+            Placement(job, Startup(task=None, gpus=0, resume_step=None, faults=None))
     finally:
         remove_placement_group(held)
     with pytest.raises(ValueError):  # and nothing of it stays behind

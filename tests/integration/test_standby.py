@@ -18,7 +18,7 @@ from reference_runs import assert_exact, job_for, uninterrupted_hashes
 from support import wait_until
 from zocheck_ray.actors.trainer_actor import RECOVERY_THREADS
 from zocheck_ray.control import RunCallback
-from zocheck_ray.testing import FaultInjection
+from zocheck_ray.runtime.injection import FaultInjection
 from zocheck_ray.testing import run_with_faults as run
 from zocheck_ray.workload.models import build_model
 

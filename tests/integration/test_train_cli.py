@@ -95,7 +95,7 @@ def test_embedded_default_fails_recovers_verifies_and_prints_the_table(local_ray
     assert main(["train", "--steps", str(STEPS), "--storage", str(tmp_path / "runs"), "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "no --config: the embedded default job" in text
-    assert f"injected trainer failure at step {round(0.6 * STEPS)};" in text
+    assert f"  injected trainer failure at step {round(0.6 * STEPS)}\n" in text
     assert "held-out loss" in text  # the progress lines carry the evaluations
     assert text.rstrip().splitlines()[-2] == "verified"
     table = dict(line.strip().split("  ", 1) for line in text.splitlines()

@@ -7,12 +7,13 @@ import pytest
 
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control import Action, Failure, FailureBudget, decide
-from zocheck_ray.control.policy import FailureKind
+from zocheck_ray.control.policy import FailureKind, LagBound
 
 EXPECTED = {
     "trainer_lost": Action.RESTART, "shadow_lag": Action.RESYNC, "replay_error": Action.RESYNC,
     "records_lost": Action.RESTART, "trainer_gone": Action.FAIL, "shadow_gone": Action.FAIL,
     "durability_stalled": Action.FAIL, "writer_lost": Action.FAIL, "drain_failed": Action.FAIL,
+    "storage_lost": Action.FAIL, "storage_refused": Action.FAIL,
 }
 
 
@@ -44,6 +45,15 @@ def test_a_failed_storage_decision_names_the_storage_and_how_to_resume(job):
                     FailureBudget(job.failure.max_restarts)).reason
     assert job.run_url in reason and "no durable step for 40 steps" in reason
     assert decide(Failure("shadow_lag", 9, ""), job, FailureBudget(0)).action is Action.RESYNC  # spends nothing
+
+
+def test_a_lag_resync_names_the_bound_in_force_and_who_set_it(job):
+    assert decide(Failure("shadow_lag", 9, "lag 70 steps"), job, FailureBudget(0)).reason == \
+        "the shadow lags more than 64 steps (the default: set shadow.max_lag_steps, or failure.mtbf_hours for the " \
+        "cost model's)"
+    bound = LagBound(12, "the cost model's bound from the startup profile")
+    assert decide(Failure("shadow_lag", 9, ""), job, FailureBudget(0), bound).reason == \
+        "the shadow lags more than 12 steps (the cost model's bound from the startup profile)"
 
 
 def test_records_no_process_holds_are_a_host_failure_in_two_steps_every_rank_restores_from_the_durable_state(job):

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from zocheck_ray.config import JobConfig, JobConfigError
-from zocheck_ray.control.controller import Controller
+from zocheck_ray.control.controller import Controller, State
 from zocheck_ray.control.outcomes import Restored, StepTimes
 from zocheck_ray.control.policy import Failure
 from zocheck_ray.control.stop import RunStopped, StopRequest
@@ -249,7 +249,44 @@ def test_a_shadow_beyond_the_lag_bound_is_resynced(tmp_path):
     parts.group.run = lagging
     summary = run.run()
     assert parts.shadow.resyncs == [10] and "resyncing" in states(run)
-    assert summary.resyncs == [(10, "the shadow lags more than 2 steps")]
+    assert summary.resyncs == [(10, "the shadow lags more than 2 steps (shadow.max_lag_steps)")]
+
+
+class SlowReplayShadow(FakeShadow):
+    """A shadow whose replay is slower than the trainer's step: the startup profile's cost model sets a lag bound."""
+
+    def profile_replay(self, threads):
+        return 0.05
+
+    def profile_snapshot(self):
+        return 0.001
+
+    def end_profile(self, threads, snapshot_interval, regime, durable_interval):
+        self.regime = regime
+
+
+def test_a_resync_names_the_lag_bound_the_cost_model_gave(tmp_path):
+    job = JobConfig(run_id="unit", steps=60, log_interval=5, storage=str(tmp_path),  # no max_lag_steps: profiled
+                    failure={"mtbf_hours": 0.01})
+    parts = FakeParts(job)
+    parts.shadow = SlowReplayShadow(job)
+    parts.group.shadow = parts.shadow
+    run = Controller(job, FakeTask(), parts)
+    original = parts.group.run
+
+    def lagging(target, step):
+        results, failure = original(target, step)
+        if run.state is State.RUNNING and step >= 40 and not parts.shadow.resyncs:
+            parts.shadow.lag = run.lag_bound.steps + 1
+        return results, failure
+
+    parts.group.run = lagging
+    summary = run.run()
+    assert parts.shadow.regime == "lag" and run.lag_bound.source == "the cost model's bound from the startup profile"
+    bound = run.lag_bound.steps
+    assert bound != job.shadow.max_lag_steps and summary.resyncs
+    assert summary.resyncs[0][1] == f"the shadow lags more than {bound} steps (the cost model's bound from the " \
+                                    "startup profile)"
 
 
 def test_a_replay_that_stopped_is_resynced(tmp_path):

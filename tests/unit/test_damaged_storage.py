@@ -83,7 +83,7 @@ def test_storage_whose_every_snapshot_is_damaged_is_refused_at_once_and_kept(job
 
 
 def test_the_resume_point_is_read_before_ray_so_an_injected_failure_lies_after_it(job):
-    from zocheck_ray.train_cli import resume_point
+    from zocheck_ray.control.startup import resume_step as resume_point
 
     assert resume_point(job) is None  # a fresh run
     run_to(job, 8)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from support import REPO
+from zocheck_ray.control.startup import build_task_once
 from zocheck_ray.config import JobConfigError, load_job_config
 from zocheck_ray.testing.in_process import run_in_process
 from zocheck_ray.workload import TaskConfig, build_task
@@ -75,7 +76,7 @@ def test_the_sampler_s_mistakes_get_one_line(tmp_path):
     with pytest.raises(ValueError, match="two samplers"):
         TaskConfig(num_train=3, k_shot=2)
     with pytest.raises(JobConfigError, match="draws held-out rows from a validation split") as info:
-        load_job_config(overrides=[f"storage={tmp_path}", "task.num_train=8"])
+        build_task_once(load_job_config(overrides=[f"storage={tmp_path}", "task.num_train=8"]))
     assert "\n" not in str(info.value)
 
 

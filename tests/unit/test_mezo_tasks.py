@@ -8,6 +8,7 @@ import datasets
 import pytest
 import torch
 
+from zocheck_ray.control.startup import build_task_once
 from zocheck_ray.config import JobConfigError, load_job_config
 from zocheck_ray.core import ZOConfig, ZOOptimizer
 from zocheck_ray.testing.in_process import run_in_process
@@ -215,4 +216,5 @@ def test_bad_data_names_the_file_the_row_and_the_field(tmp_path):
     with pytest.raises(JobConfigError, match="k_shot"):
         load_job_config(overrides=["task.kind=lm", "task.k_shot=4"])
     with pytest.raises(JobConfigError, match="causal LM"):
-        load_job_config(overrides=["model=tiny-bert", "task.kind=boolq", f"task.data_path={write(tmp_path, 'boolq', 'jsonl')}"])
+        build_task_once(load_job_config(overrides=["model=tiny-bert", "task.kind=boolq",
+                                                   f"task.data_path={write(tmp_path, 'boolq', 'jsonl')}"]))

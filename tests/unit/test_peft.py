@@ -21,6 +21,7 @@ import torch
 from support import wait_until
 from zocheck_ray.runtime.shadow import Shadow
 from zocheck_ray.runtime.trainer import Trainer
+from zocheck_ray.control.startup import build_task_once
 from zocheck_ray.config import JobConfig, JobConfigError, load_job_config
 from zocheck_ray.core import ZOOptimizer, replay, replay_reference, state_hash
 from zocheck_ray.storage import SnapshotStore, snapshot_dir
@@ -187,4 +188,4 @@ def test_bad_peft_settings_are_refused_before_anything_runs():
     with pytest.raises(JobConfigError, match="peft.r"):
         load_job_config(overrides=["peft.method=lora", "peft.r=0"])
     with pytest.raises(JobConfigError, match="target_modules"):
-        load_job_config(overrides=["peft.method=lora", "peft.target_modules=[no_such_module]"])
+        build_task_once(load_job_config(overrides=["peft.method=lora", "peft.target_modules=[no_such_module]"]))

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from zocheck_ray.config import JobConfig
-from zocheck_ray.testing import FaultInjection
+from zocheck_ray.runtime.injection import FaultInjection
 from zocheck_ray.testing.in_process import run_in_process
 from zocheck_ray.testing.reference import uninterrupted_hashes
 

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from zocheck_ray.cli import main
+from zocheck_ray.control.startup import build_task_once
 from zocheck_ray.config import JobConfigError, load_job_config
 
 
@@ -71,8 +72,8 @@ def test_prefix_tuning_on_an_encoder_is_refused(tmp_path, capsys):
 
 def test_prefix_tokens_beyond_learned_positions_are_refused():
     with pytest.raises(JobConfigError, match="peft.num_virtual_tokens=16 plus task.max_length=64 exceed"):
-        load_job_config(overrides=["peft.method=prefix", "task.kind=sst2"])
-    load_job_config(overrides=["peft.method=prefix", "task.kind=sst2", "task.max_length=48"])
+        build_task_once(load_job_config(overrides=["peft.method=prefix", "task.kind=sst2"]))
+    build_task_once(load_job_config(overrides=["peft.method=prefix", "task.kind=sst2", "task.max_length=48"]))
 
 
 @pytest.mark.parametrize("typed, value", [("yes", "yes"), ("no", "no"), ("true", "yes"), ("off", "no")])

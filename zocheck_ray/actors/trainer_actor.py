@@ -48,12 +48,14 @@ class TrainerActor:
     their own, as an elastic rank takes its new group while its `run` waits in an exchange; `peer_lost` on
     its own too, as it waits for a failed exchange."""
 
-    def __init__(self, job: dict, hooks=None, rank: int = 0, standby: bool = False):
+    def __init__(self, job: dict, hooks=None, rank: int = 0, standby: bool = False, task: list | None = None):
+        """`task`: [the start-up check's task in Ray's object store], taken when the trainer builds (None: the
+        trainer builds the job's task itself)."""
         size_numba_pool()  # before anything imports numba in this process
         logging.basicConfig(level=logging.INFO)
         self.incarnation = uuid.uuid4().hex  # tells a restarted trainer from the one before
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        self._args = (job, hooks, rank, standby or restarted)
+        self._args = (job, hooks, rank, standby or restarted, task)
         self._created_as_standby = standby
         self._trainer: Trainer | None = None
         self.prepared_by: Prepared | None = None  # which call built the trainer
@@ -89,7 +91,7 @@ class TrainerActor:
         from zocheck_ray.runtime.trainer import Trainer
         from zocheck_ray.config import JobConfig
 
-        job, hooks, rank, waits = self._args
+        job, hooks, rank, waits, task = self._args
         (hooks or NO_HOOKS).before_build(self._created_as_standby)
         job = JobConfig.model_validate(job)
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
@@ -102,7 +104,8 @@ class TrainerActor:
             numba.set_num_threads(min(cpus, numba.config.NUMBA_NUM_THREADS))
             torch.set_num_threads(cpus)
         self._trainer = Trainer(job, RayShadowLink(job.run_id, threads=transfer_threads()), device=device,
-                                hooks=hooks or NO_HOOKS, rank=rank, waits=waits, incarnation=self.incarnation)
+                                hooks=hooks or NO_HOOKS, rank=rank, waits=waits, incarnation=self.incarnation,
+                                task=ray.get(task[0]) if task else None)
         self.prepared_by = by
 
     @property

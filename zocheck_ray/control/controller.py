@@ -3,23 +3,25 @@
     import zocheck_ray
     summary = zocheck_ray.run(zocheck_ray.JobConfig(steps=100))
 
-STARTING -> PROFILING (sets the snapshot interval) -> RUNNING (one segment of
-`log_interval` steps per turn) -> FINISHING (the final state made durable) -> DONE. A
+STARTING -> PROFILING (sets the snapshot interval and the lag bound) -> RUNNING (one segment
+of `log_interval` steps per turn) -> FINISHING (the final state made durable) -> DONE. A
 failure in any state becomes a `Failure` that `decide` (control/policy.py) turns into
-RECOVERING, RESYNCING or FAILED; a stop signal turns the next step boundary into STOPPING
--> STOPPED. Everything the run reports goes through callbacks (control/callbacks.py).
+`Recovering(failure)`, `Resyncing(reason, bound)` or `Failed(error)`: the states that carry
+their data. A stop signal turns the next step boundary into STOPPING -> STOPPED. Everything
+the run reports goes through callbacks (control/callbacks.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
-from typing import Iterable, Protocol
+from typing import Iterable, Protocol, Union
 
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.control.callbacks import RunCallback, RunRecord, Segment
 from zocheck_ray.control.monitor import Monitor
-from zocheck_ray.control.policy import Action, Failure, FailureBudget, decide
+from zocheck_ray.control.policy import Action, Failure, FailureBudget, LagBound, decide
 from zocheck_ray.control.profile import DRAIN_SECONDS, profile_steps, startup_profile
 from zocheck_ray.control.stop import RunStopped, StopRequest, signal_name
 from zocheck_ray.control.summary import Recovery, RunFailedError, RunSummary
@@ -31,8 +33,6 @@ from zocheck_ray.storage.lease import release_dead_holder
 
 PROFILE_TOLERANCE = 3.0
 """The startup profile's timings should agree with the run's steady state within this factor."""
-DEFAULT_MAX_LAG_STEPS = 64
-"""Resync bound when the job sets none and the startup profile gives none."""
 DRAIN_ATTEMPTS = 5
 """How often the end of a run re-delivers the records to a shadow that restarted meanwhile."""
 CLOSE_SECONDS = 60.0
@@ -50,6 +50,40 @@ class State(enum.Enum):
     DONE = "done"
     FAILED = "failed"
     STOPPED = "stopped"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovering:
+    """Lost trainers are replaced and every rank restores."""
+
+    failure: Failure
+    name = State.RECOVERING
+
+
+@dataclasses.dataclass(frozen=True)
+class Resyncing:
+    """The shadow is reset from the trainer's state."""
+
+    reason: str
+    bound: LagBound
+    """The lag bound in force when the resync was decided."""
+    name = State.RESYNCING
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """The run ends with `error`."""
+
+    error: str
+    name = State.FAILED
+
+
+Step = Union[State, Recovering, Resyncing, Failed]
+"""A state of the run: a plain one, or one that carries its data."""
+
+
+def state_name(state: Step) -> State:
+    return state if isinstance(state, State) else state.name
 
 
 ENDED = (State.DONE, State.FAILED, State.STOPPED)
@@ -78,19 +112,21 @@ class Controller:
         """A stopped run's last line: where it stopped and what is durable."""
         self.record = RunRecord()
         self.callbacks: list[RunCallback] = [self.record, *callbacks]
-        self.state = State.STARTING
+        self.state: Step = State.STARTING
         self.step = 0
         self.group = None
         self.shadow = None
-        self.failure: Failure | None = None
-        self.resync_reason = ""
-        self.error: str | None = None
         self.budget = FailureBudget(job.failure.max_restarts)
         self.monitor = Monitor(job)
-        self.max_lag_steps = job.shadow.max_lag_steps or DEFAULT_MAX_LAG_STEPS
+        self.lag_bound = LagBound.of_job(job)
+        """The shadow's lag bound: the job's, else the cost model's once the startup profile gives one."""
         self.summary: RunSummary | None = None
         self._changes_reported = 0
         self._dev_told: tuple | None = None
+
+    @property
+    def max_lag_steps(self) -> int:
+        return self.lag_bound.steps
 
     def run(self) -> RunSummary:
         self.stop.describe_now = lambda: (f"at step {self.step}, without waiting: the durable state under "
@@ -102,9 +138,9 @@ class Controller:
             self.state, self.stopped = State.STOPPED, str(now)
         finally:
             released = self._stop_actors(graceful=not self.stop.hurried)
-        self._emit("on_state", self.state.value)
-        if self.state is State.FAILED:
-            raise RunFailedError(f"run {self.job.run_id} failed at step {self.step}: {self.error}")
+        self._emit("on_state", state_name(self.state).value)
+        if isinstance(self.state, Failed):
+            raise RunFailedError(f"run {self.job.run_id} failed at step {self.step}: {self.state.error}")
         if self.state is State.STOPPED:
             line = self.stopped + ("; the run's lease is released" if released else "") + \
                 "; run the same job again to resume it"
@@ -114,12 +150,13 @@ class Controller:
 
     def _drive(self) -> None:
         handlers = {State.STARTING: self._start, State.PROFILING: self._profile, State.RUNNING: self._running,
-                    State.RECOVERING: self._recover, State.RESYNCING: self._resync, State.FINISHING: self._finish,
-                    State.STOPPING: self._stopping}
-        while self.state not in ENDED:
-            self._emit("on_state", self.state.value)
+                    State.FINISHING: self._finish, State.STOPPING: self._stopping}
+        carrying = {Recovering: self._recover, Resyncing: self._resync}
+        while state_name(self.state) not in ENDED:
+            self._emit("on_state", state_name(self.state).value)
             try:
-                self.state = handlers[self.state]()
+                state = self.state
+                self.state = handlers[state]() if isinstance(state, State) else carrying[type(state)](state)
             except _ShadowGone as gone:
                 self.state = self._fail(gone.failure)
             if self.stop.requested and self.state in (State.PROFILING, State.RUNNING):
@@ -134,7 +171,7 @@ class Controller:
 
     # ------------------------------------------------------------------ states
 
-    def _start(self) -> State:
+    def _start(self) -> Step:
         try:
             self.shadow, self.group = self.parts.start()
             started = self.group.start()
@@ -153,7 +190,7 @@ class Controller:
             and self.job.steps - self.step >= profile_steps(self.job)
         return State.PROFILING if profiled else State.RUNNING
 
-    def _profile(self) -> State:
+    def _profile(self) -> Step:
         try:
             report = startup_profile(self.job, self.shadow, self._train_all, first_step=self.step)
         except DrainFailedError as exc:  # the profile's snapshot could not be made durable
@@ -163,7 +200,8 @@ class Controller:
             return self._fail(Failure("drain_failed", self.step, f"the startup profile failed in the shadow: {exc}"))
         self.step += report.training_steps
         if self.job.shadow.max_lag_steps is None and report.plan.lag_bound_steps:
-            self.max_lag_steps = max(1, int(report.plan.lag_bound_steps))
+            self.lag_bound = LagBound(max(1, int(report.plan.lag_bound_steps)),
+                                      "the cost model's bound from the startup profile")
         self._emit("on_profile", report)
         return State.RUNNING
 
@@ -177,7 +215,7 @@ class Controller:
                                  "set shadow.snapshot_interval to skip the profile")
         return results[0]
 
-    def _running(self) -> State:
+    def _running(self) -> Step:
         job = self.job
         if self.step >= job.steps:
             return State.FINISHING
@@ -214,22 +252,19 @@ class Controller:
             self._emit("on_group_change", change)
         self._changes_reported = len(self.group.changes)
 
-    def _fail(self, failure: Failure) -> State:
+    def _fail(self, failure: Failure) -> Step:
         for callback in self.callbacks:
             failure = callback.on_failure(self, failure)
-        decision = decide(failure, self.job, self.budget)
-        self.failure = failure
+        decision = decide(failure, self.job, self.budget, self.lag_bound)
         self._emit("on_decision", failure, decision)
         if decision.action is Action.RESTART:
-            return State.RECOVERING
+            return Recovering(failure)
         if decision.action is Action.RESYNC:
-            self.resync_reason = decision.reason
-            return State.RESYNCING
-        self.error = decision.reason
-        return State.FAILED
+            return Resyncing(decision.reason, self.lag_bound)
+        return Failed(decision.reason)
 
-    def _recover(self) -> State:
-        failure = self.failure
+    def _recover(self, state: Recovering) -> Step:
+        failure = state.failure
         restored = self.group.recover(failure)
         if isinstance(restored, Failure):  # a replacement was lost too: the policy decides again
             return self._fail(restored)
@@ -245,17 +280,17 @@ class Controller:
             phases=restored.phases))
         return State.RUNNING  # a host failure restarted the shadow too: the next check counts it
 
-    def _resync(self) -> State:
+    def _resync(self, state: Resyncing) -> Step:
         step = self.group.export_to_shadow(self.step)  # rank 0 writes its state into the shadow's intake
         if isinstance(step, Failure):
             self.shadow.abort_intake()  # the shadow snapshots its replica again
             return self._fail(step)
         self.shadow.resync(step)
         self.group.resynced(step)
-        self._emit("on_resync", step, self.resync_reason, self._status().lag_steps)
+        self._emit("on_resync", step, state.reason, self._status().lag_steps)
         return State.RUNNING
 
-    def _finish(self) -> State:
+    def _finish(self) -> Step:
         end = self._make_durable()
         if isinstance(end, Failure):
             return self._fail(end)
@@ -300,7 +335,7 @@ class Controller:
         return Failure("drain_failed", self.step, f"the final state could not be made durable: the shadow restarted "
                                                   f"{DRAIN_ATTEMPTS} times while it was handed the final records")
 
-    def _stopping(self) -> State:
+    def _stopping(self) -> Step:
         """Make durable what the shadow holds; the trainers are at a step boundary."""
         url, name = self.job.run_url, signal_name(self.stop.signum)
         try:

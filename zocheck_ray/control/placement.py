@@ -123,12 +123,16 @@ def _placed_within(refs: list, count: int, seconds: float = PLACEMENT_NOTICE_SEC
 class Placement:
     """A run's placement groups, and how each actor is started in them."""
 
-    def __init__(self, job: JobConfig, gpus: int, pg: PlacementGroup | None = None, first_bundle: int = 0,
-                 hooks=None, say: Callable[[str], None] | None = None):
-        """`say`: the progress line naming what a start waits for."""
-        self.job, self.gpus, self.hooks, self.say = job, gpus, hooks, say or (lambda line: None)
+    def __init__(self, job: JobConfig, startup, pg: PlacementGroup | None = None, first_bundle: int = 0,
+                 say: Callable[[str], None] | None = None):
+        """`startup`: the start-up check's `Startup`; `say`: the progress line naming what a start waits for."""
+        self.job, self.gpus, self.say = job, startup.gpus, say or (lambda line: None)
+        self.hooks = startup.faults.hooks if startup.faults is not None else None
+        self._task = [ray.put(startup.task)]
+        """The task the start-up check built, for every trainer process (in a list: Ray hands it over as a
+        reference, which the process takes when it builds, not when Ray creates it)."""
         try:
-            self.groups, places = rank_placements(job, gpus, pg, first_bundle)
+            self.groups, places = rank_placements(job, self.gpus, pg, first_bundle)
         except RaySystemError as exc:  # another job of the run started after `check_run` looked
             if "already exists" not in str(exc):
                 raise
@@ -215,7 +219,7 @@ class Placement:
             **self._options,
             name=trainer_name(job.run_id, slot), namespace=NAMESPACE, num_cpus=1, num_gpus=self.gpus - share,
             max_restarts=job.failure.max_restarts, scheduling_strategy=self._strategy(self._rank_places[slot]),
-        ).remote(self._payload, self.hooks, slot, waits)
+        ).remote(self._payload, self.hooks, slot, waits, self._task)
 
     def start_standby(self, name: str):
         """Start the warm standby in rank 0's bundle: it waits, so it takes no CPU of its own."""
@@ -225,7 +229,15 @@ class Placement:
             name=name, namespace=NAMESPACE, num_cpus=0,
             num_gpus=STANDBY_GPU_SHARE if self.gpus else 0, max_restarts=job.failure.max_restarts,
             scheduling_strategy=self._strategy(self._rank_places[0]),
-        ).remote(self._payload, self.hooks, 0, True)
+        ).remote(self._payload, self.hooks, 0, True, self._task)
+
+    def kill_shadow(self) -> None:
+        """Kill the shadow's process as a fault would (Ray restarts it, up to `failure.max_restarts`)."""
+        ray.kill(self._shadow, no_restart=False)
+
+    def kill_trainer(self, rank: int) -> None:
+        """Kill rank `rank`'s process as a fault would (Ray restarts it)."""
+        ray.kill(self._group.ranks[rank], no_restart=False)
 
     def stop(self) -> bool:
         """End every process (no restart) and remove the groups created here; returns whether all are gone."""

@@ -14,7 +14,7 @@ from typing import Literal
 from zocheck_ray.config import JobConfig
 
 FailureKind = Literal["trainer_lost", "trainer_gone", "shadow_gone", "shadow_lag", "replay_error", "records_lost",
-                      "durability_stalled", "writer_lost", "drain_failed"]
+                      "durability_stalled", "writer_lost", "drain_failed", "storage_lost", "storage_refused"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,26 @@ class Failure:
     """The ranks whose processes were lost; empty for a torn collective or `records_lost`."""
     seen_at: float = field(default_factory=time.perf_counter, compare=False)
     """When the controller saw it; a recovery's seconds count from here."""
+
+
+DEFAULT_MAX_LAG_STEPS = 64
+"""Resync bound when the job sets none and the startup profile gives none."""
+
+
+@dataclass(frozen=True)
+class LagBound:
+    """How many steps the shadow may lag before a resync, and who set it: the run's controller owns it."""
+
+    steps: int
+    source: str
+
+    @classmethod
+    def of_job(cls, job: JobConfig) -> "LagBound":
+        """The job's `shadow.max_lag_steps`, else the default until the startup profile gives the cost model's."""
+        if job.shadow.max_lag_steps is not None:
+            return cls(job.shadow.max_lag_steps, "shadow.max_lag_steps")
+        return cls(DEFAULT_MAX_LAG_STEPS, "the default: set shadow.max_lag_steps, or failure.mtbf_hours for the "
+                                          "cost model's")
 
 
 class Action(enum.Enum):
@@ -56,8 +76,8 @@ class FailureBudget:
         return self.spent <= self.limit
 
 
-def decide(failure: Failure, job: JobConfig, budget: FailureBudget) -> Decision:
-    """The one place where a failure becomes what happens next."""
+def decide(failure: Failure, job: JobConfig, budget: FailureBudget, lag: LagBound | None = None) -> Decision:
+    """The one place where a failure becomes what happens next; `lag`: the run's lag bound (the job's without)."""
     kind = failure.kind
     if kind == "trainer_lost":
         if not budget.spend():
@@ -70,14 +90,21 @@ def decide(failure: Failure, job: JobConfig, budget: FailureBudget) -> Decision:
         return Decision(Action.RESTART, f"{failure.detail}: the trainer and the shadow were lost one after the "
                                         "other before those records were durable; every rank restores from the "
                                         "shadow's durable image and trains the lost steps again")
-    if kind in ("shadow_lag", "replay_error"):
-        return Decision(Action.RESYNC, {"shadow_lag": f"the shadow lags more than {job.shadow.max_lag_steps} steps",
-                                        "replay_error": "the shadow's replay stopped"}[kind])
+    if kind == "shadow_lag":
+        lag = lag or LagBound.of_job(job)
+        return Decision(Action.RESYNC, f"the shadow lags more than {lag.steps} steps ({lag.source})")
+    if kind == "replay_error":
+        return Decision(Action.RESYNC, "the shadow's replay stopped")
     if kind == "durability_stalled":
-        return Decision(Action.FAIL, f"{failure.detail}; the run stops rather than go on without durability "
-                                     f"(durability.max_undurable_steps={job.durability.max_undurable_steps}): fix the "
-                                     f"storage at "
-                                     f"{job.run_url} and run the same job again to resume")
+        return Decision(Action.FAIL, f"{failure.detail}; the run stops rather than go on without durability: fix the "
+                                     f"storage at {job.run_url} and run the same job again to resume")
+    if kind == "storage_lost":
+        return Decision(Action.FAIL, f"{failure.detail}: the run stops rather than write on and report durable what "
+                                     f"a recovery could not read; run the same job again to resume from what is left "
+                                     f"in {job.run_url} (the trainer recomputes the steps lost), or restore it first")
+    if kind == "storage_refused":
+        return Decision(Action.FAIL, f"{failure.detail}; the run stops rather than wait on writes that cannot "
+                                     f"succeed: make {job.run_url} writable and run the same job again to resume")
     if kind == "writer_lost":
         return Decision(Action.FAIL, f"{failure.detail}; one writer per run: stop the other writer or give this "
                                      "job another run_id or storage")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from zocheck_ray.config import JobConfig
-from zocheck_ray.policies import ProfileReport, ProfileSettings, profile_startup
+from zocheck_ray.policies import FailureModel, ProfileReport, ProfileSettings, profile_startup
 from zocheck_ray.runtime.messages import TrainerProgress
 
 DRAIN_SECONDS = 300.0
@@ -49,7 +49,9 @@ def startup_profile(job: JobConfig, shadow, train_to: Callable[[int], TrainerPro
 
     report = profile_startup(trainer_step=trainer_step, replay_step=replay_step,
                              snapshot_copy=shadow.profile_snapshot,
-                             persist=persist, settings=settings, storage_share=job.durability.storage_share)
+                             persist=persist, settings=settings, storage_share=job.durability.storage_share,
+                             failures=None if job.failure.mtbf_hours is None else
+                             FailureModel(mtbf_hours=job.failure.mtbf_hours))
     shadow.end_profile(report.replay_threads, report.snapshot_interval, report.plan.regime,
                        report.plan.durable_interval)
     return report

@@ -1,7 +1,9 @@
-"""The checks a job passes before any actor starts, so that a job that cannot run fails at once."""
+"""The one start-up check: everything a run needs, found before any actor starts, so that a job that cannot run
+fails at once. It builds the task once; the trainers take it through Ray's object store."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from typing import Callable
@@ -11,28 +13,48 @@ from ray.util.placement_group import PlacementGroup
 
 from zocheck_ray.actors.names import NAMESPACE, describe_actor, shadow_name
 from zocheck_ray.actors.link import shadow_writer
-from zocheck_ray.config import JobConfig, JobConfigError, check_task
+from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.control.connect import connect_ray
+from zocheck_ray.control.faults import FaultPlan, PlacedFaults
 from zocheck_ray.control.placement import _check_resources, group_name, running_here
 from zocheck_ray.storage import LeaseHeldError, StorageError, check_no_live_writer, check_run_rules
 from zocheck_ray.storage.fs import open_storage, parse_url
+from zocheck_ray.storage.probe import check_writable
 from zocheck_ray.storage.snapshot import SNAPSHOTS_DIR, SnapshotStore, snapshot_dir
+from zocheck_ray.workload.errors import WorkloadError
+
+
+@dataclasses.dataclass(frozen=True)
+class Startup:
+    """What the start-up check found: the run's inputs, devices and resume point."""
+
+    task: object
+    """The job's task (`zocheck_ray.workload.Task`), built once, here."""
+    gpus: int
+    """The GPUs each trainer gets (0: it trains on a CPU)."""
+    resume_step: int | None
+    """The step the run resumes at from its storage (None: a fresh run)."""
+    faults: PlacedFaults | None
+    """The failures the run deals itself, placed after `resume_step`."""
 
 
 def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group: PlacementGroup | None = None,
-              first_bundle: int = 0):
-    """(the job's task, the GPUs each trainer gets); raises `JobConfigError` naming what cannot work.
-    Connects to Ray once the job itself is sound."""
-    task = check_task(job)
+              first_bundle: int = 0, faults: FaultPlan | None = None, address: str | None = None) -> Startup:
+    """Build `job`'s task, check its storage and place `faults` (before Ray starts), then connect to the cluster of
+    `address` (see `connect_ray`) and check that the run is its storage's only writer and fits the cluster.
+    Raises `JobConfigError` naming what cannot work."""
+    task = build_task_once(job)
     try:
-        open_storage(job.run_url, job.storage_options, create=True)
+        check_writable(job.run_url, job.storage_options)  # its root and every directory of it a run writes in
         check_run_rules(job.run_url, job.storage_options)  # a run stored under other update rules
         check_snapshots_whole(job)
     except StorageError as exc:
         raise JobConfigError(f"storage={job.storage!r} cannot be used: {exc}") from exc
     check_storage_room(job)
+    resumes = resume_step(job)
+    placed = faults.place(job, resumes, say or (lambda line: None)) if faults is not None else None
     if not ray.is_initialized():
-        connect_ray(say=say, run_id=job.run_id)
+        connect_ray(address, say=say, run_id=job.run_id)
     try:  # another live writer of this run's storage is refused, named; this cluster's dead shadow is not
         check_no_live_writer(job.run_url, job.storage_options)
         held = None
@@ -41,8 +63,12 @@ def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group
             raise JobConfigError(f"storage={job.storage!r}: {exc}") from exc
         held = exc
     check_not_running_here(job, held, creates_group=placement_group is None)
+    return Startup(task, _devices(job, placement_group, first_bundle), resumes, placed)
+
+
+def _devices(job: JobConfig, placement_group: PlacementGroup | None, first_bundle: int) -> int:
     if placement_group is None:
-        return task, _check_resources(job)
+        return _check_resources(job)
     gpus = int(placement_group.bundle_specs[first_bundle].get("GPU", 0))
     if job.scaling.use_gpu == "yes" and gpus < 1:
         raise JobConfigError(f"scaling.use_gpu=yes but bundle {first_bundle} of the given placement group has no GPU")
@@ -51,7 +77,56 @@ def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group
                              f"bundle {first_bundle} "
                              f"of the given placement group (rank 0, the shadow, ranks 1..), which has "
                              f"{len(placement_group.bundle_specs)}")
-    return task, gpus
+    return gpus
+
+
+def build_task_once(job: JobConfig):
+    """`job`'s task for `job.model`, every data row read and the model's fit checked (the adapter's too), without
+    building the model; `JobConfigError` naming the field or the file and line."""
+    from zocheck_ray.workload.builder import build_task
+
+    check_peft(job)
+    try:
+        return build_task(job.task, job.model)
+    except WorkloadError as exc:
+        raise JobConfigError(f"task ({job.task.kind} on model {job.model!r}): {exc}") from exc
+
+
+def check_peft(job: JobConfig) -> None:
+    """Refuse an adapter the model cannot take (a LoRA target module it lacks), before any actor starts."""
+    if job.peft is None:
+        return
+    from zocheck_ray.workload.adapters import check_adapter
+
+    try:
+        check_adapter(job.peft, job.model)
+    except WorkloadError as exc:
+        raise JobConfigError(f"peft ({job.peft.method} on model {job.model!r}): {exc}") from exc
+    if job.peft.method == "prefix":  # the virtual tokens take positions: a learned position table must hold them
+        from zocheck_ray.workload.models import model_config_dict
+
+        hf = model_config_dict(job.model)
+        positions, tokens = hf.get("max_position_embeddings"), job.peft.num_virtual_tokens
+        if positions and not any("rope" in key for key in hf) and job.task.max_length + tokens > positions:
+            raise JobConfigError(f"peft.num_virtual_tokens={tokens} plus task.max_length={job.task.max_length} "
+                                 f"exceed model {job.model!r}'s max_position_embeddings={positions} (learned "
+                                 f"positions); lower task.max_length to {max(2, positions - tokens)} or "
+                                 "peft.num_virtual_tokens")
+
+
+def resume_step(job: JobConfig) -> int | None:
+    """The step a run of `job` resumes at from its storage (newest sound-manifest snapshot plus the logged records
+    after it), or None for a fresh run; read before Ray starts, so a planned failure lies after it."""
+    from zocheck_ray.storage.steplog import read_records
+
+    try:
+        store = SnapshotStore(job.run_url, job.storage_options, create=False)
+        latest = store.latest()
+        if latest is None:
+            return None
+        return latest.step + len(read_records(store.storage, after_step=latest.step - 1))
+    except (StorageError, ValueError):  # no storage yet, or damage the run itself reports
+        return None
 
 
 STORAGE_MARGIN_BYTES = 1 << 20

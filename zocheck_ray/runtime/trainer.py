@@ -57,8 +57,9 @@ class RejoinRequiredError(RuntimeError):
 
 class Trainer:
     def __init__(self, job: JobConfig, shadow: ShadowLink, device: str = "cpu", hooks: TrainerHooks = NO_HOOKS,
-                 rank: int = 0, waits: bool = False, incarnation: str = ""):
-        """`waits`: build a skeleton and wait for `rejoin`, so that every rank restores to one step."""
+                 rank: int = 0, waits: bool = False, incarnation: str = "", task=None):
+        """`waits`: build a skeleton and wait for `rejoin`, so that every rank restores to one step. `task`: the
+        job's task as the start-up check built it (None: built here)."""
         self.job = job
         self.shadow = shadow
         self.hooks = hooks
@@ -91,7 +92,7 @@ class Trainer:
         if self.device.type == "cpu":  # a recovery replays with the fused kernel: load it while the model builds
             warm = threading.Thread(target=warm_up, args=(JOB_DTYPES[job.dtype], job.zo), name="zocheck-warm-up")
             warm.start()
-        self.task = build_task(job.task, job.model)
+        self.task = task if task is not None else build_task(job.task, job.model)
         # Asked first: with an image to recover from, the model's weights would only be overwritten.
         offer, fetch_seconds = (None, 0.0) if waits else self.restorer.borrow()
         self.model = self.opt = None

@@ -1,4 +1,5 @@
-"""`FaultInjection`: the faults a run's trainer and shadow processes inject into themselves.
+"""`FaultInjection`: the faults a run's trainer and shadow processes inject into themselves
+(`runtime/hooks.py`'s seams): a fault plan's exits (`control/faults.py`) and the tests' stalls.
 
 It travels to the processes as a constructor argument, so a restarted process unpickles it
 first. It imports nothing but pydantic, so that a restarted trainer's heavy imports stay out of
