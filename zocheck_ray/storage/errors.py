@@ -23,6 +23,31 @@ class StorageFullError(StorageError):
         return type(self), (str(self), self.errno)
 
 
+class StorageRefusedError(StorageError):
+    """The store refuses a write for a reason that waiting does not mend: read-only, permission denied, an immutable
+    directory (`errno` is `EROFS`, `EACCES` or `EPERM` where the store gave one). Someone must change the store."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
+
+    def __reduce__(self):
+        return type(self), (str(self), self.errno)
+
+
+class StorageLostError(StorageError):
+    """What the writer made durable is no longer where it wrote it: a file or directory deleted, replaced or
+    remounted under the run, an object or its bucket deleted. `url` names the first thing found lost; retrying
+    cannot bring it back, and writing on would report durable what a recovery could not read."""
+
+    def __init__(self, message: str, url: str | None = None):
+        super().__init__(message)
+        self.url = url
+
+    def __reduce__(self):
+        return type(self), (str(self), self.url)
+
+
 class ObjectNotFoundError(StorageError, FileNotFoundError):
     """A file or object the caller expected does not exist."""
 

@@ -6,6 +6,10 @@
 Local paths, `s3://` and `memory://` (tests) map to one `Storage`. Opening one test-writes it, so a
 bad URL or credential fails before training starts. A local file is written, fsync'd and renamed;
 an object appears whole or not at all.
+
+A write that returned is not yet durable to a caller that reports it so: `Written` is what the writer
+knows of it (size, and locally the inode written), and `observe` what is at its path now; they must
+agree (`Written.changed`), or the storage changed under the writer (`StorageLostError`).
 """
 
 from __future__ import annotations
@@ -16,14 +20,18 @@ import logging
 import os
 import re
 import shutil
+import stat as kinds
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import BinaryIO, ContextManager, Iterator, Protocol
 
 import fsspec
 
-from zocheck_ray.storage.errors import ObjectNotFoundError, StorageError, StorageFullError, StorageURLError
+from zocheck_ray.storage.errors import (
+    ObjectNotFoundError, StorageError, StorageFullError, StorageLostError, StorageRefusedError, StorageURLError,
+)
 from zocheck_ray.host.localfile import open_local_write
 
 SUPPORTED = "a local path, file://PATH, s3://BUCKET[/PREFIX] or memory://PATH"
@@ -47,6 +55,38 @@ def redact(url: str) -> str:
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 """The errors of a store without space left for a write."""
+_REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM)
+"""The errors of a store that refuses writes until someone changes it: read-only, denied, immutable."""
+_WRITES = frozenset({"write", "append to", "create", "rename", "repair", "sync"})
+"""Actions whose target's directory (or bucket) exists: a missing one was removed under the writer."""
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a writer knows of a file or directory it made, to confirm later that its path still holds it.
+
+    `identity` locally is `(st_dev, st_ino)`: the inode written, so a path that names another inode (its
+    directory deleted and made again, replaced, or a file system mounted over it) no longer holds what was
+    written, whatever its size. On an object store it is the ETag seen once the upload completed (the upload's
+    bytes were checked by the store against the checksum the client sent)."""
+
+    rel: str
+    size: int | None
+    """Bytes written; None for a directory."""
+    identity: tuple[int, int] | str | None = None
+
+    def changed(self, now: "Written | None") -> str | None:
+        """How `now` (what `observe` finds at `rel`) differs from what was written, or None where it does not."""
+        if now is None:
+            return "is gone"
+        if self.identity is not None and now.identity is not None and now.identity != self.identity:
+            if isinstance(self.identity, tuple):
+                return ("names another file than the one written (its directory was deleted or replaced, or a file "
+                        "system was mounted over it)")
+            return "was replaced by another object (its ETag changed)"
+        if self.size is not None and now.size != self.size:
+            return f"holds {now.size} bytes, not the {self.size} written"
+        return None
 
 
 def _is_storage_failure(exc: BaseException) -> bool:
@@ -68,10 +108,13 @@ class Storage(Protocol):
 
     def url_of(self, rel: str) -> str: ...
     def local_path(self, rel: str) -> str: ...
-    def open_write(self, rel: str, durable: bool = True) -> ContextManager[BinaryIO]: ...
+    def open_write(self, rel: str, durable: bool = True,
+                   written: list[Written] | None = None) -> ContextManager[BinaryIO]: ...
     def make_durable(self, rels: list[str]) -> None: ...
     def rename(self, rel: str, new_rel: str) -> None: ...
-    def write_atomic(self, rel: str, data: bytes) -> None: ...
+    def write_atomic(self, rel: str, data: bytes) -> Written: ...
+    def observe(self, rel: str) -> Written | None: ...
+    def observe_dir(self, rel: str) -> dict[str, Written]: ...
     def create_exclusive(self, rel: str, data: bytes) -> bool: ...
     def open_read(self, rel: str) -> ContextManager[BinaryIO]: ...
     def read_bytes(self, rel: str) -> bytes: ...
@@ -118,12 +161,19 @@ class FsspecStorage:
         target = self.url_of(rel)
         if isinstance(exc, StorageError):
             return exc
+        code = exc.errno if isinstance(exc, OSError) else None
+        if isinstance(exc, FileNotFoundError) and action in _WRITES:
+            where = "its bucket" if not self.local else "its directory"
+            return StorageLostError(f"cannot {action} {target}: {where} is gone (deleted or replaced under the "
+                                    "run)", target)
         if isinstance(exc, FileNotFoundError):
             return ObjectNotFoundError(f"cannot {action} {target}: it does not exist")
-        if isinstance(exc, PermissionError):
-            return StorageError(f"cannot {action} {target}: permission denied ({_reason(exc)}); "
-                                "check the path's permissions or the credentials")
-        code = exc.errno if isinstance(exc, OSError) else None
+        if code == errno.EROFS:
+            return StorageRefusedError(f"cannot {action} {target}: the file system is read-only ({_reason(exc)}); "
+                                       "remount it read-write or give the run another storage", code)
+        if isinstance(exc, PermissionError) or code in _REFUSED:
+            return StorageRefusedError(f"cannot {action} {target}: permission denied ({_reason(exc)}); check the "
+                                       "path's permissions and attributes (chattr -i), or the credentials", code)
         if code in _FULL:
             return StorageFullError(f"cannot {action} {target}: {_reason(exc)} ({errno.errorcode[code]}); free "
                                     "space there, or give the run a larger storage", code)
@@ -146,9 +196,9 @@ class FsspecStorage:
     # ------------------------------------------------------------------ writing
 
     @contextmanager
-    def open_write(self, rel: str, durable: bool = True) -> Iterator[BinaryIO]:
+    def open_write(self, rel: str, durable: bool = True, written: list[Written] | None = None) -> Iterator[BinaryIO]:
         """A file or object to write: whole and durable on a clean exit, discarded on an error (`durable=False`:
-        locally not yet fsync'd, for `make_durable` to fsync many at once)."""
+        locally not yet fsync'd, for `make_durable` to fsync many at once). `written`: gets the file's `Written`."""
         path = self._path(rel)
         with self.guard("write", rel):
             f = open_local_write(path) if self.local else self.fs.open(path, "wb")
@@ -159,10 +209,24 @@ class FsspecStorage:
                     f.flush()
                     if durable:
                         os.fsync(f.fileno())
+                    stat = os.fstat(f.fileno())  # the inode written, before anything can change the path
+                    receipt = Written(rel, stat.st_size, (stat.st_dev, stat.st_ino))
                 f.close()  # on an object store this completes the upload
+                if not self.local:
+                    receipt = self._uploaded(rel, f.tell())
         except BaseException:
             self._discard(f, path)
             raise
+        if written is not None:
+            written.append(receipt)
+
+    def _uploaded(self, rel: str, size: int) -> Written:
+        """The object just uploaded to `rel`, as the store shows it: its size must be what was sent."""
+        now = self.observe(rel)
+        receipt = Written(rel, size, now.identity if now is not None else None)
+        if (problem := receipt.changed(now)) is not None:
+            raise StorageLostError(f"{self.url_of(rel)} {problem} right after its upload", self.url_of(rel))
+        return receipt
 
     def _discard(self, f, path: str) -> None:
         # Best effort: the caller's error matters more than a failed cleanup.
@@ -202,16 +266,18 @@ class FsspecStorage:
         with self.guard("rename", rel):
             os.replace(self._path(rel), self._path(new_rel))
 
-    def write_atomic(self, rel: str, data: bytes) -> None:
-        """Write a small object so that readers see all of it or none of it, durably."""
+    def write_atomic(self, rel: str, data: bytes) -> Written:
+        """Write a small object so that readers see all of it or none of it, durably; returns its `Written`."""
         path = self._path(rel)
         with self.guard("write", rel):
             if not self.local:
                 self.fs.pipe_file(path, bytes(data))  # one PUT
-                return
+                return self._uploaded(rel, len(data))
             with _durable_temp_beside(path, data) as tmp:
+                stat = os.stat(tmp)  # the inode the rename puts at `path`
                 os.replace(tmp, path)
             _fsync_dir(os.path.dirname(path))
+        return Written(rel, len(data), (stat.st_dev, stat.st_ino))
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """Create `rel` holding `data`, durably, unless it exists; False when it does. Of two racers exactly one
@@ -296,6 +362,49 @@ class FsspecStorage:
             self.fs.invalidate_cache(path)
             return bool(self.fs.exists(path))
 
+    def observe(self, rel: str) -> Written | None:
+        """What is at `rel` now (its size, and locally its inode; None for a directory's size), or None."""
+        path = self._path(rel)
+        with self.guard("stat", rel):
+            if self.local:
+                try:
+                    return _local_written(rel, os.stat(path))
+                except (FileNotFoundError, NotADirectoryError):
+                    return None
+            self.fs.invalidate_cache(path)
+            try:
+                return _object_written(rel, self.fs.info(path))
+            except FileNotFoundError:
+                return None
+
+    def observe_dir(self, rel: str) -> dict[str, Written]:
+        """`observe` of every entry under `rel`, by name, in one listing; empty when it does not exist."""
+        path = self._path(rel)
+        with self.guard("list", rel):
+            if self.local:
+                out = {}
+                try:
+                    with os.scandir(path) as entries:
+                        for entry in entries:
+                            try:
+                                out[entry.name] = _local_written(f"{rel}/{entry.name}", entry.stat())
+                            except FileNotFoundError:  # removed since the listing
+                                pass
+                except (FileNotFoundError, NotADirectoryError):
+                    return {}
+                return out
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=True)
+            except FileNotFoundError:
+                return {}
+            out = {}
+            for e in entries:
+                name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+                if e["name"].rstrip("/") != path.rstrip("/"):
+                    out[name] = _object_written(f"{rel}/{name}", e)
+            return out
+
     # ------------------------------------------------------------------ removing, directories
 
     def remove(self, rel: str) -> None:
@@ -342,6 +451,17 @@ class FsspecStorage:
             for up in uploads:
                 self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
         return len(uploads)
+
+
+def _local_written(rel: str, stat: os.stat_result) -> Written:
+    return Written(rel, stat.st_size if kinds.S_ISREG(stat.st_mode) else None, (stat.st_dev, stat.st_ino))
+
+
+def _object_written(rel: str, info: dict) -> Written:
+    if info.get("type") == "directory":
+        return Written(rel, None)
+    etag = info.get("ETag") or info.get("etag")
+    return Written(rel, int(info["size"]), etag.strip('"') if isinstance(etag, str) else None)
 
 
 _warned_stores: set[str] = set()
@@ -513,7 +633,15 @@ def _check_bucket(storage: FsspecStorage, bucket: str) -> None:
 
 def _probe_write(storage: FsspecStorage) -> None:
     """Write and remove a tiny object so a read-only path or credential fails now, not mid-run."""
-    rel = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    probe_write(storage, "")
+
+
+def probe_write(storage: FsspecStorage, directory: str) -> None:
+    """Write and remove a tiny object in `directory` (relative; "" for the root): `StorageRefusedError` where the
+    store refuses it (read-only, denied, immutable), `StorageFullError` where it has no room, `StorageError`
+    otherwise."""
+    rel = f"{directory.rstrip('/')}/{PROBE_PREFIX}{uuid.uuid4().hex}" if directory else f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    where = storage.url_of(directory)
     try:
         if storage.local:
             with open(storage.local_path(rel), "wb") as f:
@@ -525,7 +653,13 @@ def _probe_write(storage: FsspecStorage) -> None:
     except BaseException as exc:
         if not _is_storage_failure(exc):
             raise
-        if (code := getattr(exc, "errno", None)) in _FULL:  # full, not broken: the caller waits or says so
-            raise StorageFullError(f"{storage.url} is not writable: {_reason(exc)} ({errno.errorcode[code]}); free "
+        code = getattr(exc, "errno", None)
+        if code in _FULL:  # full, not broken: the caller waits or says so
+            raise StorageFullError(f"{where} is not writable: {_reason(exc)} ({errno.errorcode[code]}); free "
                                    "space there, or give the run a larger storage", code) from exc
-        raise StorageError(f"{storage.url} is not writable: {_reason(exc)}") from exc
+        if isinstance(exc, PermissionError) or code in _REFUSED:
+            raise StorageRefusedError(f"{where} is not writable: {_reason(exc)}"
+                                      + (f" ({errno.errorcode[code]})" if code in errno.errorcode else "")
+                                      + "; check its permissions and attributes (chattr -i), or the credentials",
+                                      code) from exc
+        raise StorageError(f"{where} is not writable: {_reason(exc)}") from exc
