@@ -37,7 +37,8 @@ __version__ = "0.1.0"
 __getattr__, __dir__ = on_first_use(globals(), {
     "core": _CORE,
     "config": ("JobConfig", "load_job_config", "JobConfigError"),
-    "control": ("run", "RunSummary", "RunFailedError", "RunCallback", "RunStopped"),
+    "control": ("run", "RunSummary", "RunFailedError", "RunCallback", "RunStopped", "FaultPlan"),
+    "zotrainer": ("ZOTrainer", "ZOTrainerCallback"),
 })
 """The public surface (`__all__`), loaded on first use: `zocheck_ray.core` runs where Ray is absent, and a process
 that imports one module of the package (a Ray worker loading `TrainerActor`'s) loads neither torch nor Ray's control

@@ -13,7 +13,7 @@ EXPECTED = {
     "trainer_lost": Action.RESTART, "shadow_lag": Action.RESYNC, "replay_error": Action.RESYNC,
     "records_lost": Action.RESTART, "trainer_gone": Action.FAIL, "shadow_gone": Action.FAIL,
     "durability_stalled": Action.FAIL, "writer_lost": Action.FAIL, "drain_failed": Action.FAIL,
-    "storage_lost": Action.FAIL, "storage_refused": Action.FAIL,
+    "storage_lost": Action.FAIL, "storage_refused": Action.FAIL, "input_refused": Action.FAIL,
 }
 
 

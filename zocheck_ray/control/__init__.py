@@ -10,6 +10,7 @@ from zocheck_ray.core.lazy import on_first_use
 if TYPE_CHECKING:
     from zocheck_ray.control.callbacks import RunCallback, Segment
     from zocheck_ray.control.controller import Controller, State
+    from zocheck_ray.control.faults import FaultPlan
     from zocheck_ray.control.launch import run
     from zocheck_ray.control.policy import Action, Decision, Failure, FailureBudget, decide
     from zocheck_ray.control.stop import RunStopped
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 __getattr__, __dir__ = on_first_use(globals(), {
     "callbacks": ("RunCallback", "Segment"),
     "controller": ("Controller", "State"),
+    "faults": ("FaultPlan",),
     "launch": ("run",),
     "policy": ("Action", "Decision", "Failure", "FailureBudget", "decide"),
     "stop": ("RunStopped",),

@@ -125,6 +125,9 @@ class ProgressPrinter(RunCallback):
                     if evaluated is not None else "")
         self.say(f"  step {progress.step:5d}  loss {progress.loss:.4f}  lag {m.lag_steps:3d}  "
                  f"snapshot {_step_or_dash(m.snapshot_step)}  durable {_step_or_dash(m.durable_step)}{held_out}")
+        for step, pairs in sorted(progress.samples.items()):
+            for prompt, text in pairs:
+                self.say(f"    generation at step {step}: {_tail(prompt)!r} -> {text!r}")
 
     def on_decision(self, run, failure, decision):
         if decision.action.value == "fail":
@@ -169,6 +172,7 @@ class RunRecord(RunCallback):
     losses: list[tuple[int, float]] = field(default_factory=list)
     step_hashes: dict[int, str] = field(default_factory=dict)
     evaluations: dict[int, dict[str, float]] = field(default_factory=dict)
+    samples: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
     eval_seconds: float = 0.0
     lag_samples: list[tuple[int, int]] = field(default_factory=list)
     recoveries: list[Recovery] = field(default_factory=list)
@@ -197,6 +201,7 @@ class RunRecord(RunCallback):
             if seen != digest:
                 run.warn(f"rank {progress.rank}'s state after step {step} differs from another rank's")
         self.evaluations.update(progress.evaluations)
+        self.samples.update(progress.samples)
         self.eval_seconds += progress.eval_seconds
 
     def on_segment(self, run, segment):
@@ -239,6 +244,7 @@ class RunRecord(RunCallback):
             snapshot_interval=metrics.snapshot_interval, profile=self.profile, storage=job.run_url,
             step_hashes=self.step_hashes, lag_samples=self.lag_samples, resumed_from_step=self.resumed_from,
             task=task.summary(), metric=task.metric, evaluations=dict(sorted(ev.items())),
+            samples=dict(sorted(self.samples.items())),
             metric_before=ev[min(ev)][task.metric] if ev else None,
             metric_after=ev[final_step][task.metric] if final_step in ev else None,
             best_dev_step=metrics.best_dev_step if metrics.best_dev_step is not None else best_dev_step(ev),
@@ -263,6 +269,11 @@ class SegmentFunction(RunCallback):
 
     def on_segment(self, run, segment):
         self.fn(segment.progress, segment.metrics)
+
+
+def _tail(prompt: str, chars: int = 60) -> str:
+    """A prompt's end, where the generation goes on from it."""
+    return prompt if len(prompt) <= chars else "..." + prompt[-chars:]
 
 
 def _step_or_dash(step: int | None) -> str:

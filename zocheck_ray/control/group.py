@@ -26,6 +26,7 @@ from zocheck_ray.control.outcomes import Restored, StepTimes
 from zocheck_ray.control.summary import GroupChange
 from zocheck_ray.runtime.shards import assign, shard_count
 from zocheck_ray.control.policy import Failure
+from zocheck_ray.workload.errors import WorkloadError
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class TrainerGroup:
         """Each shrink and join of an elastic group."""
         self.key: tuple[str, int] | None = None
         """The ranks' process group's rendezvous (address, port)."""
+        self._refused: tuple[int, WorkloadError] | None = None
+        """A rank whose segment raised on the user's data or functions (`WorkloadError`), and the error."""
 
     @property
     def leader(self):
@@ -203,7 +206,12 @@ class TrainerGroup:
     def run(self, target: int, step: int) -> tuple[dict[int, TrainerProgress], Failure | None]:
         """Train every rank from `step` to `target`; returns (progress by rank, the failure or None)."""
         refs = {r: rank.run.remote(target, self.durable_next) for r, rank in enumerate(self.ranks)}
+        self._refused = None
         results, lost = self._gather(refs)
+        if self._refused is not None:  # the user's data or function, not the process: a restart would meet it again
+            rank, error = self._refused
+            return results, Failure("input_refused", min([p.step for p in results.values()] or [step]),
+                                    f"rank {rank}: {error}")
         lost = self._settle(results, step, lost)
         self.times.add(results, self.k)
         interrupted = [r for r, p in results.items() if p.interrupted is not None]
@@ -233,6 +241,9 @@ class TrainerGroup:
                 except RayActorError:
                     lost.append(r)
                 except RayTaskError as exc:  # the call reached the rank's restarted process (its node was lost)
+                    if isinstance(exc.cause, WorkloadError):
+                        self._refused = r, exc.cause
+                        continue
                     if not isinstance(exc.cause, RejoinRequiredError):
                         raise
                     lost.append(r)

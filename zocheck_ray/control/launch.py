@@ -16,18 +16,20 @@ from zocheck_ray.control.startup import check_run
 from zocheck_ray.control.stop import StopRequest
 from zocheck_ray.control.summary import RunSummary
 from zocheck_ray.runtime.messages import ShadowMetrics, TrainerProgress
+from zocheck_ray.workload.custom import Workload
 
 
 def run(job: JobConfig, progress: Callable[[str], None] | None = print, callbacks: Iterable[RunCallback] = (),
         on_segment: Callable[[TrainerProgress, ShadowMetrics], None] | None = None,
         placement_group: PlacementGroup | None = None, first_bundle: int = 0, faults: FaultPlan | None = None,
-        address: str | None = None) -> RunSummary:
+        address: str | None = None, workload: Workload | None = None) -> RunSummary:
     """Run `job` to completion on the Ray cluster of `address` (see `connect_ray`: by default the connected one, a
     `ray start` cluster on this machine, else a local instance started for the run).
 
     A run whose storage holds a snapshot of `job.run_id` resumes from it, exactly.
     `placement_group`: a reserved group (a Tune trial's) whose bundles from `first_bundle` on
-    the actors use. `faults`: failures the run deals itself on purpose (`FaultPlan`).
+    the actors use. `faults`: failures the run deals itself on purpose (`FaultPlan`); `workload`: rows and
+    functions handed over in Python (`ZOTrainer`'s).
     `on_segment(progress, metrics)` is called after each segment; `callbacks` see every event.
     Raises `JobConfigError` before any actor starts, `RunFailedError`, or `RunStopped` after a
     stop signal. However it ends, no actor of the run is left.
@@ -35,7 +37,7 @@ def run(job: JobConfig, progress: Callable[[str], None] | None = print, callback
     say = progress or (lambda line: None)
     after = [*callbacks, *([SegmentFunction(on_segment)] if on_segment else [])]
     with StopRequest().installed() as stop:
-        startup = check_run(job, progress, placement_group, first_bundle, faults, address)
+        startup = check_run(job, progress, placement_group, first_bundle, faults, address, workload)
         try:
             stop.install()  # again: connecting to Ray installed a SIGTERM handler of its own
             if stop.requested:

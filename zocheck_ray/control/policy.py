@@ -14,7 +14,8 @@ from typing import Literal
 from zocheck_ray.config import JobConfig
 
 FailureKind = Literal["trainer_lost", "trainer_gone", "shadow_gone", "shadow_lag", "replay_error", "records_lost",
-                      "durability_stalled", "writer_lost", "drain_failed", "storage_lost", "storage_refused"]
+                      "durability_stalled", "writer_lost", "drain_failed", "storage_lost", "storage_refused",
+                      "input_refused"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,9 @@ def decide(failure: Failure, job: JobConfig, budget: FailureBudget, lag: LagBoun
     if kind == "writer_lost":
         return Decision(Action.FAIL, f"{failure.detail}; one writer per run: stop the other writer or give this "
                                      "job another run_id or storage")
+    if kind == "input_refused":
+        return Decision(Action.FAIL, f"{failure.detail}; a restart would meet it again: fix it, and run the same job "
+                                     "again to resume from the durable state")
     if kind == "trainer_gone":
         return Decision(Action.FAIL, f"the trainer cannot be restarted ({failure.detail}); raise failure.max_restarts "
                                      f"(now {job.failure.max_restarts}) or look at the trainer's log")

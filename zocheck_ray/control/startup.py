@@ -16,11 +16,13 @@ from zocheck_ray.actors.link import shadow_writer
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.control.connect import connect_ray
 from zocheck_ray.control.faults import FaultPlan, PlacedFaults
+from zocheck_ray.control.identity import check_identity
 from zocheck_ray.control.placement import _check_resources, group_name, running_here
 from zocheck_ray.storage import LeaseHeldError, StorageError, check_no_live_writer, check_run_rules
 from zocheck_ray.storage.fs import open_storage, parse_url
 from zocheck_ray.storage.probe import check_writable
 from zocheck_ray.storage.snapshot import SNAPSHOTS_DIR, SnapshotStore, snapshot_dir
+from zocheck_ray.workload.custom import Workload
 from zocheck_ray.workload.errors import WorkloadError
 
 
@@ -39,11 +41,12 @@ class Startup:
 
 
 def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group: PlacementGroup | None = None,
-              first_bundle: int = 0, faults: FaultPlan | None = None, address: str | None = None) -> Startup:
-    """Build `job`'s task, check its storage and place `faults` (before Ray starts), then connect to the cluster of
-    `address` (see `connect_ray`) and check that the run is its storage's only writer and fits the cluster.
-    Raises `JobConfigError` naming what cannot work."""
-    task = build_task_once(job)
+              first_bundle: int = 0, faults: FaultPlan | None = None, address: str | None = None,
+              workload: Workload | None = None) -> Startup:
+    """Build `job`'s task (from `workload`'s rows and functions where given), check its storage and place `faults`
+    (before Ray starts), then connect to the cluster of `address` (see `connect_ray`) and check that the run is its
+    storage's only writer and fits the cluster. Raises `JobConfigError` naming what cannot work."""
+    task = build_task_once(job, workload)
     try:
         check_writable(job.run_url, job.storage_options)  # its root and every directory of it a run writes in
         check_run_rules(job.run_url, job.storage_options)  # a run stored under other update rules
@@ -52,6 +55,7 @@ def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group
         raise JobConfigError(f"storage={job.storage!r} cannot be used: {exc}") from exc
     check_storage_room(job)
     resumes = resume_step(job)
+    identity = check_identity(job, task, resumes, say or (lambda line: None))
     placed = faults.place(job, resumes, say or (lambda line: None)) if faults is not None else None
     if not ray.is_initialized():
         connect_ray(address, say=say, run_id=job.run_id)
@@ -63,6 +67,7 @@ def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group
             raise JobConfigError(f"storage={job.storage!r}: {exc}") from exc
         held = exc
     check_not_running_here(job, held, creates_group=placement_group is None)
+    identity.record()  # once no other job of the run is found here
     return Startup(task, _devices(job, placement_group, first_bundle), resumes, placed)
 
 
@@ -80,14 +85,15 @@ def _devices(job: JobConfig, placement_group: PlacementGroup | None, first_bundl
     return gpus
 
 
-def build_task_once(job: JobConfig):
-    """`job`'s task for `job.model`, every data row read and the model's fit checked (the adapter's too), without
-    building the model; `JobConfigError` naming the field or the file and line."""
+def build_task_once(job: JobConfig, workload: Workload | None = None):
+    """`job`'s task for `job.model` (`workload`: on rows and functions handed over), every row read and the model's
+    fit checked (the adapter's too), without building the model; `JobConfigError` naming the field, file and line
+    or row."""
     from zocheck_ray.workload.builder import build_task
 
     check_peft(job)
     try:
-        return build_task(job.task, job.model)
+        return workload.build(job.task, job.model) if workload is not None else build_task(job.task, job.model)
     except WorkloadError as exc:
         raise JobConfigError(f"task ({job.task.kind} on model {job.model!r}): {exc}") from exc
 

@@ -136,6 +136,8 @@ class TrainerProgress(BaseModel):
     failed exchange to its repeat, and of them until the controller's plan came."""
     evaluations: dict[int, dict[str, float]] = {}
     """Held-out metrics by step, taken in this segment."""
+    samples: dict[int, list[tuple[str, str]]] = {}
+    """Kind `sft`: each evaluation's greedy generations, (prompt, text), by step."""
     eval_seconds: float = 0.0
     """Time spent evaluating in this segment."""
     publish_us_median: float | None = None

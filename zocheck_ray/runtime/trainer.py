@@ -112,6 +112,7 @@ class Trainer:
         self._step_seconds: list[float] = []
         self.last_loss: float | None = None
         self._evaluations: dict[int, dict[str, float]] = {}
+        self._samples: dict[int, list[tuple[str, str]]] = {}
         self._eval_seconds = 0.0
         self._evaluated: set[int] = set()
         self._stop = threading.Event()
@@ -212,6 +213,8 @@ class Trainer:
         """Held-out metrics of the current state, recorded under its step."""
         began = time.perf_counter()
         metrics = self.task.evaluate(self.model)
+        if hasattr(self.task, "samples"):  # kind `sft`: greedy generations from held-out prompts
+            self._samples[self.step] = self.task.samples(self.model)
         self._eval_seconds += time.perf_counter() - began
         self._evaluations[self.step] = metrics
         self._evaluated.add(self.step)
@@ -404,13 +407,14 @@ class Trainer:
         hashes, self.step_hashes = self.step_hashes, {}
         seconds, self._step_seconds = self._step_seconds, []
         evaluations, self._evaluations = self._evaluations, {}
+        samples, self._samples = self._samples, {}
         eval_seconds, self._eval_seconds = self._eval_seconds, 0.0
         collective, self._collective_seconds = self._collective_seconds, []
         regroups, self._regroups = self._regroups, []
         return TrainerProgress(step=self.step, loss=self.last_loss, rank=self.rank, step_hashes=hashes,
                                step_seconds=seconds, collective_seconds=collective,
                                interrupted=self.step if self.role is Role.TORN else None, regroups=regroups,
-                               evaluations=evaluations, eval_seconds=eval_seconds,
+                               evaluations=evaluations, samples=samples, eval_seconds=eval_seconds,
                                publish_us_median=statistics.median(recent) / 1e3 if recent else None,
                                publisher=self.publisher.stats(), kernel=self.kernel())
 

@@ -22,30 +22,31 @@ def _model_and_optimizer(job: JobConfig):
     return built.model, ZOOptimizer(built.parameters, job.zo)
 
 
-def _computed_once(fn: Callable[[JobConfig], dict[int, str]]):
+def _computed_once(fn: Callable[..., dict[int, str]]):
     """`fn`'s hashes for the job, computed once per process for the fields it reads (each time for a job that reads
-    files)."""
+    files, or whose `task` is given: one built from rows handed over)."""
     memo: dict[str, dict[int, str]] = {}
 
     @functools.wraps(fn)
-    def wrapper(job: JobConfig) -> dict[int, str]:
-        if job.model not in SMALL_MODELS or job.task.data_path is not None or job.task.eval_path is not None:
-            return fn(job)
+    def wrapper(job: JobConfig, task=None) -> dict[int, str]:
+        if task is not None or job.model not in SMALL_MODELS or job.task.data_path is not None \
+                or job.task.eval_path is not None:
+            return fn(job, task)
         key = json.dumps(job.model_dump(mode="json", include={"model": True, "dtype": True, "run_seed": True,
                                                               "peft": True, "zo": True, "task": True, "steps": True,
                                                               "scaling": {"trainers"}}), sort_keys=True)
         if key not in memo:
-            memo[key] = fn(job)
+            memo[key] = fn(job, None)
         return dict(memo[key])
 
     return wrapper
 
 
 @_computed_once
-def uninterrupted_hashes(job: JobConfig) -> dict[int, str]:
-    """The run that would have happened: a plain loop, no Ray, no failures."""
+def uninterrupted_hashes(job: JobConfig, task=None) -> dict[int, str]:
+    """The run that would have happened: a plain loop, no Ray, no failures (`task`: the run's, if not the job's)."""
     model, opt = _model_and_optimizer(job)
-    task = build_task(job.task, job.model)
+    task = task if task is not None else build_task(job.task, job.model)
     hashes = {0: state_hash(opt.state_tensors())}
     for t in range(job.steps):
         opt.step(task.closure(model, t), seed=step_seed(job.run_seed, t))
@@ -54,14 +55,14 @@ def uninterrupted_hashes(job: JobConfig) -> dict[int, str]:
 
 
 @_computed_once
-def uninterrupted_data_parallel_hashes(job: JobConfig) -> dict[int, str]:
+def uninterrupted_data_parallel_hashes(job: JobConfig, task=None) -> dict[int, str]:
     """The one-trainer S-shard run every data-parallel run must equal, whatever its ranks: each step evaluates
     the S shards of its batch and adds their (sum, count) pairs in shard order in float64."""
     shards = shard_count(job)
     if shards == 1:
-        return uninterrupted_hashes(job)
+        return uninterrupted_hashes(job, task)
     model, opt = _model_and_optimizer(job)
-    task = build_task(job.task, job.model)
+    task = task if task is not None else build_task(job.task, job.model)
     hashes = {0: state_hash(opt.state_tensors())}
     for t in range(job.steps):
         closures = [task.slice_closure(model, t, shard, shards) for shard in range(shards)]
