@@ -6,6 +6,8 @@
     model = build_model("tiny-opt", "fp32", seed=0)
     loss = task.loss(model, task.batch(step))        # the batch is a pure function of (data_seed, step)
     task.evaluate(model)                             # {"accuracy": ..., "loss": ...} on held-out rows
+
+    task = build_task(TaskConfig(kind="sft"), "tiny-chat", rows=dataset)   # TRL's SFT formats (docs/sft.md)
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING
 from zocheck_ray.core.lazy import on_first_use
 
 if TYPE_CHECKING:
-    from zocheck_ray.workload.builder import build_task
+    from zocheck_ray.workload.builder import build_task, sft_fingerprint
     from zocheck_ray.workload.datafiles import SHIPPED_SST2, Row, read_rows
     from zocheck_ray.workload.errors import (
         DataFileError,
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
         trainable_parameters,
     )
     from zocheck_ray.workload.sampling import split_rows
+    from zocheck_ray.workload.sft_task import SFTTask
     from zocheck_ray.workload.task_config import TaskConfig
     from zocheck_ray.workload.tasks import (
         LanguageModelingTask,
@@ -46,7 +49,7 @@ if TYPE_CHECKING:
 
 
 __getattr__, __dir__ = on_first_use(globals(), {
-    "builder": ("build_task",),
+    "builder": ("build_task", "sft_fingerprint"),
     "datafiles": ("SHIPPED_SST2", "Row", "read_rows"),
     "errors": (
         "DataFileError", "DataFormatError", "LabelError", "ModelNotFoundError", "TaskModelMismatchError",
@@ -57,6 +60,7 @@ __getattr__, __dir__ = on_first_use(globals(), {
         "trainable_parameters",
     ),
     "sampling": ("split_rows",),
+    "sft_task": ("SFTTask",),
     "task_config": ("TaskConfig",),
     "tasks": ("LanguageModelingTask", "PromptClassificationTask", "SequenceClassificationTask", "Task"),
     "tokenization": ("ByteTokenizer", "HFTokenizer", "load_tokenizer"),

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+import json
+from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
     import torch
@@ -45,3 +46,17 @@ def batch_indices(data_seed: int, step: int, batch_size: int, n_rows: int) -> li
 def step_seed(run_seed: int, step: int) -> int:
     """The perturbation seed of step `step` (unsigned 64-bit), a pure function of (run_seed, step)."""
     return int.from_bytes(hashlib.sha256(f"zo-seed:{run_seed}:{step}".encode()).digest()[:8], "little")
+
+
+def canonical_json(record: dict) -> str:
+    """A record's canonical encoding: sorted keys, no whitespace, text as written (JSON's escapes only)."""
+    return json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def rows_fingerprint(records: Iterable[dict]) -> str:
+    """SHA-256 (hex) of the records' canonical encodings in order, one a line (JSON escapes newlines), so the
+    same rows from any source give the same fingerprint."""
+    digest = hashlib.sha256()
+    for record in records:
+        digest.update(canonical_json(record).encode() + b"\n")
+    return digest.hexdigest()

@@ -3,6 +3,7 @@ file and line.
 
     rows = read_rows("train.jsonl", text_field="sentence", label_field="label")
     records = read_records("rte_saved/", split="train")  # every field; a `save_to_disk` folder
+    records = memory_records(dataset)                     # kind sft: a datasets.Dataset handed over in Python
 
 Nothing is coerced silently: a float, boolean or null label is an error (CSV's text "1" matches key 1).
 """
@@ -14,9 +15,9 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Sequence
 
-from zocheck_ray.workload.errors import DataFileError, DataFormatError
+from zocheck_ray.workload.errors import DataFileError, DataFormatError, DatasetRowError, WorkloadError
 from zocheck_ray.workload.task_config import MEZO_KINDS, DataFormat, TaskConfig
 
 SHIPPED_SST2 = Path(__file__).resolve().parent / "data" / "sst2_small.jsonl"
@@ -32,6 +33,27 @@ class Splits(NamedTuple):
     held: list | None
     """None: sampling holds them out of `train`."""
     dev: list
+
+
+@dataclass(frozen=True)
+class Where:
+    """A record's place: `path:line` of a file, or `<source> row <index>` of rows handed over in Python."""
+
+    source: str
+    index: int
+    in_file: bool = True
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.index}" if self.in_file else f"{self.source} row {self.index}"
+
+    def error(self, problem: str) -> DataFormatError:
+        """The error for a problem with this record, naming it."""
+        return DataFormatError(self.source, self.index, problem) if self.in_file else \
+            DatasetRowError(self.source, self.index, problem)
+
+
+InMemoryRows = Sequence[dict]
+"""Rows handed over in Python: a `datasets.Dataset` or a list of dicts (or a `DatasetDict` of them)."""
 
 
 @dataclass(frozen=True)
@@ -224,8 +246,59 @@ def read_rows(path: str | Path, text_field: str = "sentence", label_field: str |
     return rows
 
 
-def read_splits(config: TaskConfig) -> Splits:
-    """(line, record) pairs for MeZO's kinds, else `Row`s; held out: `eval_path`'s, else `eval_split`'s."""
+def memory_records(rows: InMemoryRows, source: str = "dataset") -> list[tuple[Where, object]]:
+    """(where, record) of every row handed over in Python; errors name `<source> row <index>`."""
+    if isinstance(rows, (str, bytes, Path, dict)) or not hasattr(rows, "__len__"):
+        raise WorkloadError(f"rows handed over in Python must be a datasets.Dataset or a list of dicts, got "
+                            f"{type(rows).__name__}; a file's path goes to task.data_path")
+    if len(rows) == 0:
+        raise WorkloadError(f"the {source} handed over holds no rows")
+    return [(Where(source, i, False), record) for i, record in enumerate(rows)]
+
+
+def _is_dataset_dict(rows: object) -> bool:
+    return isinstance(rows, dict) or type(rows).__name__ in ("DatasetDict", "IterableDatasetDict")
+
+
+def _sft_splits(config: TaskConfig, rows: InMemoryRows | None, eval_rows: InMemoryRows | None) -> Splits:
+    """Kind sft's (where, record) pairs: from `task.data_path` (and `eval_path` or `eval_split`) or in memory."""
+    if rows is None:
+        if config.data_path is None:
+            raise WorkloadError("task kind 'sft' reads its rows from task.data_path (JSONL, Parquet or a save_to_disk "
+                                "folder), or from rows handed to build_task(..., rows=dataset)")
+
+        def read(where, split):
+            return [(Where(str(where), line), record) for line, record in read_records(where, config.data_format,
+                                                                                        split)]
+        train = read(config.data_path, config.split)
+        if config.eval_path is not None:
+            return Splits(train, read(config.eval_path, config.eval_split), [])
+        if has_split(config.data_path, config.eval_split, config.data_format):
+            return Splits(train, read(config.data_path, config.eval_split), [])
+        return Splits(train, None, [])
+    if config.data_path is not None or config.eval_path is not None:
+        raise WorkloadError("rows were handed to build_task and task.data_path/eval_path are set too; give one")
+    source, held_source = "dataset", "eval dataset"
+    if _is_dataset_dict(rows):
+        for split in (config.split, *([config.eval_split] if eval_rows is None else [])):
+            if split not in rows:
+                raise WorkloadError(f"the DatasetDict handed over has splits {sorted(rows)}, not {split!r}; set "
+                                    "task.split / task.eval_split")
+        if eval_rows is None:
+            eval_rows, held_source = rows[config.eval_split], f"dataset[{config.eval_split!r}]"
+        rows, source = rows[config.split], f"dataset[{config.split!r}]"
+    held = None if eval_rows is None else memory_records(eval_rows, held_source)
+    return Splits(memory_records(rows, source), held, [])
+
+
+def read_splits(config: TaskConfig, rows: InMemoryRows | None = None, eval_rows: InMemoryRows | None = None) -> Splits:
+    """(line, record) pairs for MeZO's kinds, (`Where`, record) for kind sft (whose rows may be handed over in
+    Python: `rows`, `eval_rows`), else `Row`s; held out: `eval_path`'s, else `eval_split`'s."""
+    if config.kind == "sft":
+        return _sft_splits(config, rows, eval_rows)
+    if rows is not None or eval_rows is not None:
+        raise WorkloadError(f"rows handed to build_task are SFT rows (task.kind 'sft'); kind {config.kind!r} reads "
+                            "task.data_path")
     path = config.data_path or SHIPPED_SST2
     if config.kind in MEZO_KINDS:
         def read(where, split):

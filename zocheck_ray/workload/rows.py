@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from zocheck_ray.workload.datafiles import Row, Splits
 from zocheck_ray.workload.errors import DataFormatError, LabelError
+from zocheck_ray.workload.sft_rows import check_sft_rows
 from zocheck_ray.workload.task_config import MEZO_KINDS, TaskConfig
 
 
@@ -100,7 +101,9 @@ def _class_index(config: TaskConfig, row: Row) -> int:
 
 
 def check_rows(config: TaskConfig, splits: Splits) -> Splits:
-    """`read_splits`' records as `TaskRow`s, training rows first."""
+    """`read_splits`' records as `TaskRow`s (kind sft: `SFTRow`s), training rows first."""
+    if config.kind == "sft":
+        return check_sft_rows(config, splits)
     if config.kind in MEZO_KINDS:
         read = READERS[config.kind]
 

@@ -84,8 +84,9 @@ def sample(config, splits: Splits) -> Splits:
     if held is None:
         if config.num_train is not None:
             raise WorkloadError("MeZO's sampler (task.num_train) draws held-out rows from a validation split: give "
-                                "task.eval_path, or a save_to_disk folder with task.eval_split")
-        if config.kind in MEZO_KINDS:
+                                "task.eval_path, or a save_to_disk folder with task.eval_split (kind sft: or "
+                                "eval_rows)")
+        if config.kind in MEZO_KINDS or config.kind == "sft":
             train, held = hold_out(train, config.eval_size, lambda row: row_rank(config.data_seed, row.content))
         else:
             train, held = hold_out(train, config.eval_size,

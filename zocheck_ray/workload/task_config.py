@@ -3,6 +3,7 @@
     TaskConfig()                                   # SST-2 style on the shipped data
     TaskConfig(kind="lm", data_path="notes.jsonl", text_field="text")
     TaskConfig(kind="classification", data_path="reviews.csv", verbalizer={"neg": "", "pos": ""})
+    TaskConfig(kind="sft", data_path="chats.jsonl", assistant_only_loss=True)   # TRL's SFT formats (sft.py)
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from zocheck_ray.workload.tokenization import TokenizerChoice
 
 DataFormat = Literal["auto", "jsonl", "csv", "parquet", "dataset"]
-TaskKind = Literal["sst2", "lm", "classification", "rte", "cb", "boolq", "wsc", "wic", "multirc", "copa", "squad"]
+TaskKind = Literal["sst2", "lm", "classification", "rte", "cb", "boolq", "wsc", "wic", "multirc", "copa", "squad",
+                   "sft"]
 MEZO_KINDS = ("rte", "cb", "boolq", "wsc", "wic", "multirc", "copa", "squad")
 """MeZO's tasks beyond SST-2 (`rows.py`, `prompts.py`)."""
+SFT_DEFAULTS = {"max_length": 1024, "text_field": "text"}
+"""Where kind `sft` follows TRL's `SFTConfig` defaults rather than ours."""
+SFT_FIELDS = ("completion_only_loss", "assistant_only_loss", "truncation_mode", "eval_generations", "max_new_tokens")
+"""Fields only kind `sft` reads."""
 
 
 class TaskConfig(BaseModel):
@@ -27,7 +33,8 @@ class TaskConfig(BaseModel):
 
     kind: TaskKind = "sst2"
     """`sst2`: a causal LM scores each verbalizer word after the prompt; `lm`: next-token loss; `classification`:
-    a classification head; MeZO's `rte`, `cb`, `boolq`, `wsc`, `wic`, `multirc`, `copa` and `squad`."""
+    a classification head; MeZO's `rte`, `cb`, `boolq`, `wsc`, `wic`, `multirc`, `copa` and `squad`; `sft`:
+    supervised fine-tuning on TRL's four dataset formats, tokenized as TRL's `SFTTrainer` does (docs/sft.md)."""
     data_path: str | None = None
     """Training rows: a JSONL, CSV or Parquet file or a `save_to_disk` folder; None: the shipped SST-2 style data."""
     eval_path: str | None = None
@@ -49,7 +56,8 @@ class TaskConfig(BaseModel):
     train_set_seed: int = Field(0, ge=0)
     """MeZO's `train_set_seed`."""
     text_field: str = Field("sentence", min_length=1)
-    """The field (JSONL) or column (CSV) holding the text."""
+    """The field (JSONL) or column (CSV) holding the text; kind `sft`: TRL's `dataset_text_field` of language
+    modelling rows, `text` by default."""
     label_field: str = Field("label", min_length=1)
     """The field or column holding the label (not read by `lm`)."""
     verbalizer: dict[int | str, str] = Field(default_factory=lambda: {0: "terrible", 1: "great"})
@@ -59,7 +67,8 @@ class TaskConfig(BaseModel):
     batch_size: int = Field(16, ge=1)
     """Rows per training step."""
     max_length: int = Field(64, ge=2)
-    """Tokens per sequence at most; prompts lose their start, other texts their end."""
+    """Tokens per sequence at most; prompts lose their start, other texts their end. Kind `sft`: TRL's
+    `max_length`, 1024 by default, cut as `truncation_mode` says."""
     data_seed: int = Field(0, ge=0)
     """The batch of step t is a pure function of (data_seed, t)."""
     eval_size: int = Field(96, ge=1)
@@ -77,6 +86,25 @@ class TaskConfig(BaseModel):
     """Rows per forward pass during evaluation (memory only)."""
     tokenizer: TokenizerChoice = "auto"
     """`auto`: the model directory's tokenizer if it has one, else byte-level; `model`; `byte`."""
+    completion_only_loss: bool | None = None
+    """Kind `sft`, TRL's `completion_only_loss`: train on the completion of prompt-completion rows only; None:
+    on for prompt-completion rows (TRL's default)."""
+    assistant_only_loss: bool = False
+    """Kind `sft`, TRL's `assistant_only_loss`: train on the assistant's tokens of conversational rows only (the
+    chat template's `{% generation %}` span)."""
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
+    """Kind `sft`, TRL's `truncation_mode`: a sequence over `max_length` keeps its first or its last tokens."""
+    eval_generations: int = Field(3, ge=0)
+    """Kind `sft`: greedy generations from the first held-out prompts, for the run's log at each evaluation."""
+    max_new_tokens: int = Field(32, ge=1)
+    """Kind `sft`: tokens each of those generations adds at most (it stops earlier at EOS or the end of a turn)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sft_defaults(cls, data):
+        if isinstance(data, dict) and data.get("kind") == "sft":
+            return {**SFT_DEFAULTS, **data}
+        return data
 
     @field_validator("template")
     @classmethod
@@ -119,9 +147,19 @@ class TaskConfig(BaseModel):
             raise ValueError("task.num_dev and task.num_eval belong to MeZO's sampler: set task.num_train too")
         if self.num_train is not None and self.k_shot is not None:
             raise ValueError("task.k_shot and task.num_train are two samplers: set one")
-        if self.kind == "lm" and self.k_shot is not None:
-            raise ValueError("task.k_shot samples k rows per class, and kind 'lm' has no classes; unset k_shot (or "
-                             "choose a classification kind)")
+        if self.kind in ("lm", "sft") and self.k_shot is not None:
+            raise ValueError(f"task.k_shot samples k rows per class, and kind {self.kind!r} has no classes; unset "
+                             "k_shot (or choose a classification kind)")
+        return self
+
+    @model_validator(mode="after")
+    def _sft_fields(self) -> "TaskConfig":
+        # by value, not by what was given: a dumped config reloads with every field given
+        given = [f"task.{name}={getattr(self, name)!r}" for name in SFT_FIELDS
+                 if getattr(self, name) != type(self).model_fields[name].default]
+        if self.kind != "sft" and given:
+            raise ValueError(f"{', '.join(given)}: settings of kind 'sft' (TRL's), which kind {self.kind!r} does not "
+                             "read; leave them at their defaults or set task.kind to 'sft'")
         return self
 
     @property

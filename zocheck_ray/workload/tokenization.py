@@ -7,11 +7,13 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Literal, Protocol, Sequence
 
 from zocheck_ray.workload.data import encode as byte_encode
-from zocheck_ray.workload.errors import ModelNotFoundError
+from zocheck_ray.workload.errors import ModelNotFoundError, WorkloadError
+from zocheck_ray.workload.names import CHAT_TOKENIZER_MODELS
 
 TokenizerChoice = Literal["auto", "byte", "model"]
 
@@ -73,18 +75,28 @@ def byte_tokenizer_files(vocab_size: int) -> dict[str, str]:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "pad_token": "<pad>",
               "split_special_tokens": True,  # "<s>" in a text is its bytes, as for ByteTokenizer
               "model_max_length": 1_000_000_000, "clean_up_tokenization_spaces": False}
-    chars = _byte_chars()
-    vocab = {"<pad>": 0, "<s>": 1, **{chars[b]: 2 + b % (vocab_size - 2) for b in range(256)}}
-    special = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
-    bos, a, b = ({"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                 {"Sequence": {"id": "B", "type_id": 1}})
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     version = "1.0" if vocab_size >= EXACT_BYTE_VOCAB else (  # tokenizers raises, naming it
         f"none: this run's byte-level tokenizer folds 256 bytes into {vocab_size - 2} ids, which no Hugging Face "
         f"tokenizer decodes; use zocheck_ray.workload.tokenization.ByteTokenizer({vocab_size})")
-    tokenizer = {
+    tokenizer = _byte_level_json(vocab_size, version, ())
+    return {"tokenizer.json": json.dumps(tokenizer, ensure_ascii=False),
+            "tokenizer_config.json": json.dumps(config)}
+
+
+def _byte_level_json(vocab_size: int, version: str, specials: Sequence[str]) -> dict:
+    """tokenizers' JSON of one token per byte at 2 + byte (folded below `EXACT_BYTE_VOCAB`), <pad> 0, <s> 1 put
+    first, and `specials` from 258 on."""
+    chars = _byte_chars()
+    vocab = {"<pad>": 0, "<s>": 1, **{chars[b]: 2 + b % (vocab_size - 2) for b in range(256)}}
+    vocab.update({token: EXACT_BYTE_VOCAB + i for i, token in enumerate(specials)})
+    special = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+    added = [{"id": vocab[token], "content": token, **special} for token in ("<pad>", "<s>", *specials)]
+    bos, a, b = ({"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"Sequence": {"id": "B", "type_id": 1}})
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    return {
         "version": version, "truncation": None, "padding": None,
-        "added_tokens": [{"id": 0, "content": "<pad>", **special}, {"id": 1, "content": "<s>", **special}],
+        "added_tokens": added,
         "normalizer": None, "pre_tokenizer": byte_level,
         "post_processor": {"type": "TemplateProcessing", "single": [bos, a], "pair": [bos, a, b],
                            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
@@ -93,8 +105,43 @@ def byte_tokenizer_files(vocab_size: int) -> dict[str, str]:
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
                   "vocab": vocab, "merges": []},  # no merges: one token per byte
     }
-    return {"tokenizer.json": json.dumps(tokenizer, ensure_ascii=False),
-            "tokenizer_config.json": json.dumps(config)}
+
+
+CHAT_SPECIALS = ("</s>", "<|im_start|>", "<|im_end|>")
+"""`tiny-chat`'s tokens beyond the bytes: EOS, then ChatML's turn delimiters, at 258, 259, 260."""
+CHAT_VOCAB = EXACT_BYTE_VOCAB + len(CHAT_SPECIALS)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}"
+    "{%- else %}{{- message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""ChatML after a BOS; the assistant's content and its <|im_end|> inside `{% generation %}`, so
+`return_assistant_tokens_mask=True` marks what TRL's `assistant_only_loss` trains on."""
+
+
+def chat_tokenizer_files() -> dict[str, str]:
+    """`tiny-chat`'s tokenizer as a snapshot holds it: one id per byte as `byte_tokenizer_files(258)`, with
+    EOS, ChatML's specials and `CHAT_TEMPLATE` (specials in a text are the tokens, as in any HF tokenizer)."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "pad_token": "<pad>",
+              "model_max_length": 1_000_000_000, "clean_up_tokenization_spaces": False}
+    return {"tokenizer.json": json.dumps(_byte_level_json(CHAT_VOCAB, "1.0", CHAT_SPECIALS), ensure_ascii=False),
+            "tokenizer_config.json": json.dumps(config), "chat_template.jinja": CHAT_TEMPLATE}
+
+
+def chat_tokenizer():
+    """`tiny-chat`'s `PreTrainedTokenizerFast`, loaded from `chat_tokenizer_files()` as from a snapshot."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="zocheck-tiny-chat-") as directory:
+        for name, text in chat_tokenizer_files().items():
+            (Path(directory) / name).write_text(text, encoding="utf-8")
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
 
 
 def _byte_chars() -> dict[int, str]:
@@ -110,14 +157,18 @@ OPT_BOS_ID = 0
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer loaded from a local directory (no network); `bos_id` replaces its BOS."""
+    """A Hugging Face tokenizer loaded from a local directory (no network), or `tokenizer` as given; `bos_id`
+    replaces its BOS."""
 
-    def __init__(self, directory: str | Path, bos_id: int | None = None):
-        from transformers import AutoTokenizer
+    def __init__(self, directory: str | Path | None, bos_id: int | None = None, tokenizer=None,
+                 name: str | None = None):
+        if tokenizer is None:
+            from transformers import AutoTokenizer
 
-        self.directory = Path(directory)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.directory, local_files_only=True)
-        tok = self.tokenizer
+            tokenizer = AutoTokenizer.from_pretrained(Path(directory), local_files_only=True)
+        self.directory = None if directory is None else Path(directory)
+        self.name = name if name is not None else f"from {self.directory}"
+        self.tokenizer = tok = tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_id = int(pad) if pad is not None else 0
         self.vocab_size = len(tok)
@@ -137,10 +188,22 @@ class HFTokenizer:
         return [[self.bos_id, *ids[1:]] for ids in out["input_ids"]]
 
     def describe(self) -> str:
-        return f"{type(self.tokenizer).__name__} from {self.directory}"
+        return f"{type(self.tokenizer).__name__} {self.name}"
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def hf_tokenizer(tokenizer: TextTokenizer | object) -> HFTokenizer:
+    """Kind sft's tokenizer: an `HFTokenizer` (a `PreTrainedTokenizerBase` is wrapped); a byte-level one is refused."""
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer
+    if hasattr(tokenizer, "apply_chat_template"):
+        return HFTokenizer(None, tokenizer=tokenizer, name="given to build_task")
+    raise WorkloadError(
+        f"task kind 'sft' tokenizes as TRL does, with the model's own Hugging Face tokenizer, but this run's is "
+        f"{tokenizer.describe()}, whose ids a pretrained model does not know and which has no EOS or chat template; "
+        "use a model directory saved with its tokenizer, or model tiny-chat, and task.tokenizer 'auto' or 'model'")
 
 
 def has_tokenizer(directory: str | Path | None) -> bool:
@@ -152,27 +215,37 @@ MODEL_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tok
 """A model directory's tokenizer files a full snapshot copies (text: a sentencepiece model alone is not copied)."""
 
 
-def snapshot_tokenizer_files(model_dir: str | Path | None, vocab_size: int,
-                             choice: TokenizerChoice = "auto") -> dict[str, str]:
-    """What a full snapshot holds so that `AutoTokenizer.from_pretrained(snapshot)` gives the run's tokenizer."""
-    if is_byte_level(model_dir, vocab_size, choice):
+def snapshot_tokenizer_files(model_dir: str | Path | None, vocab_size: int, choice: TokenizerChoice = "auto",
+                             model: str | None = None) -> dict[str, str]:
+    """What a full snapshot holds so that `AutoTokenizer.from_pretrained(snapshot)` gives the run's tokenizer;
+    `model`: the run's model name (`tiny-chat` has a tokenizer without a directory)."""
+    if is_byte_level(model_dir, vocab_size, choice, model):
         return byte_tokenizer_files(vocab_size)
+    if model_dir is None and model in CHAT_TOKENIZER_MODELS:
+        return chat_tokenizer_files()
     found = {name: Path(model_dir) / name for name in MODEL_TOKENIZER_FILES if (Path(model_dir) / name).is_file()}
     if not found.keys() & {"tokenizer.json", "vocab.json", "vocab.txt"}:
         return {}  # a sentencepiece model alone: nothing here loads without it
     return {name: path.read_text(encoding="utf-8") for name, path in found.items()}
 
 
-def is_byte_level(model_dir: str | Path | None, vocab_size: int, choice: TokenizerChoice = "auto") -> bool:
+def is_byte_level(model_dir: str | Path | None, vocab_size: int, choice: TokenizerChoice = "auto",
+                  model: str | None = None) -> bool:
     """Whether `load_tokenizer` gives a `ByteTokenizer` (a byte-level run's snapshot too)."""
+    if model_dir is None and model in CHAT_TOKENIZER_MODELS:
+        return choice == "byte"
     return choice == "byte" or (choice == "auto" and not has_tokenizer(model_dir)) or \
         _is_byte_snapshot(model_dir, vocab_size)
 
 
-def load_tokenizer(model_dir: str | Path | None, vocab_size: int, choice: TokenizerChoice = "auto") -> TextTokenizer:
-    """The tokenizer for a model: `auto` the directory's own if it has one, else byte-level; `model` requires it."""
-    if is_byte_level(model_dir, vocab_size, choice):
+def load_tokenizer(model_dir: str | Path | None, vocab_size: int, choice: TokenizerChoice = "auto",
+                   model: str | None = None) -> TextTokenizer:
+    """The tokenizer for a model: `auto` the directory's own if it has one (`tiny-chat`: `chat_tokenizer()`), else
+    byte-level; `model` requires it. `model` is the model's name, `model_dir` its directory (None: built-in)."""
+    if is_byte_level(model_dir, vocab_size, choice, model):
         return ByteTokenizer(vocab_size)
+    if model_dir is None and model in CHAT_TOKENIZER_MODELS:
+        return HFTokenizer(None, tokenizer=chat_tokenizer(), name=f"of {model}")
     if not has_tokenizer(model_dir):
         where = "a model built from a named config" if model_dir is None else f"model directory {model_dir}"
         raise ModelNotFoundError(f"task.tokenizer is 'model' but {where} has no tokenizer files "
