@@ -185,13 +185,31 @@ def _scalars(values: dict) -> dict:
 
 def train_trial(config: dict, job: dict, callbacks: Sequence = ()) -> None:
     """The Tune trainable: one ZOCheck job, reported after each segment, restorable exactly."""
+    from ray import tune
+
+    run_trial(trial_job(job, config, tune.get_context().get_trial_id()), callbacks)
+
+
+def trial_id() -> str | None:
+    """The id of the Tune trial this process runs, or None outside one."""
+    import warnings
+
+    from ray import tune
+
+    with warnings.catch_warnings():  # outside a trial Ray warns, and returns None
+        warnings.simplefilter("ignore")
+        return tune.get_context().get_trial_id()
+
+
+def run_trial(trial: JobConfig, callbacks: Sequence = (), workload=None, progress=print):
+    """Run `trial` as the Tune trial this process runs (`train_trial`'s, or a `ZOTrainer`'s in a user's
+    trainable): in the trial's placement group, reported to Tune after each segment with a checkpoint pointer to
+    the newest durable image, resumed from the trial's checkpoint when Tune restores it. Returns its `RunSummary`."""
     import ray
     from ray import tune
 
-    from zocheck_ray.runtime.messages import ShadowMetrics, TrainerProgress
-    from zocheck_ray.control import run
+    from zocheck_ray.control import RunCallback, run
 
-    trial = trial_job(job, config, tune.get_context().get_trial_id())
     restored = tune.get_checkpoint()
     last_reported: int | None = None
     if restored is not None:
@@ -220,13 +238,21 @@ def train_trial(config: dict, job: dict, callbacks: Sequence = ()) -> None:
             newest = evaluations[max(evaluations, key=int)]
             held_out.update({f"eval_{name}": value for name, value in _scalars(newest).items()})
 
-    def on_segment(progress: TrainerProgress, metrics: ShadowMetrics) -> None:
-        absorb(progress.evaluations)
-        report({**_scalars(metrics.model_dump()), **_scalars(progress.model_dump()), **held_out,
-                "run_id": trial.run_id}, metrics.durable_step)
+    class Reports(RunCallback):
+        def on_segment(self, run, segment):
+            # every evaluation so far, the step-0 one too (taken during the startup profile): the first report
+            # carries every metric a trial can be asked for
+            absorb(run.record.evaluations)
+            report({**_scalars(segment.metrics.model_dump()), **_scalars(segment.progress.model_dump()), **held_out,
+                    "run_id": trial.run_id}, segment.metrics.durable_step)
 
-    summary = run(trial, progress=print, callbacks=callbacks, placement_group=ray.util.get_current_placement_group(),
-                  first_bundle=1, on_segment=on_segment)
+    group = ray.util.get_current_placement_group()
+    if group is None or len(group.bundle_specs) < 2 + trial.scaling.trainers:
+        raise JobConfigError(f"the Tune trial of run {trial.run_id!r} has no room for its trainer and shadow: give "
+                             "the trainable its resources, tune.with_resources(trainable, "
+                             "zocheck_ray.tune.trial_resources(job))")
+    summary = run(trial, progress=progress, callbacks=[*callbacks, Reports()], placement_group=group, first_bundle=1,
+                  workload=workload)
     absorb(summary.evaluations)
     final = {**_scalars(summary.metrics.model_dump()), **held_out, "step": summary.steps, "run_id": trial.run_id,
              "final_state_hash": summary.final_state_hash, "shadow_state_hash": summary.shadow_state_hash,
@@ -235,6 +261,7 @@ def train_trial(config: dict, job: dict, callbacks: Sequence = ()) -> None:
     if summary.losses:
         final["loss"] = summary.losses[-1][1]
     report(final, summary.metrics.durable_step)
+    return summary
 
 
 def _absolute(job: JobConfig) -> dict:
@@ -328,12 +355,21 @@ def tune_command(args: argparse.Namespace) -> int:
         if args.address and args.num_cpus:
             raise JobConfigError("--num-cpus sizes a local Ray instance; a cluster (--address) has its own "
                                  "(ray start --num-cpus=N on its nodes)")
+        if args.num_cpus and not args.address:
+            from zocheck_ray.control.connect import cluster_to_join
+
+            joined, why = cluster_to_join(None)
+            if joined is not None:  # ray.init would join it, and refuse num_cpus there
+                raise JobConfigError(f"--num-cpus sizes a local Ray instance, but this sweep joins the cluster at "
+                                     f"{joined} ({why}): give that cluster's node the CPUs (ray stop, then ray start "
+                                     f"--head --num-cpus={args.num_cpus}), or start a local instance for the sweep "
+                                     "with RAY_ADDRESS=local")
         job = load_job_config(args.config, args.set, steps=args.steps, storage=args.storage)
         check_job_environment(job)
         if args.address:
             ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
         elif args.num_cpus:
-            ray.init(num_cpus=args.num_cpus, namespace=NAMESPACE, log_to_driver=False)
+            ray.init(address="local", num_cpus=args.num_cpus, namespace=NAMESPACE, log_to_driver=False)
         results = sweep(job, dict(args.grid), tune_storage=args.tune_storage, max_failures=args.max_failures,
                         metric=args.metric, mode=args.mode)
     except (JobConfigError, CheckpointPointerError) as exc:

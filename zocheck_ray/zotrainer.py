@@ -25,7 +25,9 @@ from typing import Any, Callable, Mapping, Sequence
 from zocheck_ray.config import JobConfig, JobConfigError, load_job_config
 from zocheck_ray.control.callbacks import RunCallback
 from zocheck_ray.control.faults import FaultPlan
-from zocheck_ray.workload.custom import Workload, function_name
+from zocheck_ray.workload.custom import Workload
+from zocheck_ray.workload.errors import WorkloadError
+from zocheck_ray.workload.model_init import ModelInit, function_name, register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,15 +111,23 @@ class _Events(RunCallback):
     def on_segment(self, run, segment):
         progress, m = segment.progress, segment.metrics
         self._each("on_step", StepEvent(progress.step, progress.loss, m.lag_steps, m.snapshot_step, m.durable_step))
+        self._news(run, m)
+
+    def on_state(self, run, state):
+        if state == "done" and run.summary is not None:  # the final state, made durable after the last segment
+            self._news(run, run.summary.metrics)
+
+    def _news(self, run, m) -> None:
+        """Snapshots and evaluations not told yet (the step-0 evaluation is taken during the startup profile)."""
         for step, durable in ((m.snapshot_step, False), (m.durable_step, True)):
-            seen = self.durable if durable else self.snapshot
-            if step is not None and step != seen:
+            if step is not None and step != (self.durable if durable else self.snapshot):
                 self._each("on_snapshot", SnapshotEvent(step, durable))
         self.snapshot, self.durable = m.snapshot_step, m.durable_step
-        for step in sorted(set(progress.evaluations) - self.evaluated):
+        record = run.record
+        for step in sorted(set(record.evaluations) - self.evaluated):
             self.evaluated.add(step)
-            samples = tuple(tuple(pair) for pair in progress.samples.get(step, ()))
-            self._each("on_evaluate", EvaluationEvent(step, types.MappingProxyType(dict(progress.evaluations[step])),
+            samples = tuple(tuple(pair) for pair in record.samples.get(step, ()))
+            self._each("on_evaluate", EvaluationEvent(step, types.MappingProxyType(dict(record.evaluations[step])),
                                                       samples))
 
     def on_recovery(self, run, r):
@@ -146,17 +156,32 @@ class ZOTrainer:
     def __init__(self, model: str | Callable | None = None, args: JobConfig | Mapping | str | Path | None = None,
                  train_dataset: Sequence[Mapping] | None = None, eval_dataset: Sequence[Mapping] | None = None,
                  processing_class: Any = None, data_collator: Callable | None = None,
-                 compute_loss_func: Callable | None = None, callbacks: Sequence[ZOTrainerCallback] | None = None):
-        """`model`: a model name or directory as a job's `model`, or None for `args`'s. Rows handed over make the
-        task kind `sft` unless `args` names another kind."""
-        if model is not None and not isinstance(model, (str, Path)):
-            raise JobConfigError(f"model must be a model name or directory, got {type(model).__name__}")
+                 compute_loss_func: Callable | None = None, callbacks: Sequence[ZOTrainerCallback] | None = None,
+                 model_init: Callable | None = None):
+        """`model`: a model name or directory as a job's `model` (None: `args`'s), or a `model_init` function that
+        returns the model, which each trainer process calls (here once too, as `Trainer` does, to learn the model's
+        config and layout; with torch seeded from `run_seed` before each call). Rows handed over make the task
+        kind `sft` unless `args` names another kind."""
+        if model_init is not None:
+            if model is not None:
+                raise JobConfigError("give model or model_init, not both")
+            model = model_init
         kind = {"task": {"kind": "sft"}} if train_dataset is not None and not _names_kind(args) else {}
+        init = None
+        if callable(model):
+            try:
+                init = ModelInit.probe(model, job_of(_merged(args, kind)).run_seed)
+            except WorkloadError as exc:
+                raise JobConfigError(str(exc)) from exc
+            model = register(init)
+        elif model is not None and not isinstance(model, (str, Path)):
+            raise JobConfigError(f"model must be a model name, a model directory or a model_init function, got "
+                                 f"{type(model).__name__}")
         self.args = job_of(_merged(args, kind), str(model) if model is not None else None)
         for name, fn in (("data_collator", data_collator), ("compute_loss_func", compute_loss_func)):
             if fn is not None and not callable(fn):
                 raise JobConfigError(f"{name} must be a function, got {type(fn).__name__}")
-        self.workload = Workload(train_dataset, eval_dataset, processing_class, data_collator, compute_loss_func)
+        self.workload = Workload(train_dataset, eval_dataset, processing_class, data_collator, compute_loss_func, init)
         self.callbacks = list(callbacks or [])
         self.summary = None
         """The last `train`'s `RunSummary`."""
@@ -165,12 +190,19 @@ class ZOTrainer:
               faults: FaultPlan | None = None):
         """Run the job on the Ray cluster of `address` (see `zocheck_ray.run`) and return its `RunSummary`; a run
         whose storage holds the job's run resumes it exactly. `faults`: failures dealt on purpose (`FaultPlan`).
-        Raises `JobConfigError` before any actor starts, `RunFailedError` when the run fails."""
+        In a Ray Tune trainable, the run is the trial's (`zocheck_ray.tune.run_trial`: its run_id gets the trial's
+        id; give the trainable `tune.with_resources(fn, zocheck_ray.tune.trial_resources(job))`). Raises
+        `JobConfigError` before any actor starts, `RunFailedError` when the run fails."""
         from zocheck_ray.control import run
+        from zocheck_ray.tune import run_trial, trial_id
 
         events = _Events(self.callbacks)
-        self.summary = run(self.args, progress=progress, callbacks=[events], address=address, workload=self.workload,
-                           faults=faults)
+        if (trial := trial_id()) is not None:  # a Ray Tune trainable's: the trial's resources, reports, restores
+            job = self.args.model_copy(update={"run_id": f"{self.args.run_id}-{trial}"})
+            self.summary = run_trial(job, [events], self.workload, progress)
+        else:
+            self.summary = run(self.args, progress=progress, callbacks=[events], address=address,
+                               workload=self.workload, faults=faults)
         for callback in self.callbacks:
             callback.on_train_end(self.summary)
         return self.summary
@@ -184,8 +216,9 @@ class ZOTrainer:
         return {**{f"eval_{k}": v for k, v in metrics.items()}, "step": self.summary.steps}
 
     def save_model(self, output_dir: str | Path) -> Path:
-        """Write the run's newest durable state (its final state after `train`) as a Hugging Face directory:
-        `from_pretrained(output_dir)` loads it (`PeftModel.from_pretrained(base, output_dir)` for an adapter)."""
+        """Write the run's newest durable state (its final state after `train`) as a Hugging Face directory, with
+        `processing_class`'s files: `from_pretrained(output_dir)` loads it (`PeftModel.from_pretrained(base,
+        output_dir)` for an adapter)."""
         from zocheck_ray.core.hashing import state_hash
         from zocheck_ray.storage.cli import write_model_dir
         from zocheck_ray.storage.recovery import recover
@@ -193,6 +226,9 @@ class ZOTrainer:
         job = self.args
         result = recover(job.run_url, storage_options=job.storage_options)
         write_model_dir(str(output_dir), result, state_hash(result.state), job.run_url)
+        tokenizer = self.workload.tokenizer
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):  # as Trainer.save_model saves it
+            tokenizer.save_pretrained(str(output_dir))
         return Path(output_dir)
 
     def __repr__(self) -> str:

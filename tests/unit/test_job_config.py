@@ -84,7 +84,7 @@ def test_the_groups_keep_their_defaults():
     assert job.durability.model_dump() == {"durable_interval": None, "storage_share": 0.1,
                                            "max_undurable_steps": 5000, "log_seal_records": 1024,
                                            "lease_seconds": 30.0}
-    assert job.failure.model_dump() == {"max_restarts": 10, "standby": False}
+    assert job.failure.model_dump() == {"max_restarts": 10, "mtbf_hours": None, "standby": False}
     assert job.scaling.model_dump() == {"trainers": 1, "min_trainers": None, "placement": "pack",
                                         "collective_timeout_seconds": 600.0, "use_gpu": "auto"}
 

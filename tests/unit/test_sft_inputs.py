@@ -186,15 +186,15 @@ def test_an_encoder_is_refused_for_sft():
         build_task(TaskConfig(kind="sft", max_length=64), "tiny-bert", rows=PAIRS)
 
 
-def test_rows_in_memory_and_a_data_path_or_another_kind_are_refused(tmp_path):
+def test_rows_in_memory_and_a_data_path_or_another_kind_are_refused_and_no_path_reads_the_shipped_chats(tmp_path):
     with pytest.raises(WorkloadError, match="^rows were handed to build_task and task.data_path/eval_path are set "
                                             "too; give one$"):
         build_task(TaskConfig(kind="sft", data_path=write(tmp_path, PAIRS)), "tiny-chat", rows=PAIRS)
     with pytest.raises(WorkloadError, match="^rows handed to build_task are SFT rows \\(task.kind 'sft'\\); kind "
                                             "'lm' reads task.data_path$"):
         build_task(TaskConfig(kind="lm"), "tiny-llama", rows=PAIRS)
-    with pytest.raises(WorkloadError, match="^task kind 'sft' reads its rows from task.data_path"):
-        build_task(TaskConfig(kind="sft"), "tiny-chat")
+    shipped = build_task(TaskConfig(kind="sft", eval_size=8), "tiny-chat")  # no data_path: the shipped chats
+    assert shipped.sft_format == "conversational_language_modeling" and shipped.n_train == 152
 
 
 def test_sft_settings_on_another_kind_are_refused_by_the_config():

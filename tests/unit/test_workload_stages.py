@@ -15,8 +15,9 @@ import zocheck_ray.workload
 WORKLOAD = Path(zocheck_ray.workload.__file__).parent
 STAGES = ["datafiles", "rows", "sampling", "prompts", "examples", "tasks"]
 """In the order a task's rows go through them: files, rows, sample, render, examples, the task."""
-PARTS = {"sft_rows": "rows", "sft": "examples", "sft_task": "tasks"}
-"""A kind's own module within a stage (kind sft's rows, examples and task): it counts as its stage."""
+PARTS = {"sft.rows": "rows", "sft.prepare": "examples", "sft.task": "tasks"}
+"""A kind's own module within a stage (kind sft's rows, examples and task, in its subpackage): it counts as its
+stage."""
 SHARED = {"errors", "data", "task_config", "tokenization"}
 MODEL_SIDE = {"models", "names", "weights", "adapters", "peft_settings"}
 DRIVER = "builder"
@@ -25,7 +26,7 @@ DRIVERS = {DRIVER, "custom"}
 
 
 def parse(module: str) -> ast.Module:
-    return ast.parse((WORKLOAD / f"{module}.py").read_text())
+    return ast.parse((WORKLOAD / f"{module.replace('.', '/')}.py").read_text())
 
 
 def stage_of(module: str) -> str:
@@ -45,12 +46,18 @@ def imports(module: str) -> dict[str, set[str]]:
             if node.level:
                 name = f"zocheck_ray.workload.{name}".rstrip(".")
             if name.startswith("zocheck_ray.workload."):
-                out.setdefault(name.split(".")[2], set()).update(alias.name for alias in node.names)
+                out.setdefault(_module(name), set()).update(alias.name for alias in node.names)
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("zocheck_ray.workload."):
-                    out.setdefault(alias.name.split(".")[2], set()).add("*")
+                    out.setdefault(_module(alias.name), set()).add("*")
     return out
+
+
+def _module(name: str) -> str:
+    """A workload module's key: `rows`, or `sft.rows` within a subpackage."""
+    parts = name.removeprefix("zocheck_ray.workload.").split(".")
+    return ".".join(parts[:2]) if (WORKLOAD / parts[0]).is_dir() else parts[0]
 
 
 def classes(module: str) -> set[str]:
@@ -58,8 +65,8 @@ def classes(module: str) -> set[str]:
 
 
 def test_every_module_of_the_workload_has_a_place():
-    placed = set(STAGES) | set(PARTS) | SHARED | MODEL_SIDE | DRIVERS | {"__init__"}
-    assert {p.stem for p in WORKLOAD.glob("*.py")} == placed
+    placed = set(STAGES) | set(PARTS) | SHARED | MODEL_SIDE | DRIVERS | {"__init__", "sft.__init__"}
+    assert {".".join(p.relative_to(WORKLOAD).with_suffix("").parts) for p in WORKLOAD.rglob("*.py")} == placed
 
 
 def test_no_stage_imports_a_later_stage_or_the_builder():

@@ -72,8 +72,13 @@ def identity_of(job: JobConfig, task) -> RunIdentity:
 
 
 def weights_fingerprint(job: JobConfig) -> str:
-    from zocheck_ray.workload.names import model_directory
+    from zocheck_ray.workload.names import MODEL_INIT_PREFIX, model_directory
 
+    if job.model.startswith(MODEL_INIT_PREFIX):
+        from zocheck_ray.workload.model_init import registered
+
+        init = registered(job.model)
+        return f"model_init {init.function}: {init.architecture}, parameter layout {init.layout}"
     directory = model_directory(job.model)
     if directory is None:
         return "built from its config, initialised from run_seed"

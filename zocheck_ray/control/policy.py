@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 from zocheck_ray.config import JobConfig
 
@@ -77,6 +77,26 @@ class FailureBudget:
         return self.spent <= self.limit
 
 
+FATAL: dict[str, Callable[[Failure, JobConfig], str]] = {
+    "durability_stalled": lambda f, job: f"{f.detail}; the run stops rather than go on without durability: fix the "
+                                         f"storage at {job.run_url} and run the same job again to resume",
+    "storage_lost": lambda f, job: f"{f.detail}: the run stops rather than write on and report durable what a "
+                                   f"recovery could not read; run the same job again to resume from what is left in "
+                                   f"{job.run_url} (the trainer recomputes the steps lost), or restore it first",
+    "storage_refused": lambda f, job: f"{f.detail}; the run stops rather than wait on writes that cannot succeed: "
+                                      f"make {job.run_url} writable and run the same job again to resume",
+    "writer_lost": lambda f, job: f"{f.detail}; one writer per run: stop the other writer or give this job another "
+                                  "run_id or storage",
+    "input_refused": lambda f, job: f"{f.detail}; a restart would meet it again: fix it, and run the same job again "
+                                    "to resume from the durable state",
+    "trainer_gone": lambda f, job: f"the trainer cannot be restarted ({f.detail}); raise failure.max_restarts (now "
+                                   f"{job.failure.max_restarts}) or look at the trainer's log",
+    "shadow_gone": lambda f, job: f"the shadow cannot be restarted ({f.detail}); the durable state under "
+                                  f"{job.run_url} resumes the run",
+}
+"""The failures that end the run, each with the line that says why and what to do."""
+
+
 def decide(failure: Failure, job: JobConfig, budget: FailureBudget, lag: LagBound | None = None) -> Decision:
     """The one place where a failure becomes what happens next; `lag`: the run's lag bound (the job's without)."""
     kind = failure.kind
@@ -96,26 +116,4 @@ def decide(failure: Failure, job: JobConfig, budget: FailureBudget, lag: LagBoun
         return Decision(Action.RESYNC, f"the shadow lags more than {lag.steps} steps ({lag.source})")
     if kind == "replay_error":
         return Decision(Action.RESYNC, "the shadow's replay stopped")
-    if kind == "durability_stalled":
-        return Decision(Action.FAIL, f"{failure.detail}; the run stops rather than go on without durability: fix the "
-                                     f"storage at {job.run_url} and run the same job again to resume")
-    if kind == "storage_lost":
-        return Decision(Action.FAIL, f"{failure.detail}: the run stops rather than write on and report durable what "
-                                     f"a recovery could not read; run the same job again to resume from what is left "
-                                     f"in {job.run_url} (the trainer recomputes the steps lost), or restore it first")
-    if kind == "storage_refused":
-        return Decision(Action.FAIL, f"{failure.detail}; the run stops rather than wait on writes that cannot "
-                                     f"succeed: make {job.run_url} writable and run the same job again to resume")
-    if kind == "writer_lost":
-        return Decision(Action.FAIL, f"{failure.detail}; one writer per run: stop the other writer or give this "
-                                     "job another run_id or storage")
-    if kind == "input_refused":
-        return Decision(Action.FAIL, f"{failure.detail}; a restart would meet it again: fix it, and run the same job "
-                                     "again to resume from the durable state")
-    if kind == "trainer_gone":
-        return Decision(Action.FAIL, f"the trainer cannot be restarted ({failure.detail}); raise failure.max_restarts "
-                                     f"(now {job.failure.max_restarts}) or look at the trainer's log")
-    if kind == "shadow_gone":
-        return Decision(Action.FAIL, f"the shadow cannot be restarted ({failure.detail}); the durable state "
-                                     f"under {job.run_url} resumes the run")
-    return Decision(Action.FAIL, failure.detail)
+    return Decision(Action.FAIL, FATAL[kind](failure, job) if kind in FATAL else failure.detail)

@@ -109,9 +109,9 @@ class RunSummary(BaseModel):
     metric: str = "accuracy"
     """The held-out metric: `accuracy`, or `loss` for language modelling."""
     evaluations: dict[int, dict[str, float]] = {}
+    """Held-out metrics by step: at step 0, every `task.eval_interval` steps and at the last step."""
     samples: dict[int, list[tuple[str, str]]] = {}
     """Kind `sft`: each evaluation's greedy generations from held-out prompts, (prompt, text), by step."""
-    """Held-out metrics by step: at step 0, every `task.eval_interval` steps and at the last step."""
     metric_before: float | None = None
     """`metric` at the first evaluated step (step 0 for a fresh run)."""
     metric_after: float | None = None

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
         trainable_parameters,
     )
     from zocheck_ray.workload.sampling import split_rows
-    from zocheck_ray.workload.sft_task import SFTTask
+    from zocheck_ray.workload.sft.task import SFTTask
     from zocheck_ray.workload.task_config import TaskConfig
     from zocheck_ray.workload.tasks import (
         LanguageModelingTask,
@@ -60,7 +60,7 @@ __getattr__, __dir__ = on_first_use(globals(), {
         "trainable_parameters",
     ),
     "sampling": ("split_rows",),
-    "sft_task": ("SFTTask",),
+    "sft.task": ("SFTTask",),
     "task_config": ("TaskConfig",),
     "tasks": ("LanguageModelingTask", "PromptClassificationTask", "SequenceClassificationTask", "Task"),
     "tokenization": ("ByteTokenizer", "HFTokenizer", "load_tokenizer"),

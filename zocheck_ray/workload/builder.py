@@ -1,7 +1,7 @@
 """`build_task`: the model's fit, then files -> rows -> sample -> render -> examples -> task, each stage once.
 
     task = build_task(TaskConfig(kind="rte", data_path="rte/", k_shot=16), "tiny-opt")
-    task = build_task(TaskConfig(kind="sft", eval_size=4), "tiny-chat", rows=dataset)  # rows handed over (sft.py)
+    task = build_task(TaskConfig(kind="sft", eval_size=4), "tiny-chat", rows=dataset)  # rows handed over (sft/prepare.py)
 
 Every error about the data or the model's fit is raised here, before any model or actor exists.
 """
@@ -18,7 +18,7 @@ from zocheck_ray.workload.models import model_config_dict, model_directory, mode
 from zocheck_ray.workload.prompts import render
 from zocheck_ray.workload.rows import check_rows
 from zocheck_ray.workload.sampling import sample
-from zocheck_ray.workload.sft_task import SFTTask
+from zocheck_ray.workload.sft.task import SFTTask
 from zocheck_ray.workload.task_config import MEZO_KINDS, TaskConfig
 from zocheck_ray.workload.tasks import (
     LanguageModelingTask, PromptClassificationTask, PromptLanguageModelTask, SequenceClassificationTask, SquadTask,

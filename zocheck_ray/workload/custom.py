@@ -2,7 +2,7 @@
 
     task = build_custom_task(TaskConfig(kind="sft"), rows, eval_rows, tokenizer=tok, compute_loss_func=my_loss)
 
-Rows in TRL's SFT formats are tokenized as kind `sft` tokenizes them (`sft.py`) and reach the collator as
+Rows in TRL's SFT formats are tokenized as kind `sft` tokenizes them (`sft/prepare.py`) and reach the collator as
 `{"input_ids", "labels"}`, the columns TRL prepares; other rows reach it as they are (`Trainer`'s
 `remove_unused_columns=False`). The batch of step t is `data_collator` over the rows of
 `batch_indices(data_seed, t)`, a pure function of (data_seed, t). Its loss is
@@ -21,17 +21,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from zocheck_ray.workload.errors import WorkloadError
+from zocheck_ray.workload.model_init import ModelInit, function_name
 from zocheck_ray.workload.sampling import hold_out, row_rank
 from zocheck_ray.workload.task_config import TaskConfig
 from zocheck_ray.workload.tasks import IGNORE, Task
 
 SFT_COLUMNS = (("messages",), ("prompt", "completion"))
 """Besides `task.text_field`: the columns that make a row one of TRL's SFT formats."""
-
-
-def function_name(function: Callable) -> str:
-    """`module.qualname` of a user's function, for the lines that name it."""
-    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
 
 
 class DatasetFeatures:
@@ -167,8 +163,8 @@ def _pad_collate(pad_id: int) -> Callable[[list], dict]:
 
 
 def _sft_features(config: TaskConfig, tokenizer, rows, source: str) -> list[dict]:
-    from zocheck_ray.workload.sft import encode_rows, hf_tokenizer, resolve_settings
-    from zocheck_ray.workload.sft_rows import sft_rows
+    from zocheck_ray.workload.sft.prepare import encode_rows, hf_tokenizer, resolve_settings
+    from zocheck_ray.workload.sft.rows import sft_rows
 
     checked = sft_rows(rows, config.text_field, source)
     tokenizer = hf_tokenizer(tokenizer)
@@ -231,6 +227,8 @@ class Workload:
     """A Hugging Face tokenizer (`processing_class`); None: the model's own."""
     data_collator: Callable[[list], Mapping] | None = None
     compute_loss_func: Callable | None = None
+    model_init: ModelInit | None = None
+    """The job's `model` as a function each trainer calls (`model_init.py`)."""
 
     @property
     def custom(self) -> bool:
@@ -248,6 +246,9 @@ class Workload:
             tokenizer = HFTokenizer(None, tokenizer=tokenizer, name="(processing_class)")
         features = self.train_rows is not None and len(self.train_rows) > 0 and isinstance(self.train_rows[0], Mapping) \
             and not is_sft_row(self.train_rows[0], config.text_field)
+        if tokenizer is None and self.model_init is not None and self.train_rows is not None and not features:
+            raise WorkloadError(f"the train_dataset's rows are SFT rows, and model_init {self.model_init.function} "
+                                "brings no tokenizer: give processing_class (the model's tokenizer)")
         if not self.custom and not features:  # TRL's rows, tokenized and trained on as kind `sft`
             return build_task(config, model, tokenizer=tokenizer, rows=self.train_rows, eval_rows=self.eval_rows)
         if self.train_rows is None:

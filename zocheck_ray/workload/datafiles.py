@@ -21,6 +21,8 @@ from zocheck_ray.workload.errors import DataFileError, DataFormatError, DatasetR
 from zocheck_ray.workload.task_config import MEZO_KINDS, DataFormat, TaskConfig
 
 SHIPPED_SST2 = Path(__file__).resolve().parent / "data" / "sst2_small.jsonl"
+SHIPPED_CHATS = Path(__file__).resolve().parent / "data" / "chat_small.jsonl"
+"""The shipped chats (kind `sft`'s default): 160 short conversations, a quarter with a system message."""
 """The shipped sentiment dataset: 480 short movie-review sentences, labels 0 (negative) and 1 (positive)."""
 
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
@@ -263,17 +265,13 @@ def _is_dataset_dict(rows: object) -> bool:
 def _sft_splits(config: TaskConfig, rows: InMemoryRows | None, eval_rows: InMemoryRows | None) -> Splits:
     """Kind sft's (where, record) pairs: from `task.data_path` (and `eval_path` or `eval_split`) or in memory."""
     if rows is None:
-        if config.data_path is None:
-            raise WorkloadError("task kind 'sft' reads its rows from task.data_path (JSONL, Parquet or a save_to_disk "
-                                "folder), or from rows handed to build_task(..., rows=dataset)")
-
         def read(where, split):
             return [(Where(str(where), line), record) for line, record in read_records(where, config.data_format,
                                                                                         split)]
-        train = read(config.data_path, config.split)
+        train = read(config.data_path or SHIPPED_CHATS, config.split)
         if config.eval_path is not None:
             return Splits(train, read(config.eval_path, config.eval_split), [])
-        if has_split(config.data_path, config.eval_split, config.data_format):
+        if config.data_path is not None and has_split(config.data_path, config.eval_split, config.data_format):
             return Splits(train, read(config.data_path, config.eval_split), [])
         return Splits(train, None, [])
     if config.data_path is not None or config.eval_path is not None:

@@ -8,7 +8,7 @@ from typing import Sequence
 from zocheck_ray.workload.datafiles import Splits
 from zocheck_ray.workload.errors import DataFormatError, TaskModelMismatchError, WorkloadError
 from zocheck_ray.workload.prompts import Rendered
-from zocheck_ray.workload.sft import encode_sft
+from zocheck_ray.workload.sft.prepare import encode_sft
 from zocheck_ray.workload.task_config import MEZO_KINDS, TaskConfig
 from zocheck_ray.workload.tokenization import TextTokenizer
 

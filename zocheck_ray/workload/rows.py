@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from zocheck_ray.workload.datafiles import Row, Splits
 from zocheck_ray.workload.errors import DataFormatError, LabelError
-from zocheck_ray.workload.sft_rows import check_sft_rows
+from zocheck_ray.workload.sft.rows import check_sft_rows
 from zocheck_ray.workload.task_config import MEZO_KINDS, TaskConfig
 
 

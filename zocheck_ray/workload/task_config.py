@@ -36,7 +36,8 @@ class TaskConfig(BaseModel):
     a classification head; MeZO's `rte`, `cb`, `boolq`, `wsc`, `wic`, `multirc`, `copa` and `squad`; `sft`:
     supervised fine-tuning on TRL's four dataset formats, tokenized as TRL's `SFTTrainer` does (docs/sft.md)."""
     data_path: str | None = None
-    """Training rows: a JSONL, CSV or Parquet file or a `save_to_disk` folder; None: the shipped SST-2 style data."""
+    """Training rows: a JSONL, CSV or Parquet file or a `save_to_disk` folder; None: the shipped SST-2 style data
+    (kind `sft`: the shipped chats)."""
     eval_path: str | None = None
     """Held-out rows in their own file; None: the folder's `eval_split`, else `eval_size` rows held out."""
     data_format: DataFormat = "auto"

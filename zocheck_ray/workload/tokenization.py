@@ -13,7 +13,7 @@ from typing import Literal, Protocol, Sequence
 
 from zocheck_ray.workload.data import encode as byte_encode
 from zocheck_ray.workload.errors import ModelNotFoundError, WorkloadError
-from zocheck_ray.workload.names import CHAT_TOKENIZER_MODELS
+from zocheck_ray.workload.names import CHAT_TOKENIZER_MODELS, MODEL_INIT_PREFIX
 
 TokenizerChoice = Literal["auto", "byte", "model"]
 
@@ -218,7 +218,10 @@ MODEL_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tok
 def snapshot_tokenizer_files(model_dir: str | Path | None, vocab_size: int, choice: TokenizerChoice = "auto",
                              model: str | None = None) -> dict[str, str]:
     """What a full snapshot holds so that `AutoTokenizer.from_pretrained(snapshot)` gives the run's tokenizer;
-    `model`: the run's model name (`tiny-chat` has a tokenizer without a directory)."""
+    `model`: the run's model name (`tiny-chat` has a tokenizer without a directory; a `model_init`'s tokenizer is
+    the user's, saved beside the model by `ZOTrainer.save_model`)."""
+    if model is not None and model.startswith(MODEL_INIT_PREFIX):
+        return {}
     if is_byte_level(model_dir, vocab_size, choice, model):
         return byte_tokenizer_files(vocab_size)
     if model_dir is None and model in CHAT_TOKENIZER_MODELS:

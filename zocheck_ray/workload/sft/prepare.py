@@ -19,7 +19,7 @@ from typing import Sequence
 
 from zocheck_ray.workload.datafiles import Splits
 from zocheck_ray.workload.errors import WorkloadError
-from zocheck_ray.workload.sft_rows import CONVERSATIONAL, PROMPT_COMPLETION, SFTRow
+from zocheck_ray.workload.sft.rows import CONVERSATIONAL, PROMPT_COMPLETION, SFTRow
 from zocheck_ray.workload.task_config import TaskConfig
 from zocheck_ray.workload.tokenization import HFTokenizer, TextTokenizer, hf_tokenizer
 

@@ -1,4 +1,4 @@
-"""`SFTTask`: TRL's SFT loss on prepared rows (`sft.py`), held-out loss and perplexity, and greedy generations.
+"""`SFTTask`: TRL's SFT loss on prepared rows (`sft/prepare.py`), held-out loss and perplexity, and greedy generations.
 
     task = build_task(TaskConfig(kind="sft", data_path="chats.jsonl"), "tiny-chat")
     task.loss(model, task.batch(t))       # mean cross-entropy over the trained tokens, as the model's own loss
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zocheck_ray.workload.sft import SFTExample
-from zocheck_ray.workload.sft_rows import CONVERSATIONAL
+from zocheck_ray.workload.sft.prepare import SFTExample
+from zocheck_ray.workload.sft.rows import CONVERSATIONAL
 from zocheck_ray.workload.tasks import IGNORE, LanguageModelingTask, _pad
 from zocheck_ray.workload.task_config import TaskConfig
 from zocheck_ray.workload.tokenization import HFTokenizer

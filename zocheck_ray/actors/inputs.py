@@ -1,0 +1,41 @@
+"""`InputsActor`: what a run's trainers take from the driver besides the job (rows and functions handed over in
+Python: the task the start-up check built, a `model_init`), kept in Ray's object store for the run.
+
+Each trainer process, Ray's restarts too, finds the holder by name and takes the objects. The trainers are not given
+the objects' references as constructor arguments: Ray cannot promise an actor it may restart the references it was
+created with (ray-project/ray#53727), and says so in an error line for every such actor. The holder is never
+restarted, and lives on the driver's node, with the driver that owns the objects.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from zocheck_ray.actors.names import NAMESPACE
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class InputsActor:
+    def __init__(self, inputs: list):
+        self._inputs = inputs
+
+    def get(self) -> list:
+        """[the task's reference, the model_init's reference or None]."""
+        return self._inputs
+
+
+def hold_inputs(run_id: str, task, model_init=None) -> tuple[str, object]:
+    """(name, handle) of a new holder of `task` and `model_init`, on this process's node."""
+    name = f"zocheck-inputs-{run_id}-{uuid.uuid4().hex[:8]}"
+    refs = [ray.put(task), ray.put(model_init) if model_init is not None else None]
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return name, InputsActor.options(name=name, namespace=NAMESPACE, scheduling_strategy=here).remote(refs)
+
+
+def take_inputs(name: str) -> tuple[object, object]:
+    """(task, model_init or None) held under `name`."""
+    task_ref, init_ref = ray.get(ray.get_actor(name, namespace=NAMESPACE).get.remote())
+    return ray.get(task_ref), ray.get(init_ref) if init_ref is not None else None
