@@ -189,11 +189,11 @@ def test_a_live_writers_save_in_progress_survives_a_second_opener(root):
     at_commit, resume = threading.Event(), threading.Event()
     real_write_atomic = storage.write_atomic
 
-    def paused_write_atomic(rel: str, data: bytes) -> None:
+    def paused_write_atomic(rel: str, data: bytes):
         if rel.endswith(MANIFEST_FILE):  # every data file of step 2 is written; the commit waits
             at_commit.set()
             resume.wait()
-        real_write_atomic(rel, data)
+        return real_write_atomic(rel, data)
 
     storage.write_atomic = paused_write_atomic
     saving = threading.Thread(target=writer.save, args=(2, make_state(2)))

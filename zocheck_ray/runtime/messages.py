@@ -263,11 +263,17 @@ class ShadowStatus(BaseModel):
     persist_failures: int
     """Failed writes of the log or a snapshot (each retried)."""
     persist_stopped: bool = False
-    """Persistence stopped for good: another writer took over the run's storage."""
+    """Persistence stopped for good (`persist_stop_reason` says why, `persist_error` in one line)."""
+    persist_stop_reason: Literal["writer_lost", "storage_lost", "storage_refused"] | None = None
+    """`writer_lost`: another writer took over the run's storage; `storage_lost`: what was durable is no longer at
+    its path (deleted, replaced, remounted); `storage_refused`: the store refuses every write (read-only, denied)."""
+    durable_interval: int | None = None
+    """D: images at multiples of this step are made durable (None without persistence)."""
     replay_error: str | None = None
     """The replay stage's error: it stopped until a resync repairs the replica."""
     persist_error: str | None = None
-    """The storage's own last error (`StorageFullError ... (ENOSPC)` with the path); cleared by a success."""
+    """The storage's own last error (`StorageFullError ... (ENOSPC)` with the path); cleared once every part that
+    failed (the log, the snapshots) has written again."""
 
 
 class ShadowStats(BaseModel):

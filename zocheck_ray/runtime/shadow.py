@@ -37,7 +37,7 @@ from zocheck_ray.core.record import decode_records
 from zocheck_ray.runtime.best_dev import PIN, BestDev
 from zocheck_ray.runtime.hooks import NO_HOOKS, ShadowHooks
 from zocheck_ray.storage import (CorruptSnapshotError, Lease, LeaseError, RulesVersionError, SnapshotNotFoundError,
-                                 SnapshotStore, StorageError, recover)
+                                 SnapshotStore, StorageError, StorageRefusedError, recover)
 from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray.workload.errors import WorkloadError
 from zocheck_ray.workload.models import model_config_dict
@@ -208,6 +208,7 @@ class Shadow:
         self.replay.call(lambda: self.replay.commit_intake(step, "fresh"))
         if self.persist is not None and not self.persist.wait_durable(step, timeout):
             raise StageError("the initial image could not be made durable" + (
+                f": {self.persist.stopped}" if self.persist.stopped else
                 f": storage is full ({self.persist.error})" if self.persist.full else
                 f" in {timeout:.0f} s: {self.persist.error or 'storage did not answer'}"))
 
@@ -358,6 +359,8 @@ class Shadow:
             persist_in_flight=persist.persist_in_flight if persist else False,
             persist_failures=persist.failures if persist else 0,
             persist_stopped=persist.stopped is not None if persist else False,
+            persist_stop_reason=persist.stop_reason if persist else None,
+            durable_interval=persist.durable_interval if persist else None,
             replay_error=replay.error, persist_error=persist.error if persist else None)
 
     def metrics(self) -> ShadowMetrics:
@@ -429,8 +432,8 @@ def _with_retries(fn: Callable[[], object], what: str, seconds: float = STARTUP_
     while True:
         try:
             return fn()
-        except (CorruptSnapshotError, RulesVersionError, SnapshotNotFoundError):
-            raise  # damage, not an outage: waiting does not mend it
+        except (CorruptSnapshotError, RulesVersionError, SnapshotNotFoundError, StorageRefusedError):
+            raise  # damage, or a store that refuses writes, not an outage: waiting does not mend it
         except StorageError as exc:
             if time.monotonic() + backoff > deadline:
                 raise StorageError(f"{what}: storage did not answer for {seconds:.0f} s: {exc}") from exc

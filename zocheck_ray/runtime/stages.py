@@ -2,7 +2,9 @@
 
 `ReplayStage` owns the replica and the image memory; other threads reach it only through `call`.
 `PersistStage` owns the snapshot store, the step log and the lease: it retries through any storage
-outage and stops for good only when another writer holds the run.
+outage (and a full disk), and stops for good where retrying cannot help: another writer holds the
+run, what it made durable is gone from its path (`StorageLostError`), or the store refuses its
+writes `FULL_TRIES` times in a row (`StorageRefusedError`: read-only, denied, immutable).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from zocheck_ray.core.layout import ALL_MOMENT_PREFIXES, Layout, moment_prefixes
 from zocheck_ray.core.fused import default_threads
 from zocheck_ray.runtime.hooks import ShadowHooks
 from zocheck_ray.storage import (CorruptSnapshotError, Lease, LeaseError, LeaseHeldError, SnapshotNotFoundError,
-                                 SnapshotStore, StepLog, StorageError, StorageFullError)
+                                 SnapshotStore, StepLog, StorageError, StorageFullError, StorageLostError,
+                                 StorageRefusedError)
 from zocheck_ray.storage.retention import Retention
 
 logger = logging.getLogger(__name__)
@@ -39,10 +42,11 @@ COPY_HISTORY = 32
 LOG_FLUSH_SECONDS = 0.05
 """How often, at least, persistence writes the log and looks for a new image."""
 MAX_BACKOFF_SECONDS = 5.0
-FULL_TRIES = 3
-"""Writes refused for lack of space, in a row, after which a caller waiting on durability is told (a full
-disk seldom frees itself while a run waits); persistence itself keeps retrying."""
 """Retries of a failing store wait 0.1 s, 0.2 s, ... up to this."""
+FULL_TRIES = 3
+"""Writes refused in a row for lack of space, after which a caller waiting on durability is told (a full
+disk seldom frees itself while a run waits; persistence itself keeps retrying); or refused for good
+(`StorageRefusedError`), after which persistence stops."""
 STARTUP_STORAGE_SECONDS = 120.0
 """How long a shadow coming back from durable storage waits for the store."""
 
@@ -503,11 +507,18 @@ class PersistStage:
         self.failing_since: float | None = None
         self.full_failures = 0
         """Writes refused in a row for lack of space (`StorageFullError`); 0 after any success."""
+        self.refusals = 0
+        """Writes refused in a row by a store that takes none (`StorageRefusedError`); 0 after any success."""
+        self._failing: set[str] = set()  # "log", "image": the parts failing now (`error` is the newest's)
         self.stopped: str | None = None
+        """Why persistence stopped for good, in one line (None while it goes on)."""
+        self.stop_reason: str | None = None
+        """`writer_lost`, `storage_lost` or `storage_refused` once stopped."""
         self.durable_interval = job.durability.durable_interval or job.shadow.snapshot_interval or 1
         """Images at multiples of this step are made durable (and a generation's first, and a drain's)."""
         self._wanted_step: int | None = None
         self._seal_requested = False
+        self._retry_now = False
         self._durable = threading.Condition()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -521,15 +532,18 @@ class PersistStage:
         self._wake.set()
 
     def wait_durable(self, step: int, timeout: float) -> bool:
-        """Wait until the image of `step` and every record before it are durable."""
+        """Wait until the image of `step` and every record before it are durable; False at once where persistence
+        stopped, or a write tried after the wait began was refused for lack of space with the store full already
+        (`full`: `FULL_TRIES` in a row), so a drain or a stop decides within a try, not a timeout."""
         self._wanted_step = step
         self._seal_requested = True
+        self._retry_now = True  # not after the backoff a full disk has built up
         self._wake.set()
         with self._durable:
             begun = self.failures  # only fullness met while waiting ends the wait: space freed before counts
             done = lambda: self.durable_step == step and self._log_covers(step) and self._wanted_retention is None
             return self._durable.wait_for(lambda: self.stopped is not None or (
-                self.full and self.failures - begun >= FULL_TRIES) or done(), timeout) \
+                self.full and self.failures > begun) or done(), timeout) \
                 and self.stopped is None and done()
 
     def load_retention(self) -> Retention:
@@ -584,17 +598,25 @@ class PersistStage:
             try:
                 self._persist_log(seal=stopping or self._seal_requested)
                 log_failed, log_backoff = False, 0.0
-                if stopping or time.monotonic() >= image_retry_at:
+                self._recovered("log")
+                if stopping or self._retry_now or time.monotonic() >= image_retry_at:
+                    self._retry_now = False
                     self._persist_retention()
                     self._persist_image()
                     image_backoff = 0.0
-                    self._recovered()
             except LeaseError as exc:  # never retried as an outage: ours again, or stop for good
                 if not self._reacquire(exc):
                     return
                 log_backoff = _longer(log_backoff)
+            except StorageLostError as exc:  # what was durable is gone: writing on would report durable a hole
+                with self._durable:  # nothing this writer saw durable is vouched for any more
+                    self.durable_step = self.durable_log_step = None
+                self._stop_for_good("storage_lost", f"{exc}; the run's storage changed under it")
+                return
             except Exception as exc:  # storage down, full, refusing: report, wait, try again
-                self._failed(exc)
+                self._failed(exc, "log" if log_failed else "image")
+                if self.stopped is not None:
+                    return
                 if log_failed:
                     log_backoff = _longer(log_backoff)
                 else:
@@ -603,41 +625,58 @@ class PersistStage:
             if stopping:
                 return
 
-    def _failed(self, exc: Exception) -> None:
+    def _failed(self, exc: Exception, part: str, error: str | None = None) -> None:
+        """A write of `part` failed with `exc` (`error`: the line to report, else the exception's)."""
         self.failures += 1
-        self.error = f"{type(exc).__name__}: {exc}"
+        self.error = error or f"{type(exc).__name__}: {exc}"
+        self._failing.add(part)
         if self.failing_since is None:
             self.failing_since = time.monotonic()
         with self._durable:
             self.full_failures = self.full_failures + 1 if isinstance(exc, StorageFullError) else 0
+            self.refusals = self.refusals + 1 if isinstance(exc, StorageRefusedError) else 0
             self._durable.notify_all()
+        if self.refusals >= FULL_TRIES:  # a read-only, denied or immutable store stays so until someone acts
+            self._stop_for_good("storage_refused", f"the run's storage refuses its writes: {exc}")
+            return
         logger.warning("persistence failed (%d so far), retrying: %s", self.failures, self.error)
+
+    def _stop_for_good(self, reason: str, message: str) -> None:
+        with self._durable:
+            self.stopped = self.error = message
+            self.stop_reason = reason
+            self._durable.notify_all()
+        logger.error("persistence stopped: %s", message)
 
     def _reacquire(self, lost: LeaseError) -> bool:
         """After the lease lapsed, take it again unless another writer holds it; False: stop for good."""
-        self.failures += 1
-        self.error = f"{type(lost).__name__}: {lost}"
         try:
             self.lease.acquire(reclaim=True)
             self.lease.start_heartbeat()
         except LeaseHeldError as exc:
-            self.stopped = self.error = f"another writer holds the run's storage: {exc}"
-            logger.error("persistence stopped: %s", self.stopped)
-            with self._durable:
-                self._durable.notify_all()
+            self.failures += 1
+            self._stop_for_good("writer_lost", f"another writer holds the run's storage: {exc}")
             return False
-        except (StorageError, LeaseError) as exc:  # still unreachable (or full): try again after the backoff
-            self.error = f"{type(exc).__name__}: {exc} (meanwhile the run's lease lapsed: {lost})"
-            logger.warning("the run's lease lapsed and cannot be taken again yet: %s", exc)
-            return True
+        except (StorageError, LeaseError) as exc:  # still unreachable, full or refusing: a failed write like any
+            self._failed(exc, "log", f"{type(exc).__name__}: {exc} (meanwhile the run's lease lapsed: {lost})")
+            return self.stopped is None
+        self.failures += 1
+        self.error = f"{type(lost).__name__}: {lost}"  # until the next pass writes the log
+        self._failing.add("log")
         logger.warning("the run's lease lapsed (%s) and was taken again: generation %s", lost, self.lease.generation)
         return True
 
-    def _recovered(self) -> None:
-        """A snapshot, or a whole pass, went through: the outage is over."""
+    def _recovered(self, part: str) -> None:
+        """`part` ("log", or "image": a snapshot or retention.json written) went through: the outage is over once no
+        part fails (a pass without an image due says nothing of the images; an image is written after the log)."""
+        self._failing.discard(part)
+        if part == "image":
+            self._failing.clear()
+        if self.error is None or self._failing:
+            return
         if self.failing_since is not None:
             logger.info("persistence works again after %.1f s", time.monotonic() - self.failing_since)
-        self.failing_since, self.error, self.full_failures = None, None, 0
+        self.failing_since, self.error, self.full_failures, self.refusals = None, None, 0, 0
 
     def _persist_log(self, seal: bool) -> None:
         if self.ledger.image is None:
@@ -645,6 +684,7 @@ class PersistStage:
         if self.log is None or self._log_generation != self.ledger.generation:
             if self.log is not None:
                 self.log.close()
+                self.log.confirm()  # what it wrote is still there: a new log would make a deleted log/ again
                 self.log = None
             generation, start = self.ledger.generation, self.ledger.generation_start
             self.log = StepLog(self.job.run_url, self.job.storage_options,
@@ -686,6 +726,7 @@ class PersistStage:
             self.retention = wanted
             if self._wanted_retention is wanted:
                 self._wanted_retention = None
+            self._recovered("image")
             self._durable.notify_all()
 
     def _persist_image(self) -> None:
@@ -695,7 +736,10 @@ class PersistStage:
         self.persist_in_flight = True
         started, saved = time.perf_counter(), None
         try:
-            saved = self.store.save(image.step, image.tensors(), self._meta(), hold=self._holds(image.step))
+            if self._log_next < image.step:  # its records arrived after this pass wrote the log: theirs first
+                self._persist_log(seal=False)
+            saved = self.store.save(image.step, image.tensors(), self._meta(), hold=self._holds(image.step),
+                                    log_steps=self._log_promise(image.step))
         finally:
             self.ledger.unpin(image, durable=saved is not None)
             self.persist_in_flight = False
@@ -707,10 +751,25 @@ class PersistStage:
             committed = self.store.committed()
             if committed and self.log is not None:
                 self.log.collect_garbage(committed[-1].step)  # nothing below the oldest retained snapshot is needed
+        except StorageLostError:
+            raise
         except StorageError as exc:  # housekeeping: the next snapshot collects what this one left
             logger.warning("collecting the step log below the oldest retained snapshot: %s", exc)
+        if self.log is not None:
+            self.log.confirm()  # the records a recovery from this snapshot's predecessor replays are still there
         with self._durable:
             self.durable_step = image.step
             self.snapshots_persisted += 1
-            self._recovered()  # before the waiters are told
+            self._recovered("image")  # before the waiters are told
             self._durable.notify_all()
+
+    def _log_promise(self, step: int) -> tuple[int, int] | None:
+        """The log's steps the snapshot of `step` promises (`Manifest.log_first_step`): those seen durable, from the
+        durable snapshot before it (or this log's first step) on."""
+        last = self.durable_log_step
+        if last is None:
+            return None
+        first = self.ledger.generation_start if self.durable_step is None else \
+            max(self.durable_step, self.ledger.generation_start)
+        last = min(last, step - 1)
+        return (first, last) if 0 <= first <= last else None

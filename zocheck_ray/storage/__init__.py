@@ -28,6 +28,8 @@ if TYPE_CHECKING:
         SnapshotNotFoundError,
         StorageError,
         StorageFullError,
+        StorageLostError,
+        StorageRefusedError,
         StorageURLError,
     )
     from zocheck_ray.storage.fs import FsspecStorage, Storage, open_storage, parse_url
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
 __getattr__, __dir__ = on_first_use(globals(), {
     "errors": (
         "CorruptLogError", "CorruptSnapshotError", "RulesVersionError", "SnapshotNotFoundError", "StorageError",
-        "StorageFullError", "StorageURLError",
+        "StorageFullError", "StorageLostError", "StorageRefusedError", "StorageURLError",
     ),
     "fs": ("FsspecStorage", "Storage", "open_storage", "parse_url"),
     "lease": (

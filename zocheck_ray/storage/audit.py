@@ -6,7 +6,10 @@
 Retention collects the log below the oldest kept snapshot, and a recovery from storage leaves a gap
 in it; so the audit replays from the oldest snapshot whose log suffix is complete, comparing the
 state hash with every later snapshot, every expected step and the final state. The range reported
-follows bit for bit from that snapshot and the records. Only durable storage is read.
+follows bit for bit from that snapshot and the records. Each manifest also names the steps its writer
+saw durable in the log as it committed (`log_first_step..log_last_step`): where the log no longer
+holds them (deleted, cut short), the audit fails and names the steps it cannot prove, even where a
+newer snapshot alone would prove its own step. Only durable storage is read.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from zocheck_ray.core import ZOConfig, replay, state_hash
 from zocheck_ray.storage.errors import CorruptLogError, CorruptSnapshotError
 from zocheck_ray.storage.recovery import _config_of, check_rules
-from zocheck_ray.storage.snapshot import SnapshotInfo, SnapshotStore
+from zocheck_ray.storage.snapshot import MANIFEST_FILE, SnapshotInfo, SnapshotStore, snapshot_dir
 from zocheck_ray.storage.steplog import first_logged_step, read_records
 
 
@@ -46,6 +49,8 @@ class Audit(BaseModel):
     """What differed or was damaged, one line each, naming the step range, snapshot or segment."""
     notes: list[str]
     """Why older snapshots were not a start."""
+    unproven_steps: list[tuple[int, int]] = []
+    """Step ranges a manifest promises in the log (`log_first_step..log_last_step`) that the log does not hold."""
     seconds: float
 
     def describe(self) -> str:
@@ -56,7 +61,11 @@ class Audit(BaseModel):
                   f"{self.records_replayed} records, {len(self.mismatches)} mismatches")
         if self.verified:
             return f"steps {self.first_step}..{self.last_step} proven: {counts}"
-        return f"steps {self.first_step}..{self.last_step} NOT proven: {counts}: " + "; ".join(self.mismatches)
+        head = f"steps {self.first_step}..{self.last_step} NOT proven"
+        if self.unproven_steps and len(self.mismatches) == len(self.unproven_steps):  # the replay itself matched
+            head = (f"steps {self.first_step}..{self.last_step} proven, steps "
+                    f"{', '.join(f'{a}..{b}' for a, b in self.unproven_steps)} NOT proven")
+        return f"{head}: {counts}: " + "; ".join(self.mismatches)
 
 
 def audit_run(store: SnapshotStore | str, storage_options: dict | None = None, *,
@@ -72,11 +81,13 @@ def audit_run(store: SnapshotStore | str, storage_options: dict | None = None, *
         expected[final_step] = final_hash
     mismatches: list[str] = []
     notes: list[str] = []
+    unproven: list[tuple[int, int]] = []
 
     def result(first=None, last=None, checked=(), records=0, hashed=0) -> Audit:
         return Audit(url=store.url, verified=first is not None and not mismatches, first_step=first, last_step=last,
                      snapshots_checked=list(checked), records_replayed=records, hashed_steps_checked=hashed,
-                     mismatches=mismatches, notes=notes, seconds=time.perf_counter() - started)
+                     mismatches=mismatches, notes=notes, unproven_steps=unproven,
+                     seconds=time.perf_counter() - started)
 
     infos, damaged = store.scan()
     infos.sort(key=lambda i: i.step)
@@ -84,11 +95,12 @@ def audit_run(store: SnapshotStore | str, storage_options: dict | None = None, *
     if not infos:
         mismatches.append(f"no committed snapshot under {store.url}")
         return result()
+    unproven.extend(_check_promises(store, infos, mismatches))
     newest = infos[-1]
     end_needed = max(newest.step, final_step if final_step is not None else newest.step)
 
     for i, start in enumerate(infos):
-        records = _log_after(store, start, mismatches)
+        records = _log_after_snapshot(store, start, mismatches)
         reach = start.step + len(records)
         if reach < end_needed and start is not newest:
             notes.append(f"the snapshot at step {start.step} is not a start: the log after it ends at step {reach}, "
@@ -112,17 +124,45 @@ def audit_run(store: SnapshotStore | str, storage_options: dict | None = None, *
     return result()
 
 
-def _log_after(store: SnapshotStore, start: SnapshotInfo, mismatches: list[str]) -> list:
+def _log_after_snapshot(store: SnapshotStore, start: SnapshotInfo, mismatches: list[str]) -> list:
     first = first_logged_step(store.storage)
     if first is None or first > start.step:
         return []  # collected by retention: not a gap to warn about
+    return _log_after(store, start.step - 1, mismatches)
+
+
+def _log_after(store: SnapshotStore, after_step: int, mismatches: list[str]) -> list:
+    """The contiguous records after `after_step`; damage met is a mismatch, said once."""
     try:
-        return read_records(store.storage, after_step=start.step - 1)
+        return read_records(store.storage, after_step=after_step)
     except CorruptLogError as exc:
         damage = damage_line(exc)
         if damage not in mismatches:  # met again from every later start: said once
             mismatches.append(damage)
         return exc.records
+
+
+def _check_promises(store: SnapshotStore, infos: list[SnapshotInfo], mismatches: list[str]) -> list[tuple[int, int]]:
+    """A mismatch for each manifest whose promised log steps (from the oldest snapshot kept on: retention collects
+    the log below it) the log does not hold; returns the steps not held."""
+    oldest = infos[0].step
+    read: dict[int, list] = {}
+    unproven = []
+    for info in infos:
+        first, last = info.manifest.log_first_step, info.manifest.log_last_step
+        if first is None or last is None or max(first, oldest) > last:
+            continue
+        first = max(first, oldest)
+        if first not in read:
+            read[first] = _log_after(store, first - 1, mismatches)
+        held = min(len(read[first]), last - first + 1)
+        if held <= last - first:
+            url = store.storage.url_of(f"{snapshot_dir(info.step)}/{MANIFEST_FILE}")
+            where = "is missing" if not held else f"ends at step {first + held - 1}"
+            mismatches.append(f"the log that {url} promises, steps {first}..{last}, {where}: steps "
+                              f"{first + held}..{last} cannot be proven")
+            unproven.append((first + held, last))
+    return unproven
 
 
 def damage_line(exc: CorruptLogError) -> str:

@@ -81,8 +81,9 @@ class Written:
             return "is gone"
         if self.identity is not None and now.identity is not None and now.identity != self.identity:
             if isinstance(self.identity, tuple):
-                return ("names another file than the one written (its directory was deleted or replaced, or a file "
-                        "system was mounted over it)")
+                kind = "file" if self.size is not None else "directory"
+                return (f"names another {kind} than the one written (it or a directory above it was deleted or "
+                        "replaced, or a file system was mounted over it)")
             return "was replaced by another object (its ETag changed)"
         if self.size is not None and now.size != self.size:
             return f"holds {now.size} bytes, not the {self.size} written"

@@ -81,6 +81,11 @@ class Manifest(BaseModel):
     """`core.record.RULES_VERSION` of the run (absent before version 2)."""
     held: bool = False
     """Saved with `hold`: retention keeps it until `retention.json` releases or pins it."""
+    log_first_step: int | None = Field(None, ge=0)
+    log_last_step: int | None = Field(None, ge=0)
+    """The records of steps `log_first_step..log_last_step` were seen durable in the run's log when this snapshot
+    was committed (from the durable snapshot before it on): a recovery from that one replays them, and `audit_run`
+    fails where they are missing. None: nothing promised (a snapshot saved alone, or before this field)."""
 
     def encode(self) -> bytes:
         body = self.model_dump(mode="json")

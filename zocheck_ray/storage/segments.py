@@ -3,7 +3,9 @@
 A segment is the 8-byte magic `ZOLOG\\0\\0\\1` followed by `StepRecord` encodings, named by its first
 step. Local disk appends to `seg-N.open` (fsync'd at every flush, renamed to `seg-N.zlog` when
 sealed; a crash can tear its tail, which `repair` cuts); an object store has no append, so there a
-segment is uploaded whole when sealed and never torn.
+segment is uploaded whole when sealed and never torn. Each write returns the segment's `Written`
+once its path is seen to hold it: locally the inode appended to, at the size written, so records
+appended to a file no path names any more (its directory deleted or replaced) never count as durable.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from typing import Protocol
 from zocheck_ray.core import IncompleteRecordError, StepRecord
 from zocheck_ray.core.errors import CorruptRecordError
 from zocheck_ray.core.record import MAGIC as RECORD_MAGIC
-from zocheck_ray.storage.errors import CorruptLogError, StorageError
-from zocheck_ray.storage.fs import Storage
+from zocheck_ray.storage.errors import CorruptLogError, StorageError, StorageLostError
+from zocheck_ray.storage.fs import Storage, Written
 
 logger = logging.getLogger(__name__)
 
@@ -106,19 +108,29 @@ def _intact_record_after(data: bytes, start: int) -> bool:
 
 
 class SegmentWriter(Protocol):
-    """How a log's open segment reaches its store; `data` is whole records."""
+    """How a log's open segment reaches its store; `data` is whole records. `append` and `seal` return the
+    segment's `Written`, seen at its path (else `StorageLostError`)."""
 
     appends: bool
     """True: `append` makes records durable (local disk); False: only sealing does."""
 
-    def append(self, first_step: int, data: bytes) -> None:
+    def append(self, first_step: int, data: bytes) -> Written:
         """Add records to the open segment that begins at `first_step`."""
 
-    def seal(self, first_step: int, data: bytes) -> None:
+    def seal(self, first_step: int, data: bytes) -> Written:
         """Add `data` and close the segment for good under its sealed name."""
 
     def repair(self, segment: Segment, valid_bytes: int, records: int) -> None:
         """Seal a crashed writer's open segment, cut to its first `valid_bytes` (removed if it holds no record)."""
+
+
+def confirm(storage: Storage, written: Written) -> Written:
+    """`written`, once its path is seen to hold it; `StorageLostError` naming the path where it does not."""
+    problem = written.changed(storage.observe(written.rel))
+    if problem is not None:
+        url = storage.url_of(written.rel)
+        raise StorageLostError(f"{url} {problem}", url)
+    return written
 
 
 class LocalSegmentWriter:
@@ -131,17 +143,21 @@ class LocalSegmentWriter:
         self.fsync = fsync
         self._file = None       # the open segment, once appended to
         self._good_bytes = 0    # bytes of it known to hold whole records
+        self._identity = None   # (st_dev, st_ino) of the open segment written
+        self._renamed = False   # sealed under its final name, its directory not yet synced
 
-    def append(self, first_step: int, data: bytes) -> None:
+    def append(self, first_step: int, data: bytes) -> Written:
         rel = segment_name(first_step, sealed=False)
         with self.storage.guard("append to", rel):
             if self._file is None and self._good_bytes:
-                # Reopened after a failed write: continue after the last whole record.
+                # Reopened after a failed write: continue after the last whole record (of the same file: confirmed).
                 self._file = open(self.storage.local_path(rel), "r+b")
                 self._file.truncate(self._good_bytes)
                 self._file.seek(self._good_bytes)
             elif self._file is None:
                 self._file = open(self.storage.local_path(rel), "wb")
+                stat = os.fstat(self._file.fileno())
+                self._identity = (stat.st_dev, stat.st_ino)
                 self._file.write(SEGMENT_MAGIC)
                 self._good_bytes = len(SEGMENT_MAGIC)
                 self.storage.sync_dir(LOG_DIR)
@@ -154,6 +170,7 @@ class LocalSegmentWriter:
                 self._rewind()  # so the retry does not leave a torn record in the middle
                 raise
         self._good_bytes += len(data)
+        return confirm(self.storage, Written(rel, self._good_bytes, self._identity))
 
     def _rewind(self) -> None:
         try:
@@ -166,14 +183,19 @@ class LocalSegmentWriter:
                 pass
             self._file = None  # the next write reopens the segment and cuts it to its whole records
 
-    def seal(self, first_step: int, data: bytes) -> None:
-        if data or self._file is None:
+    def seal(self, first_step: int, data: bytes) -> Written:
+        if data or not self._good_bytes:
             self.append(first_step, data)
-        self._file.close()
-        self._file = None
-        self._good_bytes = 0
-        self.storage.rename(segment_name(first_step, sealed=False), segment_name(first_step))
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if not self._renamed:  # a retry after a failed directory sync renames nothing twice
+            self.storage.rename(segment_name(first_step, sealed=False), segment_name(first_step))
+            self._renamed = True
         self.storage.sync_dir(LOG_DIR)
+        written = Written(segment_name(first_step), self._good_bytes, self._identity)  # a rename keeps the inode
+        self._good_bytes, self._identity, self._renamed = 0, None, False
+        return confirm(self.storage, written)
 
     def repair(self, segment: Segment, valid_bytes: int, records: int) -> None:
         if not records:
@@ -195,12 +217,12 @@ class ObjectSegmentWriter:
     def __init__(self, storage: Storage):
         self.storage = storage
 
-    def append(self, first_step: int, data: bytes) -> None:
+    def append(self, first_step: int, data: bytes) -> Written:
         raise StorageError(f"{self.storage.url} is an object store: a segment is uploaded whole when sealed, "
                            "never appended to")
 
-    def seal(self, first_step: int, data: bytes) -> None:
-        self.storage.write_atomic(segment_name(first_step), SEGMENT_MAGIC + bytes(data))
+    def seal(self, first_step: int, data: bytes) -> Written:
+        return self.storage.write_atomic(segment_name(first_step), SEGMENT_MAGIC + bytes(data))
 
     def repair(self, segment: Segment, valid_bytes: int, records: int) -> None:
         raise StorageError(f"{self.storage.url_of(segment.rel)} is an open segment on an object store, where no "

@@ -10,6 +10,11 @@ commit marker. A directory without one is never loaded, and a manifest carries i
 so a damaged one is never trusted. Retention deletes the manifest first, so a snapshot is
 uncommitted before any of its files go; it keeps the newest `keep` and what `retention.json`
 pins or holds (storage/retention.py).
+
+`save` returns once the snapshot is seen at its paths as written (locally the inodes written, every
+file at its size; on S3 every object at its size), and before each commit the snapshots it
+committed or found are checked the same way: a directory deleted, replaced or remounted under the
+writer raises `StorageLostError` naming the snapshot lost, instead of a commit into its stead.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ import torch
 from zocheck_ray.core import state_hash as compute_state_hash
 from zocheck_ray.core.hashing import OPTIMIZER_PREFIX, combine_file_digests, dtype_name
 from zocheck_ray.core.record import RULES_VERSION
-from zocheck_ray.storage.errors import CorruptSnapshotError, SnapshotNotFoundError, StorageError
-from zocheck_ray.storage.fs import PROBE_PREFIX, TMP_MARK, Storage, file_size, open_storage
+from zocheck_ray.storage.errors import CorruptSnapshotError, SnapshotNotFoundError, StorageError, StorageLostError
+from zocheck_ray.storage.fs import PROBE_PREFIX, TMP_MARK, Storage, Written, file_size, open_storage
 from zocheck_ray.storage.hf_layout import (
     ADAPTER_CONFIG_FILE, ADAPTER_KIND, HF_CONFIG_FILE, MODEL_INDEX_FILE, file_layout, model_index,
 )
@@ -94,12 +99,21 @@ class SnapshotStore:
         self._deleter: ThreadPoolExecutor | None = None
         self._deletions: list[Future] = []
         self._deleter_lock = threading.Lock()
+        self._vouched: dict[int, dict[str, Written]] = {}
+        """step -> its files (manifest included) as written or found: the committed snapshots this writer vouches
+        for, checked before each commit (`confirm`)."""
+        self._directory: Written | None = None
+        """`snapshots/` as found at open (locally its inode)."""
         if create:
             self.storage.make_dirs(SNAPSHOTS_DIR)
             self.storage.sync_dir("")
+            if self.storage.local:
+                self._directory = self.storage.observe(SNAPSHOTS_DIR)
             if lease is not None:  # without the lease, what looks uncommitted may be another writer's save
                 self.clean_uncommitted()
                 self.prune()  # a kill between a commit and its retention left one snapshot too many
+                for info in self.committed():
+                    self._vouch(info)
         else:
             _check_is_root(self.storage)
 
@@ -194,14 +208,18 @@ class SnapshotStore:
 
     def save(self, step: int, tensors: Mapping[str, torch.Tensor],
              meta: SnapshotMeta | Mapping[str, Any] | None = None, *, state_hash: str | None = None,
-             hold: bool = False) -> SnapshotInfo:
-        """Write a snapshot of `tensors` at `step`, commit it, then prune old ones; returns once it is durable.
+             hold: bool = False, log_steps: tuple[int, int] | None = None) -> SnapshotInfo:
+        """Write a snapshot of `tensors` at `step`, commit it, then prune old ones; returns once it is durable: seen
+        at its paths as written.
 
         A step committed already with the same state returns unchanged (with another, raises). The tensors
         must not change meanwhile. `state_hash`: what the caller expects; a mismatch commits nothing.
-        `hold`: kept until `retention.json` releases it (`Retention`)."""
+        `hold`: kept until `retention.json` releases it (`Retention`). `log_steps`: (first, last), the steps whose
+        records the caller saw durable in the run's log as it saved; the manifest promises them to `audit_run`."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if log_steps is not None and not (0 <= log_steps[0] <= log_steps[1] < step):
+            raise ValueError(f"log_steps must be (first, last) with 0 <= first <= last < step {step}, got {log_steps!r}")
         if state_hash is not None and (not isinstance(state_hash, str) or not _HEX_SHA256.match(state_hash)):
             raise ValueError(f"state_hash must be the 64 lowercase hex digits of zocheck_ray.core.state_hash, "
                              f"got {state_hash!r}")
@@ -214,7 +232,7 @@ class SnapshotStore:
         if MANIFEST_FILE in leftovers and (existing := self._info(step, directory)) is not None:
             if existing.state_hash == (state_hash or compute_state_hash(dict(tensors))):
                 try:  # a resumed run snapshots a step again: only sound files make it durable
-                    return self.check(existing)
+                    return self._vouch(self.check(existing))
                 except CorruptSnapshotError:
                     self.set_aside(step)
                     leftovers = []
@@ -225,7 +243,7 @@ class SnapshotStore:
             self.storage.remove_tree(directory)  # a save that never committed (or a damaged manifest)
         try:
             with staging_reuse():  # the files' staging buffers pass from one file to the next, and go after
-                info = self._write_and_commit(step, directory, entries, tensors, meta, state_hash, hold)
+                info = self._write_and_commit(step, directory, entries, tensors, meta, state_hash, hold, log_steps)
         except BaseException:
             self._remove_torn(directory)
             raise
@@ -233,26 +251,59 @@ class SnapshotStore:
         return info
 
     def _write_and_commit(self, step: int, directory: str, entries: list, tensors: Mapping[str, torch.Tensor],
-                          meta: SnapshotMeta, state_hash: str | None, hold: bool) -> SnapshotInfo:
+                          meta: SnapshotMeta, state_hash: str | None, hold: bool,
+                          log_steps: tuple[int, int] | None) -> SnapshotInfo:
+        self.confirm()  # before make_dirs, which would make a deleted snapshots/ again
         self.storage.make_dirs(directory)
         self.storage.sync_dir(SNAPSHOTS_DIR)
-        files, file_of = self._write_files(directory, tensors, meta)
+        files, file_of, written = self._write_files(directory, tensors, meta)
         tensor_entries = [TensorEntry(name=n, file=file_of[n], dtype=d, shape=sh, nbytes=b) for n, d, sh, b in entries]
         digest_of_state = _state_hash_of_files(tensor_entries, files)
         if state_hash is not None and state_hash != digest_of_state:
             raise ValueError(f"state_hash {state_hash[:12]}... was given for step {step}, but the tensors hash to "
                              f"{digest_of_state[:12]}...; not committing {self.storage.url_of(directory)}")
         self.storage.sync_dir(directory)
-        if not self.storage.local:
-            self._check_objects(directory, files)
+        # Every file must be whole at its path before the manifest may name it, and what is committed already too.
+        self._confirm_files(directory, written, f"the snapshot of step {step} being saved")
+        self.confirm()
 
         check_lease_for(self.lease, self.storage)  # a writer that lost the lease commits nothing
         manifest = Manifest(step=step, run_id=meta.run_id, created_unix=time.time(), state_hash=digest_of_state,
                             tensors=tensor_entries,
                             files=files, zo_config=meta.zo_config, user=meta.user, rules_version=RULES_VERSION,
-                            held=hold)
-        self.storage.write_atomic(f"{directory}/{MANIFEST_FILE}", manifest.encode())  # the commit
+                            held=hold, log_first_step=log_steps[0] if log_steps else None,
+                            log_last_step=log_steps[1] if log_steps else None)
+        written[MANIFEST_FILE] = self.storage.write_atomic(f"{directory}/{MANIFEST_FILE}", manifest.encode())  # commit
+        self._confirm_files(directory, written, f"the snapshot of step {step}, just committed,")
+        self._vouched[step] = written
         return SnapshotInfo(step, self.storage.url_of(directory), manifest)
+
+    def confirm(self) -> None:
+        """Check that `snapshots/` and every committed snapshot this writer saved or found at open are at their
+        paths as written: `StorageLostError` naming the first one that is not."""
+        if self._directory is not None:
+            problem = self._directory.changed(self.storage.observe(SNAPSHOTS_DIR))
+            if problem is not None:
+                url = self.storage.url_of(SNAPSHOTS_DIR)
+                steps = ", ".join(map(str, sorted(self._vouched))) or "none yet"
+                raise StorageLostError(f"the committed snapshots (steps {steps}) are lost: {url} {problem}", url)
+        for step, written in sorted(self._vouched.items()):
+            self._confirm_files(snapshot_dir(step), written, f"the committed snapshot of step {step}")
+
+    def _confirm_files(self, directory: str, written: dict[str, Written], what: str) -> None:
+        found = self.storage.observe_dir(directory)  # one listing
+        for name, receipt in sorted(written.items(), key=lambda kv: kv[0] != MANIFEST_FILE):  # the manifest first
+            problem = receipt.changed(found.get(name))
+            if problem is not None:
+                url = self.storage.url_of(receipt.rel)
+                raise StorageLostError(f"{what} is lost: {url} {problem}", url)
+
+    def _vouch(self, info: SnapshotInfo) -> SnapshotInfo:
+        """Vouch for a committed snapshot found here (not written by this store): its files as they are now."""
+        found = self.storage.observe_dir(snapshot_dir(info.step))
+        self._vouched[info.step] = {name: found[name] for name in [*info.manifest.files, MANIFEST_FILE]
+                                    if name in found}
+        return info
 
     def _remove_torn(self, directory: str) -> None:
         """Remove a failed save's files at once (on a full disk they would starve the log and the lease), unless
@@ -266,16 +317,17 @@ class SnapshotStore:
             logger.warning("could not remove the torn snapshot %s: %s", self.storage.url_of(directory), exc)
 
     def _write_files(self, directory: str, tensors: Mapping[str, torch.Tensor], meta: SnapshotMeta
-                     ) -> tuple[dict[str, FileEntry], dict[str, str]]:
-        """Write the snapshot's files durably, each shard hashed beside its write; returns the file entries and
-        each tensor's file."""
+                     ) -> tuple[dict[str, FileEntry], dict[str, str], dict[str, Written]]:
+        """Write the snapshot's files durably, each shard hashed beside its write; returns the file entries, each
+        tensor's file, and each file as written."""
         layout = file_layout(tensors, ADAPTER_KIND if meta.adapter_config is not None else "model")
         files: dict[str, FileEntry] = {}
+        receipts: list[Written] = []
         pool = self._hash_pool()
         pending: dict[str, Future] = {}
         try:
             for name, shard in layout.items():  # fsync'd together below, not one after another
-                with self.storage.open_write(f"{directory}/{name}", durable=False) as f:
+                with self.storage.open_write(f"{directory}/{name}", durable=False, written=receipts) as f:
                     pending[name] = write_tensors(f, shard, pool)
             extras = {}
             if meta.hf_config is not None:
@@ -288,7 +340,7 @@ class SnapshotStore:
                 raise ValueError(f"text_files may not replace the snapshot's own {clash}")
             extras.update((name, text.encode()) for name, text in meta.text_files.items())
             for name, data in extras.items():
-                with self.storage.open_write(f"{directory}/{name}", durable=False) as f:
+                with self.storage.open_write(f"{directory}/{name}", durable=False, written=receipts) as f:
                     f.write(data)
                 files[name] = FileEntry(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
             for name, future in pending.items():
@@ -297,14 +349,13 @@ class SnapshotStore:
         finally:  # nothing reads the caller's tensors once save has returned or raised
             wait(list(pending.values()))
         self.storage.make_durable([f"{directory}/{name}" for name in files])
-        return files, {t: name for name, shard in layout.items() for t in shard}
-
-    def _check_objects(self, directory: str, files: dict[str, FileEntry]) -> None:
-        # Every object must be complete and whole before the manifest may name it.
-        for name, entry in files.items():
-            rel = f"{directory}/{name}"
-            if self.storage.size(rel) != entry.size:
-                raise StorageError(f"{self.storage.url_of(rel)} is not complete after its upload; not committing")
+        written = {r.rel.rsplit("/", 1)[-1]: r for r in receipts}
+        for name, entry in files.items():  # the bytes the hash counted, and the file's
+            if written[name].size != entry.size:
+                url = self.storage.url_of(f"{directory}/{name}")
+                raise StorageError(f"{url} holds {written[name].size} bytes after its write, not the {entry.size} "
+                                   "hashed; not committing")
+        return files, {t: name for name, shard in layout.items() for t in shard}, written
 
     # ------------------------------------------------------------------ loading
 
@@ -414,6 +465,7 @@ class SnapshotStore:
             if (info := self._info(step, directory)) is not None and retention.keeps(step, info.manifest.held):
                 continue
             # Uncommit first: once the manifest is gone, no reader can pick a half-deleted snapshot.
+            self._vouched.pop(step, None)
             self.storage.remove(f"{directory}/{MANIFEST_FILE}")
             if self.storage.local:
                 # No file is deleted before the move out of snapshots/ is durable, so after a crash
@@ -456,6 +508,7 @@ class SnapshotStore:
         and the step can be written again; returns where it went. An object store keeps its manifest there (objects
         cannot be renamed) and deletes its files, uncommitted first."""
         check_lease_for(self.lease, self.storage)
+        self._vouched.pop(step, None)
         directory = snapshot_dir(step)
         target = f"{DAMAGED_DIR}/{directory.rsplit('/', 1)[-1]}-{time.time_ns()}"
         if self.storage.local:

@@ -8,6 +8,10 @@
 Segments under `<url>/log/` (`segments.py`) are sealed by record count or age. Reading tolerates a
 torn tail only where one can happen, at the end of a local open segment; anything else is
 corruption, reported with the segment's URL.
+
+`durable_step` moves only once the segment written is seen at its path as written, and `confirm`
+checks every segment the log vouches for: a log deleted, replaced or remounted under the writer
+raises `StorageLostError` naming the path and the steps lost, and is never reported durable.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import logging
 import time
 
 from zocheck_ray.core import RecordSequenceError, StepRecord
-from zocheck_ray.storage.errors import CorruptLogError, ObjectNotFoundError, StorageError
-from zocheck_ray.storage.fs import Storage, open_storage
+from zocheck_ray.storage.errors import CorruptLogError, ObjectNotFoundError, StorageError, StorageLostError
+from zocheck_ray.storage.fs import Storage, Written, open_storage
 from zocheck_ray.storage.lease import Lease, check_lease_for, require_lease
 from zocheck_ray.storage.segments import (  # noqa: F401  (first_logged_step: for the audit, beside read_records)
     LOG_DIR, SEGMENT_MAGIC, first_logged_step, list_segments, parse_segment, segment_writer,
@@ -127,8 +131,10 @@ class StepLog:
         self._repair()
         last = self._truncate_from(resume_step) if resume_step is not None else self._last_durable_step()
         self.durable_step: int | None = last
-        """The last step known durable (None if empty)."""
+        """The last step known durable (None if empty): its segment was seen at its path as written."""
         self._next_step: int | None = resume_step if resume_step is not None else (None if last is None else last + 1)
+        self._kept: dict[int, tuple[Written, int]] = self._found(last)
+        """first step -> (the segment as written or found at open, its last step): what the log vouches for."""
 
     def __repr__(self) -> str:
         return f"StepLog({self.url!r}, seal_records={self.seal_records}, fsync={self.fsync})"
@@ -184,8 +190,12 @@ class StepLog:
             self.seal()
 
     def _append(self) -> None:
-        self._writer.append(self._segment_first, self._buffer)
+        try:
+            written = self._writer.append(self._segment_first, self._buffer)
+        except StorageLostError as exc:
+            raise self._lost(exc) from exc
         self._buffer.clear()
+        self._kept[self._segment_first] = (written, self._next_step - 1)
         self.durable_step = self._next_step - 1
 
     def seal(self) -> None:
@@ -193,11 +203,53 @@ class StepLog:
         if self._segment_first is None:
             return
         check_lease_for(self.lease, self.storage)
-        self._writer.seal(self._segment_first, self._buffer)
+        if self._writer.appends and self._buffer:
+            self._append()  # so that a seal retried after a failed rename appends nothing twice
+        try:
+            written = self._writer.seal(self._segment_first, self._buffer)
+        except StorageLostError as exc:
+            raise self._lost(exc) from exc
         self._buffer.clear()
+        self._kept[self._segment_first] = (written, self._next_step - 1)
         self.durable_step = self._next_step - 1
         self._segment_first = None
         self._segment_records = 0
+
+    def confirm(self) -> None:
+        """Check that every segment this log wrote or found is at its path as written (one listing); else
+        `StorageLostError` naming the first one lost and the steps lost."""
+        problems = self._problems()
+        if problems:
+            raise self._lost(None, problems)
+
+    def _problems(self) -> list[tuple[str, str, int, int]]:
+        """(url, what is wrong, first step, last step) of each segment not as written."""
+        found = self.storage.observe_dir(LOG_DIR)
+        out = []
+        for first, (written, last) in sorted(self._kept.items()):
+            problem = written.changed(found.get(written.rel.rsplit("/", 1)[-1]))
+            if problem is not None:
+                out.append((self.storage.url_of(written.rel), problem, first, last))
+        return out
+
+    def _lost(self, exc: StorageLostError | None, problems: list | None = None) -> StorageLostError:
+        """One error for what the log lost: the first path and every step lost (from a listing)."""
+        try:
+            problems = problems if problems is not None else self._problems()
+        except StorageError:
+            problems = []
+        if not problems and exc is not None:  # (the open segment, whose records may not be kept yet)
+            first = self._segment_first if self._segment_first is not None else self._next_step
+            problems = [(exc.url or self.url, str(exc).removeprefix(f"{exc.url} "), first, self._next_step - 1)]
+        url, problem, _, _ = problems[0]
+        ranges: list[list[int]] = []
+        for _, _, first, last in problems:
+            if ranges and first == ranges[-1][1] + 1:
+                ranges[-1][1] = last
+            else:
+                ranges.append([first, last])
+        steps = ", ".join(f"{a}..{b}" for a, b in ranges)
+        return StorageLostError(f"the durable step log lost steps {steps}: {url} {problem}", url)
 
     def close(self) -> None:
         """Seal what was appended; the log can be reopened later to continue."""
@@ -216,6 +268,7 @@ class StepLog:
         segments = list_segments(self.storage)
         for seg, following in zip(segments, segments[1:]):
             if seg.sealed and following.first_step <= keep_from_step:
+                self._kept.pop(seg.first_step, None)  # no longer vouched for before it goes
                 self.storage.remove(seg.rel)
                 removed.append(self.storage.url_of(seg.rel))
         if removed:
@@ -223,6 +276,18 @@ class StepLog:
         return removed
 
     # ------------------------------------------------------------------ opening
+
+    def _found(self, last: int | None) -> dict[int, tuple[Written, int]]:
+        """The segments found at open, as they are now (one listing), with their last steps."""
+        found = self.storage.observe_dir(LOG_DIR)
+        segments = list_segments(self.storage)
+        kept = {}
+        for seg, following in zip(segments, [*segments[1:], None]):
+            end = following.first_step - 1 if following is not None else last
+            written = found.get(seg.rel.rsplit("/", 1)[-1])
+            if written is not None and end is not None and end >= seg.first_step:
+                kept[seg.first_step] = (written, end)
+        return kept
 
     def _repair(self) -> None:
         """Seal a local open segment a crash left behind, without its torn tail."""
