@@ -301,6 +301,20 @@ def check_storage_url(value: str) -> None:
                          "shadow are separate processes; use a path shared by both or s3://")
 
 
+def with_absolute_paths(job: JobConfig) -> JobConfig:
+    """`job` with its relative local paths (storage, a model directory, data files) made absolute here: the run's
+    actors, and Tune's trials, work in other directories."""
+    doc = job.model_dump(mode="json")
+    if "://" not in doc["storage"]:
+        doc["storage"] = os.path.abspath(os.path.expanduser(doc["storage"]))
+    if Path(doc["model"]).is_dir():
+        doc["model"] = os.path.abspath(doc["model"])
+    for key in ("data_path", "eval_path"):
+        if doc["task"].get(key) and Path(doc["task"][key]).exists():
+            doc["task"][key] = os.path.abspath(doc["task"][key])
+    return job if doc == job.model_dump(mode="json") else JobConfig.model_validate(doc)
+
+
 def join_run_url(storage: str, run_id: str) -> str:
     """`<storage>/<run_id>`, keeping the storage URL's own slashes (`s3://b/` + `r` = `s3://b/r`)."""
     return storage + ("" if storage.endswith("/") else "/") + run_id

@@ -34,6 +34,7 @@ from zocheck_ray.config import (
     JobConfigError,
     check_job_environment,
     join_run_url,
+    with_absolute_paths,
     load_job_config,
 )
 
@@ -264,21 +265,6 @@ def run_trial(trial: JobConfig, callbacks: Sequence = (), workload=None, progres
     return summary
 
 
-def _absolute(job: JobConfig) -> dict:
-    """Local paths made absolute: Tune runs each trial in its own working directory."""
-    doc = job.model_dump(mode="json")
-    if "://" not in doc["storage"]:
-        doc["storage"] = os.path.abspath(doc["storage"])
-    if Path(doc["model"]).is_dir():
-        doc["model"] = os.path.abspath(doc["model"])
-    task = doc.get("task")
-    if isinstance(task, dict):
-        for key in ("data_path", "eval_path"):
-            if task.get(key) and Path(task[key]).exists():
-                task[key] = os.path.abspath(task[key])
-    return doc
-
-
 def sweep(job: JobConfig, grid: dict[str, list], *, tune_storage: str | None = None, name: str | None = None,
           max_failures: int = 1, max_concurrent_trials: int | None = None, metric: str = "loss",
           mode: Literal["min", "max"] = "min", param_space: dict[str, Any] | None = None,
@@ -310,7 +296,8 @@ def sweep(job: JobConfig, grid: dict[str, list], *, tune_storage: str | None = N
     use_gpu = job.scaling.use_gpu
     gpus = 1 if use_gpu == "yes" or (use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1) else 0
     check_cluster_fits_a_trial(job, gpus, ray.nodes())
-    trainable = tune.with_resources(tune.with_parameters(train_trial, job=_absolute(job), callbacks=list(callbacks)), trial_resources(job, gpus))
+    trainable = tune.with_resources(tune.with_parameters(train_trial, job=with_absolute_paths(job).model_dump(mode="json"),
+                                                         callbacks=list(callbacks)), trial_resources(job, gpus))
     tuner = tune.Tuner(
         trainable, param_space=space,
         tune_config=tune.TuneConfig(metric=metric, mode=mode, max_concurrent_trials=max_concurrent_trials),

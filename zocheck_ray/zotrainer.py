@@ -22,7 +22,7 @@ import types
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from zocheck_ray.config import JobConfig, JobConfigError, load_job_config
+from zocheck_ray.config import JobConfig, JobConfigError, load_job_config, with_absolute_paths
 from zocheck_ray.control.callbacks import RunCallback
 from zocheck_ray.control.faults import FaultPlan
 from zocheck_ray.workload.custom import Workload
@@ -147,7 +147,7 @@ def job_of(args: JobConfig | Mapping | str | Path | None, model: str | None = No
     else:
         raise JobConfigError(f"args must be a JobConfig, a dict of its fields or a YAML file's path, got "
                              f"{type(args).__name__}")
-    return load_job_config(path, base=base, model=model, **fields)
+    return with_absolute_paths(load_job_config(path, base=base, model=model, **fields))
 
 
 class ZOTrainer:

@@ -192,3 +192,57 @@ def test_a_zotrainer_runs_inside_a_ray_tune_trainable(tmp_path):
     assert result.metrics["step"] == 8 and result.metrics["exact"] is True
     assert result.metrics["eval_loss"] > 0 and result.metrics["run_id"].startswith("tuned-")
     assert result.checkpoint is not None  # a pointer to the trial's newest durable image
+
+
+def test_the_zotrainer_example_in_docs_sft_md_runs(tmp_path, monkeypatch):
+    import re
+
+    monkeypatch.chdir(tmp_path)  # its ./runs and ./out
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "sft.md").read_text(), re.S)
+    (code,) = [block for block in blocks if "ZOTrainer(" in block]
+    scope: dict = {}
+    exec(compile(code, "docs/sft.md", "exec"), scope)
+    summary, trainer = scope["summary"], scope["trainer"]
+    assert summary.steps == 20 and summary.final_state_hash == summary.shadow_state_hash
+    assert trainer.evaluate()["step"] == 20 and "eval_perplexity" in trainer.evaluate()
+    from peft import PeftModel
+
+    from zocheck_ray.core import state_hash
+    from zocheck_ray.workload import build_model
+    from zocheck_ray.workload.adapters import adapter_parameters
+
+    adapter = PeftModel.from_pretrained(build_model("tiny-chat"), tmp_path / "out", is_trainable=True)
+    loaded = {key: p.detach() for key, p in adapter_parameters(adapter)}
+    assert state_hash(loaded) == summary.final_state_hash  # the adapter saved is the run's final state, bit for bit
+
+
+def test_the_readme_s_trl_and_zotrainer_examples_run_and_differ_in_ten_lines(tmp_path, monkeypatch):
+    """The README's two blocks, each as written, on a model directory saved here as `my-model` and the shipped
+    chats as `chats.jsonl`: TRL's (first order, without Ray) and ours; both write an adapter to ./out."""
+    import difflib
+    import re
+    import shutil
+
+    from zocheck_ray.workload import build_model
+    from zocheck_ray.workload.datafiles import SHIPPED_CHATS
+    from zocheck_ray.workload.tokenization import chat_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    build_model("tiny-chat", seed=3).save_pretrained("my-model")
+    chat_tokenizer().save_pretrained("my-model")
+    shutil.copy(SHIPPED_CHATS, "chats.jsonl")
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Your own data"):text.index("## Limits")]
+    trl, ours = re.findall(r"```python\n(.*?)```", section, re.S)
+    changed = [line for line in difflib.unified_diff(trl.splitlines(), ours.splitlines(), lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert len([line for line in changed if line.startswith("+")]) <= 10, changed
+    exec(compile(trl, "README.md (TRL)", "exec"), {})
+    assert (tmp_path / "out" / "adapter_model.safetensors").exists()
+    shutil.rmtree(tmp_path / "out")
+    scope: dict = {}
+    exec(compile(ours, "README.md (zocheck-ray)", "exec"), scope)
+    summary = scope["trainer"].summary
+    assert summary.steps == 20 and summary.final_state_hash == summary.shadow_state_hash
+    assert (tmp_path / "out" / "adapter_model.safetensors").exists()
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["target_modules"]

@@ -7,7 +7,7 @@ from typing import Callable, Iterable
 from ray.util.placement_group import PlacementGroup
 
 from zocheck_ray.actors.shadow_actor import shadow_writer
-from zocheck_ray.config import JobConfig
+from zocheck_ray.config import JobConfig, with_absolute_paths
 from zocheck_ray.control.callbacks import ProgressPrinter, RunCallback, SegmentFunction
 from zocheck_ray.control.controller import Controller
 from zocheck_ray.control.faults import FaultPlan
@@ -34,6 +34,7 @@ def run(job: JobConfig, progress: Callable[[str], None] | None = print, callback
     Raises `JobConfigError` before any actor starts, `RunFailedError`, or `RunStopped` after a
     stop signal. However it ends, no actor of the run is left.
     """
+    job = with_absolute_paths(job)
     say = progress or (lambda line: None)
     after = [*callbacks, *([SegmentFunction(on_segment)] if on_segment else [])]
     with StopRequest().installed() as stop:
