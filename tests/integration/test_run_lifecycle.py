@@ -120,21 +120,34 @@ def test_a_second_job_is_refused_while_a_run_runs_and_the_finished_run_released_
     assert not any("None" in value for value in table.values()), table
 
 
-def test_a_placement_group_left_by_a_starting_job_is_named_not_a_raw_ray_error(tmp_path):
-    from ray.util.placement_group import placement_group, remove_placement_group
-
+def test_a_job_whose_run_another_job_claimed_is_refused_and_touches_nothing_of_it(tmp_path):
+    """Another job of the run holds its shadow's name, the run's claim: a job is refused by the start-up check where
+    the holder is there before it, and by Ray's refusal of the name where it appears after the check (two jobs
+    started together); either way the holder is untouched and nothing of the refused job stays."""
     job = job_for(tmp_path, steps=12)
-    held = placement_group([{"CPU": 0.01}], name=f"zocheck-{job.run_id}")  # another job, starting
-    ray.get(held.ready(), timeout=60)
+
+    @ray.remote(num_cpus=0)
+    class Holder:  # another job's shadow
+        def pid(self) -> int:
+            import os
+
+            return os.getpid()
+
+    held = Holder.options(name=shadow_name(job.run_id), namespace=NAMESPACE).remote()
+    pid = ray.get(held.pid.remote())
     try:
         with pytest.raises(JobConfigError, match=rf"run '{job.run_id}' is already running on this Ray cluster: "
-                                                 rf"its placement group zocheck-{job.run_id} exists"):
+                                                 rf"its shadow zocheck-shadow-{job.run_id} is ALIVE"):
             run(job, progress=None)
-        assert not ray.util.list_named_actors(all_namespaces=True)
-        # the same where the other job's group appears after the checks, as its placement is made
-        with pytest.raises(JobConfigError, match="is already running on this Ray cluster"):
-            Placement(job, Startup(task=None, gpus=0, resume_step=None, faults=None))
+        # the same where the other job's shadow appears after the checks, as this job makes its claim
+        placement = Placement(job, Startup(task=None, gpus=0, resume_step=None, faults=None))
+        with pytest.raises(JobConfigError, match=rf"run '{job.run_id}' is already running on this Ray cluster: "
+                                                 rf"another job of the run created its shadow zocheck-shadow-"
+                                                 rf"{job.run_id} a moment before this one did"):
+            placement.start()
+        assert ray.get(held.pid.remote()) == pid  # the holder is untouched
+        assert [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)] == [shadow_name(job.run_id)]
+        assert not [g for g in ray.util.placement_group_table().values()
+                    if g["name"].startswith(f"zocheck-{job.run_id}") and g["state"] != "REMOVED"]
     finally:
-        remove_placement_group(held)
-    with pytest.raises(ValueError):  # and nothing of it stays behind
-        ray.get_actor(shadow_name(job.run_id), namespace=NAMESPACE)
+        ray.kill(held)

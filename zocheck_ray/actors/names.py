@@ -149,6 +149,30 @@ def is_ours(exc: Exception) -> bool:
     return any(cls.__module__.startswith("zocheck_ray.") for cls in type(exc).__mro__)
 
 
+def ray_reason(exc: BaseException) -> str:
+    """Ray's reason for an actor's failure, in one line: its report without the actor's details (lines of their
+    own) or a traceback (a constructor's error: its last line)."""
+    from ray.exceptions import ActorDiedError
+
+    lines = [line.rstrip() for line in str(exc).strip().splitlines() if line.strip()]
+    if getattr(exc, "actor_init_failed", False) and lines:
+        return f"its constructor raised {lines[-1].strip()}"
+    said = [line for line in lines if not line[0].isspace() and not line.startswith("Traceback")
+            and line != getattr(ActorDiedError, "BASE_ERROR_MSG", None)]
+    return " ".join(said).rstrip(".") or type(exc).__name__
+
+
+def actor_exists(name: str, namespace: str = NAMESPACE) -> bool:
+    """Whether Ray has a live actor named `name`."""
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    return True
+
+
 def actor_status(name: str, namespace: str = NAMESPACE) -> ActorStatus | None:
     """The state API's status of actor `name` now; None where it cannot say."""
     states = actor_states()

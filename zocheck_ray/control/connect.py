@@ -1,9 +1,12 @@
 """Which Ray cluster a run uses, and how a later `zocheck-ray status` finds it.
 
 `connect_ray` joins the cluster it is told of or starts a local instance, and says which in
-one line. Only what Ray documents is used: `ray.init`'s address rules and errors, and the
-token variables. Ray reads RAY_AUTH_MODE when it is imported, so this module imports Ray
-only in `connect_ray`.
+one line. Only what Ray documents is used: `ray.init`'s address rules and errors, the token
+variables, and that a cluster with token authentication refuses any request without its token.
+Ray reads RAY_AUTH_MODE when it is imported, so this module imports Ray only in `connect_ray`.
+
+The mode must be the cluster's (in token mode this process refuses the cluster's calls without a token,
+and the GCS ends its actors before they run), so it is asked of the cluster (`cluster_wants_token`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from typing import Callable
 from zocheck_ray.actors.names import NAMESPACE
 
 RAY_START_WHY = "the cluster `ray start` runs on this machine"
+_CALLS_REFUSED = ("its processes call this one without a token, which token mode refuses, and Ray ends every actor "
+                  "of the run before it runs")
+GCS_FIRST_REQUEST = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+"""The request `ray.init` sends a cluster's GCS first, by its gRPC name (its message is empty)."""
 
 
 class RayConnectionError(ConnectionError):
@@ -77,16 +84,40 @@ def _auth_token() -> tuple[str | None, str]:
     return None, ""
 
 
+def _gcs_refuses(address: str, token: str | None = None, timeout: float = 5.0) -> bool | None:
+    """Whether the GCS at `address` refuses `GCS_FIRST_REQUEST` with `token` (or none) as unauthenticated; None:
+    no answer that says. Raw bytes through grpc (Ray's dependency), no Ray module."""
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        ask = channel.unary_unary(GCS_FIRST_REQUEST, request_serializer=bytes, response_deserializer=bytes)
+        try:
+            ask(b"", timeout=timeout, metadata=[("authorization", f"Bearer {token}")] if token else None)
+        except grpc.RpcError as exc:
+            return True if exc.code() == grpc.StatusCode.UNAUTHENTICATED else None
+    return False
+
+
+_asked: dict[str, bool] = {}
+
+
+def cluster_wants_token(address: str) -> bool | None:
+    """Whether the cluster at `address` uses token authentication; None where it did not say (asked again)."""
+    if address not in _asked and (answer := _gcs_refuses(address)) is not None:
+        _asked[address] = answer
+    return _asked.get(address)
+
+
 def use_token_at_hand(address: str | None) -> None:
-    """Set RAY_AUTH_MODE=token when joining a cluster with a token at hand and the mode unset, since
-    Ray presents a token only in that mode. Call before `import ray`."""
+    """With RAY_AUTH_MODE unset and a token at hand, set it to the cluster's mode: `token` (Ray presents a token
+    only then), else `disabled` (Ray would turn token mode on for a cluster it finds). Call before `import ray`."""
     try:
         joined, _ = cluster_to_join(address)
     except RayConnectionError:
         return  # `connect_ray` says so
-    if joined is not None and not joined.startswith("ray://") and "RAY_AUTH_MODE" not in os.environ:
-        if _auth_token()[0] is not None:
-            os.environ["RAY_AUTH_MODE"] = "token"
+    if joined is None or joined.startswith("ray://") or "RAY_AUTH_MODE" in os.environ or _auth_token()[0] is None:
+        return
+    os.environ["RAY_AUTH_MODE"] = "disabled" if cluster_wants_token(joined) is False else "token"
 
 
 def check_reachable(address: str, why: str, timeout: float = 5.0) -> None:
@@ -109,21 +140,56 @@ def _check_token(address: str) -> None:
                                  "on its head prints it)")
 
 
-def _refused(address: str) -> RayConnectionError:
-    """The error, with its fix, for a cluster that answers but refused this process."""
+def _check_mode(address: str, found: bool) -> None:
+    """Refuse at once a token mode that is not the cluster's, saying what to set (Ray would retry for about 20 s,
+    or lose every actor). `found`: the `ray start` cluster, for which Ray's `init` turns token mode on where it is
+    unset and a token is at hand; where that cluster wants none, `disabled` keeps it off (read at `init` too)."""
+    wants, mode = cluster_wants_token(address), os.environ.get("RAY_AUTH_MODE")
+    token = _auth_token()[0]
+    ray_turns_it_on = found and mode is None and token is not None
+    if wants is None:
+        return  # the cluster did not say: Ray's connection will
+    if not wants:
+        if mode == "token":
+            raise RayConnectionError(f"RAY_AUTH_MODE=token, but the Ray cluster at {address} does not use token "
+                                     f"authentication: {_CALLS_REFUSED}; unset RAY_AUTH_MODE (or set it to disabled) "
+                                     "to join it")
+        if ray_turns_it_on:
+            os.environ["RAY_AUTH_MODE"] = "disabled"
+        return
+    if ray_turns_it_on or (mode == "token" and _gcs_refuses(address, token) is not True):
+        return  # Ray presents the token at hand, which the cluster takes (or did not say)
+    raise _refused(address, asked=True)
+
+
+def token_mode_mismatch() -> str | None:
+    """The fix where this process is in token mode and the cluster it joined is not (a script joined it so)."""
+    import ray
+
+    if os.environ.get("RAY_AUTH_MODE") != "token" or not ray.is_initialized() or \
+            cluster_wants_token(gcs := ray.get_runtime_context().gcs_address) is not False:
+        return None
+    return (f"RAY_AUTH_MODE=token, but the Ray cluster at {gcs} does not use token authentication: {_CALLS_REFUSED}; "
+            "unset RAY_AUTH_MODE (or set it to disabled) where this process starts")
+
+
+def _refused(address: str, asked: bool = False) -> RayConnectionError:
+    """The error, with its fix, for a cluster that refused this process's connection, or (`asked`) our request."""
     token, source = _auth_token()
     mode = os.environ.get("RAY_AUTH_MODE")
     get_token = "(`ray get-auth-token` on its head prints it)"
     if token is None:
-        fix = f"this process has no token: if it uses token authentication, set RAY_AUTH_TOKEN to its token {get_token}"
+        fix = f"this process has no token: {'' if asked else 'if it uses token authentication, '}set RAY_AUTH_TOKEN " \
+              f"to its token {get_token}"
     elif mode == "token":
         fix = f"it refuses the token from {source}: set RAY_AUTH_TOKEN to its token {get_token}"
     elif mode is not None:
         fix = f"RAY_AUTH_MODE={mode} keeps Ray from sending the token from {source}: set RAY_AUTH_MODE=token"
     else:  # Ray was imported before `use_token_at_hand` could set the mode
-        fix = (f"RAY_AUTH_MODE is unset, so Ray did not send the token from {source}: set RAY_AUTH_MODE=token in "
+        fix = (f"RAY_AUTH_MODE is unset, so Ray does not send the token from {source}: set RAY_AUTH_MODE=token in "
                "the environment")
-    return RayConnectionError(f"the Ray cluster at {address} did not let this process connect; {fix}")
+    said = "uses token authentication" if asked and mode != "token" else "did not let this process connect"
+    return RayConnectionError(f"the Ray cluster at {address} {said}; {fix}")
 
 
 def _local_runs_dir() -> Path:
@@ -161,6 +227,7 @@ def connect_ray(address: str | None = None, say: Callable[[str], None] | None = 
         check_reachable(joined, why)
         if not joined.startswith("ray://"):
             _check_token(joined)
+            _check_mode(joined, found=why == RAY_START_WHY)
     # None and "auto" go as given, so Ray presents a token at hand as it does for a cluster it finds
     init_address = "local" if joined is None else address if address in (None, "auto") else joined
     refusals = (ConnectionError, *(() if (auth := getattr(ray.exceptions, "AuthenticationError", None)) is None

@@ -1,21 +1,29 @@
-"""Where a run's actors go, how they start and how they end."""
+"""Where a run's actors go, how they start and how they end.
+
+A run's claim on a cluster is its shadow's name, which Ray refuses to a second creation at once (a check before
+it, two jobs started together both pass): the shadow comes first, and each job's placement groups are its own.
+"""
 
 from __future__ import annotations
 
+import uuid
 from typing import Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RaySystemError
+from ray.exceptions import GetTimeoutError, RayError, RaySystemError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from zocheck_ray.actors.names import NAMESPACE, shadow_name, trainer_name
+from zocheck_ray.actors.names import NAMESPACE, actor_exists, describe_actor, is_ours, ray_reason, shadow_name, \
+    trainer_name
 from zocheck_ray.actors.client import ShadowClient
 from zocheck_ray.actors.link import ShadowActor, wait_until_dead
 from zocheck_ray.actors.trainer_actor import TrainerActor
 from zocheck_ray.config import JobConfig, JobConfigError
+from zocheck_ray.control.connect import token_mode_mismatch
 from zocheck_ray.control.elastic_group import Vacancy, trainer_group
 from zocheck_ray.control.group import TrainerGroup
+from zocheck_ray.control.summary import RunFailedError
 from zocheck_ray.core.kernel_cache import cache_env
 from zocheck_ray.host.capabilities import PLAIN_ENV, plain as plain_host
 
@@ -65,8 +73,12 @@ def _check_resources(job: JobConfig) -> int:
 
 
 def group_name(run_id: str) -> str:
-    """The name of the placement group of a run's rank 0 and shadow."""
+    """What the names of a run's placement groups start with (a tag of each job's own follows)."""
     return f"zocheck-{run_id}"
+
+
+class ActorStartError(RunFailedError):
+    """An actor Ray could not start; the one-line message names it and Ray's reason."""
 
 
 def running_here(job: JobConfig, holder: str) -> JobConfigError:
@@ -85,25 +97,26 @@ def job_bundles(job: JobConfig, gpus: int) -> list[dict]:
     return [trainer_bundle(gpus), {"CPU": job.shadow.cpus}] + [trainer_bundle(gpus)] * (job.scaling.trainers - 1)
 
 
-def rank_placements(job: JobConfig, gpus: int, pg: PlacementGroup | None = None,
-                    first_bundle: int = 0) -> tuple[list[PlacementGroup], list[tuple[PlacementGroup, int]]]:
+def rank_placements(job: JobConfig, gpus: int, pg: PlacementGroup | None, first_bundle: int,
+                    prefix: str) -> tuple[list[PlacementGroup], list[tuple[PlacementGroup, int]]]:
     """(the groups created here, (group, bundle) of the shadow then of each rank).
 
     `pack`: one STRICT_PACK group. `spread`: rank 0 and the shadow STRICT_PACK, the other ranks
-    SPREAD (`scales_up`: rank 0's only). A given `pg` (a Tune trial's) holds them all from `first_bundle` on."""
+    SPREAD (`scales_up`: rank 0's only). A given `pg` (a Tune trial's) holds them all from `first_bundle` on.
+    `prefix`: the groups' names."""
     if pg is not None:
         return [], [(pg, first_bundle + 1), (pg, first_bundle)] + [(pg, first_bundle + 1 + r)
                                                                   for r in range(1, job.scaling.trainers)]
     k = job.scaling.trainers
     if job.scaling.placement == "pack" or k == 1:
-        pg = placement_group(job_bundles(job, gpus), strategy="STRICT_PACK", name=group_name(job.run_id))
+        pg = placement_group(job_bundles(job, gpus), strategy="STRICT_PACK", name=prefix)
         return [pg], [(pg, 1), (pg, 0)] + [(pg, 1 + r) for r in range(1, k)]
-    home = placement_group(job_bundles(job, gpus)[:2], strategy="STRICT_PACK", name=group_name(job.run_id))
+    home = placement_group(job_bundles(job, gpus)[:2], strategy="STRICT_PACK", name=prefix)
     if scales_up(job):  # the other ranks' groups come once this one is placed (`Placement.start`)
         return [home], [(home, 1), (home, 0)]
     try:
         others = placement_group([trainer_bundle(gpus)] * (k - 1), strategy="SPREAD",
-                                 name=f"{group_name(job.run_id)}-ranks")
+                                 name=f"{prefix}-ranks")
     except RaySystemError:
         remove_placement_group(home)
         raise
@@ -128,16 +141,13 @@ class Placement:
         """`startup`: the start-up check's `Startup`; `say`: the progress line naming what a start waits for."""
         self.job, self.gpus, self.say = job, startup.gpus, say or (lambda line: None)
         self.hooks = startup.faults.hooks if startup.faults is not None else None
+        self._identity = startup.identity
         self._task = [ray.put(startup.task)]
         """The task the start-up check built, for every trainer process (in a list: Ray hands it over as a
         reference, which the process takes when it builds, not when Ray creates it)."""
-        try:
-            self.groups, places = rank_placements(job, self.gpus, pg, first_bundle)
-        except RaySystemError as exc:  # another job of the run started after `check_run` looked
-            if "already exists" not in str(exc):
-                raise
-            raise running_here(job, f"its placement group {group_name(job.run_id)} exists (the job is starting)") \
-                from None
+        # this job's own group names: Ray prints its refusal of a taken one as an error, so they are not the claim
+        self._prefix = f"{group_name(job.run_id)}-{uuid.uuid4().hex[:8]}"
+        self.groups, places = rank_placements(job, self.gpus, pg, first_bundle, self._prefix)
         self._given, self._scales = pg, scales_up(job, pg)
         self._shadow_place, self._rank_places = places[0], places[1:]
         self._payload = job.model_dump(mode="json")
@@ -153,30 +163,76 @@ class Placement:
         return PlacementGroupSchedulingStrategy(place[0], placement_group_bundle_index=place[1])
 
     def start(self) -> tuple[ShadowClient, TrainerGroup]:
-        """Start the shadow and the trainers side by side, so their set-ups overlap; returns the shadow's
-        client and the group once the shadow is up. If the shadow cannot start, no trainer is left behind."""
-        placed = self._wait_for_room()
-        job = self.job
-        shadow = ShadowActor.options(
-            **self._options,
-            name=shadow_name(job.run_id), namespace=NAMESPACE, num_cpus=job.shadow.cpus,
-            max_restarts=job.failure.max_restarts, max_task_retries=-1,
-            scheduling_strategy=self._strategy(self._shadow_place),
-        ).remote(self._payload, self.hooks)
-        trainers = [self._start_rank(slot) for slot in placed]
+        """Claim the run with its shadow, then start the trainers beside it once there is room; returns the shadow's
+        client and the group once all have started. Raises `running_here`, `ActorStartError`, or a constructor's
+        error of the run's own, with nothing left."""
+        shadow = self._claim()
+        trainers, placed = [], []
         try:
-            ray.get(shadow.ready.options(max_task_retries=0).remote())  # a constructor that raised: its error, once
+            if self._identity is not None:
+                self._identity.record()  # the run's now: two jobs started together both passed its check
+            placed = self._wait_for_room()
+            for slot in placed:
+                trainers.append(self._created(trainer_name(self.job.run_id, slot), lambda: self._start_rank(slot)))
+            self._wait_started(shadow, trainers, placed)
         except BaseException:
             for actor in [*trainers, shadow]:
                 ray.kill(actor, no_restart=True)
             raise
         self._shadow = shadow
+        job = self.job
         vacancies = [Vacancy(trainer_name(job.run_id, slot), self._ready[slot],
                              lambda slot=slot: self._start_rank(slot, waits=True))
                      for slot in range(len(self._rank_places)) if slot not in placed]
         self._group = trainer_group(job, trainers, self.start_standby if job.failure.standby else None,
                                     [trainer_name(job.run_id, slot) for slot in placed], vacancies)
         return ShadowClient(shadow, job.run_id), self._group
+
+    def _claim(self):
+        """The run's shadow, its claim (module docstring); where another job holds it, this job's groups go."""
+        job, name = self.job, shadow_name(self.job.run_id)
+        try:
+            return self._created(name, lambda: ShadowActor.options(
+                **self._options,
+                name=name, namespace=NAMESPACE, num_cpus=job.shadow.cpus,
+                max_restarts=job.failure.max_restarts, max_task_retries=-1,
+                scheduling_strategy=self._strategy(self._shadow_place),
+            ).remote(self._payload, self.hooks))
+        except ValueError:  # Ray's ActorAlreadyExistsError (2.5x), a ValueError before it
+            if not actor_exists(name):
+                raise
+        for group in self.groups:
+            remove_placement_group(group)
+        self.groups = []
+        raise running_here(job, f"another job of the run created its shadow {name} a moment before this one "
+                                f"did, which is {describe_actor(name)}")
+
+    def _created(self, name: str, create: Callable):
+        """`create()` of actor `name`; Ray's refusal raises `ActorStartError` (a name taken: Ray's `ValueError`)."""
+        try:
+            return create()
+        except RayError as exc:
+            if isinstance(exc, ValueError):
+                raise
+            raise self._start_error(name, exc) from None
+
+    def _start_error(self, name: str, exc: BaseException) -> ActorStartError:
+        return ActorStartError(f"run {self.job.run_id!r} could not start: Ray could not start its actor {name}: "
+                               + "; ".join(filter(None, [ray_reason(exc), token_mode_mismatch()])))
+
+    def _wait_started(self, shadow, trainers: list, slots: list[int]) -> None:
+        """Wait for every constructor (the shadow's without a retry, a rank's through Ray's restarts): an error of
+        the run's own is raised as it is, Ray's as `ActorStartError`."""
+        run_id = self.job.run_id
+        started = [(shadow_name(run_id), shadow.ready.options(max_task_retries=0).remote())] + \
+            [(trainer_name(run_id, slot), trainer.readiness.remote()) for slot, trainer in zip(slots, trainers)]
+        for name, ref in started:
+            try:
+                ray.get(ref)
+            except RayError as exc:
+                if is_ours(exc):
+                    raise
+                raise self._start_error(name, exc) from None
 
     def _wait_for_room(self) -> list[int]:
         """Wait until the cluster has placed what a start needs: every rank, or with `scales_up` rank 0 with the
@@ -188,7 +244,7 @@ class Placement:
                                            f" and the other {scaling.trainers - 1} ranks")
         self._wait_for(list(ready.values()), len(ready), what)
         if self._scales:  # asked for once rank 0 has its room, so that no other rank can take that room
-            extra = [placement_group([trainer_bundle(self.gpus)], name=f"{group_name(self.job.run_id)}-rank{r}")
+            extra = [placement_group([trainer_bundle(self.gpus)], name=f"{self._prefix}-rank{r}")
                      for r in range(1, scaling.trainers)]
             self.groups += extra
             self._rank_places += [(group, 0) for group in extra]

@@ -16,8 +16,8 @@ from zocheck_ray.actors.link import shadow_writer
 from zocheck_ray.config import JobConfig, JobConfigError
 from zocheck_ray.control.connect import connect_ray
 from zocheck_ray.control.faults import FaultPlan, PlacedFaults
-from zocheck_ray.control.identity import check_identity
-from zocheck_ray.control.placement import _check_resources, group_name, running_here
+from zocheck_ray.control.identity import Recording, check_identity
+from zocheck_ray.control.placement import _check_resources, running_here
 from zocheck_ray.storage import LeaseHeldError, StorageError, check_no_live_writer, check_run_rules
 from zocheck_ray.storage.fs import open_storage, parse_url
 from zocheck_ray.storage.probe import check_writable
@@ -38,6 +38,9 @@ class Startup:
     """The step the run resumes at from its storage (None: a fresh run)."""
     faults: PlacedFaults | None
     """The failures the run deals itself, placed after `resume_step`."""
+    identity: Recording | None = None
+    """The run's identity to write, once the job has claimed the run (`Placement.start`): a job refused then
+    writes nothing."""
 
 
 def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group: PlacementGroup | None = None,
@@ -66,9 +69,8 @@ def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group
         if exc.holder is None or exc.holder.owner != shadow_writer(job.run_id):
             raise JobConfigError(f"storage={job.storage!r}: {exc}") from exc
         held = exc
-    check_not_running_here(job, held, creates_group=placement_group is None)
-    identity.record()  # once no other job of the run is found here
-    return Startup(task, _devices(job, placement_group, first_bundle), resumes, placed)
+    check_not_running_here(job, held)
+    return Startup(task, _devices(job, placement_group, first_bundle), resumes, placed, identity)
 
 
 def _devices(job: JobConfig, placement_group: PlacementGroup | None, first_bundle: int) -> int:
@@ -202,22 +204,15 @@ def _size_problem(store: SnapshotStore, info) -> str | None:
     return None
 
 
-def check_not_running_here(job: JobConfig, held: LeaseHeldError | None = None, creates_group: bool = True) -> None:
-    """Refuse a job whose run id a job on this cluster already uses, naming that job. `held`: the lease
-    of this job's storage, held by this cluster's shadow of the run."""
+def check_not_running_here(job: JobConfig, held: LeaseHeldError | None = None) -> None:
+    """Refuse a job whose run id a job on this cluster already uses, naming that job by its shadow (the run's claim,
+    `Placement.start`, which refuses a job started with it). `held`: the run's lease, held by that shadow."""
     name = shadow_name(job.run_id)
     try:
         ray.get_actor(name, namespace=NAMESPACE)
-        holder = f"its shadow {name} is {describe_actor(name)}"
     except ValueError:  # no such actor: none, or dead
-        holder = None
-    if holder is None and creates_group:
-        try:
-            ray.util.get_placement_group(group_name(job.run_id))
-            holder = f"its placement group {group_name(job.run_id)} exists (the job is starting)"
-        except ValueError:
-            pass
-    if holder is not None:
-        if held is not None and held.holder is not None:
-            holder += f", and holds the lease of {job.run_url}: {held.holder.describe()}"
-        raise running_here(job, holder)
+        return
+    holder = f"its shadow {name} is {describe_actor(name)}"
+    if held is not None and held.holder is not None:
+        holder += f", and holds the lease of {job.run_url}: {held.holder.describe()}"
+    raise running_here(job, holder)
