@@ -246,3 +246,28 @@ def test_the_readme_s_trl_and_zotrainer_examples_run_and_differ_in_ten_lines(tmp
     assert summary.steps == 20 and summary.final_state_hash == summary.shadow_state_hash
     assert (tmp_path / "out" / "adapter_model.safetensors").exists()
     assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["target_modules"]
+
+
+def test_a_model_init_that_builds_another_architecture_after_a_restart_ends_the_run_in_one_line(tmp_path):
+    calls = tmp_path / "calls"
+
+    def changes_after_two_calls():
+        """ZOTrainer's call and the first trainer's build give 2 layers; the restarted trainer's, 3."""
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        n = int(calls.read_text()) if calls.exists() else 0
+        calls.write_text(str(n + 1))
+        return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=16, intermediate_size=32,
+                                            num_hidden_layers=2 if n < 2 else 3, num_attention_heads=2,
+                                            num_key_value_heads=1, max_position_embeddings=32))
+
+    pad_to_eight, _, _ = user_code()
+    trainer = ZOTrainer(model=changes_after_two_calls, train_dataset=features(16, vocab=128), data_collator=pad_to_eight,
+                        args={"steps": 8, "storage": str(tmp_path), "shadow": {"snapshot_interval": 4},
+                              "task": {"batch_size": 4, "eval_size": 4}})
+    with pytest.raises(RunFailedError) as failed:
+        trainer.train(progress=None, faults=FaultPlan(steps=(3,)))
+    line = str(failed.value)
+    assert "\n" not in line and "failed at step 3: rank 0: model_init " in line
+    assert "changes_after_two_calls returned LlamaForCausalLM with parameter layout " in line
+    assert "it must build the same architecture each time" in line and calls.read_text() == "3"

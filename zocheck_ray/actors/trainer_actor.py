@@ -37,6 +37,28 @@ def size_numba_pool() -> None:
     os.environ["NUMBA_NUM_THREADS"] = str(max(RECOVERY_THREADS, process_cpus()))
 
 
+def _input_error() -> type:
+    """The error of the run's input (the user's data, function or model): a restart meets it again, so a restarted
+    process keeps it for its first call too, which the controller ends the run on in one line."""
+    from zocheck_ray.workload.errors import WorkloadError
+
+    return WorkloadError
+
+
+def _inputs(name: str | None):
+    """The task held under `name`, its `model_init` made this process's model of its name first."""
+    if name is None:
+        return None
+    from zocheck_ray.actors.inputs import take_inputs
+
+    task, model_init = take_inputs(name)
+    if model_init is not None:
+        from zocheck_ray.workload.model_init import register
+
+        register(model_init)
+    return task
+
+
 FOLLOW_WAIT_SECONDS = 2.0
 """One wait of `TrainerActor.follow` for the shadow's next image (a promotion ends it within this)."""
 
@@ -48,14 +70,14 @@ class TrainerActor:
     their own, as an elastic rank takes its new group while its `run` waits in an exchange; `peer_lost` on
     its own too, as it waits for a failed exchange."""
 
-    def __init__(self, job: dict, hooks=None, rank: int = 0, standby: bool = False, task: list | None = None):
-        """`task`: [the start-up check's task in Ray's object store], taken when the trainer builds (None: the
-        trainer builds the job's task itself)."""
+    def __init__(self, job: dict, hooks=None, rank: int = 0, standby: bool = False, inputs: str | None = None):
+        """`inputs`: the name of the run's `InputsActor` (rows and functions handed over), whose task the trainer
+        takes when it builds (None: it builds the job's task itself)."""
         size_numba_pool()  # before anything imports numba in this process
         logging.basicConfig(level=logging.INFO)
         self.incarnation = uuid.uuid4().hex  # tells a restarted trainer from the one before
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        self._args = (job, hooks, rank, standby or restarted, task)
+        self._args = (job, hooks, rank, standby or restarted, inputs)
         self._created_as_standby = standby
         self._trainer: Trainer | None = None
         self.prepared_by: Prepared | None = None  # which call built the trainer
@@ -66,10 +88,11 @@ class TrainerActor:
             try:
                 self._prepare("constructor")
             except Exception as exc:
-                if restarted or standby or not is_ours(exc):
+                if not (is_ours(exc) and (not (restarted or standby) or isinstance(exc, _input_error()))):
                     raise
                 # Ray prints a constructor's error with its traceback, above the run's one line: a rank's first
-                # start raises it from its first call instead (a restart or a standby still ends as Ray reports)
+                # start raises it from its first call instead (a restart or a standby only the run's input error;
+                # any other still ends as Ray reports)
                 self._refusal = exc
 
     def _prepare(self, by: Prepared) -> None:
@@ -91,7 +114,7 @@ class TrainerActor:
         from zocheck_ray.runtime.trainer import Trainer
         from zocheck_ray.config import JobConfig
 
-        job, hooks, rank, waits, task = self._args
+        job, hooks, rank, waits, inputs = self._args
         (hooks or NO_HOOKS).before_build(self._created_as_standby)
         job = JobConfig.model_validate(job)
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
@@ -105,7 +128,7 @@ class TrainerActor:
             torch.set_num_threads(cpus)
         self._trainer = Trainer(job, RayShadowLink(job.run_id, threads=transfer_threads()), device=device,
                                 hooks=hooks or NO_HOOKS, rank=rank, waits=waits, incarnation=self.incarnation,
-                                task=ray.get(task[0]) if task else None)
+                                task=_inputs(inputs))
         self.prepared_by = by
 
     @property

@@ -6,7 +6,7 @@
 STARTING -> PROFILING (sets the snapshot interval and the lag bound) -> RUNNING (one segment
 of `log_interval` steps per turn) -> FINISHING (the final state made durable) -> DONE. A
 failure in any state becomes a `Failure` that `decide` (control/policy.py) turns into
-`Recovering(failure)`, `Resyncing(reason, bound)` or `Failed(error)`: the states that carry
+`Recovering(failure)`, `Resyncing(reason, bound)` or `Failed(error, step)`: the states that carry
 their data. A stop signal turns the next step boundary into STOPPING -> STOPPED. Everything
 the run reports goes through callbacks (control/callbacks.py).
 """
@@ -72,9 +72,10 @@ class Resyncing:
 
 @dataclasses.dataclass(frozen=True)
 class Failed:
-    """The run ends with `error`."""
+    """The run ends with `error`, at the step its failure was seen."""
 
     error: str
+    step: int
     name = State.FAILED
 
 
@@ -140,7 +141,7 @@ class Controller:
             released = self._stop_actors(graceful=not self.stop.hurried)
         self._emit("on_state", state_name(self.state).value)
         if isinstance(self.state, Failed):
-            raise RunFailedError(f"run {self.job.run_id} failed at step {self.step}: {self.state.error}")
+            raise RunFailedError(f"run {self.job.run_id} failed at step {self.state.step}: {self.state.error}")
         if self.state is State.STOPPED:
             line = self.stopped + ("; the run's lease is released" if released else "") + \
                 "; run the same job again to resume it"
@@ -261,7 +262,7 @@ class Controller:
             return Recovering(failure)
         if decision.action is Action.RESYNC:
             return Resyncing(decision.reason, self.lag_bound)
-        return Failed(decision.reason)
+        return Failed(decision.reason, failure.step)
 
     def _recover(self, state: Recovering) -> Step:
         failure = state.failure

@@ -281,6 +281,10 @@ class TrainerGroup:
                            ranks=tuple(sorted(set(lost) | set(self.lost_ranks()))))
         except _Gone as gone:
             return gone.failure
+        except RayTaskError as exc:  # a restarted process refused the run's input (its model_init, say)
+            if not isinstance(exc.cause, WorkloadError):
+                raise
+            return Failure("input_refused", failure.step, f"rank {lost[0] if lost else 0}: {exc.cause}")
         if len({info.step for info in infos.values()}) != 1:
             return Failure("trainer_lost", failure.step,
                            f"the ranks rejoined at different steps {[infos[r].step for r in sorted(infos)]}")

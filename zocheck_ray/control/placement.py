@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from zocheck_ray.actors.names import NAMESPACE, actor_exists, describe_actor, is_ours, ray_reason, shadow_name, \
     trainer_name
 from zocheck_ray.actors.client import ShadowClient
+from zocheck_ray.actors.inputs import hold_inputs
 from zocheck_ray.actors.link import ShadowActor, wait_until_dead
 from zocheck_ray.actors.trainer_actor import TrainerActor
 from zocheck_ray.config import JobConfig, JobConfigError
@@ -142,9 +143,9 @@ class Placement:
         self.job, self.gpus, self.say = job, startup.gpus, say or (lambda line: None)
         self.hooks = startup.faults.hooks if startup.faults is not None else None
         self._identity = startup.identity
-        self._task = [ray.put(startup.task)]
-        """The task the start-up check built, for every trainer process (in a list: Ray hands it over as a
-        reference, which the process takes when it builds, not when Ray creates it)."""
+        self._inputs = hold_inputs(job.run_id, startup.task, startup.model_init) if startup.handed_over else None
+        """The rows and functions handed over (`InputsActor`'s name and handle), for every trainer; None: the
+        trainers build the job's task from its files."""
         # this job's own group names: Ray prints its refusal of a taken one as an error, so they are not the claim
         self._prefix = f"{group_name(job.run_id)}-{uuid.uuid4().hex[:8]}"
         self.groups, places = rank_placements(job, self.gpus, pg, first_bundle, self._prefix)
@@ -275,7 +276,7 @@ class Placement:
             **self._options,
             name=trainer_name(job.run_id, slot), namespace=NAMESPACE, num_cpus=1, num_gpus=self.gpus - share,
             max_restarts=job.failure.max_restarts, scheduling_strategy=self._strategy(self._rank_places[slot]),
-        ).remote(self._payload, self.hooks, slot, waits, self._task)
+        ).remote(self._payload, self.hooks, slot, waits, self._inputs[0] if self._inputs else None)
 
     def start_standby(self, name: str):
         """Start the warm standby in rank 0's bundle: it waits, so it takes no CPU of its own."""
@@ -285,7 +286,7 @@ class Placement:
             name=name, namespace=NAMESPACE, num_cpus=0,
             num_gpus=STANDBY_GPU_SHARE if self.gpus else 0, max_restarts=job.failure.max_restarts,
             scheduling_strategy=self._strategy(self._rank_places[0]),
-        ).remote(self._payload, self.hooks, 0, True, self._task)
+        ).remote(self._payload, self.hooks, 0, True, self._inputs[0] if self._inputs else None)
 
     def kill_shadow(self) -> None:
         """Kill the shadow's process as a fault would (Ray restarts it, up to `failure.max_restarts`)."""
@@ -304,6 +305,8 @@ class Placement:
                 ray.kill(self._shadow, no_restart=True)
             except Exception:  # gone already
                 pass
+        if self._inputs is not None:
+            ray.kill(self._inputs[1], no_restart=True)
         for group in self.groups:
             remove_placement_group(group)
         # no retries: Ray would log each probe of a killed actor as a task it retries

@@ -41,6 +41,11 @@ class Startup:
     identity: Recording | None = None
     """The run's identity to write, once the job has claimed the run (`Placement.start`): a job refused then
     writes nothing."""
+    model_init: object = None
+    """The job's model as a function every trainer calls (`workload.model_init.ModelInit`), or None."""
+    handed_over: bool = False
+    """Whether the task holds rows or functions handed over in Python (`ZOTrainer`'s), which the trainers take
+    from the driver; else each builds the job's task from its files."""
 
 
 def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group: PlacementGroup | None = None,
@@ -70,7 +75,8 @@ def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group
             raise JobConfigError(f"storage={job.storage!r}: {exc}") from exc
         held = exc
     check_not_running_here(job, held)
-    return Startup(task, _devices(job, placement_group, first_bundle), resumes, placed, identity)
+    return Startup(task, _devices(job, placement_group, first_bundle), resumes, placed, identity,
+                   workload.model_init if workload is not None else None, workload is not None)
 
 
 def _devices(job: JobConfig, placement_group: PlacementGroup | None, first_bundle: int) -> int:
@@ -146,12 +152,14 @@ def snapshot_bytes(job: JobConfig) -> int | None:
     device; None where that cannot be counted cheaply."""
     from zocheck_ray.core import ZOOptimizer
     from zocheck_ray.workload.models import build_model, trainable_parameters
-    from zocheck_ray.workload.names import model_directory
+    from zocheck_ray.workload.names import MODEL_INIT_PREFIX, model_directory
     from zocheck_ray.workload.weights import checkpoint_files
 
     directory = model_directory(job.model)
-    if job.peft is not None or (directory is not None and checkpoint_files(directory) is None):
-        return None  # an adapter's snapshots are small; a directory without safetensors would load its weights
+    if job.peft is not None or (directory is not None and checkpoint_files(directory) is None) \
+            or job.model.startswith(MODEL_INIT_PREFIX):
+        return None  # an adapter's snapshots are small; a directory without safetensors, or a model_init, would
+        # build the whole model
 
     model = build_model(job.model, job.dtype, device="meta", weights="none")
     state = ZOOptimizer(trainable_parameters(model), job.zo).state_tensors()

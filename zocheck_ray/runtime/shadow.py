@@ -130,7 +130,7 @@ class Shadow:
             vocab, job = self.model_config.get("vocab_size"), self.job
             try:
                 self._tokenizer = {} if vocab is None else \
-                    snapshot_tokenizer_files(model_directory(job.model), vocab, job.task.tokenizer)
+                    snapshot_tokenizer_files(model_directory(job.model), vocab, job.task.tokenizer, job.model)
             except (WorkloadError, OSError, UnicodeDecodeError) as exc:  # the model directory is not readable here
                 logger.warning("snapshots carry no tokenizer: %s", exc)
                 self._tokenizer = {}

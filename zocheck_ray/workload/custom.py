@@ -84,7 +84,12 @@ class CollatorTask(Task):
         self._shifts: bool | None = None
 
     def _collate(self, examples: list) -> dict[str, torch.Tensor]:
-        batch = self.collate(examples)
+        try:
+            batch = self.collate(examples)
+        except Exception as exc:
+            raise WorkloadError(f"data_collator {self.collator_name} raised {type(exc).__name__}: {exc}; rows of "
+                                "different lengths need a padding collator (give processing_class, or your own "
+                                "data_collator)") from exc
         if not isinstance(batch, Mapping) or not all(isinstance(v, torch.Tensor) for v in batch.values()):
             got = type(batch).__name__ if not isinstance(batch, Mapping) else \
                 ", ".join(f"{k}: {type(v).__name__}" for k, v in batch.items() if not isinstance(v, torch.Tensor))
@@ -100,8 +105,11 @@ class CollatorTask(Task):
                                                   .ne(IGNORE).sum())
         outputs = model(**inputs)
         if self.compute_loss is not None:
-            loss = self.compute_loss(outputs, labels, num_items_in_batch=items)
             who = f"compute_loss_func {function_name(self.compute_loss)}"
+            try:
+                loss = self.compute_loss(outputs, labels, num_items_in_batch=items)
+            except Exception as exc:
+                raise WorkloadError(f"{who} raised {type(exc).__name__}: {exc}") from exc
         else:
             loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs[0]
             who = f"model {type(model).__name__}"
@@ -111,8 +119,8 @@ class CollatorTask(Task):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise WorkloadError(f"{who} returned a loss of shape {shape}: it must return one scalar tensor")
-        if not math.isfinite(float(loss)):
-            raise WorkloadError(f"{who} returned a non-finite loss ({float(loss)}): a zeroth-order step needs a finite "
+        if not math.isfinite(float(loss.detach())):
+            raise WorkloadError(f"{who} returned a non-finite loss ({float(loss.detach())}): a zeroth-order step needs a finite "
                                 "loss at +eps and -eps")
         return loss.reshape(()), items
 
@@ -211,9 +219,11 @@ def build_custom_task(config: TaskConfig, rows: Sequence[Mapping], eval_rows: Se
         collator_name = type(collate).__name__ if hf is not None else "default_data_collator"
     if not held:
         raise WorkloadError("no held-out rows: give an eval_dataset, or lower task.eval_size below the rows' count")
-    return CollatorTask(config, tokenizer if tokenizer is not None else DatasetFeatures(), train, held,
+    task = CollatorTask(config, tokenizer if tokenizer is not None else DatasetFeatures(), train, held,
                         collate=collate, compute_loss=compute_loss_func, fingerprint=fingerprint,
                         collator_name=collator_name)
+    task.batch(0)  # the collator on a first batch, here: before any actor starts
+    return task
 
 
 @dataclasses.dataclass(frozen=True)
