@@ -472,7 +472,7 @@ def scale_benchmark(sizes: list[str] | None = None, dtypes: tuple[str, ...] = ("
     (see `_zocheck_run`)."""
     import ray
 
-    from zocheck_ray.control.connect import connect_ray
+    from zocheck_ray.actors.connect import connect_ray
 
     sizes = sizes or DEFAULT_SIZES
     unknown = [s for s in sizes if s not in SIZES]

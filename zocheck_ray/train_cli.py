@@ -136,11 +136,11 @@ def train(args: argparse.Namespace) -> int:
         print(f"zocheck-ray train: {problem}", file=sys.stderr)
         return 2
 
-    from zocheck_ray.control.connect import use_token_at_hand
+    from zocheck_ray.actors.connect import use_token_at_hand
 
     use_token_at_hand(args.address)  # before Ray is imported: it reads RAY_AUTH_MODE then
     from zocheck_ray.control import RunFailedError, run
-    from zocheck_ray.control.connect import RayConnectionError
+    from zocheck_ray.actors.connect import RayConnectionError
     from zocheck_ray.control.stop import RunStopped
     from zocheck_ray.verify import verify_run
 
@@ -191,7 +191,7 @@ def _report(summary, verification, json_path: str | None) -> None:
 
 
 def status(args: argparse.Namespace) -> int:
-    from zocheck_ray.control.connect import RayConnectionError, connect_ray, recorded_address, use_token_at_hand
+    from zocheck_ray.actors.connect import RayConnectionError, connect_ray, recorded_address, use_token_at_hand
 
     address = args.address or (None if os.environ.get("RAY_ADDRESS") else recorded_address(args.run_id))
     use_token_at_hand(address or "auto")  # before Ray is imported: it reads RAY_AUTH_MODE then

@@ -343,7 +343,7 @@ def tune_command(args: argparse.Namespace) -> int:
             raise JobConfigError("--num-cpus sizes a local Ray instance; a cluster (--address) has its own "
                                  "(ray start --num-cpus=N on its nodes)")
         if args.num_cpus and not args.address:
-            from zocheck_ray.control.connect import cluster_to_join
+            from zocheck_ray.actors.connect import cluster_to_join
 
             joined, why = cluster_to_join(None)
             if joined is not None:  # ray.init would join it, and refuse num_cpus there

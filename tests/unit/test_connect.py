@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from zocheck_ray.control.connect import (
+from zocheck_ray.actors.connect import (
     RAY_START_WHY,
     RayConnectionError,
     check_reachable,

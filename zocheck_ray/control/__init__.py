@@ -26,4 +26,4 @@ __getattr__, __dir__ = on_first_use(globals(), {
     "stop": ("RunStopped",),
     "summary": ("Recovery", "RunFailedError", "RunSummary"),
 })
-"""Names load with their modules on first use, so `status` (which needs only `connect`) loads no torch."""
+"""Names load with their modules on first use: importing the package loads no torch."""

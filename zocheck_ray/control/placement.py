@@ -21,7 +21,7 @@ from zocheck_ray.actors.inputs import hold_inputs
 from zocheck_ray.actors.link import ShadowActor, wait_until_dead
 from zocheck_ray.actors.trainer_actor import TrainerActor
 from zocheck_ray.config import JobConfig, JobConfigError
-from zocheck_ray.control.connect import token_mode_mismatch
+from zocheck_ray.actors.connect import token_mode_mismatch
 from zocheck_ray.control.elastic_group import Vacancy, trainer_group
 from zocheck_ray.control.group import TrainerGroup
 from zocheck_ray.control.summary import RunFailedError

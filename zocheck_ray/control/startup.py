@@ -14,7 +14,7 @@ from ray.util.placement_group import PlacementGroup
 from zocheck_ray.actors.names import NAMESPACE, describe_actor, shadow_name
 from zocheck_ray.actors.link import shadow_writer
 from zocheck_ray.config import JobConfig, JobConfigError
-from zocheck_ray.control.connect import connect_ray
+from zocheck_ray.actors.connect import connect_ray
 from zocheck_ray.control.faults import FaultPlan, PlacedFaults
 from zocheck_ray.control.identity import Recording, check_identity
 from zocheck_ray.control.placement import _check_resources, running_here
