@@ -44,7 +44,7 @@ class _GatherProbe:
     """One rank of a process group that only gathers (no model): the collective's own cost."""
 
     def __init__(self, rank: int, ranks: int):
-        from zocheck_ray.runtime.collective import LossGroup
+        from zocheck_ray.runtime.parallel.collective import LossGroup
 
         self.group = LossGroup(rank, ranks)
 

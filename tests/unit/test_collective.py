@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from zocheck_ray.runtime.collective import LossGroup, RankLostError, alive, liveness_port, open_rendezvous
+from zocheck_ray.runtime.parallel.collective import LossGroup, RankLostError, alive, liveness_port, open_rendezvous
 
 
 def closed_port() -> int:
@@ -38,7 +38,7 @@ def test_a_newer_plan_ends_the_wait_for_a_rank_that_never_arrives():
 
 SILENT_PEER = """
 import os, signal, sys
-from zocheck_ray.runtime.collective import LossGroup
+from zocheck_ray.runtime.parallel.collective import LossGroup
 LossGroup(rank=1, ranks=2, timeout=600).join("127.0.0.1", int(sys.argv[1]))
 os.kill(os.getpid(), signal.SIGSTOP)  # silent, its sockets open: a node lost without a TCP reset
 """
@@ -51,7 +51,7 @@ def test_an_exchange_with_a_silent_peer_is_given_up_for_a_newer_group_at_once():
     import sys
     import threading
 
-    from zocheck_ray.runtime.collective import GroupAbandoned
+    from zocheck_ray.runtime.parallel.collective import GroupAbandoned
 
     store = open_rendezvous("127.0.0.1", 2, timeout=600)
     peer = subprocess.Popen([sys.executable, "-c", SILENT_PEER, str(store.port)])

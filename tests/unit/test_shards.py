@@ -3,8 +3,8 @@ a rank that lags one exchange behind catches up."""
 
 import pytest
 
-from zocheck_ray.runtime.elastic import catch_up, deal, exchange_number, standing
-from zocheck_ray.runtime.shards import assign, decode, encode, merge, missing, reduce_in_shard_order
+from zocheck_ray.runtime.parallel.elastic import catch_up, deal, exchange_number, standing
+from zocheck_ray.runtime.parallel.shards import assign, decode, encode, merge, missing, reduce_in_shard_order
 
 
 def test_each_rank_holds_a_contiguous_block_and_s_equal_to_k_is_todays_layout():

@@ -20,9 +20,9 @@ from zocheck_ray.config import JobConfig
 from zocheck_ray.control.group import DEATH_POLL_SECONDS, READINESS_WAIT_SECONDS, TrainerGroup
 from zocheck_ray.control.policy import Failure
 from zocheck_ray.control.summary import GroupChange
-from zocheck_ray.runtime.elastic import GroupPlan, PeerLost, deal
+from zocheck_ray.runtime.parallel.elastic import GroupPlan, PeerLost, deal
 from zocheck_ray.runtime.messages import TrainerProgress
-from zocheck_ray.runtime.shards import assign, shard_count
+from zocheck_ray.runtime.parallel.shards import assign, shard_count
 
 logger = logging.getLogger(__name__)
 

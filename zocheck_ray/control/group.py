@@ -24,7 +24,7 @@ from zocheck_ray.runtime.trainer import RejoinRequiredError
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.outcomes import Restored, StepTimes
 from zocheck_ray.control.summary import GroupChange
-from zocheck_ray.runtime.shards import assign, shard_count
+from zocheck_ray.runtime.parallel.shards import assign, shard_count
 from zocheck_ray.control.policy import Failure
 from zocheck_ray.workload.errors import WorkloadError
 

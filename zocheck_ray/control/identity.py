@@ -17,7 +17,7 @@ from typing import Any, Callable
 from pydantic import BaseModel, ConfigDict
 
 from zocheck_ray.config import JobConfig, JobConfigError
-from zocheck_ray.runtime.shards import shard_count
+from zocheck_ray.runtime.parallel.shards import shard_count
 from zocheck_ray.storage.fs import open_storage
 
 IDENTITY_FILE = "identity.json"

@@ -24,13 +24,13 @@ from zocheck_ray.core import ZOOptimizer, state_hash
 from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray.core.fused import warm_up
 from zocheck_ray.host.image import prepare_skeleton
-from zocheck_ray.runtime.collective import GroupAbandoned, LossGroup, RankLostError, open_rendezvous
-from zocheck_ray.runtime.elastic import CALLS_PER_STEP, GroupPlan, PeerLost, catch_up, exchange_number, standing
+from zocheck_ray.runtime.parallel.collective import GroupAbandoned, LossGroup, RankLostError, open_rendezvous
+from zocheck_ray.runtime.parallel.elastic import CALLS_PER_STEP, GroupPlan, PeerLost, catch_up, exchange_number, standing
 from zocheck_ray.runtime.hooks import NO_HOOKS, TrainerHooks
 from zocheck_ray.runtime.messages import AdapterIdentity, KernelCheckInfo, KernelInfo, RecoveryInfo, Role, TrainerProgress
 from zocheck_ray.runtime.publisher import FLUSH_SECONDS, Publisher, ShadowLink
 from zocheck_ray.runtime.restore import Restorer
-from zocheck_ray.runtime.shards import ShardTable, assign, decode, encode, evaluate_shards, merge, \
+from zocheck_ray.runtime.parallel.shards import ShardTable, assign, decode, encode, evaluate_shards, merge, \
     missing, reduce_in_shard_order, shard_count
 from zocheck_ray.runtime.standby import Standby
 from zocheck_ray.workload.adapters import build_trainable

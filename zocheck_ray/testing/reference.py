@@ -10,7 +10,7 @@ from typing import Callable
 
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import ZOOptimizer, state_hash
-from zocheck_ray.runtime.shards import reduce_in_shard_order, shard_count
+from zocheck_ray.runtime.parallel.shards import reduce_in_shard_order, shard_count
 from zocheck_ray.workload.data import step_seed
 from zocheck_ray.workload.adapters import build_trainable
 from zocheck_ray.workload.builder import build_task

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from zocheck_ray.runtime.shards import ShardTable, decode, encode
+from zocheck_ray.runtime.parallel.shards import ShardTable, decode, encode
 
 CALLS_PER_STEP = 1024
 """Exchange number = step * CALLS_PER_STEP + place in the step."""

@@ -5,7 +5,7 @@
     tables = group.gather(encode(table))              # every rank's shard table, in rank order
 
 Rank 0 opens a TCP store, every rank joins through it (as Ray Train does). An exchange carries a few float64
-numbers per shard (`runtime/shards.py`), so gloo serves CPU and GPU ranks alike. A dead peer's sockets close
+numbers per shard (`runtime/parallel/shards.py`), so gloo serves CPU and GPU ranks alike. A dead peer's sockets close
 and `gather` raises `RankLostError`; `lost_peers` names it: a refused connection to its liveness socket.
 """
 
