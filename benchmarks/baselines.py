@@ -349,7 +349,7 @@ class StrategyTrainer:
 
     def critical_path(self) -> dict:
         """The training thread's checkpointing cost so far (see the module docstring)."""
-        publish_ns = self.trainer.publish_ns
+        publish_ns = self.trainer.log.publish_ns
         checkpoint = sum(self.checkpoint_ns) / 1e9
         publish = sum(publish_ns) / 1e9
         return {"strategy": self.strategy.name, "kind": self.strategy.kind, "every": self.strategy.every,

@@ -160,29 +160,29 @@ class TrainerActor:
     def group_address(self, loopback: bool = False) -> tuple[str, int]:
         """Rank 0: open the ranks' rendezvous here (127.0.0.1 with `loopback`); returns address and port."""
         address = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-        return address, self.trainer.group.listen(address)
+        return address, self.trainer.ranks.group.listen(address)
 
     def join_group(self, address: str, port: int) -> float:
-        return self.trainer.join_group(address, port)
+        return self.trainer.ranks.join_group(address, port)
 
     @ray.method(concurrency_group="regroup")
     def open_group(self, loopback: bool, ranks: int, generation: int) -> tuple[str, int]:
         """As rank 0 of the planned group `generation`: open its rendezvous; returns address and port."""
         address = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-        return address, self._trainer.open_group(address, ranks, generation)
+        return address, self._trainer.ranks.open_group(address, ranks, generation)
 
     @ray.method(concurrency_group="regroup")
     def offer_plan(self, rank: int, plan) -> None:
-        self._trainer.offer_plan(rank, plan)
+        self._trainer.ranks.offer_plan(rank, plan)
 
     @ray.method(concurrency_group="report")
     def peer_lost(self):
         """Waits for this rank's next failed exchange; returns its `PeerLost` report (None: not built)."""
-        return self._trainer.next_loss() if self._trainer is not None else None
+        return self._trainer.ranks.next_loss() if self._trainer is not None else None
 
     def reform(self, generation: int) -> int:
         """At a step boundary, after `run`: join group `generation` unless an exchange already did."""
-        return self.trainer.reform(generation)
+        return self.trainer.ranks.reform(generation, self.trainer.step)
 
     def deliver(self) -> int:
         return self.trainer.deliver()

@@ -6,14 +6,13 @@
 
 A rank restores when built (`restore.py`); a standby or a restarted process waits for `rejoin`
 (a CPU standby holding the newest image, `standby.py`); a rank whose gather fails is TORN,
-mid-perturbation. Evaluation runs between steps on unperturbed weights: no record changes.
+mid-perturbation (its place among the ranks: `rank_group.py`). Evaluation runs between steps on
+unperturbed weights: no record changes.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import statistics
 import threading
 import time
 
@@ -24,14 +23,14 @@ from zocheck_ray.core import ZOOptimizer, state_hash
 from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray.core.fused import warm_up
 from zocheck_ray.host.image import prepare_skeleton
-from zocheck_ray.runtime.parallel.collective import GroupAbandoned, LossGroup, RankLostError, open_rendezvous
-from zocheck_ray.runtime.parallel.elastic import CALLS_PER_STEP, GroupPlan, PeerLost, catch_up, exchange_number, standing
+from zocheck_ray.runtime.parallel.collective import RankLostError
+from zocheck_ray.runtime.parallel.shards import reduce_in_shard_order
 from zocheck_ray.runtime.hooks import NO_HOOKS, TrainerHooks
 from zocheck_ray.runtime.messages import AdapterIdentity, KernelCheckInfo, KernelInfo, RecoveryInfo, Role, TrainerProgress
 from zocheck_ray.runtime.publisher import FLUSH_SECONDS, Publisher, ShadowLink
+from zocheck_ray.runtime.rank_group import RankGroup
 from zocheck_ray.runtime.restore import Restorer
-from zocheck_ray.runtime.parallel.shards import ShardTable, assign, decode, encode, evaluate_shards, merge, \
-    missing, reduce_in_shard_order, shard_count
+from zocheck_ray.runtime.segment import SegmentLog
 from zocheck_ray.runtime.standby import Standby
 from zocheck_ray.workload.adapters import build_trainable
 from zocheck_ray.workload.builder import build_task
@@ -60,30 +59,10 @@ class Trainer:
                  rank: int = 0, waits: bool = False, incarnation: str = "", task=None):
         """`waits`: build a skeleton and wait for `rejoin`, so that every rank restores to one step. `task`: the
         job's task as the start-up check built it (None: built here)."""
-        self.job = job
-        self.shadow = shadow
-        self.hooks = hooks
-        self.incarnation = incarnation
-        self.rank, self.ranks = rank, job.scaling.trainers
-        self.shards = shard_count(job)
-        self.held = assign(self.shards, self.ranks)[rank]
-        """The shards this rank evaluates each step."""
-        self.group = self._loss_group(rank, self.ranks)
-        self.elastic = job.scaling.min_trainers is not None and self.ranks > 1
-        """A lost peer leaves this rank waiting for a smaller group, not torn."""
-        self._plans: queue.Queue[tuple[int, GroupPlan, float]] = queue.Queue()
-        """(rank, plan, when it came)."""
-        self._rendezvous: dict[int, object] = {}
-        self._losses: queue.Queue[PeerLost] = queue.Queue()
-        self.generation = 0
-        self._calls = 0
-        self._last_exchange: tuple[int, ShardTable] | None = None
-        self._regroups: list[tuple[int, float, float]] = []
-        self._planned_at = 0.0
-
+        self.job, self.shadow, self.hooks, self.incarnation = job, shadow, hooks, incarnation
+        self.ranks = RankGroup(job, rank, hooks, take_over=lambda: self.publisher.take_over())
+        self.log = SegmentLog()
         self.role = Role.WAITING
-        self._collective_seconds: list[float] = []
-        self._step_collective = 0.0
         self.device = torch.device(device)
         self.restorer = Restorer(job, shadow, self.device, hooks, incarnation)
         self.standby = Standby(job, shadow)
@@ -107,28 +86,21 @@ class Trainer:
                                          seconds=time.perf_counter() - started, build_seconds=self.build_seconds)
         else:
             self._restore(started, offer, fetch_seconds, may_start_fresh=True)
-        self._publish_ns: list[int] = []
-        self.step_hashes: dict[int, str] = {}
-        self._step_seconds: list[float] = []
-        self.last_loss: float | None = None
-        self._evaluations: dict[int, dict[str, float]] = {}
-        self._samples: dict[int, list[tuple[str, str]]] = {}
-        self._eval_seconds = 0.0
-        self._evaluated: set[int] = set()
         self._stop = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="zocheck-publish", daemon=True)
         self._flusher.start()
 
     def _become(self, role: Role) -> None:
         if role not in TRANSITIONS[self.role]:
-            raise RoleError(f"rank {self.rank} cannot go from {self.role.value} to {role.value}")
+            raise RoleError(f"rank {self.ranks.rank} cannot go from {self.role.value} to {role.value}")
         self.role = role
 
     def _build(self, skeleton: bool, prefault: bool = False) -> None:
         """The model, or a `skeleton` an image fills (`prefault`: pages touched now, so a restore is a plain
         copy). An adapter's frozen base always gets its weights."""
         built = build_trainable(self.job.model, self.job.dtype, self.job.run_seed, self.job.peft,
-                                device=self.device, weights="none" if skeleton else "load")
+                                device=self.device, weights="none" if skeleton else "load",
+                                quantization=self.job.quantization)
         self.model = built.model
         self.adapter = None if built.base_hash is None else AdapterIdentity(
             base_hash=built.base_hash, adapter_config=built.adapter_config)
@@ -139,9 +111,8 @@ class Trainer:
                 prepare_skeleton(self.opt.state_tensors())
 
     @property
-    def publish_ns(self) -> list[int]:
-        """Each step's publish cost on the training thread (ns)."""
-        return self._publish_ns
+    def rank(self) -> int:
+        return self.ranks.rank
 
     @property
     def step(self) -> int:
@@ -160,7 +131,7 @@ class Trainer:
             if fetch_seconds is None:
                 offer, fetch_seconds = self.restorer.borrow(held=self.standby.token)
             preinstalled = offer is not None and self.standby.take(offer)
-            info, held = self.restorer.restore(self.opt, self.adapter, offer, self.rank, may_start_fresh,
+            info, held = self.restorer.restore(self.opt, self.adapter, offer, self.ranks.rank, may_start_fresh,
                                                preinstalled)
         except BaseException:
             # A skeleton still holds nothing; any other state may be half-written.
@@ -173,23 +144,19 @@ class Trainer:
             "seconds": time.perf_counter() - started, "build_seconds": self.build_seconds})
         # The records the shadow holds only in memory stay with the trainer until they are durable.
         self.publisher = Publisher(self.shadow, self.step, lambda: self.opt.step_index, held,
-                                   publishing=self.rank == 0)
+                                   publishing=self.ranks.rank == 0)
 
     def rejoin(self, step: int | None, rank: int | None = None, ranks: int | None = None) -> RecoveryInfo:
         """Be rank `rank` of `ranks` (None: as now) at `step` (None: the shadow's); returns `recovery`. Only a
         RANK at `step` keeps its state."""
-        rank = self.rank if rank is None else rank
-        ranks = self.ranks if ranks is None else ranks
-        if (rank, ranks) != (self.rank, self.ranks) or self.group is None and ranks > 1:
-            self.rank, self.ranks = rank, ranks
-            self.held = assign(self.shards, ranks)[rank]
-            self.group = self._loss_group(rank, ranks)
+        self.ranks.place(self.ranks.rank if rank is None else rank, self.ranks.ranks if ranks is None else ranks)
         if self.role is not Role.RANK or step is None or self.step != step:
             self._restore(time.perf_counter(), may_start_fresh=self.role is Role.RANK)
         else:
             self.recovery = RecoveryInfo(incarnation=self.incarnation, step=self.step, source="kept", role=self.role)
         if step is not None and self.step != step:
-            raise RuntimeError(f"rank {self.rank} recovered to step {self.step}, not {step}: the shadow lacks records")
+            raise RuntimeError(f"rank {self.ranks.rank} recovered to step {self.step}, not {step}: the shadow lacks "
+                               "records")
         return self.recovery
 
     @property
@@ -213,15 +180,13 @@ class Trainer:
         """Held-out metrics of the current state, recorded under its step."""
         began = time.perf_counter()
         metrics = self.task.evaluate(self.model)
-        if hasattr(self.task, "samples"):  # kind `sft`: greedy generations from held-out prompts
-            self._samples[self.step] = self.task.samples(self.model)
-        self._eval_seconds += time.perf_counter() - began
-        self._evaluations[self.step] = metrics
-        self._evaluated.add(self.step)
+        # kind `sft`: greedy generations from held-out prompts
+        samples = self.task.samples(self.model) if hasattr(self.task, "samples") else None
+        self.log.evaluation(self.step, metrics, samples, time.perf_counter() - began)
         return metrics
 
     def _due_for_evaluation(self) -> bool:
-        if self.rank != 0:  # the replicas are identical: rank 0's held-out metrics are every rank's
+        if self.ranks.rank != 0:  # the replicas are identical: rank 0's held-out metrics are every rank's
             return False
         step = self.step
         return step % self.job.task.eval_interval == 0 or step == self.job.steps
@@ -229,7 +194,8 @@ class Trainer:
     def _require_rank(self, doing: str) -> None:
         if self.role is not Role.RANK:
             at = f" at step {self.step}" if self.role is Role.TORN else ""
-            raise RejoinRequiredError(f"rank {self.rank} is {self.role.value}{at}: it must rejoin before it {doing}")
+            raise RejoinRequiredError(f"rank {self.ranks.rank} is {self.role.value}{at}: it must rejoin before it "
+                                      f"{doing}")
 
     def run(self, until_step: int, durable_next: int | None = None) -> TrainerProgress:
         """Train up to `until_step` (exclusive); records before `durable_next` are durable. A failed gather
@@ -238,185 +204,47 @@ class Trainer:
         if durable_next is not None:
             self.publisher.acknowledge(durable_next)
         model = self.model
-        if self.step < until_step and self._due_for_evaluation() and self.step not in self._evaluated:
+        if self.step < until_step and self._due_for_evaluation() and self.step not in self.log.evaluated:
             self.evaluate()  # step 0 (the metric before training), or a step a recovery resumed at
         # Bound once: after a step has evicted the caches, every object the append reaches is a miss.
-        publish, clock, publish_ns = self.publisher.append, time.perf_counter_ns, self._publish_ns
+        publish, clock, log, ranks = self.publisher.append, time.perf_counter_ns, self.log, self.ranks
         before_step = self.hooks.before_step if self.hooks.steps_hooked else None
         while self.step < until_step:
             t = self.step
             if before_step is not None:
-                before_step(self.rank, t)
+                before_step(ranks.rank, t)
             began = time.perf_counter()
-            if self.shards == 1:
+            if ranks.shards == 1:
                 record = self.opt.step(self.task.closure(model, t), seed=step_seed(self.job.run_seed, t))
             else:
-                self._step_collective, self._calls = 0.0, 0
                 try:
-                    record = self.opt.step(self._shard_closure(model, t), seed=step_seed(self.job.run_seed, t),
+                    record = self.opt.step(ranks.closure(self.task, model, t), seed=step_seed(self.job.run_seed, t),
                                            combine=reduce_in_shard_order)
                 except RankLostError as exc:
                     logger.warning("%s: stopping at step %d until the group is re-formed", exc, t)
                     self._become(Role.TORN)
-                    self.group.leave()
+                    ranks.leave()
                     break
-                if self.group is not None:
-                    self._collective_seconds.append(self._step_collective)
+                ranks.stepped()
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
-            self._step_seconds.append(time.perf_counter() - began)
+            seconds = time.perf_counter() - began
             start = clock()
             publish(record)  # the whole critical-path cost of publishing
-            publish_ns.append(clock() - start)
-            self.last_loss = self.opt.last_losses[0]
+            log.stepped(seconds, clock() - start, self.opt.last_losses[0])
             if self.job.hash_every_step:
-                self.step_hashes[self.step] = state_hash(self.opt.state_tensors())
+                log.step_hashes[self.step] = state_hash(self.opt.state_tensors())
             if self._due_for_evaluation():
                 self.evaluate()
         self.publisher.flush()
         return self.progress()
 
-    def _shard_closure(self, model, t: int):
-        """Step `t`'s closure: every shard's table, this rank's evaluated here, the others' exchanged."""
-        closures: dict = {}
-
-        def closure_of(shard: int):
-            if shard not in closures:  # the shard's rows, collated once per step
-                closures[shard] = self.task.slice_closure(model, t, shard, self.shards)
-            return closures[shard]
-
-        def table() -> ShardTable:
-            mine = evaluate_shards(closure_of, self.held, self.shards)
-            return mine if self.group is None else self._exchange(t, mine, closure_of)
-        return table
-
-    def _exchange(self, t: int, mine: ShardTable, closure_of) -> ShardTable:
-        """Every rank's table merged; a lost peer's shards are taken over at this perturbation (elastic)."""
-        number = exchange_number(t, self._calls)
-        self._calls += 1
-        self.hooks.before_exchange(self.rank, t, number - exchange_number(t, 0))
-        began = time.perf_counter()
-        lost_at = None
-        while True:
-            try:
-                gathered = self.group.gather(encode(mine), self._abandon if self.elastic else None)
-                merged = merge([decode(numbers) for numbers in gathered])
-                break
-            except RankLostError as exc:
-                if not self.elastic:
-                    raise
-                logger.warning("%s: waiting at step %d for the controller's smaller group", exc, t)
-                if lost_at is None:  # given up: a silent peer stalled the whole wait
-                    lost_at = began if isinstance(exc, GroupAbandoned) else time.perf_counter()
-                    self.hooks.after_exchange_failed(self.rank, t, number - exchange_number(t, 0))
-                    if not isinstance(exc, GroupAbandoned):  # else the controller knows: it planned anew
-                        self._report_loss(t, number, exc)
-                adopted = self._regroup(number, inside=True)
-                if adopted is not None:  # a survivor completed this exchange before the loss
-                    merged = adopted
-                    break
-                for shard in self.held:  # the lost rank's shards, at the perturbation this rank stands at
-                    if mine[shard] is None:
-                        mine[shard] = closure_of(shard)()
-        self._step_collective += time.perf_counter() - began
-        if lost_at is not None:  # (step, stall, of it the wait for the controller's plan)
-            self._regroups.append((t, time.perf_counter() - lost_at, max(0.0, self._planned_at - lost_at)))
-        if missing(merged):
-            raise RuntimeError(f"rank {self.rank}: no rank evaluated shards {missing(merged)}")
-        self._last_exchange = (number, merged)
-        return merged
-
-    # ------------------------------------------------------------------ elastic groups
-
-    def _report_loss(self, t: int, number: int, exc: Exception) -> None:
-        """Report the peers gone (`next_loss`)."""
-        if self.group.key is None:
-            return
-        self._losses.put(PeerLost(group=self.group.key, rank=self.rank, step=t, lost=tuple(self.group.lost_peers()),
-                                  exchange=number - exchange_number(t, 0), detail=str(exc).splitlines()[0]))
-
-    def next_loss(self) -> PeerLost:
-        """Waits for the next report."""
-        return self._losses.get()
-
-    def _abandon(self) -> bool:
-        """Whether a newer group is planned."""
-        return not self._plans.empty()
-
-    def open_group(self, address: str, ranks: int, generation: int) -> int:
-        """As rank 0 of group `generation`: open its rendezvous (the training thread may wait in an exchange)."""
-        store = open_rendezvous(address, ranks, self.job.scaling.collective_timeout_seconds)
-        self._rendezvous[generation] = store
-        return store.port
-
-    def offer_plan(self, rank: int, plan: GroupPlan) -> None:
-        """The next group and this rank's place in it."""
-        self._plans.put((rank, plan, time.perf_counter()))
-
-    def reform(self, generation: int) -> int:
-        """At a step boundary, join group `generation` unless an exchange did."""
-        if self.generation < generation:
-            self._regroup(exchange_number(self.step, 0), inside=False, generation=generation)
-        return self.rank
-
-    def _regroup(self, number: int, inside: bool, generation: int | None = None) -> ShardTable | None:
-        """Join the next planned group; returns exchange `number`'s table if a survivor completed it."""
-        while True:
-            self.group.leave()
-            rank, plan, self._planned_at = self._plans.get()
-            while not self._plans.empty():  # only the newest plan stands
-                rank, plan, self._planned_at = self._plans.get_nowait()
-            if plan.generation <= self.generation or (generation is not None and plan.generation < generation):
-                continue  # a stale plan
-            if not plan.held:
-                raise RankLostError(f"rank {self.rank}: no group to join ({plan.cause}); rejoining from "
-                                    "the shadow")
-            try:
-                self._apply(rank, plan)
-                gathered = self.group.gather(standing(number, inside, self._last_exchange, self.shards),
-                                             self._abandon)
-            except RankLostError as exc:  # lost another peer meanwhile: wait for the next plan
-                logger.warning("%s: during the regroup", exc)
-                if not isinstance(exc, GroupAbandoned):
-                    self._report_loss(number // CALLS_PER_STEP, number, exc)
-                continue
-            return catch_up(gathered, number)
-
-    def _apply(self, rank: int, plan: GroupPlan) -> None:
-        self.hooks.before_regroup(self.rank, plan.generation)
-        self.group = LossGroup(rank, plan.ranks, self.job.scaling.collective_timeout_seconds)  # of one too
-        self.group.join(plan.address, plan.port, store=self._rendezvous.pop(plan.generation, None),
-                        abandon=self._abandon)
-        was_leader = self.rank == 0
-        self.rank, self.ranks, self.held, self.generation = rank, plan.ranks, plan.held[rank], plan.generation
-        if rank == 0 and not was_leader:
-            self.publisher.take_over()  # rank 0 sends the records; the shadow gets those the lost one had not
-        logger.info("rank %d of %d from group %d (%s), shards %s", rank, plan.ranks, plan.generation, plan.cause,
-                    list(self.held))
-
-    def _loss_group(self, rank: int, ranks: int) -> LossGroup | None:
-        return LossGroup(rank, ranks, self.job.scaling.collective_timeout_seconds) if ranks > 1 else None
-
-    def join_group(self, address: str, port: int) -> float:
-        """Join the ranks' group at rank 0's address:port; returns the seconds."""
-        return self.group.join(address, port)
-
     def progress(self) -> TrainerProgress:
         """The segment since the last report: steps, hashes, evaluations, timings."""
-        recent = self._publish_ns[-1000:]
-        hashes, self.step_hashes = self.step_hashes, {}
-        seconds, self._step_seconds = self._step_seconds, []
-        evaluations, self._evaluations = self._evaluations, {}
-        samples, self._samples = self._samples, {}
-        eval_seconds, self._eval_seconds = self._eval_seconds, 0.0
-        collective, self._collective_seconds = self._collective_seconds, []
-        regroups, self._regroups = self._regroups, []
-        return TrainerProgress(step=self.step, loss=self.last_loss, rank=self.rank, step_hashes=hashes,
-                               step_seconds=seconds, collective_seconds=collective,
+        collective, regroups = self.ranks.times()
+        return TrainerProgress(step=self.step, rank=self.ranks.rank, collective_seconds=collective,
                                interrupted=self.step if self.role is Role.TORN else None, regroups=regroups,
-                               evaluations=evaluations, samples=samples, eval_seconds=eval_seconds,
-                               publish_us_median=statistics.median(recent) / 1e3 if recent else None,
-                               publisher=self.publisher.stats(), kernel=self.kernel())
+                               publisher=self.publisher.stats(), kernel=self.kernel(), **self.log.take())
 
     def kernel(self) -> KernelInfo:
         """The weights' update kernel and, on CUDA, the start-up guard's verdict."""
@@ -458,5 +286,4 @@ class Trainer:
         self._flusher.join(timeout=5)
         if self.publisher is not None and hand_over:
             self.publisher.flush()
-        if self.group is not None:
-            self.group.leave()
+        self.ranks.leave()
