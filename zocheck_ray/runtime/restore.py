@@ -18,7 +18,7 @@ from zocheck_ray.runtime.hooks import TrainerHooks
 from zocheck_ray.runtime.messages import AdapterIdentity, RecoveryInfo
 from zocheck_ray.runtime.publisher import ShadowLink
 from zocheck_ray.workload.adapters import BaseModelMismatchError
-from zocheck_ray.workload.models import model_config_dict
+from zocheck_ray.workload.models import snapshot_config
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,9 @@ class Restorer:
                 raise RuntimeError(f"rank {rank} must restore its state from the shadow, which holds no image "
                                    "(a shadow that was never initialized, or lost its image)")
             if rank == 0:  # the other ranks build the same initial state from run_seed
-                if adapter is None:  # the config the snapshots carry: transformers is loaded here already
-                    self.shadow.initialize(opt.state_tensors(), 0, model_config=model_config_dict(self.job.model))
+                if adapter is None:  # the config the snapshots carry (the run's dtype): transformers is loaded here
+                    self.shadow.initialize(opt.state_tensors(), 0,
+                                           model_config=snapshot_config(self.job.model, self.job.dtype))
                 else:
                     self.shadow.initialize(opt.state_tensors(), 0, adapter=adapter)
             return RecoveryInfo(incarnation=self.incarnation, step=0, source="fresh"), []

@@ -40,7 +40,7 @@ from zocheck_ray.storage import (CorruptSnapshotError, Lease, LeaseError, RulesV
                                  SnapshotStore, StorageError, StorageRefusedError, recover)
 from zocheck_ray.core.dtypes import JOB_DTYPES
 from zocheck_ray.workload.errors import WorkloadError
-from zocheck_ray.workload.models import model_config_dict
+from zocheck_ray.workload.models import snapshot_config
 from zocheck_ray.workload.names import model_directory
 from zocheck_ray.workload.tokenization import snapshot_tokenizer_files
 
@@ -115,7 +115,7 @@ class Shadow:
         meta = {"run_id": self.job.run_id, "zo_config": self.job.zo.model_dump(mode="json")}
         if self.job.peft is None:
             if self.model_config is None:  # a caller that gave none (the trainers of a run give theirs)
-                self.model_config = model_config_dict(self.job.model)
+                self.model_config = snapshot_config(self.job.model, self.job.dtype)
             meta["hf_config"] = self.model_config
             meta["text_files"] = self._tokenizer_files()
         elif self.adapter is not None:

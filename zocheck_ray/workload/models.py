@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from zocheck_ray.core.dtypes import JOB_DTYPES
+from zocheck_ray.core.dtypes import JOB_DTYPES, NAMES
 from zocheck_ray.workload.errors import ModelNotFoundError
 from zocheck_ray.workload.names import MODEL_INIT_PREFIX, PACKAGED_MODELS, SMALL_MODELS, model_directory
 from zocheck_ray.workload.weights import checkpoint_files, load_checkpoint, skeleton
@@ -81,6 +81,14 @@ def model_config_dict(name: str, overrides: dict | None = None) -> dict:
         config["id2label"] = {str(i): f"LABEL_{i}" for i in range(int(config.pop("num_labels")))}
         config["label2id"] = {v: int(k) for k, v in config["id2label"].items()}
     return config
+
+
+def snapshot_config(name: str, dtype: str) -> dict:
+    """`model_config_dict(name)` as a full snapshot's `config.json` holds it: with the run's dtype where
+    transformers reads it (`dtype` from 5.0, `torch_dtype` before), so `from_pretrained(snapshot)` builds the
+    weights the run trained rather than in its source's dtype."""
+    name_of_dtype = NAMES[JOB_DTYPES[dtype]]
+    return {**model_config_dict(name), "dtype": name_of_dtype, "torch_dtype": name_of_dtype}
 
 
 @torch.no_grad()
