@@ -109,7 +109,18 @@ def save_opt(directory: str, hidden: int, layers: int, vocab: int = 2048) -> tup
                      vocab_size=vocab, num_attention_heads=max(1, hidden // 64))
     model = build_model("tiny-opt", "fp32", seed=0, overrides=overrides)
     model.save_pretrained(directory)
+    save_byte_tokenizer(directory, vocab)
     return directory, sum(p.numel() for _, p in trainable_parameters(model))
+
+
+def save_byte_tokenizer(directory: str, vocab: int) -> None:
+    """The byte-level tokenizer's files beside a benchmark's model, as `tokenizer.save_pretrained` would put a
+    tokenizer there: a model directory without one is refused (a pretrained model's ids are its tokenizer's), and
+    these give the benchmarks the byte-level ids they always trained on."""
+    from zocheck_ray.workload.tokenization import byte_tokenizer_files
+
+    for name, text in byte_tokenizer_files(vocab).items():
+        Path(directory, name).write_text(text, encoding="utf-8")
 
 
 def bench_job(**fields):

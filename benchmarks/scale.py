@@ -59,7 +59,7 @@ import time
 import uuid
 from pathlib import Path
 
-from benchmarks.common import machine, print_table, write_json
+from benchmarks.common import machine, print_table, save_byte_tokenizer, write_json
 from zocheck_ray.host.memory import process_memory
 from zocheck_ray.core.update import CHUNK_ELEMENTS
 
@@ -106,6 +106,7 @@ def build_directory(size: str, root: str) -> tuple[str, int]:
     params = sum(p.numel() for p in model.parameters())
     directory = os.path.join(root, f"opt-{size}")
     model.save_pretrained(directory)
+    save_byte_tokenizer(directory, vocab)
     del model
     gc.collect()
     return directory, params

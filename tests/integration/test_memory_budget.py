@@ -49,7 +49,8 @@ class Samples(RunCallback):
 
 def test_the_shadow_holds_two_copies_of_the_state_through_a_whole_run(tmp_path, opt_directory):
     job = JobConfig(model=opt_directory, steps=STEPS, storage=str(tmp_path), log_interval=2, run_seed=1,
-                    task=dict(batch_size=1, max_length=16, eval_size=1, eval_batch_size=1, eval_interval=10**6))
+                    task=dict(batch_size=1, max_length=16, eval_size=1, eval_batch_size=1, eval_interval=10**6,
+                              tokenizer="byte"))  # a directory saved without a tokenizer
     samples = Samples(kill_at=SHADOW_KILLED_AT)
     summary = run_with_faults(job, fail_at=[FAIL_AT], progress=None, callbacks=[samples])
     assert summary.final_state_hash == summary.shadow_state_hash

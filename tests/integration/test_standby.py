@@ -14,7 +14,7 @@ import ray
 import torch
 import transformers
 
-from reference_runs import assert_exact, job_for, uninterrupted_hashes
+from reference_runs import SMALL_TASK, assert_exact, job_for, uninterrupted_hashes
 from support import wait_until
 from zocheck_ray.actors.trainer_actor import RECOVERY_THREADS
 from zocheck_ray.control import RunCallback
@@ -222,7 +222,7 @@ def llama_directory(tmp_path_factory):
 def test_a_restarted_trainer_of_a_saved_model_rebuilds_a_skeleton_and_ends_exact(tmp_path, llama_directory):
     # bf16: the dtype where a skeleton's buffers can go wrong (rotary frequencies stay fp32); the
     # skeleton of every dtype is compared with the loaded model below, without Ray
-    job = job_for(tmp_path, model=llama_directory, dtype="bf16")
+    job = job_for(tmp_path, model=llama_directory, dtype="bf16", task={**SMALL_TASK, "tokenizer": "byte"})
     summary = run(job, fail_at=[13], progress=None)
     (recovery,) = summary.recoveries
     assert recovery.replaced_by == "restart" and recovery.image_source == "memory"

@@ -64,6 +64,22 @@ def test_a_sound_model_directory_passes(saved_model):
     assert load_job_config(overrides=[f"model={saved_model}"]).model == str(saved_model)
 
 
+def test_a_model_directory_without_a_tokenizer_is_refused_naming_both_fixes(saved_model, tmp_path, capsys):
+    err = refused(tmp_path, capsys, "--config", str(job_file(tmp_path, f"model: {saved_model}")))
+    assert err == (
+        f"zocheck-ray train: task (sst2 on model '{saved_model}'): model directory {saved_model} has no tokenizer "
+        "(none of tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.txt, vocab.json), and a pretrained "
+        "model's text must be tokenized as it was pretrained: save its tokenizer beside it "
+        f"(tokenizer.save_pretrained('{saved_model}')), or set task.tokenizer: byte to train it on byte-level ids\n")
+    build_task_once(load_job_config(overrides=[f"model={saved_model}", "task.tokenizer=byte"]))  # said so: it runs
+
+
+def job_file(tmp_path, text: str):
+    path = tmp_path / "job.yaml"
+    path.write_text(text + "\n")
+    return path
+
+
 def test_prefix_tuning_on_an_encoder_is_refused(tmp_path, capsys):
     err = refused(tmp_path, capsys, "--set", "model=tiny-bert", "--set", "task.kind=classification",
                   "--set", "peft.method=prefix")

@@ -40,15 +40,16 @@ def test_below_258_ids_autotokenizer_raises_naming_the_byte_tokenizer(tmp_path):
 
 
 def snapshot_of_a_run(tmp_path, vocab: int, tokenizer=None) -> tuple[JobConfig, str]:
-    """A model directory (with `tokenizer` saved beside it; without one the run is byte-level), trained 4 steps;
-    its snapshot at 4."""
+    """A model directory (with `tokenizer` saved beside it; without one the job says `task.tokenizer: byte`), trained
+    4 steps; its snapshot at 4."""
     from zocheck_ray.workload import build_model
 
     model_dir = tmp_path / "model"
     build_model("tiny-opt", overrides={"vocab_size": vocab}).save_pretrained(model_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(model_dir)
-    job = JobConfig(model=str(model_dir), storage=str(tmp_path / "runs"), shadow={"snapshot_interval": 4})
+    job = JobConfig(model=str(model_dir), storage=str(tmp_path / "runs"), shadow={"snapshot_interval": 4},
+                    task={"tokenizer": "auto" if tokenizer is not None else "byte"})
     initial, _, records = trained(job, 4)
     shadow = Shadow(job)
     try:

@@ -24,6 +24,7 @@ from zocheck_ray.workload import (
     read_rows,
     trainable_parameters,
 )
+from zocheck_ray.workload.tokenization import MissingTokenizerError
 
 WORDS = sorted({w for r in read_rows(SHIPPED_SST2) for w in re.findall(r"\w+|[^\w\s]+", r.text)} |
                {"It", "was", "great", "terrible"})
@@ -82,9 +83,16 @@ def test_byte_tokenizer_can_be_forced_on_a_directory(causal_dir):
     assert isinstance(build_task(TaskConfig(tokenizer="byte"), str(path)).tokenizer, ByteTokenizer)
 
 
-def test_directory_without_tokenizer_reads_bytes(tmp_path):
+def test_a_directory_without_tokenizer_is_refused_unless_the_job_says_byte(tmp_path):
     build_model("tiny-qwen3", seed=1).save_pretrained(tmp_path)
-    task = build_task(TaskConfig(), str(tmp_path))
+    with pytest.raises(MissingTokenizerError) as refused:
+        build_task(TaskConfig(), str(tmp_path))
+    assert str(refused.value) == (
+        f"model directory {tmp_path} has no tokenizer (none of tokenizer.json, tokenizer_config.json, "
+        "tokenizer.model, vocab.txt, vocab.json), and a pretrained model's text must be tokenized as it was "
+        f"pretrained: save its tokenizer beside it (tokenizer.save_pretrained('{tmp_path}')), or set "
+        "task.tokenizer: byte to train it on byte-level ids")
+    task = build_task(TaskConfig(tokenizer="byte"), str(tmp_path))
     assert isinstance(task.tokenizer, ByteTokenizer) and task.tokenizer.vocab_size == 128
 
 

@@ -86,7 +86,8 @@ class TaskConfig(BaseModel):
     eval_batch_size: int = Field(64, ge=1)
     """Rows per forward pass during evaluation (memory only)."""
     tokenizer: TokenizerChoice = "auto"
-    """`auto`: the model directory's tokenizer if it has one, else byte-level; `model`; `byte`."""
+    """`auto`: the model directory's own tokenizer (a directory without one is refused), byte-level for a model built
+    from config; `model`: the directory's, required; `byte`: byte-level ids, whatever the model."""
     completion_only_loss: bool | None = None
     """Kind `sft`, TRL's `completion_only_loss`: train on the completion of prompt-completion rows only; None:
     on for prompt-completion rows (TRL's default)."""

@@ -21,6 +21,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 """Any of these in a model directory means it carries its own tokenizer."""
 
 
+class MissingTokenizerError(ModelNotFoundError):
+    """A model directory has no tokenizer files and the job did not ask for byte-level ids."""
+
+
 class TextTokenizer(Protocol):
     """What a task needs from a tokenizer."""
 
@@ -243,8 +247,15 @@ def is_byte_level(model_dir: str | Path | None, vocab_size: int, choice: Tokeniz
 
 def load_tokenizer(model_dir: str | Path | None, vocab_size: int, choice: TokenizerChoice = "auto",
                    model: str | None = None) -> TextTokenizer:
-    """The tokenizer for a model: `auto` the directory's own if it has one (`tiny-chat`: `chat_tokenizer()`), else
-    byte-level; `model` requires it. `model` is the model's name, `model_dir` its directory (None: built-in)."""
+    """The tokenizer for a model: `auto` the directory's own (`tiny-chat`: `chat_tokenizer()`; a built-in model built
+    from config, or a byte-level run's snapshot: byte-level); `model` requires the directory's; `byte` byte-level.
+    `model` is the model's name, `model_dir` its directory (None: built-in). A model directory without a tokenizer
+    is refused under `auto`: its ids would not be the ones it was pretrained on."""
+    if choice == "auto" and model_dir is not None and not has_tokenizer(model_dir):
+        raise MissingTokenizerError(
+            f"model directory {model_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), and a pretrained "
+            "model's text must be tokenized as it was pretrained: save its tokenizer beside it "
+            f"(tokenizer.save_pretrained('{model_dir}')), or set task.tokenizer: byte to train it on byte-level ids")
     if is_byte_level(model_dir, vocab_size, choice, model):
         return ByteTokenizer(vocab_size)
     if model_dir is None and model in CHAT_TOKENIZER_MODELS:
