@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import time
 
 import pytest
 import ray
@@ -17,6 +18,7 @@ import ray
 from reference_runs import job_for
 from support import trained, wait_until
 from zocheck_ray.control import RunCallback, RunFailedError
+from zocheck_ray.control.profile import DRAIN_SECONDS
 from zocheck_ray.control.stop import RunStopped
 from zocheck_ray.runtime.stages import StageError
 from zocheck_ray.testing import run_with_faults as run
@@ -72,7 +74,7 @@ class StopWhenFull(RunCallback):
             self.disk.fill(leave=0)
             assert wait_until(lambda: "(ENOSPC)" in (run.shadow.metrics().persist_error or ""))
             run.stop._handle(signal.SIGTERM, None)
-            self.signalled_at = segment.progress.step
+            self.signalled_at, self.signalled_monotonic = segment.progress.step, time.monotonic()
 
 
 @pytest.mark.usefixtures("local_ray")
@@ -83,8 +85,10 @@ def test_a_sigterm_under_a_full_disk_stops_at_the_next_step_boundary_in_one_line
     try:
         with pytest.raises(RunStopped) as stopped:
             run(job, progress=lines.append, callbacks=[stop])
+        ended = time.monotonic()
     finally:
         small_disk.free()
+    assert ended - stop.signalled_monotonic < DRAIN_SECONDS  # decided by the failed writes, not the drain's timeout
     assert stopped.value.code == 143
     message = str(stopped.value)
     step = stop.signalled_at

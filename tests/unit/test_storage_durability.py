@@ -1,9 +1,11 @@
 """Durable means seen on disk. The shadow's pipeline with real files: storage that changes under it (a log
-deleted, a directory replaced) is found at the next commit and stops persistence in one line naming the path
-and the steps lost, reporting nothing durable after; a store that refuses writes (an immutable directory) stops
-it after a few tries, and a drain says so at once; a full disk keeps its error while the durable snapshot stays
-behind, so the run stops past the cost model's bound; the up-front probe writes in every directory of the run;
-and verify fails where the log a manifest promises is gone."""
+deleted, replaced by a copy or mounted over, snapshots/ replaced, a committed file removed) is found at the next
+commit and stops persistence in one line naming the path and the steps lost, reporting nothing durable after; a
+store that refuses writes (an immutable directory) stops it after a few tries, a drain says so at once, and a
+resume into it is refused before Ray; a full disk keeps its error while the durable snapshot stays behind, so
+the run stops past the cost model's bound, and a drain whose lease lapsed on it is told at once; verify fails
+where the log a manifest promises is gone or cut short. End to end on Ray: tests/integration/
+test_storage_failures.py."""
 
 from __future__ import annotations
 
@@ -273,6 +275,31 @@ def test_a_full_disk_keeps_its_error_while_the_durable_snapshot_is_behind_and_th
         shadow.close()
 
 
+def test_a_drain_on_a_full_disk_whose_lease_lapsed_is_told_at_once_not_at_its_timeout(small_disk):
+    """The disk is filled to its last block: neither a snapshot nor the lease's renewal fits, and the lease lapses.
+    Taking it again fails for lack of space as any write does, so a drain (a stop's, the final one) ends after the
+    failed writes that tell it the disk is full, not after its timeout."""
+    from zocheck_ray.control.profile import DRAIN_SECONDS
+    from zocheck_ray.runtime.stages import FULL_TRIES
+
+    job = JobConfig(storage=str(small_disk.path), shadow={"snapshot_interval": 4}, durability={"lease_seconds": 2},
+                    zo=dict(lr=1e-3, eps=1e-3))
+    _, _, records = trained(job, 12)
+    shadow = started(job, records, 8)
+    try:
+        small_disk.fill(leave=0)
+        push(shadow, records[8:12])
+        assert wait_until(lambda: "the run's lease lapsed" in (shadow.status().persist_error or ""))
+        before = shadow.persist.failures
+        with pytest.raises(StageError, match=r"^the image of step 12 and its log are not durable: storage is full "
+                                             r"\(StorageFullError: cannot write .*\(ENOSPC\)"):
+            shadow.drain(12, timeout=DRAIN_SECONDS)
+        assert shadow.persist.failures - before <= FULL_TRIES  # the writes decided it, not the timeout
+    finally:
+        small_disk.free()
+        shadow.close()
+
+
 # ------------------------------------------------------------------------------------ verify
 
 
@@ -295,3 +322,20 @@ def test_verify_fails_where_the_log_a_manifest_promises_is_gone_and_names_the_st
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == ("steps 12..12 proven, steps 8..11 NOT proven: 1 snapshot, 0 records, 1 mismatches: the log "
                        f"that {manifest} promises, steps 8..11, is missing: steps 8..11 cannot be proven")
+
+
+def test_verify_fails_where_the_log_a_manifest_promises_is_cut_short_and_names_the_steps_it_cannot_prove(job):
+    from zocheck_ray.storage.segments import SEGMENT_MAGIC
+
+    _, _, records = trained(job, 12)
+    shadow = started(job, records, 8)
+    push(shadow, records[8:12])
+    shadow.drain(12, timeout=120)
+    assert shadow.close()
+    segment = os.path.join(job.run_url, "log", "seg-000000000008.zlog")
+    os.truncate(segment, len(SEGMENT_MAGIC) + len(records[8].to_bytes()) + len(records[9].to_bytes()))  # steps 8, 9
+    audit = audit_run(job.run_url)
+    manifest = f"{job.run_url}/snapshots/step-000000000012/manifest.json"
+    assert not audit.verified and audit.unproven_steps == [(10, 11)]
+    assert audit.mismatches == [f"the log that {manifest} promises, steps 8..11, ends at step 9: steps 10..11 cannot "
+                                "be proven"]

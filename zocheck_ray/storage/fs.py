@@ -641,7 +641,8 @@ def probe_write(storage: FsspecStorage, directory: str) -> None:
     """Write and remove a tiny object in `directory` (relative; "" for the root): `StorageRefusedError` where the
     store refuses it (read-only, denied, immutable), `StorageFullError` where it has no room, `StorageError`
     otherwise."""
-    rel = f"{directory.rstrip('/')}/{PROBE_PREFIX}{uuid.uuid4().hex}" if directory else f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    name = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    rel = f"{directory.rstrip('/')}/{name}" if directory else name
     where = storage.url_of(directory)
     try:
         if storage.local:

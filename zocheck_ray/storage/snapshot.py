@@ -219,7 +219,8 @@ class SnapshotStore:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if log_steps is not None and not (0 <= log_steps[0] <= log_steps[1] < step):
-            raise ValueError(f"log_steps must be (first, last) with 0 <= first <= last < step {step}, got {log_steps!r}")
+            raise ValueError(f"log_steps must be (first, last) with 0 <= first <= last < step {step}, "
+                             f"got {log_steps!r}")
         if state_hash is not None and (not isinstance(state_hash, str) or not _HEX_SHA256.match(state_hash)):
             raise ValueError(f"state_hash must be the 64 lowercase hex digits of zocheck_ray.core.state_hash, "
                              f"got {state_hash!r}")
