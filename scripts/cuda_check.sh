@@ -6,7 +6,9 @@
 #   2. `bench trainer` on CUDA: the ZOCheck step vs a plain MeZO step on an OPT-125m-shaped model
 #      (125 M parameters, built from config) in bf16 and fp32, with kernel launches per step;
 #   3. a restore of a 1 GiB image into CUDA tensors through the pinned staging windows (a recovering
-#      trainer's path), in GB/s beside a plain pinned host-to-device copy of the same bytes.
+#      trainer's path), in GB/s beside a plain pinned host-to-device copy of the same bytes;
+#   4. tests/unit/test_quantized_cuda.py: a bitsandbytes 4-bit base with LoRA, and QZO on it, trained on the
+#      GPU through a software and a host failure, each equal to its durable log's replay (issue 62).
 #
 #   PYTHON=/path/to/python scripts/cuda_check.sh            # figures in $OUT or /tmp/zocheck-cuda-check
 #
@@ -70,5 +72,11 @@ raise SystemExit(0 if exact else 1)
 PY
 restore=${PIPESTATUS[0]}
 
-echo "== summary: test_cuda exit $tests, bench trainer exit $bench, restore exit $restore; logs and JSON in $out"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$restore" -eq 0 ]
+echo "== quantized bases (issue 62): a 4-bit base with LoRA and QZO on the GPU, a software and a host failure each"
+# needs bitsandbytes with its CUDA kernels (pip install 'zocheck-ray[bnb]'); skipped, and said, without it
+"$py" -m pytest -q -p no:cacheprovider -rsx tests/unit/test_quantized_cuda.py 2>&1 | tee "$out/test_quantized_cuda.log"
+quantized=${PIPESTATUS[0]}
+
+echo "== summary: test_cuda exit $tests, bench trainer exit $bench, restore exit $restore, quantized exit $quantized;" \
+  "logs and JSON in $out"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$restore" -eq 0 ] && [ "$quantized" -eq 0 ]

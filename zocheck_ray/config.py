@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from zocheck_ray.core.config import JobDtype, ZOConfig
 from zocheck_ray.workload.peft_settings import PeftSettings
+from zocheck_ray.workload.quantized.settings import QuantizationSettings
 from zocheck_ray.workload.errors import WorkloadError
 from zocheck_ray.workload.names import model_directory
 from zocheck_ray.workload.task_config import TaskConfig
@@ -180,8 +181,12 @@ class JobConfig(BaseModel):
     zo: ZOConfig = ZOConfig(lr=2e-3, eps=1e-3)
     """The zeroth-order optimizer (`zo.optimizer`, `zo.lr`, `zo.eps`, ...)."""
     peft: PeftSettings | None = None
-    """Train a `peft` adapter only (`peft.method`: lora or prefix); None trains every parameter. The shadow and
-    the snapshots then hold the adapter alone; the base is identified by its hash."""
+    """Train a `peft` adapter only (`peft.method`: lora or prefix), or a quantized base's scales (qzo); None
+    trains every parameter. The shadow and the snapshots then hold the adapter alone; the base is identified by
+    its hash."""
+    quantization: QuantizationSettings | None = None
+    """Load the frozen base quantized (`quantization.backend`: bitsandbytes, torchao or quanto) from a model
+    directory, under `peft` (docs/quantized.md); None: the base in `dtype`."""
     task: TaskConfig = TaskConfig()
     """What the model is fine-tuned on (`task.kind`, `task.data_path`, `task.batch_size`, ...)."""
     steps: int = Field(200, ge=1)
@@ -221,6 +226,28 @@ class JobConfig(BaseModel):
         if durable is not None and snapshot is not None and durable % snapshot:
             raise ValueError(f"durability.durable_interval={durable} is not a multiple of shadow.snapshot_interval="
                              f"{snapshot}: a durable snapshot is one of the shadow's snapshots")
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_base(self) -> "JobConfig":
+        qzo = self.peft is not None and self.peft.method == "qzo"
+        if self.quantization is None:
+            if qzo:
+                raise ValueError("peft.method=qzo trains the scales of a quantized base: set quantization.backend "
+                                 "(bitsandbytes, torchao or quanto)")
+            return self
+        if self.peft is None:
+            raise ValueError("quantization: a quantized base stays frozen, and without peft every weight would be "
+                             "trained; set peft.method (lora, prefix, or qzo for the scales)")
+        if model_directory(self.model) is None:
+            raise ValueError(f"quantization loads the model with from_pretrained, and model {self.model!r} is not "
+                             "a model directory; save it with save_pretrained and name the directory")
+        if qzo and self.zo.weight_decay:
+            raise ValueError(f"zo.weight_decay={self.zo.weight_decay} with peft.method=qzo: QZO never decays the "
+                             "scales; set zo.weight_decay=0")
+        if qzo and self.quantization.double_quant:
+            raise ValueError("peft.method=qzo trains the scales, which quantization.double_quant=true quantizes; "
+                             "set quantization.double_quant=false")
         return self
 
     @model_validator(mode="after")

@@ -104,6 +104,7 @@ def _sections():
     from zocheck_ray.control.summary import Recovery, RunSummary
     from zocheck_ray.core.config import ZOConfig
     from zocheck_ray.workload.peft_settings import PeftSettings
+    from zocheck_ray.workload.quantized.settings import QuantizationSettings
     from zocheck_ray.workload.task_config import TaskConfig
 
     return [
@@ -112,6 +113,8 @@ def _sections():
         ("`task`: data, prompt, batches, evaluation (`TaskConfig`)", TaskConfig, "task.", True),
         ("`peft`: an adapter trained alone (`PeftSettings`; absent by default: set `peft.method`)", PeftSettings,
          "peft.", True),
+        ("`quantization`: a quantized frozen base (`QuantizationSettings`; absent by default: set "
+         "`quantization.backend`)", QuantizationSettings, "quantization.", True),
         ("`shadow`: the shadow's CPUs, snapshots and lag (`ShadowSettings`)", ShadowSettings, "shadow.", True),
         ("`durability`: durable snapshots, the step log, the lease (`DurabilitySettings`)", DurabilitySettings,
          "durability.", True),

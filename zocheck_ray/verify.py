@@ -54,7 +54,7 @@ class Verification(BaseModel):
 
 def initial_state(job: JobConfig) -> dict:
     """The state every trainer of `job` starts from (canonical order, optimizer moments included)."""
-    built = build_trainable(job.model, job.dtype, job.run_seed, job.peft)
+    built = build_trainable(job.model, job.dtype, job.run_seed, job.peft, quantization=job.quantization)
     # The model's own tensors (not copies): the model is dropped, so this is the one copy of the state.
     return {k: v.detach() for k, v in ZOOptimizer(built.parameters, job.zo).state_tensors().items()}
 

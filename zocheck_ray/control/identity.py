@@ -2,10 +2,10 @@
 
 `identity.json` beside the run's snapshots holds the settings that decide what a step computes: the model and
 its weights, the dtype, the task's batches and loss, the data's fingerprint, the optimizer's kind and structure,
-the adapter, the shards and the run seed. Until the run commits a snapshot it is written afresh at each start;
-after that a start whose job differs in any of them is refused, naming the field and both values. The step
-records carry lr, eps and weight decay, so a change of those is allowed, as `transformers.Trainer` allows it on
-resume: it is said at the start and recorded with the step it took effect.
+the adapter, the base's quantization, the shards and the run seed. Until the run commits a snapshot it is written
+afresh at each start; after that a start whose job differs in any of them is refused, naming the field and both
+values. The step records carry lr, eps and weight decay, so a change of those is allowed, as `transformers.Trainer`
+allows it on resume: it is said at the start and recorded with the step it took effect.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ class RunIdentity(BaseModel):
     optimizer: dict[str, Any]
     """`zo` without the hyperparameters the records carry."""
     peft: dict[str, Any] | None
+    quantization: dict[str, Any] | None = None
+    """The base's quantization (its bits are checked by hash when a trainer loads it)."""
     shards: int
     run_seed: int
     hyperparameters: dict[str, float]
@@ -68,6 +70,7 @@ def identity_of(job: JobConfig, task) -> RunIdentity:
         task=job.task.model_dump(mode="json", exclude=set(NOT_TRAINED_ON) & set(type(job.task).model_fields)),
         data=data_fingerprint(task), optimizer={k: v for k, v in zo.items() if k not in HYPERPARAMETERS},
         peft=job.peft.model_dump(mode="json") if job.peft is not None else None, shards=shard_count(job),
+        quantization=job.quantization.model_dump(mode="json") if job.quantization is not None else None,
         run_seed=job.run_seed, hyperparameters={k: zo[k] for k in HYPERPARAMETERS if k in zo})
 
 

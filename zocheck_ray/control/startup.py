@@ -107,10 +107,13 @@ def build_task_once(job: JobConfig, workload: Workload | None = None):
 
 
 def check_peft(job: JobConfig) -> None:
-    """Refuse an adapter the model cannot take (a LoRA target module it lacks), before any actor starts."""
+    """Refuse an adapter the model cannot take (a LoRA target module it lacks), or a quantized base that cannot
+    load, run or give the same bits twice, before any actor starts."""
     if job.peft is None:
         return
     from zocheck_ray.workload.adapters import check_adapter
+
+    check_quantization(job)
 
     try:
         check_adapter(job.peft, job.model)
@@ -126,6 +129,23 @@ def check_peft(job: JobConfig) -> None:
                                  f"exceed model {job.model!r}'s max_position_embeddings={positions} (learned "
                                  f"positions); lower task.max_length to {max(2, positions - tokens)} or "
                                  "peft.num_virtual_tokens")
+
+
+def check_quantization(job: JobConfig) -> None:
+    """The quantized base's start-up check (`workload.quantized.probe`), here on the trainers' kind of device
+    where this process has it; else its backend's installation only."""
+    if job.quantization is None:
+        return
+    import torch
+
+    from zocheck_ray.workload.quantized.probe import check_quantized
+
+    cuda = torch.cuda.is_available() and job.scaling.use_gpu != "no"
+    device = "cuda" if cuda else ("cpu" if job.scaling.use_gpu != "yes" else None)
+    try:
+        check_quantized(job.model, job.quantization, job.dtype, job.run_seed, job.peft.method == "qzo", device)
+    except WorkloadError as exc:
+        raise JobConfigError(f"quantization ({job.quantization.describe()} on model {job.model!r}): {exc}") from exc
 
 
 def resume_step(job: JobConfig) -> int | None:

@@ -40,11 +40,14 @@ class ZOConfig(BaseModel):
     """ZO-SGD-MMT: decay of the momentum buffer (m = momentum * m + g z), in [0, 1)."""
     num_perturbations: int = Field(1, ge=1, le=1024)
     """q: perturbations per step (n-SPSA, one seed and projected gradient each); a step costs 2q forward passes."""
+    grad_clip: float | None = Field(None, gt=0)
+    """Clip each projected gradient to [-grad_clip, grad_clip] before the update (QZO's clipping, at 100); the
+    record carries the clipped value, so replay needs nothing more. None: no clipping."""
 
-    @field_validator("lr", "eps", "weight_decay", "adam_eps", "sparsity", "momentum")
+    @field_validator("lr", "eps", "weight_decay", "adam_eps", "sparsity", "momentum", "grad_clip")
     @classmethod
-    def _finite(cls, value: float, info) -> float:
-        if not math.isfinite(value):
+    def _finite(cls, value: float | None, info) -> float | None:
+        if value is not None and not math.isfinite(value):
             raise ValueError(f"{info.field_name} must be finite, got {value!r}")
         return value
 

@@ -30,7 +30,7 @@ MOMENT_PREFIXES: dict[str, tuple[str, ...]] = {
     "zo-sgd-mmt": (MOMENTUM_PREFIX,),
 }
 ALL_MOMENT_PREFIXES = (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MOMENTUM_PREFIX)
-NEW_CONFIG_DEFAULTS = {"momentum": 0.9, "num_perturbations": 1}
+NEW_CONFIG_DEFAULTS = {"momentum": 0.9, "num_perturbations": 1, "grad_clip": None}
 """ZOConfig fields added after the fingerprint's definition, left out at their defaults so old fingerprints hold."""
 
 

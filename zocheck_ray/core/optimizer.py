@@ -187,7 +187,7 @@ class ZOOptimizer:
             out_minus = closure()
             self._perturb(seed_j, s.plus, masks)
             loss_plus, loss_minus = losses(out_plus, out_minus, "loss+", "loss-")
-            grads.append((loss_plus - loss_minus) / (2.0 * eps))
+            grads.append(_clipped((loss_plus - loss_minus) / (2.0 * eps), self.config.grad_clip))
             first_pair = first_pair or (loss_plus, loss_minus)
         record = StepRecord(self.step_index, seed, grads[0], lr, eps, self.fingerprint, optimizer, extras,
                             tuple(grads[1:]))
@@ -268,6 +268,10 @@ class ZOOptimizer:
                 zds = [self._z(spec, seed_j, a, b, chunk.dtype) for seed_j in seeds]
                 chunk.copy_(update.update_chunk(state, spec.name, a, b, chunk.float(), zds, s, spec.decay,
                                                 chunk.dtype, optimizer, mask))
+
+
+def _clipped(g: float, bound: float | None) -> float:
+    return g if bound is None else min(max(g, -bound), bound)
 
 
 def _unit(s: StepScalars) -> StepScalars:

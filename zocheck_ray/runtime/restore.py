@@ -28,9 +28,10 @@ def check_base(job: JobConfig, mine: AdapterIdentity | None, recorded: AdapterId
     if mine is None or (recorded is not None and recorded.base_hash == mine.base_hash):
         return
     was = f"SHA-256 {recorded.base_hash}" if recorded is not None else "not recorded (the image is not of an adapter run)"
+    quantized = f" ({job.quantization.describe()}, quantized data and scales)" if job.quantization else ""
     raise BaseModelMismatchError(
-        f"the base model {job.model!r} this trainer built has weights SHA-256 {mine.base_hash}, but the run "
-        f"{job.run_id!r} trained its adapter on a base whose weights hash {was}: recovering would put the "
+        f"the base model {job.model!r}{quantized} this trainer built has weights SHA-256 {mine.base_hash}, but "
+        f"the run {job.run_id!r} trained its adapter on a base whose weights hash {was}: recovering would put the "
         "adapter on another model. Restore the model directory (or model, dtype and run_seed) the run started "
         "with, or start a new run_id")
 

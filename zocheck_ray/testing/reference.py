@@ -18,7 +18,7 @@ from zocheck_ray.workload.models import SMALL_MODELS
 
 
 def _model_and_optimizer(job: JobConfig):
-    built = build_trainable(job.model, job.dtype, job.run_seed, job.peft)
+    built = build_trainable(job.model, job.dtype, job.run_seed, job.peft, quantization=job.quantization)
     return built.model, ZOOptimizer(built.parameters, job.zo)
 
 

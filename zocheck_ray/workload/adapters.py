@@ -20,6 +20,7 @@ import torch
 from zocheck_ray.core.hashing import state_hash
 from zocheck_ray.workload.errors import WorkloadError
 from zocheck_ray.workload.peft_settings import PeftSettings
+from zocheck_ray.workload.quantized.settings import QuantizationSettings
 
 PROMPT_EMBEDDINGS = "prompt_embeddings"
 """What peft saves a prompt-learning adapter's virtual-token embeddings as."""
@@ -32,8 +33,8 @@ class BaseModelMismatchError(WorkloadError):
 def check_adapter(settings: PeftSettings, name: str) -> None:
     """Raise `WorkloadError` where `settings` names a LoRA target module that model `name` lacks, or asks for
     prefix tuning of a model whose forward takes no past key values (peft's own test, made before any actor)."""
-    if settings.method == "lora" and not settings.target_modules:
-        return
+    if settings.method == "qzo" or settings.method == "lora" and not settings.target_modules:
+        return  # QZO: checked on the quantized base (`workload.quantized.probe`)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from zocheck_ray.workload.models import model_config_dict, model_kind
@@ -121,12 +122,16 @@ class TrainableModel:
 
 
 def build_trainable(name: str, dtype: str, seed: int, peft: PeftSettings | None = None,
-                    device: str | torch.device = "cpu", weights: str = "load") -> TrainableModel:
-    """The model a trainer trains: `build_model(...)`'s, or with `peft` the loaded base wrapped with the adapter.
-    `weights="none"`: a skeleton whose trained parameters an image fills."""
+                    device: str | torch.device = "cpu", weights: str = "load",
+                    quantization: QuantizationSettings | None = None) -> TrainableModel:
+    """The model a trainer trains: `build_model(...)`'s, or with `peft` the loaded base wrapped with the adapter
+    (`quantization`: the base loaded quantized). `weights="none"`: a skeleton whose trained parameters an image
+    fills."""
     from zocheck_ray.workload.models import build_model, model_kind, trainable_parameters
     from zocheck_ray.workload.names import model_directory
 
+    if quantization is not None:
+        return _over_quantized(name, dtype, seed, peft, quantization, device)
     if peft is None:
         model = build_model(name, dtype, seed=seed, device=device, weights=weights)
         return TrainableModel(model, trainable_parameters(model))
@@ -138,3 +143,28 @@ def build_trainable(name: str, dtype: str, seed: int, peft: PeftSettings | None 
     directory = model_directory(name)  # what `PeftModel.from_pretrained` finds the base by, or the built-in's name
     config["base_model_name_or_path"] = str(directory.resolve()) if directory is not None else name
     return TrainableModel(wrapped, adapter_parameters(wrapped), base_hash, config)
+
+
+def _over_quantized(name: str, dtype: str, seed: int, peft: PeftSettings | None, settings: QuantizationSettings,
+                    device: str | torch.device) -> TrainableModel:
+    """An adapter over the quantized base, or with `qzo` its scales; the base's identity hashed after the load."""
+    from zocheck_ray.workload.models import model_kind
+    from zocheck_ray.workload.names import model_directory
+    from zocheck_ray.workload.quantized.load import load_quantized, quantized_identity
+    from zocheck_ray.workload.quantized.qzo import qzo_config, qzo_scales
+
+    directory = model_directory(name)
+    if peft is None or directory is None:
+        raise WorkloadError(f"quantization needs peft.method (lora, prefix or qzo) and a model directory, got "
+                            f"model {name!r} and peft {peft}")
+    base = load_quantized(directory, settings, dtype, seed, device)
+    identity = quantized_identity(base, settings, dtype)
+    where = str(directory.resolve())
+    if peft.method == "qzo":
+        scales = qzo_scales(base, settings)
+        return TrainableModel(base, scales, identity, qzo_config(settings, dtype, identity, where, scales))
+    task_type = "SEQ_CLS" if model_kind(name) == "sequence-classification" else "CAUSAL_LM"
+    wrapped = wrap_model(base, peft, seed, task_type)
+    config = adapter_config(wrapped)
+    config["base_model_name_or_path"] = where
+    return TrainableModel(wrapped, adapter_parameters(wrapped), identity, config)

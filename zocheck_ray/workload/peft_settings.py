@@ -13,9 +13,10 @@ class PeftSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["lora", "prefix"] = "lora"
-    """`lora` (low-rank adapters on `target_modules`) or `prefix` (prefix tuning: `num_virtual_tokens`
-    trained key/value vectors per layer, no reparameterisation)."""
+    method: Literal["lora", "prefix", "qzo"] = "lora"
+    """`lora` (low-rank adapters on `target_modules`), `prefix` (prefix tuning: `num_virtual_tokens`
+    trained key/value vectors per layer, no reparameterisation) or `qzo` (QZO: the scales of a `quantization:`
+    base's quantized layers, docs/quantized.md)."""
     r: int = Field(8, ge=1)
     """LoRA rank."""
     lora_alpha: float = Field(16.0, gt=0)
@@ -30,6 +31,8 @@ class PeftSettings(BaseModel):
         """The `peft` config object (`LoraConfig` or `PrefixTuningConfig`) for `task_type`."""
         from peft import LoraConfig, PrefixTuningConfig
 
+        if self.method == "qzo":
+            raise ValueError("QZO trains a quantized base's scales, not a peft adapter")
         if self.method == "lora":
             return LoraConfig(task_type=task_type, r=self.r, lora_alpha=self.lora_alpha, lora_dropout=0.0,
                               target_modules=self.target_modules)
