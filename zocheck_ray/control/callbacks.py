@@ -98,6 +98,8 @@ class ProgressPrinter(RunCallback):
                  f"storage {job.run_url}")
         self.say(f"  task {task.config.kind}: {task.n_train} training rows, {task.n_eval} held-out rows "
                  f"({task.metric}), batch {task.config.batch_size}, {task.tokenizer.describe()}")
+        for shortfall in task_warnings(task):
+            self.say(f"  warning: {shortfall}")
         if job.scaling.trainers > 1:
             k, most = run.group.k, job.scaling.trainers
             count, waiting = (f"{k} of {most}", f"; waiting for room in the cluster for the other {most - k}") \
@@ -190,6 +192,7 @@ class RunRecord(RunCallback):
     def on_start(self, run, started):
         if started.source != "fresh":
             self.resumed_from = started.step
+        self.warnings += [f"step {started.step}: {shortfall}" for shortfall in task_warnings(run.task)]
 
     def on_profile(self, run, report):
         self.profile = report
@@ -269,6 +272,12 @@ class SegmentFunction(RunCallback):
 
     def on_segment(self, run, segment):
         self.fn(segment.progress, segment.metrics)
+
+
+def task_warnings(task) -> list[str]:
+    """What the task's sampler was asked for beyond its rows (`workload.sampling.sample_with_shortfalls`); a task
+    built otherwise (a `ZOTrainer`'s own rows) has none."""
+    return list(getattr(task, "warnings", ()))
 
 
 def _tail(prompt: str, chars: int = 60) -> str:

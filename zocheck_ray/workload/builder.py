@@ -17,7 +17,7 @@ from zocheck_ray.workload.examples import encode_examples
 from zocheck_ray.workload.models import model_config_dict, model_directory, model_kind
 from zocheck_ray.workload.prompts import render
 from zocheck_ray.workload.rows import check_rows
-from zocheck_ray.workload.sampling import sample
+from zocheck_ray.workload.sampling import sample_with_shortfalls
 from zocheck_ray.workload.sft.task import SFTTask
 from zocheck_ray.workload.task_config import MEZO_KINDS, TaskConfig
 from zocheck_ray.workload.tasks import (
@@ -79,10 +79,12 @@ def build_task(config: TaskConfig, model: str, overrides: dict | None = None,
     tokenizer = _fitted_tokenizer(config, model, overrides, tokenizer)
     splits = read_splits(config, rows, eval_rows)
     checked = check_rows(config, splits)
-    splits = sample(config, checked)
+    splits, shortfalls = sample_with_shortfalls(config, checked)
     splits = render(config, splits)
     examples = encode_examples(config, tokenizer, splits)
-    return _task(config, tokenizer, checked, splits, examples)
+    task = _task(config, tokenizer, checked, splits, examples)
+    task.warnings = shortfalls  # what a sampler was asked for beyond the rows: the start line and the summary say it
+    return task
 
 
 def _task(config: TaskConfig, tokenizer: TextTokenizer, checked: Splits, sampled: Splits, examples: Splits) -> Task:

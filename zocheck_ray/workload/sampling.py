@@ -80,6 +80,12 @@ def split_rows(rows: Sequence[Row], eval_size: int) -> tuple[list[Row], list[Row
 
 def sample(config, splits: Splits) -> Splits:
     """`sample_rows` of `TaskRow`s, held-out rows first held out where no file holds them."""
+    return sample_with_shortfalls(config, splits)[0]
+
+
+def sample_with_shortfalls(config, splits: Splits) -> tuple[Splits, list[str]]:
+    """`sample`, and what a sampler was asked for beyond the rows there are, in words with the numbers (its
+    rows are all taken: a warning of the run's, not an error)."""
     train, held = splits.train, splits.held
     if held is None:
         if config.num_train is not None:
@@ -91,8 +97,47 @@ def sample(config, splits: Splits) -> Splits:
         else:
             train, held = hold_out(train, config.eval_size,
                                    lambda row: hashlib.sha256(row.fields["text"].encode()).digest())
+    shortfalls = _shortfalls(config, train, held, splits.held is not None)
     train, dev, held = sample_rows(config, train, held, lambda row: row.label, lambda row: row.content)
-    return Splits(train, held, dev)
+    return Splits(train, held, dev), shortfalls
 
 
-__all__ = ["hold_out", "k_shot", "mezo_sample", "mezo_subset", "row_rank", "sample", "sample_rows", "split_rows"]
+def _shortfalls(config, train: Sequence, held: Sequence, held_from_file: bool) -> list[str]:
+    """What `sample_rows` will be short of, given the training and held-out rows it draws from."""
+    out = []
+    where = _source(train, config.data_path)
+    if config.num_train is not None:
+        asked = config.num_train + (config.num_dev or 0)
+        if asked > len(train):
+            dev = min(config.num_dev or 0, len(train))
+            out.append(f"task.num_train={config.num_train}" + (f" and task.num_dev={config.num_dev}" if config.num_dev
+                                                                 else "") +
+                       f" draw {asked} rows, but {where} has {len(train)} training rows: {len(train) - dev} train"
+                       + (f" and {dev} dev" if config.num_dev else ""))
+        if config.num_eval is not None and config.num_eval > len(held):
+            out.append(f"task.num_eval={config.num_eval} draws {config.num_eval} held-out rows, but "
+                       f"{_source(held, config.eval_path)} has {len(held)}: all {len(held)} evaluated")
+        return out
+    if config.k_shot is not None:
+        counts = collections.Counter(row.label for row in train)
+        short = {label: n for label, n in sorted(counts.items()) if n < config.k_shot}
+        if short:
+            kept = sum(min(n, config.k_shot) for n in counts.values())
+            names = config.labels
+            out.append(f"task.k_shot={config.k_shot} asks for {config.k_shot} training rows per label, but {where} "
+                       "has " + ", ".join(f"{n} of label {names[label] if 0 <= label < len(names) else label}"
+                                          for label, n in short.items())
+                       + f": {kept} training rows, not {config.k_shot * len(counts)}")
+    if held_from_file and "eval_size" in config.model_fields_set and config.eval_size > len(held):
+        out.append(f"task.eval_size={config.eval_size} asks for {config.eval_size} held-out rows, but "
+                   f"{_source(held, config.eval_path)} has {len(held)}: all {len(held)} evaluated")
+    return out
+
+
+def _source(rows: Sequence, fallback) -> str:
+    """The file (or rows handed over) that `rows` came from."""
+    return str(rows[0].path) if rows else str(fallback)
+
+
+__all__ = ["hold_out", "k_shot", "mezo_sample", "mezo_subset", "row_rank", "sample", "sample_rows",
+           "sample_with_shortfalls", "split_rows"]
