@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from zocheck_ray import demo
@@ -198,7 +199,7 @@ def status(args: argparse.Namespace) -> int:
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
-    from zocheck_ray.actors.names import NAMESPACE, describe_actor, shadow_name
+    from zocheck_ray.actors.names import NAMESPACE, actor_status, describe_actor, shadow_name
 
     if not args.timeout > 0:
         print(f"zocheck-ray status: --timeout must be a positive number of seconds, got {args.timeout:g}",
@@ -221,9 +222,15 @@ def status(args: argparse.Namespace) -> int:
               f"{ray.get_runtime_context().gcs_address}; a finished run's figures are in its `train --json` summary "
               "and `zocheck-ray verify STORAGE/RUN_ID`", file=sys.stderr)
         return 2
+    if (group := waiting_group(args.run_id)) is not None:  # its shadow cannot answer before it is placed
+        return _starting(args, f"its placement group {group} waits for room in the Ray cluster (the trainer's and "
+                               "the shadow's resources on one node)")
     try:
         metrics = ray.get(shadow.metrics.remote(), timeout=args.timeout)
     except GetTimeoutError:
+        found = actor_status(name)
+        if found is not None and found.state in STARTING_STATES:
+            return _starting(args, f"its shadow's process is being created (Ray reports it {found.describe()})")
         print(f"zocheck-ray status: the shadow of run {args.run_id!r} (actor {name}) did not answer within "
               f"{args.timeout:g} s; Ray reports it {describe_actor(name)}", file=sys.stderr)
         return 1
@@ -231,13 +238,79 @@ def status(args: argparse.Namespace) -> int:
         print(f"zocheck-ray status: the shadow of run {args.run_id!r} (actor {name}) is gone: "
               f"{str(exc).strip().splitlines()[0]}; Ray reports it {describe_actor(name)}", file=sys.stderr)
         return 1
-    metrics = metrics.model_dump(mode="json")
+    if metrics.source == "none":  # no trainer has handed it a state yet
+        return _starting(args, "its shadow waits for the trainer's first state (the trainer builds its model, or "
+                               "restores it)")
+    doc = {"state": "running", **metrics.model_dump(mode="json"),
+           "hyperparameter_changes": _recorded_changes(shadow, args.timeout)}
     if args.json:
-        print(json.dumps(metrics, indent=2))
+        print(json.dumps(doc, indent=2))
     else:
-        for key, value in metrics.items():
-            print(f"{key:28s} {value}")
+        for key, value in doc.items():
+            print(f"{key:28s} {describe_changes(value) if key == 'hyperparameter_changes' else value}")
     return 0
+
+
+STARTING_STATES = ("DEPENDENCIES_UNREADY", "PENDING_CREATION")
+"""Ray's states of an actor whose first process is not up yet."""
+
+
+def _starting(args: argparse.Namespace, why: str) -> int:
+    """A run that has not trained yet: one line (`--json`: its state and why), exit 0."""
+    if args.json:
+        print(json.dumps({"run_id": args.run_id, "state": "starting", "starting": why}, indent=2))
+    else:
+        print(f"run {args.run_id!r} is starting: {why}")
+    return 0
+
+
+def own_group(run_id: str) -> re.Pattern:
+    """The name of a run's first placement group (its shadow's and rank 0's): `control.placement.group_name` and the
+    job's tag, written out here so that `status` does not import torch with the controller."""
+    return re.compile(re.escape(f"zocheck-{run_id}-") + "[0-9a-f]{8}")
+
+
+def waiting_group(run_id: str) -> str | None:
+    """The run's first placement group while Ray has not placed it (the GCS's table: no dashboard needed)."""
+    from ray.util import placement_group_table
+
+    pattern = own_group(run_id)
+    for entry in placement_group_table().values():
+        if pattern.fullmatch(entry.get("name") or "") and entry.get("state") == "PENDING":
+            return entry["name"]
+    return None
+
+
+def _recorded_changes(shadow, timeout: float) -> list[dict] | str:
+    """The hyperparameter changes in the run's identity.json, read by the shadow (which holds the run's storage and
+    its credentials); what went wrong, in words, where it could not."""
+    import ray
+
+    try:
+        return ray.get(shadow.__ray_call__.remote(identity_changes), timeout=timeout)
+    except Exception as exc:  # a store that does not answer: said in the output, the metrics still shown
+        lines = str(exc).strip().splitlines()
+        return f"unknown: {lines[-1] if lines else type(exc).__name__}"
+
+
+def identity_changes(shadow_actor) -> list[dict]:
+    """Run in the shadow's process: the `changes` of `control.identity`'s record of the shadow's run, in order."""
+    from zocheck_ray.control.identity import IDENTITY_FILE, RunIdentity
+    from zocheck_ray.storage.fs import open_storage
+
+    job = shadow_actor.job
+    storage = open_storage(job.run_url, job.storage_options, create=False)
+    if not storage.exists(IDENTITY_FILE):
+        return []
+    identity = RunIdentity.model_validate_json(storage.read_bytes(IDENTITY_FILE))
+    return [change.model_dump(mode="json") for change in identity.changes]
+
+
+def describe_changes(changes: list[dict] | str) -> str:
+    """`hyperparameter_changes` in one line: `zo.lr 0.005 -> 0.001 from step 40; ...`, or `none`."""
+    if isinstance(changes, str):
+        return changes
+    return "; ".join(f"{c['field']} {c['old']:g} -> {c['new']:g} from step {c['step']}" for c in changes) or "none"
 
 
 def add_train_arguments(p: argparse.ArgumentParser, with_config: bool = True) -> None:
