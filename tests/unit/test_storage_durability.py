@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -19,6 +20,7 @@ import pytest
 from support import trained, wait_until
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.monitor import Monitor
+from zocheck_ray.control.stop import StopRequest
 from zocheck_ray.runtime.messages import KernelInfo, PublisherStats, TrainerProgress
 from zocheck_ray.runtime.shadow import Shadow
 from zocheck_ray.runtime.stages import StageError
@@ -229,10 +231,11 @@ def test_a_resume_into_an_immutable_snapshots_directory_is_refused_before_ray_in
 
 
 class FakeRun:
-    """What `Monitor.check` reads of the controller: the step, the lag bound, the warnings."""
+    """What `Monitor.check` reads of the controller: the step, the lag bound, a stop signal, the warnings."""
 
     def __init__(self, step: int, max_lag_steps: int):
         self.step, self.max_lag_steps, self.warnings = step, max_lag_steps, []
+        self.stop = StopRequest()
 
     def warn(self, message: str) -> None:
         self.warnings.append(message)
@@ -270,6 +273,10 @@ def test_a_full_disk_keeps_its_error_while_the_durable_snapshot_is_behind_and_th
             f"the newest durable snapshot in {job.run_url}, of step 8, is 26 steps behind the trainer, more than a "
             f"recovery from storage may replay (24: the lag bound 8 + 2 x the durable interval 8); last storage "
             f"error: {status.persist_error}")
+        with run.stop.installed():  # a stop asked for at this boundary: the run stops there, saying so
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert wait_until(lambda: run.stop.requested)
+            assert Monitor(job).check(run, status, progress(34)) is None
     finally:
         small_disk.free()
         shadow.close()
