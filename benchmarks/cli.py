@@ -18,7 +18,7 @@ BENCHMARK_MODULES = [
     "benchmarks.replay", "benchmarks.trainer", "benchmarks.overhead", "benchmarks.recovery", "benchmarks.waste",
     "benchmarks.scaling", "benchmarks.memory", "benchmarks.suite", "benchmarks.data_parallel", "benchmarks.storage",
     "benchmarks.scale", "benchmarks.adapters", "benchmarks.detection", "benchmarks.host_paths", "benchmarks.elastic",
-    "benchmarks.zotrainer",
+    "benchmarks.zotrainer", "benchmarks.quantized",
 ]
 
 

@@ -19,7 +19,8 @@ PARTS = {"sft.rows": "rows", "sft.prepare": "examples", "sft.task": "tasks"}
 """A kind's own module within a stage (kind sft's rows, examples and task, in its subpackage): it counts as its
 stage."""
 SHARED = {"errors", "data", "task_config", "tokenization"}
-MODEL_SIDE = {"models", "names", "weights", "adapters", "peft_settings"}
+MODEL_SIDE = {"models", "names", "weights", "adapters", "peft_settings", "quantized.settings", "quantized.load",
+              "quantized.qzo", "quantized.snapshot", "quantized.probe"}
 DRIVER = "builder"
 DRIVERS = {DRIVER, "custom"}
 """`build_task`, and the user's collator and loss over rows handed over (`custom.py`), which take the stages' parts."""
@@ -65,7 +66,7 @@ def classes(module: str) -> set[str]:
 
 
 def test_every_module_of_the_workload_has_a_place():
-    placed = set(STAGES) | set(PARTS) | SHARED | MODEL_SIDE | DRIVERS | {"__init__", "sft.__init__"}
+    placed = set(STAGES) | set(PARTS) | SHARED | MODEL_SIDE | DRIVERS | {"__init__", "sft.__init__", "quantized.__init__"}
     assert {".".join(p.relative_to(WORKLOAD).with_suffix("").parts) for p in WORKLOAD.rglob("*.py")} == placed
 
 
