@@ -397,11 +397,20 @@ def test_a_startup_profile_that_fails_in_the_shadow_fails_the_run_with_its_cause
     assert "profiling" in states(run) and states(run)[-1] == "failed" and parts.stopped
 
 
+class RayReport(RuntimeError):
+    """Stands for Ray's report of a remote call's error (`RayTaskError`): its text, and the error as `cause`."""
+
+    def __init__(self, cause: Exception):
+        super().__init__(f"The actor died because of an error raised in its creation task\n  File ...\n{cause!r}")
+        self.cause = cause
+
+
 def test_trainers_that_cannot_take_their_first_state_fail_the_run_in_one_line_naming_the_cause(tmp_path):
+    from zocheck_ray.runtime.stages import StageError
+
     run, parts = controller(tmp_path)
-    report = ("The actor died because of an error raised in its creation task\n  File ...\n"
-              "zocheck_ray.runtime.stages.StageError: the initial image could not be made durable: storage is full")
-    parts.group.start = lambda: (_ for _ in ()).throw(RuntimeError(report))  # as Ray reports a constructor's error
+    report = RayReport(StageError("the initial image could not be made durable: storage is full"))
+    parts.group.start = lambda: (_ for _ in ()).throw(report)  # as Ray reports a constructor's error
     with pytest.raises(RunFailedError, match="failed at step 0: the trainers could not start: the initial image could "
                                              "not be made durable: storage is full$"):
         run.run()
@@ -414,10 +423,12 @@ def test_trainers_that_cannot_take_their_first_state_fail_the_run_in_one_line_na
 
 def test_a_shadow_that_finds_every_snapshot_damaged_refuses_the_storage_as_an_input_that_cannot_run(tmp_path):
     run, parts = controller(tmp_path)
-    report = ("The actor died because of an error raised in its creation task\n  File ...\n"
-              "zocheck_ray.storage.errors.CorruptSnapshotError: every committed snapshot under R is corrupt: R/x fails "
-              "its SHA-256 check (the file is damaged); nothing was deleted: restore the damaged files from a copy")
-    parts.start = lambda: (_ for _ in ()).throw(RuntimeError(report))  # as Ray reports the shadow's constructor
+    from zocheck_ray.storage import CorruptSnapshotError
+
+    report = RayReport(CorruptSnapshotError("every committed snapshot under R is corrupt: R/x fails its SHA-256 check "
+                                            "(the file is damaged); nothing was deleted: restore the damaged files "
+                                            "from a copy"))
+    parts.start = lambda: (_ for _ in ()).throw(report)  # as Ray reports the shadow's constructor
     with pytest.raises(JobConfigError, match=f"^storage='{tmp_path}' cannot be resumed: every committed snapshot "
                                              "under R is corrupt: R/x fails its SHA-256 check .* from a copy$"):
         run.run()  # exit 2 from the CLI, like the sizes' check before Ray

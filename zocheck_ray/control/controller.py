@@ -25,7 +25,7 @@ from zocheck_ray.control.policy import Action, Failure, FailureBudget, LagBound,
 from zocheck_ray.control.profile import DRAIN_SECONDS, profile_steps, startup_profile
 from zocheck_ray.control.stop import RunStopped, StopRequest, signal_name
 from zocheck_ray.control.summary import Recovery, RunFailedError, RunSummary
-from zocheck_ray.runtime.errors import DrainFailedError, ShadowCallError, ShadowGoneError
+from zocheck_ray.runtime.errors import DrainFailedError, ShadowCallError, ShadowGoneError, own_error
 from zocheck_ray.runtime.messages import ShadowMetrics, ShadowStatus, TrainerProgress, TrainerTimes
 from zocheck_ray.runtime.shadow import ShadowRestartedError
 from zocheck_ray.storage import CorruptSnapshotError, LeaseError, StorageError
@@ -176,10 +176,12 @@ class Controller:
         try:
             self.shadow, self.group = self.parts.start()
             started = self.group.start()
+        except RunFailedError:  # an actor Ray could not start: its line says so
+            raise
         except Exception as exc:  # the shadow or a trainer could not take its first state: one line, if it is ours
-            if (cause := _our_cause(exc)) is None:
+            if (cause := own_error(exc)) is None:
                 raise
-            if self.group is None and _raised(exc, CorruptSnapshotError):  # no snapshot to resume from: the input's
+            if self.group is None and isinstance(cause, CorruptSnapshotError):  # nothing to resume: the input's
                 raise JobConfigError(f"storage={self.job.storage!r} cannot be resumed: {cause}") from None
             who = "the trainers" if self.group is not None else "the shadow"
             return self._fail(Failure("drain_failed", self.step, f"{who} could not start: {cause}"))
@@ -431,15 +433,3 @@ class _ShadowGone(Exception):
         self.failure = failure
 
 
-def _raised(exc: Exception, kind: type[Exception]) -> bool:
-    """Whether `exc` is a `kind`, or Ray's report of one (its last line)."""
-    last = (str(exc).strip().splitlines() or [""])[-1]
-    return isinstance(exc, kind) or last.startswith(f"{kind.__module__}.{kind.__qualname__}: ")
-
-
-def _our_cause(exc: Exception) -> str | None:
-    """The message of the zocheck-ray error that ends Ray's report of a failed call (a trainer's constructor that
-    raised), or None when the failure is not one of ours."""
-    lines = str(exc).strip().splitlines()
-    name, found, message = (lines[-1] if lines else "").partition(": ")
-    return message if found and name.startswith("zocheck_ray.") else None

@@ -13,3 +13,12 @@ class ShadowCallError(RuntimeError):
 
 class DrainFailedError(ShadowCallError):
     """The shadow could not replay and make durable what it was asked to (the cause is in the message)."""
+
+
+def own_error(exc: BaseException) -> BaseException | None:
+    """The zocheck-ray error `exc` is or carries, or None: a remote call's error reaches the caller as the `cause`
+    of Ray's report, typed, so no caller reads Ray's text to find it."""
+    for candidate in (getattr(exc, "cause", None), exc):
+        if candidate is not None and any(c.__module__.startswith("zocheck_ray.") for c in type(candidate).__mro__):
+            return candidate
+    return None
