@@ -19,7 +19,7 @@ PARTS = {"sft.rows": "rows", "sft.prepare": "examples", "sft.task": "tasks"}
 """A kind's own module within a stage (kind sft's rows, examples and task, in its subpackage): it counts as its
 stage."""
 SHARED = {"errors", "data", "task_config", "tokenization"}
-MODEL_SIDE = {"models", "names", "weights", "adapters", "peft_settings", "quantized.settings", "quantized.load",
+MODEL_SIDE = {"models", "names", "weights", "adapters", "peft_settings", "model_init", "quantized.settings", "quantized.load",
               "quantized.qzo", "quantized.snapshot", "quantized.probe"}
 DRIVER = "builder"
 DRIVERS = {DRIVER, "custom"}
