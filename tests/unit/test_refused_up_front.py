@@ -101,7 +101,7 @@ def test_use_gpu_takes_yaml_booleans_as_typed(tmp_path, typed, value):
 
 
 @pytest.mark.parametrize("item, line", [
-    ("zo.lrr=1", "zo.lrr is not a field of zo; did you mean zo.lr? (zo's fields: adam_eps, betas, eps, lr,"),
+    ("zo.lrr=1", "zo.lrr is not a field of zo; did you mean zo.lr? (zo's fields: adam_eps, betas, eps, grad_clip, lr,"),
     ("stepz=3", "stepz is not a field of the job; did you mean steps?"),
     ("zo.lr=.nan", "zo.lr=nan is not a number: give a finite value"),
     ("run_id=123", "run_id=123 must be a string: quote it, e.g. --set 'run_id=\"123\"'"),
