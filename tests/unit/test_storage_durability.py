@@ -332,7 +332,7 @@ def test_verify_fails_where_the_log_a_manifest_promises_is_gone_and_names_the_st
 
 
 def test_verify_fails_where_the_log_a_manifest_promises_is_cut_short_and_names_the_steps_it_cannot_prove(job):
-    from zocheck_ray.storage.segments import SEGMENT_MAGIC
+    from zocheck_ray.storage.steplog.segments import SEGMENT_MAGIC
 
     _, _, records = trained(job, 12)
     shadow = started(job, records, 8)

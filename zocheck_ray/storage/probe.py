@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from zocheck_ray.storage.fs import open_storage, probe_write
 from zocheck_ray.storage.lease import LEASE_DIR
-from zocheck_ray.storage.segments import LOG_DIR
+from zocheck_ray.storage.steplog.segments import LOG_DIR
 from zocheck_ray.storage.snapshot import SNAPSHOTS_DIR
 
 RUN_DIRS = (SNAPSHOTS_DIR, LOG_DIR, LEASE_DIR)

@@ -23,9 +23,7 @@ from zocheck_ray.core import RecordSequenceError, StepRecord
 from zocheck_ray.storage.errors import CorruptLogError, ObjectNotFoundError, StorageError, StorageLostError
 from zocheck_ray.storage.fs import Storage, Written, open_storage
 from zocheck_ray.storage.lease import Lease, check_lease_for, require_lease
-from zocheck_ray.storage.segments import (  # noqa: F401  (first_logged_step: for the audit, beside read_records)
-    LOG_DIR, SEGMENT_MAGIC, first_logged_step, list_segments, parse_segment, segment_writer,
-)
+from zocheck_ray.storage.steplog.segments import LOG_DIR, SEGMENT_MAGIC, list_segments, parse_segment, segment_writer
 
 logger = logging.getLogger(__name__)
 
