@@ -229,3 +229,14 @@ def test_docstrings_stay_short():
         words, code = words + w, code + c
     assert words / code <= MAX_DOCSTRING_WORDS_PER_CODE_LINE, \
         f"{words} docstring words over {code} code lines: {words / code:.2f} per line"
+
+
+def test_the_controller_imports_without_torch_or_numba():
+    """The driver's state machine decides on typed errors (`runtime/errors.py`): it loads no trainer library."""
+    import subprocess
+    import sys
+
+    code = ("import sys, zocheck_ray.control.controller; "
+            "print(sorted(m for m in ('torch', 'numba', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -13,7 +13,7 @@ from zocheck_ray.actors.link import call_when_alive
 from zocheck_ray.actors.names import actor_status, shadow_name
 from zocheck_ray.runtime.errors import DrainFailedError, ShadowCallError, ShadowGoneError
 from zocheck_ray.runtime.messages import ShadowMetrics, ShadowStatus, TrainerTimes
-from zocheck_ray.runtime.shadow import ShadowRestartedError
+from zocheck_ray.runtime.errors import ShadowRestartedError
 
 
 class ShadowClient:

@@ -25,9 +25,10 @@ from zocheck_ray.control.policy import Action, Failure, FailureBudget, LagBound,
 from zocheck_ray.control.profile import DRAIN_SECONDS, profile_steps, startup_profile
 from zocheck_ray.control.stop import RunStopped, StopRequest, signal_name
 from zocheck_ray.control.summary import Recovery, RunFailedError, RunSummary
-from zocheck_ray.runtime.errors import DrainFailedError, ShadowCallError, ShadowGoneError, own_error
+from zocheck_ray.runtime.errors import (
+    DrainFailedError, ShadowCallError, ShadowGoneError, ShadowRestartedError, own_error,
+)
 from zocheck_ray.runtime.messages import ShadowMetrics, ShadowStatus, TrainerProgress, TrainerTimes
-from zocheck_ray.runtime.shadow import ShadowRestartedError
 from zocheck_ray.storage import CorruptSnapshotError, LeaseError, StorageError
 from zocheck_ray.storage.lease import release_dead_holder
 

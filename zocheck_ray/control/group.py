@@ -19,8 +19,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from zocheck_ray.runtime.messages import KernelInfo, RecoveryInfo, TrainerProgress, TrainerTimes
 from zocheck_ray.actors.names import actor_states, actor_status, trainer_name
 from zocheck_ray.actors.link import call_when_alive, died_since, wait_until_restarted
-from zocheck_ray.runtime.shadow import ShadowRestartedError
-from zocheck_ray.runtime.trainer import RejoinRequiredError
+from zocheck_ray.runtime.errors import RejoinRequiredError, ShadowRestartedError
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control.outcomes import Restored, StepTimes
 from zocheck_ray.control.summary import GroupChange

@@ -1,6 +1,23 @@
-"""What the driver is told when a run's processes fail, in words the controller decides on (no Ray types)."""
+"""Every error the controller acts on, in words it decides on: no Ray types, and nothing that loads torch or numba,
+so the controller imports without them."""
 
 from __future__ import annotations
+
+
+class StageError(RuntimeError):
+    """A stage of the shadow cannot go on; the message says which and why."""
+
+
+class ShadowRestartedError(StageError):
+    """A call meant for one incarnation of the shadow reached the next."""
+
+
+class RoleError(RuntimeError):
+    """A move between a trainer's roles that `runtime.trainer.TRANSITIONS` forbids."""
+
+
+class RejoinRequiredError(RuntimeError):
+    """Asked to train or hash before it rejoined (it waits, or its state is torn)."""
 
 
 class ShadowGoneError(RuntimeError):

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from zocheck_ray.runtime.errors import ShadowRestartedError  # noqa: F401  (callers catch it from here too)
 from zocheck_ray.host.image import ImageBuffer, ImageGoneError, ImageLayout, copy_state
 from zocheck_ray.host.memory import frombuffer, process_memory
 from zocheck_ray.runtime.ledger import RecordLedger
@@ -420,10 +421,6 @@ class Shadow:
             released = self.lease.release()
         self.replay.close()
         return released
-
-
-class ShadowRestartedError(StageError):
-    """A call meant for one incarnation of the shadow reached the next."""
 
 
 def _with_retries(fn: Callable[[], object], what: str, seconds: float = STARTUP_STORAGE_SECONDS):

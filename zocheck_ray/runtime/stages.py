@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from zocheck_ray.runtime.errors import StageError  # noqa: F401  (callers catch it from here too)
 from zocheck_ray.host.image import ImageBuffer, ImageLayout, anonymous_buffer, copy_state, image_memory
 from zocheck_ray.runtime.ledger import LOG, RecordLedger
 from zocheck_ray.host.priority import background_thread
@@ -66,10 +67,6 @@ class Image:
     def tensors(self) -> dict[str, torch.Tensor]:
         """The image's tensors: views of its buffer, never written."""
         return self.layout.views(self.buffer.bytes)
-
-
-class StageError(RuntimeError):
-    """A stage cannot go on; the message says which and why."""
 
 
 class Budget:

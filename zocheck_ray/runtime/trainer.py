@@ -25,6 +25,7 @@ from zocheck_ray.core.fused import warm_up
 from zocheck_ray.host.image import prepare_skeleton
 from zocheck_ray.runtime.parallel.collective import RankLostError
 from zocheck_ray.runtime.parallel.shards import reduce_in_shard_order
+from zocheck_ray.runtime.errors import RejoinRequiredError, RoleError
 from zocheck_ray.runtime.hooks import NO_HOOKS, TrainerHooks
 from zocheck_ray.runtime.messages import AdapterIdentity, KernelCheckInfo, KernelInfo, RecoveryInfo, Role, TrainerProgress
 from zocheck_ray.runtime.publisher import FLUSH_SECONDS, Publisher, ShadowLink
@@ -44,14 +45,6 @@ TRANSITIONS: dict[Role, frozenset[Role]] = {
     Role.RANK: frozenset({Role.RESTORING, Role.TORN}),
     Role.TORN: frozenset({Role.RESTORING}),
 }
-
-
-class RoleError(RuntimeError):
-    """A move between roles that `TRANSITIONS` forbids."""
-
-
-class RejoinRequiredError(RuntimeError):
-    """Asked to train or hash before it rejoined (it waits, or its state is torn)."""
 
 
 class Trainer:
