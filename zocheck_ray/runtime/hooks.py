@@ -1,8 +1,7 @@
 """The seams where tests and the demonstration reach into a trainer or a shadow process.
 
-Production passes `NO_HOOKS`; `zocheck_ray.testing` injects faults through them. Ray restarts an
-actor with its constructor's arguments, so an implementation comes back with every restart and
-keeps its own record of what it already did.
+Production passes `NO_HOOKS`. Ray restarts an actor with its constructor's arguments, so an
+implementation keeps its own record of what it already did.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """`FaultInjection`: the faults a run's trainer and shadow processes inject into themselves
 (`runtime/hooks.py`'s seams): a fault plan's exits (`control/faults.py`) and the tests' stalls.
 
-It travels to the processes as a constructor argument, so a restarted process unpickles it
-first. It imports nothing but pydantic, so that a restarted trainer's heavy imports stay out of
-a standby promotion's window.
+It travels as a constructor argument, so a restarted process unpickles it first, and imports
+nothing but pydantic, to keep heavy imports out of a standby promotion's window.
 """
 
 from __future__ import annotations
@@ -40,8 +39,7 @@ class FaultInjection(BaseModel):
     build_error: str | None = None
     """A message a rank's first build raises as a `WorkloadError`: a trainer that refuses in its constructor."""
     standby_builds_after: str | None = None
-    """A path: a process created as the standby builds its model only once the file exists (a loss meets a
-    standby that is not ready)."""
+    """A path: a standby builds its model only once the file exists, so a loss meets a standby not yet ready."""
 
     @property
     def steps_hooked(self) -> bool:

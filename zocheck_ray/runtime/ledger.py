@@ -3,10 +3,9 @@
 Ingest alone writes records (in step order, no gaps); each reading stage holds a floor, the oldest
 record it still needs, and a record goes once every floor has passed it. The image and its records
 are read together, so a recovering trainer never sees a gap between them. The shadow writes each
-image into the previous one's memory when nobody reads it, so the ledger knows who does:
-persistence pins it, a recovering trainer borrows it, and the replay stage claims the memory
-before writing into it. An image with `hold` (a dev evaluation's step) is not written over
-until persistence has saved it. The lock is never held while a caller does work.
+image into the previous one's memory when nobody reads it, so the ledger tracks readers:
+persistence pins an image, a recovering trainer borrows it, replay claims its memory, and a
+`hold` keeps it until saved. The lock is never held while a caller does work.
 """
 
 from __future__ import annotations
@@ -125,10 +124,8 @@ class RecordLedger:
             self._lock.notify_all()
 
     def claim(self, wait: bool = False, timeout: float = 300.0, over_hold: bool = False) -> tuple[Claim, object]:
-        """Claim the image's memory for writing; returns what was found and the image it held.
-
-        `busy` (pinned, claimed, held until durable unless `over_hold`, or with `wait=False` being read)
-        changes nothing; otherwise no image is offered until `publish` or `unclaim`."""
+        """Claim the image's memory for writing; returns what was found and the image it held. `busy` changes
+        nothing; otherwise no image is offered until `publish` or `unclaim`."""
         with self._lock:
             if wait and not self._lock.wait_for(lambda: not self._busy(over_hold), timeout):
                 raise TimeoutError(f"the image stayed pinned by persistence for {timeout:.0f} s")

@@ -1,10 +1,9 @@
 """The trainer's side of the record stream: ordered sends, acknowledgements, re-sends.
 
 The training loop only appends a record to a queue; the publishing thread sends batches and reads
-the replies without waiting. It keeps every record until the shadow says it is durable, so a shadow
-Ray restarted from storage gets what it lacks again and the run stays exact; a record nobody holds
-any more is a gap, which the controller repairs from the durable state. With data-parallel ranks
-only rank 0 sends; the others hold, so that a survivor can `deliver` what a dead rank 0 had not.
+the replies. It keeps every record until the shadow says it is durable, so a restarted shadow gets
+what it lacks again. With data-parallel ranks only rank 0 sends; the others hold, so that a
+survivor can `deliver` what a dead rank 0 had not.
 """
 
 from __future__ import annotations
@@ -146,8 +145,8 @@ class Publisher:
                     self._held.popleft()
 
     def deliver(self, timeout: float = 60.0) -> int:
-        """Hand the shadow every held record it lacks; returns the step it then expects. After a lost rank the
-        survivors together hold every record not yet durable, so the log keeps no gap."""
+        """Hand the shadow every held record it lacks, so a lost rank leaves no gap; returns the step it then
+        expects."""
         with self._lock:
             self._send_pending()
             expected = self._ask([], timeout).next_step  # pushes are answered in order: after those in flight
@@ -158,8 +157,7 @@ class Publisher:
             return expected
 
     def take_over(self) -> int:
-        """Become the sending rank (the one before was lost): hand the shadow what it lacks, then send every
-        record; returns the step the shadow then expects."""
+        """Become the sending rank: `deliver`, then send every record."""
         expected = self.deliver()
         with self._lock:
             self.publishing = True
