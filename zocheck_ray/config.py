@@ -2,9 +2,8 @@
 
     config = load_job_config("job.yaml", overrides=["zo.lr=1e-5", "task.batch_size=32"])
 
-`load_job_config` validates the job's fields; the start-up check (`control/startup.py`)
-builds its task once, so a bad row fails there, naming the file and line, before any actor
-starts.
+The start-up check (`control/startup.py`) then builds the task once, so a bad row fails,
+naming its file and line, before any actor starts.
 """
 
 from __future__ import annotations
@@ -54,17 +53,16 @@ class ShadowSettings(BaseModel):
     cpus: int = Field(1, ge=1)
     """CPUs reserved for the shadow (its replay threads)."""
     nice: int = Field(19, ge=0, le=19)
-    """The niceness of the shadow's replay and persistence threads (Linux): on a busy node the trainers run
-    first, while the shadow's `metrics()` and record intake keep Ray's priority. 0 leaves it as Ray sets it."""
+    """Niceness of the shadow's replay and persistence threads (Linux), so the trainers run first on a busy node;
+    0 leaves Ray's."""
     snapshot_interval: int | None = Field(None, ge=1)
     """Steps between shadow snapshots; None lets the startup profile choose."""
     max_lag_steps: int | None = Field(None, ge=1)
     """Resync the shadow from the trainer when it falls this many steps behind; None: the cost model's
     bound from the startup profile with `failure.mtbf_hours`, else 64."""
     recovery_snapshot: bool = True
-    """A trainer recovering on the CPU is offered a fresh snapshot of the replica where that saves it replaying
-    records (replaying one costs several copies of the state) and the image's memory is free. False: always the
-    newest image and the records after it (as a GPU trainer, which replays on the device)."""
+    """Offer a trainer recovering on the CPU a fresh snapshot of the replica where that spares it replaying records
+    and the memory is free; False: the newest image and the records after it."""
 
 
 class DurabilitySettings(BaseModel):
@@ -81,8 +79,8 @@ class DurabilitySettings(BaseModel):
     """Fail the run when this many steps are not in the durable log (storage down or too slow), beyond an object
     store's open segment; a warning comes at a tenth of it."""
     log_seal_records: int = Field(1024, ge=1)
-    """Records per durable log segment. On S3 a segment is uploaded once full (or 60 s old): a host failure may
-    lose that many records, which the trainer recomputes exactly."""
+    """Records per durable log segment; on S3 a segment is uploaded once full (or 60 s old), so a lost host may
+    lose that many records, which the trainer recomputes."""
     lease_seconds: float = Field(30.0, gt=0)
     """How long the shadow's single-writer lease lives unrenewed; a second writer takes over only once it is
     stale."""
@@ -96,12 +94,11 @@ class FailureSettings(BaseModel):
     max_restarts: int = Field(10, ge=0)
     """How often Ray may restart the trainer or the shadow."""
     mtbf_hours: float | None = Field(None, gt=0)
-    """The expected hours between failures: with it the startup profile's cost model sets the lag bound
-    (unless `shadow.max_lag_steps` does) and, where replay is slower than the trainer, the snapshot interval."""
+    """Expected hours between failures, from which the cost model sets the lag bound and, where replay is
+    slower than the trainer, the snapshot interval."""
     standby: bool = False
-    """Keep a warm standby trainer beside rank 0, its model's skeleton built (on the CPU one more copy of the
-    state in host memory; on a GPU no device memory until promoted). It replaces a lost trainer at once; the
-    process Ray restarts becomes the next standby. One still building when a trainer is lost is ended."""
+    """Keep a warm standby trainer beside rank 0, its model's skeleton built (on the CPU, one more copy of the
+    state), to replace a lost trainer at once; the process Ray restarts becomes the next standby."""
 
 
 class ScalingSettings(BaseModel):
@@ -110,10 +107,9 @@ class ScalingSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     trainers: int = Field(1, ge=1)
-    """Data-parallel trainer ranks (one GPU each, or one CPU); `task.batch_size` must divide among them. The
-    ranks stay bit-identical replicas, served by one shadow. `{min: a, max: b}` (elastic; the answer depends on
-    `task.shards` only): go on with as few as a while ranks are lost; under `spread`, start once a can be
-    placed and grow to b as the cluster has room (under `pack`, start b)."""
+    """Data-parallel trainer ranks (one GPU or CPU each), bit-identical replicas; `task.batch_size` must divide
+    among them. `{min: a, max: b}` (elastic; the result depends on `task.shards` only): go on with as few as a
+    while ranks are lost; under `spread`, start once a can be placed and grow to b (under `pack`, start b)."""
     min_trainers: int | None = Field(None, ge=1)
     """The fewest ranks an elastic run trains with (set by `trainers: {min, max}`); None: a lost rank stops
     every rank until it is replaced."""
@@ -121,8 +117,7 @@ class ScalingSettings(BaseModel):
     """`pack`: every rank and the shadow on one node; `spread`: rank 0 with the shadow, the others anywhere."""
     collective_timeout_seconds: float = Field(600.0, gt=0)
     """How long a rank waits in an exchange or a rendezvous (gloo's timeout): above rank 0's longest evaluation,
-    which the others wait out. A fixed group sees a node lost without a TCP reset only after it (an elastic one
-    once Ray finds the node dead)."""
+    which the others wait out. A fixed group notices a silently lost node only after it."""
     use_gpu: Literal["auto", "yes", "no"] = "auto"
     """Train on a GPU: `auto` uses one when the cluster has one, `yes` requires one."""
 
@@ -171,8 +166,8 @@ class JobConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     run_id: str = Field(default_factory=lambda: "run-" + uuid.uuid4().hex[:8])
-    """Names the run: its actors, its directory under `storage`, its metrics. A plain name: letters, digits,
-    '-', '_' and '.', not starting with '.'."""
+    """Names the run's actors, directory under `storage` and metrics: letters, digits, '-', '_' and '.', not
+    starting with '.'."""
     model: str = "tiny-opt"
     """A built-in small model built from its config (tiny-opt, tiny-llama, tiny-qwen3, tiny-bert), a packaged
     one (minilm), or a Hugging Face model directory saved with `save_pretrained`."""
@@ -181,9 +176,8 @@ class JobConfig(BaseModel):
     zo: ZOConfig = ZOConfig(lr=2e-3, eps=1e-3)
     """The zeroth-order optimizer (`zo.optimizer`, `zo.lr`, `zo.eps`, ...)."""
     peft: PeftSettings | None = None
-    """Train a `peft` adapter only (`peft.method`: lora or prefix), or a quantized base's scales (qzo); None
-    trains every parameter. The shadow and the snapshots then hold the adapter alone; the base is identified by
-    its hash."""
+    """Train a `peft` adapter only (`peft.method`: lora or prefix), or a quantized base's scales (qzo), so the
+    snapshots hold the adapter alone; None trains every parameter."""
     quantization: QuantizationSettings | None = None
     """Load the frozen base quantized (`quantization.backend`: bitsandbytes, torchao or quanto) from a model
     directory, under `peft` (docs/quantized.md); None: the base in `dtype`."""
@@ -202,8 +196,7 @@ class JobConfig(BaseModel):
     shadow: ShadowSettings = ShadowSettings()
     """The shadow (`shadow.cpus`, `shadow.snapshot_interval`, `shadow.max_lag_steps`, ...)."""
     durability: DurabilitySettings = DurabilitySettings()
-    """Durable snapshots, the step log and the lease (`durability.durable_interval`, `durability.lease_seconds`,
-    ...)."""
+    """Durable snapshots, the step log and the lease (`durability.durable_interval`, ...)."""
     failure: FailureSettings = FailureSettings()
     """Restarts and the warm standby (`failure.max_restarts`, `failure.standby`)."""
     scaling: ScalingSettings = ScalingSettings()
@@ -296,11 +289,8 @@ MAX_RUN_ID_LENGTH = 128
 
 
 def check_run_id(value: str) -> None:
-    """Raise `ValueError` unless `value` is a plain name: it becomes a directory under `storage`.
-
-    Letters, digits, '-', '_' and '.', at most 128 characters, not starting with '.' (so
-    never `.`, `..` or a hidden name); no '/', '\\', spaces or control characters.
-    """
+    """Raise `ValueError` unless `value` is a plain name (`RUN_ID_CHARS`, not starting with '.'): it becomes a
+    directory under `storage`."""
     shown = repr(value)
     if not isinstance(value, str) or not value:
         raise ValueError(f"run_id must be a non-empty plain name ({RUN_ID_CHARS}), got {shown}")
@@ -367,12 +357,8 @@ def submitted_job_id(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def check_job_environment(job: JobConfig, environ: Mapping[str, str] | None = None) -> None:
-    """Refuse what only goes wrong where the job runs; call it before Ray starts.
-
-    A `ray job submit` entrypoint runs in Ray's temporary copy of the uploaded working
-    directory, so a relative local `storage` would put the run's durable state there,
-    and it would vanish with the cluster's temporary files. Raises `JobConfigError`.
-    """
+    """Raise `JobConfigError`, before Ray starts, for what only goes wrong where the job runs: under `ray job
+    submit` a relative local `storage` lands in Ray's temporary copy of the working directory and vanishes."""
     submission = submitted_job_id(environ)
     if submission is None or "://" in job.storage:
         return

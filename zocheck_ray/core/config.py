@@ -41,8 +41,8 @@ class ZOConfig(BaseModel):
     num_perturbations: int = Field(1, ge=1, le=1024)
     """q: perturbations per step (n-SPSA, one seed and projected gradient each); a step costs 2q forward passes."""
     grad_clip: float | None = Field(None, gt=0)
-    """Clip each projected gradient to [-grad_clip, grad_clip] before the update (QZO's clipping, at 100); the
-    record carries the clipped value, so replay needs nothing more. None: no clipping."""
+    """Clip each projected gradient to [-grad_clip, grad_clip] before the update (QZO uses 100); None: no
+    clipping."""
 
     @field_validator("lr", "eps", "weight_decay", "adam_eps", "sparsity", "momentum", "grad_clip")
     @classmethod

@@ -1,7 +1,6 @@
 """Messages that cross a process between the trainers, the shadow and the controller.
 
-Frozen models, so a renamed field fails at import or in a test, not deep into a run. Ray
-carries them pickled; none is stored (the durable formats are in `storage/`).
+Frozen models, so a renamed field fails at import, not deep into a run. None is stored.
 
     trainer -> controller   TrainerProgress (a segment's end), RecoveryInfo (a restore)
     shadow  -> controller   ShadowMetrics (also `zocheck-ray status` and the gauges)
@@ -31,11 +30,10 @@ class PushReply(NamedTuple):
     durable_next: int
     """Every record before this step is durable in the step log."""
     accepted: int
-    """Records of this push it accepted."""
 
 
 class AdapterIdentity(BaseModel):
-    """What a parameter-efficient run records of its model beside the adapter's state (`workload.adapters`)."""
+    """A parameter-efficient run's base and adapter, recorded beside the adapter's state."""
 
     model_config = _FROZEN
 
@@ -51,13 +49,13 @@ class RecoveryOffer(BaseModel):
     model_config = _FROZEN
 
     image: ImageHandle
-    """The image, opened on the shadow's node or streamed elsewhere; given back when read."""
+    """Given back when read."""
     records: bytes
-    """The encoded records after the image's step (`core.record.decode_records`)."""
+    """The encoded records after the image's step."""
     source: str
     """Where the shadow's replica came from: `fresh`, `durable` or `resync`."""
     adapter: AdapterIdentity | None = None
-    """A parameter-efficient run's base and adapter (None: full fine-tuning)."""
+    """None: full fine-tuning."""
 
 
 class PublisherStats(BaseModel):
@@ -66,7 +64,7 @@ class PublisherStats(BaseModel):
     model_config = _FROZEN
 
     held_records: int
-    """Records sent but not yet known durable (kept for a restarted shadow)."""
+    """Records sent, not yet known durable (kept for a restarted shadow)."""
     resent_records: int
     """Records sent again because a restarted shadow lacked them."""
     delivered_records: int
@@ -76,20 +74,19 @@ class PublisherStats(BaseModel):
     publish_errors: int
     """Pushes that failed; what they carried is sent again."""
     last_publish_error: str | None
-    """The last push error."""
     gap: str | None
     """Records the shadow lacks that no trainer holds any more (a resync repairs it)."""
 
 
 class KernelCheckInfo(BaseModel):
-    """The start-up guard's verdict on the GPU kernels (`core.gpu.kernel_guard.KernelCheck`)."""
+    """The start-up guard's verdict on the GPU kernels."""
 
     model_config = _FROZEN
 
     backend: str
     """`triton` when the kernels passed and are used, `eager` otherwise."""
     passed: bool | None
-    """True: the kernels gave the oracle's bits; False: they did not; None: not checked."""
+    """Whether the kernels gave the oracle's bits; None: not checked."""
     device: str
     dtypes: list[str] = []
     mismatches: list[str] = []
@@ -110,7 +107,7 @@ class KernelInfo(BaseModel):
     backend: str
     """`fused`/`eager` on the CPU, `triton` or `eager` on CUDA."""
     check: KernelCheckInfo | None = None
-    """The start-up guard's verdict (CUDA only)."""
+    """CUDA only."""
 
 
 class TrainerProgress(BaseModel):
@@ -132,16 +129,14 @@ class TrainerProgress(BaseModel):
     interrupted: int | None = None
     """Data parallel: the step a failed gather interrupted (the state is torn)."""
     regroups: list[tuple[int, float, float]] = []
-    """Elastic data parallel: (step, stall, wait for the plan) of each group formed mid-step: seconds from the
-    failed exchange to its repeat, and of them until the controller's plan came."""
+    """Elastic: (step, stall seconds, of them waiting for the controller's plan) of each group formed mid-step."""
     evaluations: dict[int, dict[str, float]] = {}
-    """Held-out metrics by step, taken in this segment."""
+    """Held-out metrics by step."""
     samples: dict[int, list[tuple[str, str]]] = {}
-    """Kind `sft`: each evaluation's greedy generations, (prompt, text), by step."""
+    """Kind `sft`: each evaluation's greedy (prompt, text) pairs, by step."""
     eval_seconds: float = 0.0
-    """Time spent evaluating in this segment."""
     publish_us_median: float | None = None
-    """Median cost of publishing one record on the training loop's path."""
+    """Median cost of publishing one record, on the training loop's path."""
     publisher: PublisherStats
     kernel: KernelInfo
 
@@ -151,7 +146,7 @@ StandbyState = Literal["none", "starting", "ready"]
 
 
 class Role(str, enum.Enum):
-    """A trainer process's role; `runtime.trainer.TRANSITIONS` holds the moves between them."""
+    """A trainer process's role; `runtime.trainer.TRANSITIONS` holds the moves."""
 
     WAITING = "waiting"
     """No rank yet: a standby, or a process Ray restarted."""
@@ -160,7 +155,7 @@ class Role(str, enum.Enum):
     RANK = "rank"
     """Training as its rank."""
     TORN = "torn"
-    """A gather failed mid-perturbation: nobody's state until `rejoin`."""
+    """A gather failed mid-perturbation: no usable state until `rejoin`."""
 
 
 class RecoveryInfo(BaseModel):
@@ -173,41 +168,35 @@ class RecoveryInfo(BaseModel):
     step: int | None
     """The step it is at (None while it waits)."""
     source: str
-    """`fresh`, `memory` (the shadow's image), `durable` (rebuilt from storage), `kept` (a data-parallel
-    survivor), `deferred` (waiting to be told)."""
+    """`fresh`, `memory` (the shadow's image), `durable` (storage), `kept` (a data-parallel survivor) or
+    `deferred`."""
     role: Role = Role.RANK
-    """`RANK` once restored; `WAITING` until told to rejoin."""
     image_step: int | None = None
     replayed_records: int = 0
     state_hash: str | None = None
-    """With `hash_every_step`: the restored state's hash."""
+    """With `hash_every_step`."""
     state_bytes: int | None = None
-    """Bytes of the state restored from the image."""
     seconds: float | None = None
     """The process's set-up, or the restore when told to restore later."""
     build_seconds: float | None = None
     """Building the model (a skeleton when it restores)."""
     restore_seconds: float | None = None
-    """Image plus records into the state: the sum of the parts below."""
+    """fetch + install + replay."""
     fetch_seconds: float | None = None
     """Asking the shadow for its image and opening it."""
     install_seconds: float | None = None
-    """Taking the image in: checking, copying and giving it back."""
+    """Checking, copying and giving back the image."""
     copy_seconds: float | None = None
-    """The copy alone within `install_seconds`; None where `preinstalled`."""
+    """The copy within `install_seconds`; None where `preinstalled`."""
     copy_threads: int | None = None
-    """The threads that copy ran on (`host.image.transfer_threads`)."""
     read_through: str | None = None
-    """How the image was read: `memfd` (opened on the shadow's node), `ray` (windows through Ray) or `process`
-    (a state in this process)."""
+    """`memfd` (opened on the shadow's node), `ray` (windows through Ray) or `process`."""
     preinstalled: bool = False
     """The image was in the state already (a CPU standby copies each new one)."""
     replay_seconds: float | None = None
-    """Replaying the records after the image."""
     replay_threads: int | None = None
-    """The threads the replay ran on (None: no CPU replay)."""
+    """None: no CPU replay."""
     hash_seconds: float | None = None
-    """Hashing the restored state, with `hash_every_step`."""
 
 
 class TrainerTimes(BaseModel):
@@ -218,11 +207,8 @@ class TrainerTimes(BaseModel):
     rank_seconds_per_step: list[float]
     collective_seconds_per_step: float | None = None
     held_out_step: int | None = None
-    """The step of the newest held-out evaluation."""
     held_out: dict[str, float] = {}
-    """Its metrics (`accuracy`; `f1` and `exact_match` for SQuAD; `loss`)."""
     standby: StandbyState = "none"
-    """The warm standby: `none`, `starting` (building its model) or `ready` (replaces a lost rank at once)."""
     ranks: int = 1
     rank_shards: list[list[int]] = []
     group_changes: int = 0
@@ -237,7 +223,7 @@ class ShadowStatus(BaseModel):
     run_id: str
     """The run."""
     incarnation: str
-    """Which shadow process answers (a new one after Ray restarts the shadow)."""
+    """Which shadow process answers (a new one after a restart)."""
     trainer_step: int
     """The trainer's next step, as it last reported it."""
     received_step: int
@@ -257,27 +243,26 @@ class ShadowStatus(BaseModel):
     durable_log_step: int | None
     """Last step whose record is durable in the step log."""
     undurable_steps: int
-    """Steps a lost node would recompute: trainer_step minus the steps durable in the log."""
+    """Steps a lost node would recompute."""
     persist_in_flight: bool
     """A snapshot write is in progress (one at a time)."""
     persist_failures: int
     """Failed writes of the log or a snapshot (each retried)."""
     persist_stopped: bool = False
-    """Persistence stopped for good (`persist_stop_reason` says why, `persist_error` in one line)."""
+    """Persistence stopped for good (`persist_stop_reason` says why)."""
     persist_stop_reason: Literal["writer_lost", "storage_lost", "storage_refused"] | None = None
-    """`writer_lost`: another writer took over the run's storage; `storage_lost`: what was durable is no longer at
-    its path (deleted, replaced, remounted); `storage_refused`: the store refuses every write (read-only, denied)."""
+    """`writer_lost`: another writer took over the run's storage; `storage_lost`: what was durable is gone from its
+    path; `storage_refused`: the store refuses every write."""
     durable_interval: int | None = None
     """D: images at multiples of this step are made durable (None without persistence)."""
     replay_error: str | None = None
-    """The replay stage's error: it stopped until a resync repairs the replica."""
+    """The replay stage stopped on it until a resync repairs the replica."""
     persist_error: str | None = None
-    """The storage's own last error (`StorageFullError ... (ENOSPC)` with the path); cleared once every part that
-    failed (the log, the snapshots) has written again."""
+    """The storage's last error, with its path; cleared once every failed part has written again."""
 
 
 class ShadowStats(BaseModel):
-    """What `zocheck-ray status`, the summary and the gauges add to the status: costs, memory, counters."""
+    """What `status`, the summary and the gauges add to the status: costs, memory, counters."""
 
     model_config = _FROZEN
 
@@ -290,7 +275,7 @@ class ShadowStats(BaseModel):
     snapshots_persisted: int
     """Snapshots committed to durable storage."""
     resync_count: int
-    """Times the replica was reset from the trainer's state (lag above `shadow.max_lag_steps`)."""
+    """Resets of the replica from the trainer's state (lag above `shadow.max_lag_steps`)."""
     rejected_records: int
     """Records refused as from the past or the future."""
     persist_failing_seconds: float
@@ -300,13 +285,13 @@ class ShadowStats(BaseModel):
     state_bytes: int = 0
     """The state's tensors, without alignment."""
     replica_bytes: int = 0
-    """The replica: one copy of the state."""
+    """One copy of the state."""
     image_bytes: int = 0
-    """The image: one copy of the state."""
+    """One copy of the state."""
     scratch_bytes: int = 0
     """The startup profile's scratch copy (none after it)."""
     held_bytes: int = 0
-    """replica + image + scratch: the shadow's state-sized memory now."""
+    """replica + image + scratch."""
     peak_held_bytes: int = 0
     """By design 2x `state_bytes` plus the scratch."""
     baseline_bytes: int | None = None
@@ -314,7 +299,7 @@ class ShadowStats(BaseModel):
     snapshots_deferred: int = 0
     """Snapshot boundaries skipped while the image was persisted."""
     recovery_snapshots: int = 0
-    """Snapshots taken for a recovering trainer (`shadow.recovery_snapshot`)."""
+    """For a recovering trainer (`shadow.recovery_snapshot`)."""
     snapshot_seconds: float | None = None
     """The last copy between the replica and an image."""
     snapshot_into_fresh_memory: bool | None = None
@@ -326,13 +311,13 @@ class ShadowStats(BaseModel):
     snapshot_error: str | None = None
     """Why the last snapshot could not be taken."""
     rank_seconds_per_step: list[float] = []
-    """Each rank's mean step time over the last segment (a gauge tagged by `rank`)."""
+    """Each rank's mean step time over the last segment."""
     collective_seconds_per_step: float | None = None
     """Data parallel: the all-gather per step, waits included."""
     held_out_step: int | None = None
     """The step of the newest held-out evaluation."""
     held_out: dict[str, float] = {}
-    """The newest held-out metrics (`accuracy`, `f1`, `exact_match`, `loss`, ...; `dev_loss`, ... with dev rows)."""
+    """Its metrics (`accuracy`, `f1`, `loss`, ...; `dev_loss`, ... with dev rows)."""
     best_dev_step: int | None = None
     """With dev rows (`task.num_dev`): the step of the lowest `dev_loss` so far, after step 0."""
     best_dev_loss: float | None = None
@@ -340,9 +325,9 @@ class ShadowStats(BaseModel):
     best_dev_snapshot: str | None = None
     """Its durable snapshot, pinned against retention (None until committed): a `from_pretrained` directory."""
     standby: StandbyState = "none"
-    """The warm standby: `none`, `starting` or `ready` (a lost rank is replaced at once)."""
+    """The warm standby: `none`, `starting` or `ready`."""
     ranks: int = 1
-    """The data-parallel ranks training now (k; an elastic group's changes over time)."""
+    """The data-parallel ranks training now."""
     rank_shards: list[list[int]] = []
     """Each rank's shards of the batch (`task.shards`)."""
     group_changes: int = 0

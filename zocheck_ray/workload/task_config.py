@@ -80,9 +80,8 @@ class TaskConfig(BaseModel):
     """Rows per forward pass of a training step, for small devices (None: all at once). The loss sums add up in
     float64, in order, so the projected gradient does not depend on it."""
     shards: int | None = Field(None, ge=1)
-    """Data parallel's shards of a step's batch, each one forward pass (or its micro-batches) whose loss sum
-    and count add up in shard order in float64: runs with any number of ranks up to `shards` give the same
-    bits. None: one shard per rank (`scaling.trainers`)."""
+    """Data parallel's shards of a step's batch, whose loss sums add up in shard order in float64, so any number
+    of ranks up to `shards` gives the same bits; None: one shard per rank."""
     eval_batch_size: int = Field(64, ge=1)
     """Rows per forward pass during evaluation (memory only)."""
     tokenizer: TokenizerChoice = "auto"
@@ -99,7 +98,7 @@ class TaskConfig(BaseModel):
     eval_generations: int = Field(3, ge=0)
     """Kind `sft`: greedy generations from the first held-out prompts, for the run's log at each evaluation."""
     max_new_tokens: int = Field(32, ge=1)
-    """Kind `sft`: tokens each of those generations adds at most (it stops earlier at EOS or the end of a turn)."""
+    """Kind `sft`: tokens each of those generations adds at most (fewer at EOS or a turn's end)."""
 
     @model_validator(mode="before")
     @classmethod
