@@ -1,19 +1,12 @@
 """The ZOCheck cost model: how many replayed steps between snapshots, and when to resync.
 
-Symbols (DESIGN.md section 5), in seconds unless a name says otherwise:
-
-    T_gpu   gpu_step_seconds       trainer step on the accelerator (forward passes + update)
-    T_rep   replay_step_seconds    shadow replay of one step record on the CPU
-    C_snap  snapshot_cost_seconds  shadow copy of its replica into a snapshot (blocks replay)
-    T_per   persist_seconds        write of one snapshot to durable storage (one in flight)
-    N       snapshot interval      replayed steps between snapshots
-    M       MTBF                   mean training time between failures (mtbf_hours * 3600)
+Symbols (DESIGN.md section 5) are those of the `Timings` fields; N is the snapshot interval, M the MTBF in
+seconds.
 
     pacing       T_rep + C_snap / N <= T_gpu   ->  N >= C_snap / (T_gpu - T_rep)   (T_rep < T_gpu)
     persistence  N * T_rep >= T_per            ->  N >= T_per / T_rep
 
-Keep-pace (T_rep < T_gpu): N* = max(1, ceil(pacing), ceil(persistence)), whatever M. Lag: the
-shadow falls behind at r(N) = 1 / T_t - 1 / (T_rep + C_snap / N) steps per second; N and the
+Keep-pace (T_rep < T_gpu): N* = max(1, ceil(pacing), ceil(persistence)), whatever M. Lag: N and the
 resync bound L are Young-Daly square roots, solved together. `waste.py` has the expected waste.
 
     >>> t = Timings(gpu_step_seconds=8.65, replay_step_seconds=6.59,
@@ -66,7 +59,7 @@ class Timings(BaseModel):
     persist_seconds: float
     """T_per: writing one snapshot to durable storage."""
     restart_seconds: float = 0.0
-    """Restarting a failed trainer (or rescheduling the placement group after a host failure)."""
+    """Restarting a failed trainer (or its placement group after a host failure)."""
     load_seconds: float | None = None
     """Copying a host-memory image into the trainer; None: snapshot_cost_seconds."""
     storage_read_seconds: float | None = None
@@ -201,8 +194,7 @@ DEFAULT_STORAGE_SHARE = 0.1
 
 
 def durable_interval(timings: Timings, n: int, storage_share: float = DEFAULT_STORAGE_SHARE) -> int:
-    """Steps between durable snapshots: the smallest multiple of N whose write takes at most `storage_share` of
-    the training time (the step log is durable in between)."""
+    """The smallest multiple of N whose write takes at most `storage_share` of the training time."""
     n = _check_interval(n)
     _check_positive(storage_share, "storage_share")
     if storage_share > 1:
@@ -287,7 +279,7 @@ def resync_interval_seconds(timings: Timings, n: int, lag_bound_steps: float) ->
 
 def optimal_lag_bound_steps(timings: Timings, n: int, failures: FailureModel) -> float | None:
     """L* = sqrt(2 * M * r(N) * C_copy / T_rec), at least 1: resync copies against the lag replayed after a
-    failure. None when the shadow keeps pace."""
+    failure; None in keep-pace."""
     check_failure_model(timings, failures)
     rate = lag_growth_steps_per_second(timings, n)
     if rate == 0:
@@ -325,8 +317,7 @@ def expected_replay_distance(n: int, delay_steps: float = 1.0) -> float:
 
 
 def keep_pace_recovery_seconds(timings: Timings, n: int, failure_kind: FailureKind = "software") -> float:
-    """Expected recovery after a keep-pace failure (software: restart, load, replay on the trainer; host:
-    restart, storage read, replay on the CPU, load)."""
+    """Expected recovery after a keep-pace failure."""
     distance = expected_replay_distance(n, availability_delay_steps(timings, failure_kind))
     if failure_kind == "software":
         return timings.restart_seconds + timings.load + distance * timings.recovery_replay_step

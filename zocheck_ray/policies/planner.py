@@ -91,10 +91,8 @@ def plan(
     replay_threads: int | None = None,
     storage_share: float = DEFAULT_STORAGE_SHARE,
 ) -> Plan:
-    """Bounds, regime, N, resync bound and expected waste for every strategy.
-
-    Without a failure model a keep-pace plan is complete (N* does not depend on the MTBF); a lag
-    plan snapshots at the persistence bound and leaves the resync bound to the caller."""
+    """Bounds, regime, N, resync bound and expected waste for every strategy; without a failure model a lag plan
+    snapshots at the persistence bound and leaves the resync bound to the caller."""
     if lag_bound_steps is not None:
         _check_positive(lag_bound_steps, "lag_bound_steps")
     if checkpoint_interval_steps is not None:

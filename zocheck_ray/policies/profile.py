@@ -1,15 +1,9 @@
 """The startup profile: measure the cost model's inputs in the first training steps, set N.
 
-Ray-free: the controller passes callables wrapping remote calls, tests plain functions.
-
-    trainer_step(i)           run training step i; the trainer publishes its record
-    replay_step(i, threads)   the shadow replays record i with `threads` threads
-    snapshot_copy()           the shadow copies its replica into a snapshot
-    persist()                 the newest snapshot is written to durable storage
-
-Each is timed with `clock` unless it returns its own seconds (a CUDA-synchronised time taken in
-the actor). Warm-up steps are not timed; each thread count gets an untimed replay, then timed ones,
-and the fastest median wins.
+Ray-free: the controller passes callables wrapping remote calls (`trainer_step(i)`,
+`replay_step(i, threads)`, `snapshot_copy()`, `persist()`), tests plain functions. Each is timed
+with `clock` unless it returns its own seconds (CUDA-synchronised in the actor); the thread count
+with the fastest median wins.
 
     >>> import time
     >>> report = profile_startup(
@@ -180,8 +174,7 @@ def profile_startup(
     clock: Callable[[], float] = time.perf_counter,
 ) -> ProfileReport:
     """Measure what is not `known`, pick the fastest thread count, and plan N (and the resync bound, given
-    `failures`). Raises `PolicyInputError` naming a missing or misbehaving callable, or a setting that does
-    not fit in `max_training_steps`."""
+    `failures`). Raises `PolicyInputError` naming the callable or setting at fault."""
     known = known or KnownTimings()
     settings = settings or ProfileSettings()
     if (known.replay_step_seconds is None) != (known.replay_threads is None):

@@ -1,7 +1,7 @@
 """Monte-Carlo estimate of wasted time under exponentially distributed failures.
 
-Each trial samples one failure window and runs the strategy's mechanics on it, so that the closed
-forms of `waste.py` are checked against sampling rather than trusted.
+Each trial runs the strategy's mechanics on one sampled failure window, so the closed forms of
+`waste.py` are checked, not trusted.
 
     >>> from zocheck_ray.policies import Timings, FailureModel, configure, simulate_waste
     >>> t = Timings(gpu_step_seconds=8.65, replay_step_seconds=6.59,
