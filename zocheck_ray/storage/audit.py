@@ -5,11 +5,9 @@
 
 Retention collects the log below the oldest kept snapshot, and a recovery from storage leaves a gap
 in it; so the audit replays from the oldest snapshot whose log suffix is complete, comparing the
-state hash with every later snapshot, every expected step and the final state. The range reported
-follows bit for bit from that snapshot and the records. Each manifest also names the steps its writer
-saw durable in the log as it committed (`log_first_step..log_last_step`): where the log no longer
-holds them (deleted, cut short), the audit fails and names the steps it cannot prove, even where a
-newer snapshot alone would prove its own step. Only durable storage is read.
+state hash with every later snapshot, every expected step and the final state. Each manifest names
+the steps its writer saw durable in the log (`log_first_step..log_last_step`): where the log no
+longer holds them, the audit fails and names the steps it cannot prove.
 """
 
 from __future__ import annotations

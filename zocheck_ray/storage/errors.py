@@ -12,8 +12,7 @@ class StorageError(ZOCheckError, OSError):
 
 
 class StorageFullError(StorageError):
-    """No space left for a write (`ENOSPC`, or a quota's `EDQUOT`, in `errno`); freeing space lets the next attempt
-    through."""
+    """No space left for a write (`ENOSPC` or `EDQUOT` in `errno`); freeing space lets the next attempt through."""
 
     def __init__(self, message: str, errno: int | None = None):
         super().__init__(message)
@@ -24,8 +23,8 @@ class StorageFullError(StorageError):
 
 
 class StorageRefusedError(StorageError):
-    """The store refuses a write for a reason that waiting does not mend: read-only, permission denied, an immutable
-    directory (`errno` is `EROFS`, `EACCES` or `EPERM` where the store gave one). Someone must change the store."""
+    """The store refuses a write for a reason that waiting does not mend (`EROFS`, `EACCES` or `EPERM` in `errno`);
+    someone must change the store."""
 
     def __init__(self, message: str, errno: int | None = None):
         super().__init__(message)
@@ -36,9 +35,8 @@ class StorageRefusedError(StorageError):
 
 
 class StorageLostError(StorageError):
-    """What the writer made durable is no longer where it wrote it: a file or directory deleted, replaced or
-    remounted under the run, an object or its bucket deleted. `url` names the first thing found lost; retrying
-    cannot bring it back, and writing on would report durable what a recovery could not read."""
+    """What the writer made durable is no longer where it wrote it; `url` names the first thing found lost. Writing
+    on would report durable what a recovery could not read."""
 
     def __init__(self, message: str, url: str | None = None):
         super().__init__(message)
@@ -76,10 +74,8 @@ class SnapshotNotFoundError(StorageError, LookupError):
 
 
 class CorruptLogError(CorruptRecordError):
-    """A log segment holds a damaged record before its end, or is missing from the middle.
-
-    `url` names the segment; `records` are the contiguous records before the damage, which a recovery
-    can still use; `step` and `offset` say where the damage starts, where the parser knows."""
+    """A log segment holds a damaged record before its end, or is missing from the middle; `records` are the
+    usable ones before the damage, `step` and `offset` where it starts, where known."""
 
     def __init__(self, message: str, url: str | None = None, records: Sequence = (), step: int | None = None,
                  offset: int | None = None):

@@ -7,9 +7,8 @@ Local paths, `s3://` and `memory://` (tests) map to one `Storage`. Opening one t
 bad URL or credential fails before training starts. A local file is written, fsync'd and renamed;
 an object appears whole or not at all.
 
-A write that returned is not yet durable to a caller that reports it so: `Written` is what the writer
-knows of it (size, and locally the inode written), and `observe` what is at its path now; they must
-agree (`Written.changed`), or the storage changed under the writer (`StorageLostError`).
+A write counts as durable only while `Written`, what the writer knows of it, agrees with `observe`,
+what is at its path now; otherwise the storage changed under the writer (`StorageLostError`).
 """
 
 from __future__ import annotations
@@ -63,12 +62,9 @@ _WRITES = frozenset({"write", "append to", "create", "rename", "repair", "sync"}
 
 @dataclass(frozen=True)
 class Written:
-    """What a writer knows of a file or directory it made, to confirm later that its path still holds it.
-
-    `identity` locally is `(st_dev, st_ino)`: the inode written, so a path that names another inode (its
-    directory deleted and made again, replaced, or a file system mounted over it) no longer holds what was
-    written, whatever its size. On an object store it is the ETag seen once the upload completed (the upload's
-    bytes were checked by the store against the checksum the client sent)."""
+    """What a writer knows of a file or directory it made, to confirm later that its path still holds it:
+    `identity` is locally `(st_dev, st_ino)`, so a path naming another inode no longer holds what was written;
+    on an object store, the ETag seen once the upload completed."""
 
     rel: str
     size: int | None

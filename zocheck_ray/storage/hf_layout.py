@@ -4,7 +4,7 @@
     index = model_index(layout)        # model.safetensors.index.json when the model is sharded
 
 The shards are the canonical encoding `core.hashing` hashes, so a snapshot's state hash follows
-from its files, and `from_pretrained` loads the directory. Snapshots and `recover --to DIR` write it.
+from its files, and `from_pretrained` loads the directory.
 """
 
 from __future__ import annotations

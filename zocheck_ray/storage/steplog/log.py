@@ -9,9 +9,9 @@ Segments under `<url>/log/` (`segments.py`) are sealed by record count or age. R
 torn tail only where one can happen, at the end of a local open segment; anything else is
 corruption, reported with the segment's URL.
 
-`durable_step` moves only once the segment written is seen at its path as written, and `confirm`
-checks every segment the log vouches for: a log deleted, replaced or remounted under the writer
-raises `StorageLostError` naming the path and the steps lost, and is never reported durable.
+`durable_step` moves only once the segment is seen at its path as written, and `confirm` rechecks
+every segment the log vouches for, so a log lost under the writer raises `StorageLostError` and is
+never reported durable.
 """
 
 from __future__ import annotations
@@ -94,9 +94,8 @@ def _extend(out: list[StepRecord], records: list[StepRecord], after_step: int, u
 class StepLog:
     """Append-only, segmented, CRC'd log of `StepRecord`s under `<url>/log/`; one writer, not thread-safe.
 
-    Opening repairs a local open segment a crash left and continues after the last durable step, or
-    from `resume_step`, dropping the records from there on (a deterministic trainer regenerates them)
-    and any damaged tail, under the held `lease`. `auto_seal=False` keeps every write out of `append`,
+    Opening repairs a torn local segment and continues after the last durable step, or from `resume_step`
+    (a deterministic trainer regenerates what it drops). `auto_seal=False` keeps every write out of `append`,
     so a slow store never blocks the appending thread."""
 
     def __init__(self, url: str, storage_options: dict | None = None, *, seal_records: int = 4096,

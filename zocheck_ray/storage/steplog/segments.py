@@ -3,9 +3,8 @@
 A segment is the 8-byte magic `ZOLOG\\0\\0\\1` followed by `StepRecord` encodings, named by its first
 step. Local disk appends to `seg-N.open` (fsync'd at every flush, renamed to `seg-N.zlog` when
 sealed; a crash can tear its tail, which `repair` cuts); an object store has no append, so there a
-segment is uploaded whole when sealed and never torn. Each write returns the segment's `Written`
-once its path is seen to hold it: locally the inode appended to, at the size written, so records
-appended to a file no path names any more (its directory deleted or replaced) never count as durable.
+segment is uploaded whole when sealed. Each write returns the segment's `Written` once its path is
+seen to hold it, so records appended to a file no path names any more never count as durable.
 """
 
 from __future__ import annotations
