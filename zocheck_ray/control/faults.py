@@ -4,11 +4,8 @@
     run(job, faults=FaultPlan(schedule=((20, "software"), (40, "host"))))
     run(job, faults=FaultPlan(fraction=0.6))       # the embedded default's: once, at 60% of the run
 
-`check` refuses a plan that cannot fire, before anything runs; the start-up check places it
-(`place`) after the run's resume point and startup profile; `FaultInjector` deals it. A software
-failure is the trainer process's own exit before the step (`runtime/injection.py`); host and
-shadow failures are dealt at the end of a segment cut at the step, through the process handles
-the run's placement gives the injector.
+`check` refuses a plan that cannot fire, before anything runs; `place` puts it after the run's
+resume point and startup profile; `FaultInjector` deals it.
 """
 
 from __future__ import annotations
@@ -46,8 +43,7 @@ class FaultPlan:
     rank: int = 0
     """With `scaling.trainers > 1`: the rank whose process exits (software failures only)."""
     fraction: float | None = None
-    """Instead of `steps`: one failure at this fraction of the run's steps, after its resume point and startup
-    profile (none where no step is left)."""
+    """Instead of `steps`: one failure at this fraction of the run's steps (none where no step is left)."""
     schedule: tuple[tuple[int, FailMode], ...] = ()
     """Failures of their own modes, beside `steps`: (step, mode) pairs."""
     injection: FaultInjection = NO_FAULTS
@@ -82,7 +78,7 @@ class FaultPlan:
                                  f"{profile_steps(job)} steps); fail later or set shadow.snapshot_interval")
 
     def place(self, job: JobConfig, resume_step: int | None, say: Callable[[str], None]) -> PlacedFaults:
-        """The steps this plan fails at in a run of `job` that starts at `resume_step` (None: a fresh run), said."""
+        """The steps this plan fails at in a run of `job` resuming at `resume_step` (None: fresh)."""
         self.check(job)
         failures = self.failures()
         start = resume_step or 0
@@ -137,8 +133,7 @@ class Processes(Protocol):
 
 class FaultInjector(RunCallback):
     """Deals a placed plan: software failures die by themselves (`FaultInjection.die_at`); host and shadow
-    failures are dealt at the end of a segment cut at the step. Names the failures it caused when the controller
-    sees them."""
+    failures at the end of a segment cut at the step, through the placement's process handles."""
 
     def __init__(self, placed: PlacedFaults, processes: Processes, say: Callable[[str], None]):
         self.pending, self.plan = list(placed.failures), placed.plan

@@ -1,11 +1,9 @@
 """A run's identity: what a resume must share with the run it resumes, checked before Ray starts.
 
-`identity.json` beside the run's snapshots holds the settings that decide what a step computes: the model and
-its weights, the dtype, the task's batches and loss, the data's fingerprint, the optimizer's kind and structure,
-the adapter, the base's quantization, the shards and the run seed. Until the run commits a snapshot it is written
-afresh at each start; after that a start whose job differs in any of them is refused, naming the field and both
+`identity.json` beside the run's snapshots holds the settings that decide what a step computes (`RunIdentity`).
+Once the run commits a snapshot, a start whose job differs in any of them is refused, naming the field and both
 values. The step records carry lr, eps and weight decay, so a change of those is allowed, as `transformers.Trainer`
-allows it on resume: it is said at the start and recorded with the step it took effect.
+allows it on resume, and recorded with the step it took effect.
 """
 
 from __future__ import annotations
@@ -117,9 +115,8 @@ class Recording:
 
 
 def check_identity(job: JobConfig, task, resume_step: int | None, say: Callable[[str], None]) -> Recording:
-    """Refuse a resume whose job differs from its run's identity (`JobConfigError` naming the field and both
-    values); say a changed hyperparameter. Returns what to record: the identity of a run that trained nothing yet
-    (rewritten at each start), or the recorded one with the change."""
+    """Refuse a resume whose job differs from its run's identity (`JobConfigError`); say a changed hyperparameter.
+    Returns what to record."""
     storage = open_storage(job.run_url, job.storage_options, create=True)
     mine = identity_of(job, task)
     recorded = _read(storage) if resume_step else None  # a run at step 0 trained nothing: its start may differ

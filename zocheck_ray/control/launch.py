@@ -23,16 +23,12 @@ def run(job: JobConfig, progress: Callable[[str], None] | None = print, callback
         on_segment: Callable[[TrainerProgress, ShadowMetrics], None] | None = None,
         placement_group: PlacementGroup | None = None, first_bundle: int = 0, faults: FaultPlan | None = None,
         address: str | None = None, workload: Workload | None = None) -> RunSummary:
-    """Run `job` to completion on the Ray cluster of `address` (see `connect_ray`: by default the connected one, a
-    `ray start` cluster on this machine, else a local instance started for the run).
+    """Run `job` to completion on the Ray cluster of `address` (see `connect_ray`), resuming exactly a run whose
+    storage holds a snapshot of `job.run_id`.
 
-    A run whose storage holds a snapshot of `job.run_id` resumes from it, exactly.
-    `placement_group`: a reserved group (a Tune trial's) whose bundles from `first_bundle` on
-    the actors use. `faults`: failures the run deals itself on purpose (`FaultPlan`); `workload`: rows and
-    functions handed over in Python (`ZOTrainer`'s).
-    `on_segment(progress, metrics)` is called after each segment; `callbacks` see every event.
-    Raises `JobConfigError` before any actor starts, `RunFailedError`, or `RunStopped` after a
-    stop signal. However it ends, no actor of the run is left.
+    `placement_group`: a reserved group (a Tune trial's) whose bundles from `first_bundle` on the actors use;
+    `workload`: rows and functions handed over in Python. Raises `JobConfigError` before any actor starts,
+    `RunFailedError`, or `RunStopped` after a stop signal; however it ends, no actor of the run is left.
     """
     job = with_absolute_paths(job)
     say = progress or (lambda line: None)

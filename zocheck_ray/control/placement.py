@@ -1,7 +1,7 @@
 """Where a run's actors go, how they start and how they end.
 
-A run's claim on a cluster is its shadow's name, which Ray refuses to a second creation at once (a check before
-it, two jobs started together both pass): the shadow comes first, and each job's placement groups are its own.
+A run's claim on a cluster is its shadow's name, which Ray refuses to a second creation (a check before it lets
+two jobs started together both pass), so the shadow comes first.
 """
 
 from __future__ import annotations
@@ -100,11 +100,9 @@ def job_bundles(job: JobConfig, gpus: int) -> list[dict]:
 
 def rank_placements(job: JobConfig, gpus: int, pg: PlacementGroup | None, first_bundle: int,
                     prefix: str) -> tuple[list[PlacementGroup], list[tuple[PlacementGroup, int]]]:
-    """(the groups created here, (group, bundle) of the shadow then of each rank).
-
-    `pack`: one STRICT_PACK group. `spread`: rank 0 and the shadow STRICT_PACK, the other ranks
-    SPREAD (`scales_up`: rank 0's only). A given `pg` (a Tune trial's) holds them all from `first_bundle` on.
-    `prefix`: the groups' names."""
+    """(the groups created here, (group, bundle) of the shadow then of each rank): `pack` one STRICT_PACK group,
+    `spread` rank 0 and the shadow STRICT_PACK, the other ranks SPREAD. A given `pg` (a Tune trial's) holds them
+    all from `first_bundle` on."""
     if pg is not None:
         return [], [(pg, first_bundle + 1), (pg, first_bundle)] + [(pg, first_bundle + 1 + r)
                                                                   for r in range(1, job.scaling.trainers)]
@@ -144,8 +142,7 @@ class Placement:
         self.hooks = startup.faults.hooks if startup.faults is not None else None
         self._identity = startup.identity
         self._inputs = hold_inputs(job.run_id, startup.task, startup.model_init) if startup.handed_over else None
-        """The rows and functions handed over (`InputsActor`'s name and handle), for every trainer; None: the
-        trainers build the job's task from its files."""
+        """The rows and functions handed over (`InputsActor`'s name and handle); None: the job's files."""
         # this job's own group names: Ray prints its refusal of a taken one as an error, so they are not the claim
         self._prefix = f"{group_name(job.run_id)}-{uuid.uuid4().hex[:8]}"
         self.groups, places = rank_placements(job, self.gpus, pg, first_bundle, self._prefix)
@@ -165,8 +162,7 @@ class Placement:
 
     def start(self) -> tuple[ShadowClient, TrainerGroup]:
         """Claim the run with its shadow, then start the trainers beside it once there is room; returns the shadow's
-        client and the group once all have started. Raises `running_here`, `ActorStartError`, or a constructor's
-        error of the run's own, with nothing left."""
+        client and the group. Raises `running_here`, `ActorStartError` or the run's own error, leaving nothing."""
         shadow = self._claim()
         trainers, placed = [], []
         try:
@@ -236,8 +232,8 @@ class Placement:
                 raise self._start_error(name, exc) from None
 
     def _wait_for_room(self) -> list[int]:
-        """Wait until the cluster has placed what a start needs: every rank, or with `scales_up` rank 0 with the
-        shadow, then `min` - 1 others, each in a group of its own; returns the rank slots placed."""
+        """Wait until the cluster has placed every rank, or with `scales_up` rank 0 and `min` - 1 others; returns the
+        rank slots placed."""
         scaling = self.job.scaling
         groups = self.groups or [self._given]
         ready = {group.id: group.ready() for group in groups}

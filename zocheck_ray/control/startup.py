@@ -44,16 +44,14 @@ class Startup:
     model_init: object = None
     """The job's model as a function every trainer calls (`workload.model_init.ModelInit`), or None."""
     handed_over: bool = False
-    """Whether the task holds rows or functions handed over in Python (`ZOTrainer`'s), which the trainers take
-    from the driver; else each builds the job's task from its files."""
+    """Whether the task holds rows or functions handed over in Python, which the trainers take from the driver."""
 
 
 def check_run(job: JobConfig, say: Callable[[str], None] | None, placement_group: PlacementGroup | None = None,
               first_bundle: int = 0, faults: FaultPlan | None = None, address: str | None = None,
               workload: Workload | None = None) -> Startup:
-    """Build `job`'s task (from `workload`'s rows and functions where given), check its storage and place `faults`
-    (before Ray starts), then connect to the cluster of `address` (see `connect_ray`) and check that the run is its
-    storage's only writer and fits the cluster. Raises `JobConfigError` naming what cannot work."""
+    """Build `job`'s task, check its storage and place `faults` before Ray starts, then connect and check that the
+    run is its storage's only writer and fits the cluster. Raises `JobConfigError` naming what cannot work."""
     task = build_task_once(job, workload)
     try:
         check_writable(job.run_url, job.storage_options)  # its root and every directory of it a run writes in
@@ -94,9 +92,8 @@ def _devices(job: JobConfig, placement_group: PlacementGroup | None, first_bundl
 
 
 def build_task_once(job: JobConfig, workload: Workload | None = None):
-    """`job`'s task for `job.model` (`workload`: on rows and functions handed over), every row read and the model's
-    fit checked (the adapter's too), without building the model; `JobConfigError` naming the field, file and line
-    or row."""
+    """`job`'s task, every row read and the model's fit checked, without building the model; `JobConfigError`
+    names the field, file and line."""
     from zocheck_ray.workload.builder import build_task
 
     check_peft(job)
@@ -107,8 +104,8 @@ def build_task_once(job: JobConfig, workload: Workload | None = None):
 
 
 def check_peft(job: JobConfig) -> None:
-    """Refuse an adapter the model cannot take (a LoRA target module it lacks), or a quantized base that cannot
-    load, run or give the same bits twice, before any actor starts."""
+    """Refuse an adapter the model cannot take, or a quantized base that cannot load, run or give the same bits
+    twice."""
     if job.peft is None:
         return
     from zocheck_ray.workload.adapters import check_adapter
@@ -132,8 +129,8 @@ def check_peft(job: JobConfig) -> None:
 
 
 def check_quantization(job: JobConfig) -> None:
-    """The quantized base's start-up check (`workload.quantized.probe`), here on the trainers' kind of device
-    where this process has it; else its backend's installation only."""
+    """The quantized base's probe on the trainers' kind of device where this process has it; else its backend's
+    installation only."""
     if job.quantization is None:
         return
     import torch
@@ -149,8 +146,8 @@ def check_quantization(job: JobConfig) -> None:
 
 
 def resume_step(job: JobConfig) -> int | None:
-    """The step a run of `job` resumes at from its storage (newest sound-manifest snapshot plus the logged records
-    after it), or None for a fresh run; read before Ray starts, so a planned failure lies after it."""
+    """The step a run of `job` resumes at from its storage, or None for a fresh run, so a planned failure lies
+    after it."""
     from zocheck_ray.storage.steplog import read_records
 
     try:
@@ -168,8 +165,7 @@ STORAGE_MARGIN_BYTES = 1 << 20
 
 
 def snapshot_bytes(job: JobConfig) -> int | None:
-    """The bytes of one snapshot of `job`'s trained state (moments included), counted on a model built on the meta
-    device; None where that cannot be counted cheaply."""
+    """The bytes of one snapshot of `job`'s trained state, counted on the meta device; None where not cheap."""
     from zocheck_ray.core import ZOOptimizer
     from zocheck_ray.workload.models import build_model, trainable_parameters
     from zocheck_ray.workload.names import MODEL_INIT_PREFIX, model_directory
@@ -187,8 +183,8 @@ def snapshot_bytes(job: JobConfig) -> int | None:
 
 
 def check_storage_room(job: JobConfig) -> None:
-    """Refuse local storage without room for the snapshots a run writes side by side (a fresh run: two; a resumed
-    one: one beside those it has), so a full disk fails here, not in a shadow's retries."""
+    """Refuse local storage without room for the snapshots a run writes side by side, so a full disk fails here,
+    not in a shadow's retries."""
     scheme, root = parse_url(job.run_url)
     if scheme != "file" or (size := snapshot_bytes(job)) is None:
         return
@@ -204,8 +200,8 @@ def check_storage_room(job: JobConfig) -> None:
 
 
 def check_snapshots_whole(job: JobConfig) -> None:
-    """Refuse storage whose every committed snapshot lacks a file or has one of another size than its manifest's.
-    Sizes only, so it is cheap: damage inside a file is found by its SHA-256 when the shadow reads it."""
+    """Refuse storage whose every committed snapshot lacks a file or has one of the wrong size; sizes only, since
+    the shadow checks each file's SHA-256 as it reads it."""
     if SNAPSHOTS_DIR not in open_storage(job.run_url, job.storage_options, create=False).list_dir(""):
         return
     damaged = []
@@ -233,8 +229,8 @@ def _size_problem(store: SnapshotStore, info) -> str | None:
 
 
 def check_not_running_here(job: JobConfig, held: LeaseHeldError | None = None) -> None:
-    """Refuse a job whose run id a job on this cluster already uses, naming that job by its shadow (the run's claim,
-    `Placement.start`, which refuses a job started with it). `held`: the run's lease, held by that shadow."""
+    """Refuse a job whose run id a job on this cluster already uses, naming it by its shadow; `held`: the run's
+    lease, held by that shadow."""
     name = shadow_name(job.run_id)
     try:
         ray.get_actor(name, namespace=NAMESPACE)
