@@ -1,12 +1,9 @@
 """Which Ray cluster a run uses, and how a later `zocheck-ray status` finds it.
 
 `connect_ray` joins the cluster it is told of or starts a local instance, and says which in
-one line. Only what Ray documents is used: `ray.init`'s address rules and errors, the token
-variables, and that a cluster with token authentication refuses any request without its token.
-Ray reads RAY_AUTH_MODE when it is imported, so this module imports Ray only in `connect_ray`.
-
-The mode must be the cluster's (in token mode this process refuses the cluster's calls without a token,
-and the GCS ends its actors before they run), so it is asked of the cluster (`cluster_wants_token`).
+one line, using only what Ray documents. Ray reads RAY_AUTH_MODE when it is imported, so this
+module imports Ray only in `connect_ray`; the token mode must be the cluster's, so it is asked
+of the cluster (`cluster_wants_token`).
 """
 
 from __future__ import annotations
@@ -86,7 +83,7 @@ def _auth_token() -> tuple[str | None, str]:
 
 def _gcs_refuses(address: str, token: str | None = None, timeout: float = 5.0) -> bool | None:
     """Whether the GCS at `address` refuses `GCS_FIRST_REQUEST` with `token` (or none) as unauthenticated; None:
-    no answer that says. Raw bytes through grpc (Ray's dependency), no Ray module."""
+    no answer that says. Raw grpc, no Ray module."""
     import grpc
 
     with grpc.insecure_channel(address) as channel:
@@ -109,8 +106,8 @@ def cluster_wants_token(address: str) -> bool | None:
 
 
 def use_token_at_hand(address: str | None) -> None:
-    """With RAY_AUTH_MODE unset and a token at hand, set it to the cluster's mode: `token` (Ray presents a token
-    only then), else `disabled` (Ray would turn token mode on for a cluster it finds). Call before `import ray`."""
+    """With RAY_AUTH_MODE unset and a token at hand, set it to the cluster's mode (`token` or `disabled`), since Ray
+    would guess; call before `import ray`."""
     try:
         joined, _ = cluster_to_join(address)
     except RayConnectionError:
@@ -141,9 +138,8 @@ def _check_token(address: str) -> None:
 
 
 def _check_mode(address: str, found: bool) -> None:
-    """Refuse at once a token mode that is not the cluster's, saying what to set (Ray would retry for about 20 s,
-    or lose every actor). `found`: the `ray start` cluster, for which Ray's `init` turns token mode on where it is
-    unset and a token is at hand; where that cluster wants none, `disabled` keeps it off (read at `init` too)."""
+    """Refuse at once a token mode that is not the cluster's, saying what to set (Ray would retry, or lose every
+    actor); `found`: the `ray start` cluster."""
     wants, mode = cluster_wants_token(address), os.environ.get("RAY_AUTH_MODE")
     token = _auth_token()[0]
     ray_turns_it_on = found and mode is None and token is not None

@@ -1,10 +1,8 @@
 """`InputsActor`: what a run's trainers take from the driver besides the job (rows and functions handed over in
 Python: the task the start-up check built, a `model_init`), kept in Ray's object store for the run.
 
-Each trainer process, Ray's restarts too, finds the holder by name and takes the objects. The trainers are not given
-the objects' references as constructor arguments: Ray cannot promise an actor it may restart the references it was
-created with (ray-project/ray#53727), and says so in an error line for every such actor. The holder is never
-restarted, and lives on the driver's node, with the driver that owns the objects.
+Each trainer process, restarted ones too, finds the holder by name, since Ray cannot promise a restartable actor the
+references it was created with (ray-project/ray#53727). The holder is never restarted and lives on the driver's node.
 """
 
 from __future__ import annotations
