@@ -397,9 +397,8 @@ class Controller:
             raise _ShadowGone(Failure("shadow_gone", self.step, str(exc))) from exc
 
     def _stop_actors(self, graceful: bool = True) -> bool:
-        """End every process of the run, the shadow first sealing its log and releasing the lease
-        (`graceful`). A lease it could not release is released here once it is dead, so a rerun takes it
-        at once. Returns whether the lease was released."""
+        """End every process of the run, the shadow first sealing its log and releasing the lease (`graceful`),
+        else released here once it is dead, so a rerun takes it at once; returns whether it was released."""
         released = False
         try:
             if graceful:

@@ -1,8 +1,7 @@
 """`ElasticGroup` (`scaling.trainers: {min, max}`): the survivors of a lost rank take its shards mid-step.
 
-The first survivor to report a peer gone (`PeerLost`) is acted on: Ray reports the dead rank's own call
-only after asking for the death's details. The named rank is killed first, so nothing of it runs twice.
-A rank the cluster had no room for at the start joins as one Ray restarted does, once placed.
+The first survivor to report a peer gone (`PeerLost`) is acted on, since Ray reports the dead rank's own
+call late; the named rank is killed first, so nothing of it runs twice.
 """
 
 from __future__ import annotations
@@ -133,8 +132,8 @@ class ElasticGroup(TrainerGroup):
             self.ranks[r].offer_plan.remote(r, plan)
 
     def _shrink(self, lost: list[int], pending: dict, results: dict) -> tuple[dict, dict]:
-        """Go on without the `lost` ranks (their shards dealt round); returns `pending` and `results` by new
-        rank. A survivor joins in its exchange, or at `reform` if its segment had ended."""
+        """Go on without the `lost` ranks, their shards dealt round; returns `pending` and `results` by new
+        rank."""
         survivors = [r for r in range(self.k) if r not in lost]
         self.generation += 1
         held = deal(self.held, lost)
@@ -175,8 +174,8 @@ class ElasticGroup(TrainerGroup):
     # ------------------------------------------------------------------ a join
 
     def grow(self, step: int) -> GroupChange | Failure | None:
-        """At a step boundary: a process Ray restarted for a lost rank, or one started where the cluster found
-        room, restores to `step` from the shadow and joins. Returns the change, a `Failure`, or None."""
+        """At a step boundary, a restarted or newly placed process restores to `step` from the shadow and joins;
+        returns the change, a `Failure`, or None."""
         self._place()
         if self.k >= self.job.scaling.trainers:
             return None

@@ -10,10 +10,8 @@ from zocheck_ray.storage.fs import parse_url
 
 
 def storage_recovery_bound_steps(lag_bound_steps: int, durable_interval: int) -> int:
-    """The most steps a recovery from storage replays in a run whose storage takes its writes, as the cost model
-    plans it: the shadow's lag (at most the resync bound L), the steps since its newest durable snapshot (at most
-    one durable interval D), and the D that pass while the next durable snapshot is written (the cost model gives
-    that write at most `durability.storage_share` of an interval's time)."""
+    """The most steps a recovery from storage replays, as the cost model plans it: the lag bound L plus two durable
+    intervals D (the steps since the newest durable snapshot, and those while the next is written)."""
     return lag_bound_steps + 2 * durable_interval
 
 
