@@ -2,8 +2,7 @@
 
 Records travel trainer -> shadow in batches from one publishing thread, so Ray keeps them
 in order; each reply says what the shadow holds, so the trainer re-sends what a restarted
-shadow lacks. Images stay in the memory (`host/image.py`): a trainer on its node opens the
-image's memfd where the host allows it; otherwise it gets the same windows through Ray.
+shadow lacks. Images stay in the shadow's memory (`host/image.py`).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class ActorStatus:
 
 class ActorStates:
     """The connected cluster's state API through one reused `StateApiClient`, since making one resolves
-    the dashboard through the GCS. Actors are found by name once, then by id, which is cheaper."""
+    the dashboard through the GCS."""
 
     def __init__(self, client):
         self._client = client
@@ -122,8 +122,7 @@ _connected: tuple[str, float, ActorStates | None, bool] | None = None
 
 def actor_states() -> ActorStates | None:
     """The connected cluster's `ActorStates`, made once per cluster; None without one. A state API that failed
-    slowly is not asked again: where the head's dashboard did not start (its port taken), Ray's
-    `StateApiClient` looks for its address in the GCS for 40 s."""
+    slowly is not asked again, since Ray's client waits long for a dashboard that did not start."""
     global _connected
     import ray
 

@@ -38,8 +38,8 @@ def size_numba_pool() -> None:
 
 
 def _input_error() -> type:
-    """The error of the run's input (the user's data, function or model): a restart meets it again, so a restarted
-    process keeps it for its first call too, which the controller ends the run on in one line."""
+    """The error of the run's input (data, function or model), kept for a restarted process's first call, since a
+    restart meets it again."""
     from zocheck_ray.workload.errors import WorkloadError
 
     return WorkloadError
@@ -65,10 +65,9 @@ FOLLOW_WAIT_SECONDS = 2.0
 
 @ray.remote(concurrency_groups={"standby": 1, "regroup": 1, "report": 1})
 class TrainerActor:
-    """One `Trainer`, a rank or the standby. Methods run in order on one thread; `follow` on its own, so a
-    promotion (`rejoin`) waits only for the copy in progress (`_state`); `open_group` and `offer_plan` on
-    their own, as an elastic rank takes its new group while its `run` waits in an exchange; `peer_lost` on
-    its own too, as it waits for a failed exchange."""
+    """One `Trainer`, a rank or the standby. Methods run in order on one thread; `follow`, `open_group`,
+    `offer_plan` and `peer_lost` each on its own, so a promotion or a new group need not wait for a blocked
+    `run`."""
 
     def __init__(self, job: dict, hooks=None, rank: int = 0, standby: bool = False, inputs: str | None = None):
         """`inputs`: the name of the run's `InputsActor` (rows and functions handed over), whose task the trainer
@@ -200,7 +199,7 @@ class TrainerActor:
     @ray.method(concurrency_group="standby")
     def follow(self) -> None:
         """The CPU standby: copy in each new image of the shadow's until `rejoin`, so a promotion replays only
-        the records after the newest. Ends at once where nothing is held (unbuilt, GPU, a rank)."""
+        the records after the newest; ends at once where nothing is held."""
         trainer, offered = self._trainer, None
         while trainer is not None:
             with self._state:
