@@ -3,9 +3,8 @@
 The parameters are cut into cache-sized chunks and every step of a batch is applied to a chunk
 before the next; the steps are element-wise and z depends only on (seed, offset), so neither the
 order, the chunking nor the threads change a bit. `update.py`'s operations run in the same order
-and rounding, compiled without fastmath and with numpy's error model (IEEE division): that is what
-makes the bits match torch. The kernel and all it inlines stay in this module, because numba's
-disk cache notices only changes to the cached function's own file.
+and rounding, compiled without fastmath and with numpy's error model, so the bits match torch. The
+kernel and all it inlines stay in this module: numba's disk cache notices only its own file's changes.
 """
 
 from __future__ import annotations
@@ -568,7 +567,7 @@ def _work(param_ptrs, m_ptrs, v_ptrs, offsets, decays, plan, opt, gaussian, step
           grads, lrs, bc1s, bc2s, thresholds, consts, longest, storage_dtype, itemsize, load, store, rnd, rnd_full,
           chunk_fn, scratch):
     """One worker: it claims chunks one at a time from a shared counter, so a worker on a busy core takes
-    fewer chunks instead of holding the rest up. `chunk_fn` is `_chunk_in_place` or `_chunk_staged`."""
+    fewer chunks instead of holding the rest up."""
     chunk_tensor, chunk_start, chunk_len, claims = plan
     q, moves, n_moves = steps
     chunks = chunk_tensor.shape[0]
@@ -755,8 +754,7 @@ def _chunk_plan(tensors: tuple[tuple[int, int], ...], chunk: int) -> tuple[np.nd
 
 
 def warm_up(dtype: torch.dtype, config: ZOConfig, steps: int = 1) -> None:
-    """Load (or compile) the kernels a trainer and a replay use for `dtype` and `config`, the replay's first
-    (so that a generator compiled meanwhile by `compile_kernels` is found cached)."""
+    """Load (or compile) the kernels a trainer and a replay use for `dtype` and `config`, the replay's first."""
     name = "warm_up.weight"
     state = {name: torch.zeros(4, dtype=dtype)}
     for prefix in moment_prefixes(config.optimizer):
@@ -828,8 +826,8 @@ def compute_threads() -> int:
 
 def replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
            threads: int | None = None, *, start_step: int) -> dict[str, torch.Tensor]:
-    """Apply `records` to a CPU `state` at step `start_step` in place with the fused kernel; same bits as the
-    trainer. The step is required, so that a record skipped or repeated always raises."""
+    """Apply `records` to a CPU `state` at step `start_step` in place; the step is required, so that a record
+    skipped or repeated always raises."""
     layout, scalars = check_replay(state, records, config, start_step)
     for name, tensor in state.items():
         if tensor.device.type != "cpu":

@@ -1,9 +1,8 @@
 """`state_hash`: SHA-256 of a canonical state, the identity recovery is judged by.
 
-The model part and the optimizer part (`optimizer.*`) are each cut into shards of whole tensors,
-each a safetensors file as a snapshot stores it, and the state hash combines the shards' digests.
-So a save or a load gets it from the files it writes or reads anyway, in one pass over the bytes,
-and shards are hashed side by side.
+The model and optimizer parts are cut into shards of whole tensors, each a safetensors file as a
+snapshot stores it, and the hash combines the shards' digests, so a save or a load gets it in its
+one pass over the bytes.
 """
 
 from __future__ import annotations

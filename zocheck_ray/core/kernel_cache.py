@@ -1,8 +1,7 @@
 """Where numba caches the compiled kernels: `NUMBA_CACHE_DIR`, numba's documented setting.
 
 Unset, numba writes beside the source, which an installed package may forbid; so importing
-`zocheck_ray` sets it to `$XDG_CACHE_HOME/zocheck-ray/numba` (or `~/.cache/...`) unless the user has.
-A fresh clone or a job's working directory compiles once (numba keys entries by path and time).
+`zocheck_ray` sets it to `$XDG_CACHE_HOME/zocheck-ray/numba` unless the user has.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ def use_cache_dir() -> str:
 
 
 def cache_env() -> dict[str, str]:
-    """`NUMBA_CACHE_DIR` for an actor's `runtime_env["env_vars"]` where it is the user's choice, else {}: a
-    worker takes its default from its own node's home, and empty `env_vars` let Ray's prestarted workers serve."""
+    """`NUMBA_CACHE_DIR` for an actor's `runtime_env["env_vars"]` where it is the user's choice, else {}, so Ray's
+    prestarted workers can serve."""
     chosen = use_cache_dir()
     return {} if chosen == default_cache_dir() else {CACHE_DIR_ENV: chosen}

@@ -12,8 +12,7 @@ from typing import Callable
 
 def on_first_use(namespace: dict, modules: dict[str, tuple[str, ...]]) -> tuple[Callable, Callable]:
     """(`__getattr__`, `__dir__`) for the package whose `globals()` are `namespace`: each name of
-    `modules` (submodule -> its names) is imported from its submodule on first use, and so is a
-    submodule used as an attribute. The names become the package's `__all__`."""
+    `modules` (submodule -> its names), and each submodule, is imported on first use."""
     package = namespace["__name__"]
     home = {name: module for module, names in modules.items() for name in names}
     namespace["__all__"] = list(home)

@@ -4,8 +4,7 @@
     record = opt.step(lambda: model(**batch).loss, seed=step_seed)
 
 `step` perturbs and evaluates for each perturbation, updates in place exactly as `update.py` spells
-it, and returns the `StepRecord` a replay needs. The eager backend and the Triton kernels give the
-same bits; "auto" takes the kernels on CUDA once they pass the start-up guard (`backend.py`).
+it, and returns the `StepRecord` a replay needs; every backend gives the same bits (`backend.py`).
 """
 
 from __future__ import annotations
@@ -155,10 +154,8 @@ class ZOOptimizer:
     @torch.no_grad()
     def step(self, closure: Callable[[], object], seed: int, lr: float | None = None,
              combine: Callable[[object, object], tuple[float, float]] | None = None) -> StepRecord:
-        """One ZO step; `closure` returns the loss at the current parameters.
-
-        `combine(out_a, out_b) -> (loss_a, loss_b)` turns two closure results into losses, so that data-parallel
-        ranks all form the same g from every rank's loss sums."""
+        """One ZO step; `closure` returns the loss. `combine(out_a, out_b) -> (loss_a, loss_b)` lets data-parallel
+        ranks form the same g from every rank's loss sums."""
         check_seed(seed)
         lr = self.config.lr if lr is None else float(lr)
         eps = self.config.eps

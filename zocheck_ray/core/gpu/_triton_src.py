@@ -1,11 +1,10 @@
 """The Triton source of the fused GPU kernels (loaded by `triton_kernels.py`, never imported directly).
 
 `triton_kernels` executes this file twice, compiled for CUDA and interpreted (for CPU tensors and
-the tests); every helper goes through `_jit`, so each copy is consistently one or the other, and no
-`@triton.jit` function of Triton's library (`tl.zeros`, `tl.sum`) is used, since those were made for
-one mode at import. `zo_kernel` repeats `generator.py` and `update.py` operation for operation, each
-rounded on its own (no FMA, `div_rn`, `sqrt_rn`, integer roundings to bf16/fp16). Interpreted,
-`constexpr - tensor` stays a constexpr: put the tensor first.
+the tests); every helper goes through `_jit`, and no `@triton.jit` function of Triton's library
+(`tl.zeros`, `tl.sum`) is used, since those were made for one mode at import. `zo_kernel` repeats
+`generator.py` and `update.py` operation for operation, each rounded on its own (no FMA, `div_rn`,
+`sqrt_rn`). Interpreted, `constexpr - tensor` stays a constexpr: put the tensor first.
 """
 
 import triton.language as tl

@@ -3,10 +3,9 @@
     check = check_kernels(torch.device("cuda"), (torch.bfloat16,), config)
     check.passed, check.backend, check.mismatches
 
-On a sample of awkward tensors (odd sizes, offsets past 2**32 and not a multiple of 4) the kernels
-run two steps of the job's optimizer as the trainer and as a replay would, and each result must be
-`torch.equal` to the eager oracle's on the CPU. Otherwise the trainer runs eagerly and says why:
-exactness is never traded for speed silently. Results are cached for the process.
+On a sample of awkward tensors the kernels run two steps of the job's optimizer as the trainer and as
+a replay would, and each result must be `torch.equal` to the eager oracle's on the CPU; otherwise the
+trainer runs eagerly and says why, so exactness is never traded for speed silently.
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@
     replay_triton(state, records, config)                                # a whole step per launch
 
 `_triton_src.zo_kernel` gives the eager oracle's bits on any device, one launch per dtype per
-phase, reading and writing only the state. On CPU tensors it runs interpreted (slow, exact), which
-is how the tests check it without a GPU. Triton is imported only when asked for.
+phase; on CPU tensors it runs interpreted, so the tests check it without a GPU.
 """
 
 from __future__ import annotations
