@@ -2,12 +2,10 @@
 
 `ImageLayout` places each tensor at a 64-byte-aligned offset of one buffer, so an image is one
 object to copy, hand over and persist. Where the host offers it (`capabilities.shared_images`), an
-image is a memfd, not an object in Ray's store: the store frees asynchronously and the writer's
-freed pages stay mapped, so a shadow could not hold its budget of two copies of the state, while a
-memfd is freed when its last holder closes it. A trainer on the same node reads it through
-`/proc/<pid>/fd/<n>` a window at a time, so it is never resident there. Elsewhere, or where the
-host offers no memfd, the image is private memory and the reader gets the same windows through Ray
-(`actors/link.py`).
+image is a memfd, freed when its last holder closes it, not an object in Ray's store, which frees
+asynchronously and would break the shadow's budget of two copies of the state. A trainer on the same
+node reads it through `/proc/<pid>/fd/<n>` a window at a time; elsewhere the image is private memory
+and the reader gets the same windows through Ray (`actors/link.py`).
 """
 
 from __future__ import annotations
@@ -124,9 +122,8 @@ def anonymous_buffer(nbytes: int) -> tuple[torch.Tensor, mmap.mmap | None]:
 
 
 class SharedBuffer:
-    """A memfd of `nbytes`, allocated up front (so that a lack of memory fails here, not with SIGBUS in a copy)
-    and mapped read-write; freed once no process holds it open. Its name is unique, so a reader knows it
-    opened this buffer and not a reused descriptor."""
+    """A memfd of `nbytes`, allocated up front so a lack of memory fails here, not with SIGBUS in a copy; its
+    unique name tells a reader it opened this buffer, not a reused descriptor."""
 
     shared = True
 
@@ -246,9 +243,8 @@ Direction = Literal["from_image", "to_image"]
 
 def transfer(fd: int, layout: ImageLayout, tensors: Mapping[str, torch.Tensor], direction: Direction,
              threads: int = 1, window: int = WINDOW_BYTES, staged: bool | None = None) -> None:
-    """Copy between the image in `fd` and `tensors`, a window at a time: `from_image` (a restore) or `to_image`
-    (an intake). Host tensors go by `preadv`/`pwritev`; CUDA tensors through mapped windows and two pinned
-    staging buffers, each upload overlapping the next window's staging."""
+    """Copy between the image in `fd` and `tensors`, a window at a time: host tensors by `preadv`/`pwritev`, CUDA
+    tensors through two pinned staging buffers, each upload overlapping the next window's staging."""
     plan = WindowPlan(layout, tensors, window, staged)
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if direction == "to_image" else 0)
 

@@ -4,8 +4,7 @@
         f.write(data); f.flush()          # then fsync f.fileno() for durability
 
 Direct I/O leaves no second copy of the state in the page cache, the host memory the replica lives
-in. Where it is refused (tmpfs, some network file systems) files are written unbuffered and each
-range handed to writeback at once. Only an fsync makes a file durable.
+in. Where it is refused, each range written is handed to writeback at once.
 """
 
 from __future__ import annotations
@@ -73,8 +72,8 @@ def _return_staging_buffers(buffers: list[mmap.mmap]) -> None:
 
 @contextmanager
 def staging_reuse() -> Iterator[None]:
-    """Within this scope (a snapshot's files) staging buffers pass from file to file; at the outermost scope's end
-    the idle ones go, so they are memory only while a snapshot is written."""
+    """Staging buffers pass from file to file within this scope and go at its end, so they are memory only while a
+    snapshot is written."""
     global _reuse_scopes
     with _staging_lock:
         _reuse_scopes += 1
@@ -100,8 +99,8 @@ def _direct_writers() -> ThreadPoolExecutor:
 
 
 class _DirectFile:
-    """A local file written with O_DIRECT through a ring of aligned staging buffers, a full one written by the
-    writer threads while the caller fills the next; a writer's error surfaces in a later call."""
+    """A local file written with O_DIRECT through a ring of aligned staging buffers, written by writer threads
+    while the caller fills the next; a writer's error surfaces in a later call."""
 
     def __init__(self, fd: int):
         self._fd = fd

@@ -2,10 +2,9 @@
 
     background_thread("zocheck-replay", 19)   # first thing in the thread's target
 
-Linux keeps niceness per thread and a new thread inherits its starter's, so a pipeline thread
-that lowers its own first hands it to every worker it starts (numba's and torch's thread teams,
-storage clients), while Ray's threads and the actor's method threads keep theirs: on a busy node
-replay and persistence take what the trainers leave, and `metrics()` and the ingest still answer.
+Linux keeps niceness per thread and a new thread inherits its starter's, so a pipeline thread that
+lowers its own first hands it to every worker it starts, while Ray's and the actor's threads keep
+theirs: replay and persistence take what the trainers leave, and `metrics()` still answers.
 """
 
 from __future__ import annotations
