@@ -4,11 +4,9 @@
     zocheck-ray verify s3://bucket/run --endpoint-url http://127.0.0.1:9000
 
 `recover` rebuilds the exact state from the newest valid durable snapshot and the step
-log, prints the step and `state_hash`, and with `--to` writes a directory that
-`from_pretrained` loads (when the run saved a Hugging Face config). `verify` proves the
-run's durable storage from the oldest retained snapshot whose log is complete (see
-`zocheck_ray.storage.audit`) and prints the step range proven. S3 credentials and
-region come from the standard AWS chain; `--endpoint-url` points at S3-compatible stores.
+log, prints the step and `state_hash`, and with `--to` writes a `from_pretrained` directory.
+`verify` audits the run's durable storage (`zocheck_ray.storage.audit`) and prints the step
+range proven. S3 credentials come from the standard AWS chain.
 """
 
 from __future__ import annotations

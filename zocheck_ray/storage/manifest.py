@@ -83,9 +83,8 @@ class Manifest(BaseModel):
     """Saved with `hold`: retention keeps it until `retention.json` releases or pins it."""
     log_first_step: int | None = Field(None, ge=0)
     log_last_step: int | None = Field(None, ge=0)
-    """The records of steps `log_first_step..log_last_step` were seen durable in the run's log when this snapshot
-    was committed (from the durable snapshot before it on): a recovery from that one replays them, and `audit_run`
-    fails where they are missing. None: nothing promised (a snapshot saved alone, or before this field)."""
+    """The records of steps `log_first_step..log_last_step` were durable in the run's log when this snapshot was
+    committed, so `audit_run` fails where they are missing; None: nothing promised."""
 
     def encode(self) -> bytes:
         body = self.model_dump(mode="json")

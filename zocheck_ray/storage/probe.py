@@ -2,8 +2,7 @@
 
     check_writable("s3://bucket/runs/run-1", {"endpoint_url": url})   # StorageRefusedError naming the directory
 
-Opening a store probes its root only; a resumed run writes into `snapshots/`, `log/` and `lease/`,
-and any of them can refuse on its own (made read-only or immutable, a bucket policy on a prefix).
+Opening a store probes its root only, and each directory a resumed run writes into can refuse on its own.
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ RUN_DIRS = (SNAPSHOTS_DIR, LOG_DIR, LEASE_DIR)
 
 
 def check_writable(url: str, storage_options: dict | None = None) -> None:
-    """Probe a write at the run's root and in each of its directories that exists; raises `StorageRefusedError`,
-    `StorageFullError` or `StorageError` naming the first that does not take it."""
+    """Probe a write at the run's root and in each of its existing directories; raises a `StorageError` naming the
+    first that does not take it."""
     storage = open_storage(url, storage_options, create=True)  # the root's probe
     present = set(storage.list_dir(""))
     for directory in RUN_DIRS:

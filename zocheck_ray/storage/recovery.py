@@ -48,9 +48,8 @@ def recover(snapshots: SnapshotStore | str, log: StepLog | str | None = None, *,
             out: Mapping[str, torch.Tensor] | None = None,
             pause: Callable[[int, dict[str, torch.Tensor], SnapshotMeta], None] | None = None,
             pause_at: Callable[[int], bool] = lambda step: False) -> RecoveredState:
-    """Rebuild the newest exact state from a snapshot store and the step log (by default under the same root);
-    `out`: CPU tensors to read and replay into. `pause(step, state, meta)` sees the state at each replayed
-    step that `pause_at` names (the replay goes on after it, with the same bits)."""
+    """Rebuild the newest exact state from a snapshot store and the step log; `out`: CPU tensors to replay into;
+    `pause(step, state, meta)` sees the state at each step `pause_at` names."""
     store = snapshots if isinstance(snapshots, SnapshotStore) else SnapshotStore(
         snapshots, storage_options, create=False)
     problems: list[str] = []

@@ -11,10 +11,9 @@ so a damaged one is never trusted. Retention deletes the manifest first, so a sn
 uncommitted before any of its files go; it keeps the newest `keep` and what `retention.json`
 pins or holds (storage/retention.py).
 
-`save` returns once the snapshot is seen at its paths as written (locally the inodes written, every
-file at its size; on S3 every object at its size), and before each commit the snapshots it
-committed or found are checked the same way: a directory deleted, replaced or remounted under the
-writer raises `StorageLostError` naming the snapshot lost, instead of a commit into its stead.
+`save` returns once the snapshot is seen at its paths as written, and before each commit the
+snapshots it committed or found are checked the same way, so a directory lost under the writer
+raises `StorageLostError` instead of a commit into its stead.
 """
 
 from __future__ import annotations
@@ -209,13 +208,11 @@ class SnapshotStore:
     def save(self, step: int, tensors: Mapping[str, torch.Tensor],
              meta: SnapshotMeta | Mapping[str, Any] | None = None, *, state_hash: str | None = None,
              hold: bool = False, log_steps: tuple[int, int] | None = None) -> SnapshotInfo:
-        """Write a snapshot of `tensors` at `step`, commit it, then prune old ones; returns once it is durable: seen
-        at its paths as written.
+        """Write a snapshot of `tensors` at `step`, commit it, then prune old ones; returns once it is seen at its
+        paths as written. A step committed already with the same state returns unchanged.
 
-        A step committed already with the same state returns unchanged (with another, raises). The tensors
-        must not change meanwhile. `state_hash`: what the caller expects; a mismatch commits nothing.
-        `hold`: kept until `retention.json` releases it (`Retention`). `log_steps`: (first, last), the steps whose
-        records the caller saw durable in the run's log as it saved; the manifest promises them to `audit_run`."""
+        `state_hash`: what the caller expects (a mismatch commits nothing); `hold`: kept until `retention.json`
+        releases it; `log_steps`: the (first, last) steps seen durable in the log, promised to `audit_run`."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if log_steps is not None and not (0 <= log_steps[0] <= log_steps[1] < step):
@@ -505,9 +502,8 @@ class SnapshotStore:
             future.result()
 
     def set_aside(self, step: int) -> str:
-        """Move the committed snapshot of `step`, found damaged, to `DAMAGED_DIR`, so that no reader counts it durable
-        and the step can be written again; returns where it went. An object store keeps its manifest there (objects
-        cannot be renamed) and deletes its files, uncommitted first."""
+        """Move the damaged committed snapshot of `step` to `DAMAGED_DIR`, so no reader counts it durable and the
+        step can be written again; returns where it went."""
         check_lease_for(self.lease, self.storage)
         self._vouched.pop(step, None)
         directory = snapshot_dir(step)
