@@ -5,10 +5,9 @@
     wrapped = wrap_model(model, PeftSettings(method="lora", r=8), seed=0)
     params = adapter_parameters(wrapped)                     # what ZO perturbs and updates, peft's names
 
-With `peft:` only the adapter's parameters are trained, under peft's names, so the shadow's
-memory and the snapshots scale with the adapter, and a snapshot is an adapter directory that
-`PeftModel.from_pretrained` loads. The frozen base never travels with the state: every trainer
-builds it, and one whose base hashes otherwise than the run recorded is refused.
+Only the adapter's parameters are trained, so the shadow's memory and the snapshots scale with
+the adapter. The frozen base never travels with the state: every trainer builds it, and one whose
+base hashes otherwise than the run recorded is refused.
 """
 
 from __future__ import annotations

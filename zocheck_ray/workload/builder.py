@@ -72,10 +72,9 @@ def _fitted_tokenizer(config: TaskConfig, name: str, overrides: dict | None,
 def build_task(config: TaskConfig, model: str, overrides: dict | None = None,
                tokenizer: TextTokenizer | None = None, rows: InMemoryRows | None = None,
                eval_rows: InMemoryRows | None = None) -> Task:
-    """The task `config` for model `model` (a name `build_model` accepts, with the same `overrides`), every row,
-    label and the model's fit checked without building the model; `tokenizer` replaces `config.tokenizer`'s
-    (kind `sft`: a Hugging Face tokenizer too). Kind `sft` takes its rows in memory too: `rows` (a
-    `datasets.Dataset`, a `DatasetDict` or a list of dicts) and `eval_rows` instead of `task.data_path`."""
+    """The task `config` for `model`, every row, label and the model's fit checked without building the model;
+    `tokenizer` replaces `config.tokenizer`'s. Kind `sft` may take `rows` and `eval_rows` in memory instead of
+    `task.data_path`."""
     tokenizer = _fitted_tokenizer(config, model, overrides, tokenizer)
     splits = read_splits(config, rows, eval_rows)
     checked = check_rows(config, splits)
@@ -98,8 +97,8 @@ def _task(config: TaskConfig, tokenizer: TextTokenizer, checked: Splits, sampled
 
 
 def sft_fingerprint(rows: InMemoryRows | str | Path, text_field: str = "text") -> str:
-    """The fingerprint of SFT rows as `build_task` reads and checks them: SHA-256 of each row's canonical JSON, in
-    order (`data.rows_fingerprint`). `rows`: a `datasets.Dataset` or a list of dicts, or a data file's path."""
+    """The fingerprint (`data.rows_fingerprint`) of SFT rows as `build_task` reads and checks them; `rows`: a
+    `datasets.Dataset`, a list of dicts, or a data file's path."""
     path = str(rows) if isinstance(rows, (str, Path)) else None
     config = TaskConfig(kind="sft", data_path=path, text_field=text_field)
     checked = check_rows(config, read_splits(config, None if path else rows))

@@ -2,12 +2,10 @@
 
     task = build_custom_task(TaskConfig(kind="sft"), rows, eval_rows, tokenizer=tok, compute_loss_func=my_loss)
 
-Rows in TRL's SFT formats are tokenized as kind `sft` tokenizes them (`sft/prepare.py`) and reach the collator as
-`{"input_ids", "labels"}`, the columns TRL prepares; other rows reach it as they are (`Trainer`'s
-`remove_unused_columns=False`). The batch of step t is `data_collator` over the rows of
-`batch_indices(data_seed, t)`, a pure function of (data_seed, t). Its loss is
-`compute_loss_func(outputs, labels, num_items_in_batch=...)` as `Trainer.compute_loss` calls it (labels taken
-out of the inputs, the trained tokens counted as `Trainer` counts them), or the model's own `loss`.
+Rows in TRL's SFT formats reach the collator tokenized as kind `sft` does, as `{"input_ids", "labels"}`; other
+rows as they are. The batch of step t is `data_collator` over the rows of `batch_indices(data_seed, t)`, so it is
+a pure function of (data_seed, t). Its loss is `compute_loss_func` as `Trainer.compute_loss` calls it, or the
+model's own `loss`.
 """
 
 from __future__ import annotations

@@ -84,17 +84,16 @@ def model_config_dict(name: str, overrides: dict | None = None) -> dict:
 
 
 def snapshot_config(name: str, dtype: str) -> dict:
-    """`model_config_dict(name)` as a full snapshot's `config.json` holds it: with the run's dtype where
-    transformers reads it (`dtype` from 5.0, `torch_dtype` before), so `from_pretrained(snapshot)` builds the
-    weights the run trained rather than in its source's dtype."""
+    """`model_config_dict(name)` with the run's dtype, as a full snapshot's `config.json` holds it, so
+    `from_pretrained(snapshot)` builds the weights in the dtype the run trained."""
     name_of_dtype = NAMES[JOB_DTYPES[dtype]]
     return {**model_config_dict(name), "dtype": name_of_dtype, "torch_dtype": name_of_dtype}
 
 
 @torch.no_grad()
 def _init_missing(model: torch.nn.Module, missing: list[str], seed: int) -> None:
-    """Initialise weights a checkpoint lacks (a new head) from `seed` and their names only: matrices get
-    N(0, initializer_range) keyed by (seed, name), 1-D weights 1 and biases 0, whatever torch's global RNG."""
+    """Initialise weights a checkpoint lacks (a new head) from `seed` and their names only, whatever torch's
+    global RNG."""
     std = float(getattr(model.config, "initializer_range", 0.02))
     for name in missing:
         param = model.get_parameter(name)
@@ -139,11 +138,8 @@ Weights = Literal["load", "none"]
 
 def build_model(name: str, dtype: str = "fp32", seed: int = 0, overrides: dict | None = None,
                 device: str | torch.device = "cpu", weights: Weights = "load") -> torch.nn.Module:
-    """A named small model (`SMALL_MODELS`), a packaged one (`PACKAGED_MODELS`) or a model directory.
-
-    Weights are initialised from `seed`, or read straight from the directory's safetensors files.
-    `overrides` are config fields for `from_pretrained` (`{"num_labels": 3}`); `weights="none"` builds
-    the same model without filling any parameter."""
+    """A named small model, a packaged one or a model directory, its weights from `seed` or the directory's
+    files; `overrides` are config fields for `from_pretrained`, and `weights="none"` fills no parameter."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     if dtype not in JOB_DTYPES:

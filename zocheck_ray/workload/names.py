@@ -85,10 +85,8 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 
 def check_model_files(directory: Path) -> None:
-    """Raise `ModelNotFoundError` naming the file when `directory`'s config or weights cannot load.
-
-    Reads the config and the safetensors headers only, so a broken directory is refused before any actor starts.
-    """
+    """Raise `ModelNotFoundError` naming the file when `directory`'s config or safetensors headers cannot load, so a
+    broken directory is refused before any actor starts."""
     config = directory / "config.json"
     try:
         doc = json.loads(config.read_text())

@@ -1,10 +1,9 @@
 """A model's skeleton, and a Hugging Face checkpoint streamed straight into it.
 
-A trainer's host memory should be its model plus a small constant, which the usual loading breaks
-twice: it initialises every parameter the checkpoint then overwrites, and `from_pretrained` maps
-the files beside the parameters. So `skeleton` builds the model on the meta device and then gives
-its parameters uninitialised memory, and `load_checkpoint` reads the files straight into it. The
-skeleton is built as `from_pretrained` builds its model, so their buffers are the same.
+A trainer's host memory should be its model plus a small constant, which `from_pretrained` breaks:
+it initialises every parameter the checkpoint then overwrites, and maps the files beside them. So
+`skeleton` builds the model on the meta device with uninitialised memory, as `from_pretrained`
+builds it, and `load_checkpoint` reads the files straight into it.
 """
 
 from __future__ import annotations

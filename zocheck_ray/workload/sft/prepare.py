@@ -2,12 +2,10 @@
 
     splits = encode_sft(config, tokenizer, splits)       # the examples stage of build_task, for kind sft
 
-Per row, as `SFTTrainer._prepare_dataset`: the EOS token appended to a text or a completion that lacks it
-(not to conversations: their template ends each turn), the tokenizer called on text (`add_special_tokens` as
-its default, so a BOS where the tokenizer adds one) or its `apply_chat_template` on messages; the completion
-starts where the prompt's ids and the whole's diverge; labels are the ids where every mask in force is 1
-(the completion mask under `completion_only_loss`, the assistant mask under `assistant_only_loss`); then the
-ids and labels are cut to `max_length` (`keep_start` or `keep_end`), and a row left with no label is dropped.
+Per row, as `SFTTrainer._prepare_dataset`: EOS appended to a text or completion that lacks it; the tokenizer
+on text or its `apply_chat_template` on messages; the completion starts where the prompt's ids and the whole's
+diverge; labels are the ids where every mask in force is 1; then ids and labels are cut to `max_length`, and a
+row left with no label is dropped.
 """
 
 from __future__ import annotations

@@ -9,9 +9,8 @@
 | `prompt_completion` | `prompt` and `completion`: strings |
 | `conversational_prompt_completion` | `prompt` and `completion`: lists of messages |
 
-A row's other columns are ignored as TRL ignores them, except `tools` and `chat_template_kwargs`, which TRL
-hands to the chat template. A column or a message key that is null counts as absent: `datasets` fills what some
-rows lack with nulls, so rows read from a `Dataset` look as they were written.
+Other columns are ignored, as by TRL, except `tools` and `chat_template_kwargs`, which go to the chat template.
+A null column or message key counts as absent, since `datasets` fills what some rows lack with nulls.
 """
 
 from __future__ import annotations

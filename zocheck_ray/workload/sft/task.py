@@ -83,8 +83,7 @@ class SFTTask(LanguageModelingTask):
 
     @torch.no_grad()
     def samples(self, model: torch.nn.Module) -> list[tuple[str, str]]:
-        """(prompt text, generated text) of the first `eval_generations` held-out rows that have a prompt: greedy,
-        up to `max_new_tokens` or the end of `max_length`, stopping at EOS or the template's end of turn."""
+        """(prompt text, generated text) of the first `eval_generations` held-out rows that have a prompt, greedy."""
         device = next(model.parameters()).device
         out = []
         for example in self.eval_examples:
