@@ -5,8 +5,8 @@
     tables = group.gather(encode(table))              # every rank's shard table, in rank order
 
 Rank 0 opens a TCP store, every rank joins through it (as Ray Train does). An exchange carries a few float64
-numbers per shard (`runtime/parallel/shards.py`), so gloo serves CPU and GPU ranks alike. A dead peer's sockets close
-and `gather` raises `RankLostError`; `lost_peers` names it: a refused connection to its liveness socket.
+numbers per shard, so gloo serves CPU and GPU ranks alike. A dead peer makes `gather` raise `RankLostError`,
+and `lost_peers` names it.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def alive(address: tuple[str, int], timeout: float = PROBE_SECONDS) -> bool:
 
 
 def open_rendezvous(address: str, ranks: int, timeout: float = TIMEOUT_SECONDS) -> dist.TCPStore:
-    """A new group's rendezvous (rank 0's TCP store on a free port of `address`), opened without leaving the
-    current group, so an elastic rank opens it while its training thread waits."""
+    """A new group's rendezvous (rank 0's TCP store on a free port), opened without leaving the current group,
+    so an elastic rank opens it while its training thread waits."""
     return dist.TCPStore(address, 0, ranks, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout))
 
