@@ -1,7 +1,6 @@
 """What tests and benchmarks use to put zocheck-ray under stress: runs with a fault plan on Ray
-(`faults.py`; the plan itself is `control/faults.py`'s, the processes' side `runtime/injection.py`),
-a trainer and a shadow in one process (`in_process.py`), and the runs a recovered run must equal
-(`reference.py`). The names below load on first use."""
+(`faults.py`), a trainer and a shadow in one process (`in_process.py`), and the runs a recovered
+run must equal (`reference.py`)."""
 
 from __future__ import annotations
 

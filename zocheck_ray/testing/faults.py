@@ -23,7 +23,7 @@ class InjectedTrialFailure(RuntimeError):
 
 class FailTrialOnce(RunCallback):
     """Raises `InjectedTrialFailure` at the first segment that reaches `step` in a run whose job `matches`, once
-    across processes (a file under `marker_dir` remembers it): a Tune trial that fails and is restored."""
+    across processes: a Tune trial that fails and is restored."""
 
     def __init__(self, step: int, marker_dir: str, matches: Callable[[JobConfig], bool] = lambda job: True):
         self.step, self.marker_dir, self.matches = step, marker_dir, matches
@@ -41,9 +41,8 @@ def run_with_faults(job: JobConfig, fail_at: list[int] | None = None, fail_mode:
                     progress: Callable[[str], None] | None = print, kill_node: Callable[[], None] | None = None,
                     faults: FaultInjection | None = None, fail_rank: int = 0, callbacks=(), on_segment=None,
                     placement_group=None, first_bundle: int = 0) -> RunSummary:
-    """`zocheck_ray.run` with failures: at the steps `fail_at`, `software` kills the trainer process (of
-    rank `fail_rank` with `trainers > 1`), `host` both the trainer and the shadow (`kill_node`: remove their
-    node instead), `shadow` the shadow. `faults`: more to inject (a slow replay, a death mid-recovery)."""
+    """`zocheck_ray.run` with failures of `fail_mode` at the steps `fail_at` (`FaultPlan`'s modes; `kill_node`:
+    remove the node instead); `faults`: more to inject."""
     plan = FaultPlan(steps=tuple(fail_at or ()), mode=fail_mode, rank=fail_rank, injection=faults or NO_FAULTS,
                      kill_node=kill_node)
     return run(job, progress, callbacks, on_segment, placement_group, first_bundle, faults=plan)

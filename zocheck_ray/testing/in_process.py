@@ -3,11 +3,9 @@
     result = run_in_process(job, software=[3, 6, 9], host=[11])
 
 The same `Trainer` and `Shadow` a Ray run puts in two processes, joined by `InProcessLink`, so a test
-takes a whole matrix of methods (optimizer x adapter x dtype) through every recovery path in seconds.
-A software failure drops the trainer before a step, its unsent records lost; a new one recovers from
-the shadow's image plus records. A host failure also stops the shadow; a new one rebuilds from durable
-storage first. Every step's state hash each trainer reported is kept, to compare with
-`uninterrupted_hashes`.
+takes every optimizer x adapter x dtype through every recovery path in seconds. A software failure drops
+the trainer before a step; a host failure also stops the shadow, which rebuilds from durable storage.
+Every step's state hash is kept, to compare with `uninterrupted_hashes`.
 """
 
 from __future__ import annotations
@@ -45,19 +43,15 @@ class DieBefore:
 
 
 class InProcessLink:
-    """`ShadowLink` over a `Shadow` in this process (a `TrainerActor` has it over Ray); pushes are answered
-    at once.
-
-    A reader in another process maps the lent image with its own descriptor, which outlives the shadow
-    replacing it; here the image is copied on the shadow's replay thread instead, the only thread that
-    replaces images, so no snapshot can free it mid-copy."""
+    """`ShadowLink` over a `Shadow` in this process; pushes are answered at once. The lent image is copied on
+    the shadow's replay thread, the only one that replaces images, so no snapshot can free it mid-copy."""
 
     def __init__(self, shadow: Shadow):
         self.shadow = shadow
 
     def borrow_image(self, fresh: bool = False, held: str | None = None):
-        """The newest image and the records after it (`fresh` and `held` are not taken up: an in-process run's
-        recoveries always replay the records, the path `shadow.recovery_snapshot` leaves to a lagging shadow)."""
+        """The newest image and the records after it (`fresh` and `held` are ignored: recoveries here always
+        replay the records)."""
         return self.shadow.replay.call(self._copy_of_image)
 
     def _copy_of_image(self) -> StateOffer | None:
@@ -110,8 +104,8 @@ class InProcessRun:
 
 def run_in_process(job: JobConfig, software=(), host=(), drain_timeout: float = 120.0,
                    first_shadow_hooks=NO_HOOKS) -> InProcessRun:
-    """Train `job` to its last step in this process with software failures before the steps `software`
-    and host failures after the steps `host` (see the module docstring); returns what it saw."""
+    """Train `job` to its last step with software failures before the steps `software` and host failures after
+    the steps `host`."""
     hooks, pending_host = DieBefore(software), sorted(host)
     result = InProcessRun()
     shadow = Shadow(job, hooks=first_shadow_hooks)

@@ -23,8 +23,7 @@ def _model_and_optimizer(job: JobConfig):
 
 
 def _computed_once(fn: Callable[..., dict[int, str]]):
-    """`fn`'s hashes for the job, computed once per process for the fields it reads (each time for a job that reads
-    files, or whose `task` is given: one built from rows handed over)."""
+    """`fn`'s hashes for the job, computed once per process unless the job reads files or brings its own `task`."""
     memo: dict[str, dict[int, str]] = {}
 
     @functools.wraps(fn)
