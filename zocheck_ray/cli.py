@@ -6,8 +6,8 @@
     zocheck-ray status RUN_ID             a running job's shadow metrics
     zocheck-ray bench all --out DIR       every benchmark as JSON, Markdown and figures (from a checkout)
 
-Each feature module registers its own subcommands (`register(subparsers)`). The benchmarks are a
-program of the repository, not installed: `bench` hands its arguments to `python -m benchmarks`.
+Each feature module registers its own subcommands (`register(subparsers)`); `bench` hands its
+arguments to the repository's `python -m benchmarks`, which is not installed.
 """
 
 from __future__ import annotations

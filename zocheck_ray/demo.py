@@ -3,11 +3,10 @@
     zocheck-ray train                     # or: zocheck-ray demo, make demo
     zocheck-ray train --steps 60 --storage /tmp/runs
 
-It needs no download: a local Ray, storage under `./runs/`, `tiny-opt` built from its config and
-the shipped sentences. It fine-tunes with MeZO on language modelling, kills the trainer once at 60%
-of the steps, recovers, checks every step's state against the durable log, and prints a table.
-Language modelling, because a model this small learns no sentiment from random weights within a
-demonstration's budget; run `task.kind: sst2` on a pretrained model to see accuracy rise.
+It needs no download (a local Ray, `tiny-opt` built from its config, the shipped sentences). It
+fine-tunes with MeZO on language modelling, kills the trainer once at 60% of the steps, recovers,
+checks every step's state against the durable log, and prints a table. Language modelling, since
+a model this small learns no sentiment from random weights.
 """
 
 from __future__ import annotations

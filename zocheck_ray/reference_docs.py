@@ -4,9 +4,8 @@
     zocheck-ray config-reference --write docs/configuration.md  # replace the section between the markers
     zocheck-ray config-reference --check docs/configuration.md  # exit 1 when the file is out of date
 
-The field docstrings are the documentation (one schema, one place): this module
-reads them from the source with `ast` and renders one table per model, dotted
-names for the nested sections (`zo.lr`, `task.batch_size`).
+The field docstrings are the documentation (one schema, one place), read from the
+source with `ast`: one table per model, dotted names for nested sections.
 """
 
 from __future__ import annotations

@@ -8,11 +8,9 @@
 
     zocheck-ray tune --config deploy/examples/sst2-opt.yaml --grid zo.lr=1e-3,3e-3 --grid zo.eps=1e-3,1e-2
 
-Each trial runs one job in its own placement group (controller, trainer, shadow, further
-ranks) and reports after every segment. A Tune checkpoint is a small JSON pointer to the
-run's newest durable snapshot, never the weights: a trial that Tune restores resumes the
-same run from that snapshot plus the step log, and ends with the state an uninterrupted
-trial reaches, bit for bit.
+Each trial runs one job in its own placement group and reports after every segment. A Tune
+checkpoint is a JSON pointer to the run's newest durable snapshot, never the weights, so a
+restored trial resumes the same run and ends bit for bit where an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -203,9 +201,8 @@ def trial_id() -> str | None:
 
 
 def run_trial(trial: JobConfig, callbacks: Sequence = (), workload=None, progress=print):
-    """Run `trial` as the Tune trial this process runs (`train_trial`'s, or a `ZOTrainer`'s in a user's
-    trainable): in the trial's placement group, reported to Tune after each segment with a checkpoint pointer to
-    the newest durable image, resumed from the trial's checkpoint when Tune restores it. Returns its `RunSummary`."""
+    """Run `trial` as this process's Tune trial, in its placement group, reporting a checkpoint pointer after each
+    segment and resuming from it when Tune restores the trial. Returns its `RunSummary`."""
     import ray
     from ray import tune
 

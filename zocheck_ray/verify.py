@@ -5,11 +5,9 @@
     assert result.verified
     print(result.audit)                    # steps 150..300 proven: 2 snapshots, 150 records, 0 mismatches
 
-Three independent rebuilds, each compared by `state_hash` with what the trainer had, all from
-durable storage only: the audit (`storage.audit_run`: the log from the oldest provable snapshot,
-what remains to prove after retention); the job's initial state with the whole log replayed,
-while the log still starts at step 0; and `recover_state`'s image, which must be at the last
-step with the trainer's final hash.
+Three independent rebuilds from durable storage, each compared by `state_hash` with what the
+trainer had: the audit (`storage.audit_run`); the initial state with the whole log replayed,
+while the log still starts at step 0; and `recover_state`'s image at the last step.
 """
 
 from __future__ import annotations

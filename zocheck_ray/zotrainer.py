@@ -9,10 +9,8 @@
     trainer.evaluate()               # {"eval_loss": ..., "eval_perplexity": ...} of the final state
     trainer.save_model("out/")       # a Hugging Face directory (a peft adapter's, with LoRA) of the final state
 
-`args` is the job (`JobConfig`, a dict of its fields, or a YAML file); `model` names the model as a job does,
-or is a `model_init` function each trainer process calls. Rows in TRL's SFT formats train as task kind `sft`;
-`data_collator` and `compute_loss_func` have `transformers.Trainer`'s meaning and signature. `callbacks` get
-the run's events as read-only values (`ZOTrainerCallback`).
+`args` is the job (`JobConfig`, a dict of its fields, or a YAML file). `data_collator` and `compute_loss_func`
+have `transformers.Trainer`'s meaning and signature; `callbacks` get the run's events as read-only values.
 """
 
 from __future__ import annotations
@@ -158,10 +156,9 @@ class ZOTrainer:
                  processing_class: Any = None, data_collator: Callable | None = None,
                  compute_loss_func: Callable | None = None, callbacks: Sequence[ZOTrainerCallback] | None = None,
                  model_init: Callable | None = None):
-        """`model`: a model name or directory as a job's `model` (None: `args`'s), or a `model_init` function that
-        returns the model, which each trainer process calls (here once too, as `Trainer` does, to learn the model's
-        config and layout; with torch seeded from `run_seed` before each call). Rows handed over make the task
-        kind `sft` unless `args` names another kind."""
+        """`model`: a job's `model` (None: `args`'s), or a `model_init` function each trainer process calls (here
+        once too, to learn the layout), torch seeded from `run_seed`. Rows handed over make the task kind `sft`
+        unless `args` names another."""
         if model_init is not None:
             if model is not None:
                 raise JobConfigError("give model or model_init, not both")
@@ -188,11 +185,10 @@ class ZOTrainer:
 
     def train(self, address: str | None = None, progress: Callable[[str], None] | None = print,
               faults: FaultPlan | None = None):
-        """Run the job on the Ray cluster of `address` (see `zocheck_ray.run`) and return its `RunSummary`; a run
-        whose storage holds the job's run resumes it exactly. `faults`: failures dealt on purpose (`FaultPlan`).
-        In a Ray Tune trainable, the run is the trial's (`zocheck_ray.tune.run_trial`: its run_id gets the trial's
-        id; give the trainable `tune.with_resources(fn, zocheck_ray.tune.trial_resources(job))`). Raises
-        `JobConfigError` before any actor starts, `RunFailedError` when the run fails."""
+        """Run the job on the Ray cluster of `address` and return its `RunSummary`, resuming exactly a run its
+        storage holds; `faults`: failures dealt on purpose. In a Ray Tune trainable the run is the trial's
+        (`zocheck_ray.tune.run_trial`). Raises `JobConfigError` before any actor starts, `RunFailedError` when the
+        run fails."""
         from zocheck_ray.control import run
         from zocheck_ray.tune import run_trial, trial_id
 
@@ -208,17 +204,15 @@ class ZOTrainer:
         return self.summary
 
     def evaluate(self) -> dict[str, float]:
-        """The final state's held-out metrics (as the trainer computed them at the last step), `eval_`-prefixed
-        as `Trainer.evaluate` returns them, with the step."""
+        """The final state's held-out metrics and step, `eval_`-prefixed as `Trainer.evaluate` returns them."""
         if self.summary is None:
             raise RuntimeError("evaluate() reports the trained state: call train() first")
         metrics = self.summary.evaluations.get(self.summary.steps) or {}
         return {**{f"eval_{k}": v for k, v in metrics.items()}, "step": self.summary.steps}
 
     def save_model(self, output_dir: str | Path) -> Path:
-        """Write the run's newest durable state (its final state after `train`) as a Hugging Face directory, with
-        `processing_class`'s files: `from_pretrained(output_dir)` loads it (`PeftModel.from_pretrained(base,
-        output_dir)` for an adapter)."""
+        """Write the run's newest durable state as a Hugging Face directory, with `processing_class`'s files, that
+        `from_pretrained` (or `PeftModel.from_pretrained` for an adapter) loads."""
         from zocheck_ray.core.hashing import state_hash
         from zocheck_ray.storage.cli import write_model_dir
         from zocheck_ray.storage.recovery import recover

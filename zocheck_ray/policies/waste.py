@@ -1,8 +1,8 @@
 """Expected wasted time per failure window, for ZOCheck and the baselines, in closed form.
 
 A window is the training time X ~ Exponential(M) from one recovery's end to the next failure; its
-waste is the critical-path overhead during X plus the recovery (renewal-reward gives the long-run
-fraction). The forms are exact for these mechanics, which `simulator.py` samples:
+waste is the critical-path overhead during X plus the recovery. The forms are exact for the
+mechanics `simulator.py` samples:
 
 zocheck, keeping pace: overhead M * log / T_t; mean replay N/2 + 1 (+ T_per / T_t after a host failure).
 zocheck, lagging: the lag grows at r steps/s to L, then a resync (C_copy) resets it: cycles of
