@@ -15,7 +15,7 @@ is durable. Per run:
 - the durable snapshot's bytes on storage (every file of its directory: weights, config, manifest)
   and that over the state's bytes;
 - the peak a run with the startup profile adds to it while the profile lasts: the profile times
-  replays on a scratch copy of the state's leading tensors (`runtime.stages.ProfileScratch`: 1/32 of
+  replays on a scratch copy of the state's leading tensors (`runtime.replay.ProfileScratch`: 1/32 of
   the state, within [64 KiB, 64 MiB]); the runs here set `shadow.snapshot_interval`,
   so they take no profile;
 - the base model's bytes, for scale.
@@ -61,7 +61,7 @@ def _snapshot_bytes(run_dir: str, step: int) -> int:
 
 def _profile_scratch_bytes(job) -> int:
     """The bytes of the scratch the startup profile would copy of this job's state."""
-    from zocheck_ray.runtime.stages import ProfileScratch
+    from zocheck_ray.runtime.replay import ProfileScratch
     from zocheck_ray.core import ZOOptimizer
     from zocheck_ray.workload.adapters import build_trainable
 

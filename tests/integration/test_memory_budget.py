@@ -12,7 +12,7 @@ import ray
 import torch
 import transformers
 
-from zocheck_ray.runtime.stages import scratch_limit
+from zocheck_ray.runtime.replay import scratch_limit
 from zocheck_ray.config import JobConfig
 from zocheck_ray.control import RunCallback
 from zocheck_ray.testing import run_with_faults

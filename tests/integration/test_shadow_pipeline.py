@@ -5,7 +5,8 @@ import pytest
 
 from support import encode, trained, wait_until
 from zocheck_ray.runtime.publisher import Publisher, PushReply, poll_answered
-from zocheck_ray.runtime.shadow import Shadow, StageError
+from zocheck_ray.runtime.errors import StageError
+from zocheck_ray.runtime.shadow import Shadow
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import state_hash
 from zocheck_ray.storage import SnapshotStore, read_log

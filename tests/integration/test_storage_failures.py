@@ -20,7 +20,7 @@ from support import trained, wait_until
 from zocheck_ray.control import RunCallback, RunFailedError
 from zocheck_ray.control.profile import DRAIN_SECONDS
 from zocheck_ray.control.stop import RunStopped
-from zocheck_ray.runtime.stages import StageError
+from zocheck_ray.runtime.errors import StageError
 from zocheck_ray.testing import run_with_faults as run
 
 pytestmark = pytest.mark.slow

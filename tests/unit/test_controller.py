@@ -406,7 +406,7 @@ class RayReport(RuntimeError):
 
 
 def test_trainers_that_cannot_take_their_first_state_fail_the_run_in_one_line_naming_the_cause(tmp_path):
-    from zocheck_ray.runtime.stages import StageError
+    from zocheck_ray.runtime.errors import StageError
 
     run, parts = controller(tmp_path)
     report = RayReport(StageError("the initial image could not be made durable: storage is full"))

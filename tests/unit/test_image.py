@@ -22,7 +22,7 @@ from zocheck_ray.host import capabilities as host_caps
 from zocheck_ray.host.heap import settling_heap
 from zocheck_ray.runtime.ledger import NoImageError, RecordLedger
 from zocheck_ray.host.memory import process_memory
-from zocheck_ray.runtime.stages import Image
+from zocheck_ray.runtime.replay import Image
 
 PAGE = mmap.ALLOCATIONGRANULARITY
 

@@ -130,7 +130,7 @@ def test_a_shadow_waiting_on_a_full_disk_says_so_instead_of_waiting_out_its_time
     from support import trained
     from zocheck_ray.config import JobConfig
     from zocheck_ray.runtime.shadow import Shadow
-    from zocheck_ray.runtime.stages import StageError
+    from zocheck_ray.runtime.errors import StageError
 
     job = JobConfig(storage=str(small_disk.path), shadow={"snapshot_interval": 4})
     initial, _, _ = trained(job, 0)

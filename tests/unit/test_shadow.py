@@ -234,7 +234,7 @@ def test_image_layout_round_trips_every_dtype_through_shared_memory():
 
 
 def test_the_profiles_scratch_is_a_thirty_second_of_the_state_within_its_bounds():
-    from zocheck_ray.runtime.stages import SCRATCH_BYTES, SCRATCH_MIN, ProfileScratch, scratch_limit
+    from zocheck_ray.runtime.replay import SCRATCH_BYTES, SCRATCH_MIN, ProfileScratch, scratch_limit
     from zocheck_ray.core import ZOConfig
 
     assert scratch_limit(1 << 20) == SCRATCH_MIN and scratch_limit(1 << 40) == SCRATCH_BYTES

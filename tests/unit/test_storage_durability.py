@@ -23,7 +23,7 @@ from zocheck_ray.control.monitor import Monitor
 from zocheck_ray.control.stop import StopRequest
 from zocheck_ray.runtime.messages import KernelInfo, PublisherStats, TrainerProgress
 from zocheck_ray.runtime.shadow import Shadow
-from zocheck_ray.runtime.stages import StageError
+from zocheck_ray.runtime.errors import StageError
 from zocheck_ray.storage import SnapshotStore, read_lease
 from zocheck_ray.storage.audit import audit_run
 from zocheck_ray.storage.fs import open_storage
@@ -287,7 +287,7 @@ def test_a_drain_on_a_full_disk_whose_lease_lapsed_is_told_at_once_not_at_its_ti
     Taking it again fails for lack of space as any write does, so a drain (a stop's, the final one) ends after the
     failed writes that tell it the disk is full, not after its timeout."""
     from zocheck_ray.control.profile import DRAIN_SECONDS
-    from zocheck_ray.runtime.stages import FULL_TRIES
+    from zocheck_ray.runtime.persist import FULL_TRIES
 
     job = JobConfig(storage=str(small_disk.path), shadow={"snapshot_interval": 4}, durability={"lease_seconds": 2},
                     zo=dict(lr=1e-3, eps=1e-3))

@@ -21,15 +21,14 @@ from typing import Callable
 
 import torch
 
-from zocheck_ray.runtime.errors import ShadowRestartedError  # noqa: F401  (callers catch it from here too)
+from zocheck_ray.runtime.errors import ShadowRestartedError, StageError
 from zocheck_ray.host.image import ImageBuffer, ImageGoneError, ImageLayout, copy_state
 from zocheck_ray.host.memory import frombuffer, process_memory
 from zocheck_ray.runtime.ledger import RecordLedger
 from zocheck_ray.runtime.messages import AdapterIdentity, ShadowMetrics, ShadowStatus, TrainerTimes
 from zocheck_ray.runtime.publisher import PushReply
-from zocheck_ray.runtime.stages import (  # noqa: F401  (StageError: callers catch it from here)
-    MAX_BACKOFF_SECONDS, STARTUP_STORAGE_SECONDS, Image, PersistStage, ReplayStage, StageError,
-)
+from zocheck_ray.runtime.persist import MAX_BACKOFF_SECONDS, STARTUP_STORAGE_SECONDS, PersistStage
+from zocheck_ray.runtime.replay import Image, ReplayStage
 from zocheck_ray.config import JobConfig
 from zocheck_ray.core import StepRecord
 from zocheck_ray.core.errors import CorruptRecordError
