@@ -1,5 +1,5 @@
-"""`InputsActor`: what a run's trainers take from the driver besides the job (rows and functions handed over in
-Python: the task the start-up check built, a `model_init`), kept in Ray's object store for the run.
+"""`InputsActor`: the rows and functions a run's trainers take from the driver besides the job (the start-up
+check's task, a `model_init`), kept in Ray's object store.
 
 Each trainer process, restarted ones too, finds the holder by name, since Ray cannot promise a restartable actor the
 references it was created with (ray-project/ray#53727). The holder is never restarted and lives on the driver's node.

@@ -149,8 +149,7 @@ def is_ours(exc: Exception) -> bool:
 
 
 def ray_reason(exc: BaseException) -> str:
-    """Ray's reason for an actor's failure, in one line: its report without the actor's details (lines of their
-    own) or a traceback (a constructor's error: its last line)."""
+    """Ray's reason for an actor's failure in one line: its report without the actor's details or a traceback."""
     from ray.exceptions import ActorDiedError
 
     lines = [line.rstrip() for line in str(exc).strip().splitlines() if line.strip()]

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 
 def shadow_writer(run_id: str) -> str:
-    """The shadow's name in its run's lease. Actor names are unique in a cluster, so a holder of this
-    name is a dead predecessor, whose lease the new shadow reclaims."""
+    """The shadow's name in its run's lease; actor names are unique in a cluster, so another holder of it is a dead
+    predecessor, whose lease the new shadow reclaims."""
     return f"shadow:{run_id}@{ray.get_runtime_context().gcs_address}"
 
 

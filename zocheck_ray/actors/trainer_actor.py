@@ -24,8 +24,8 @@ Prepared = Literal["constructor", "prepare", "first use"]
 
 
 RECOVERY_THREADS = 8
-"""A trainer's numba threads, or one per core where more (`size_numba_pool`). The replay uses them all, to
-keep its share of cores shared with a recovery's neighbours (docs/benchmarks.md); a step uses one per core."""
+"""A trainer's numba threads, or one per core where more (`size_numba_pool`): the replay uses them all to keep its
+share of the cores beside a recovery's neighbours."""
 
 
 def size_numba_pool() -> None:
@@ -38,8 +38,8 @@ def size_numba_pool() -> None:
 
 
 def _input_error() -> type:
-    """The error of the run's input (data, function or model), kept for a restarted process's first call, since a
-    restart meets it again."""
+    """The run's input error (data, function or model), kept for a restarted process's first call, which meets it
+    again."""
     from zocheck_ray.workload.errors import WorkloadError
 
     return WorkloadError
@@ -70,8 +70,7 @@ class TrainerActor:
     `run`."""
 
     def __init__(self, job: dict, hooks=None, rank: int = 0, standby: bool = False, inputs: str | None = None):
-        """`inputs`: the name of the run's `InputsActor` (rows and functions handed over), whose task the trainer
-        takes when it builds (None: it builds the job's task itself)."""
+        """`inputs`: the run's `InputsActor`, whose task the trainer takes (None: it builds the job's task)."""
         size_numba_pool()  # before anything imports numba in this process
         logging.basicConfig(level=logging.INFO)
         self.incarnation = uuid.uuid4().hex  # tells a restarted trainer from the one before

@@ -6,9 +6,9 @@
 STARTING -> PROFILING (sets the snapshot interval and the lag bound) -> RUNNING (one segment
 of `log_interval` steps per turn) -> FINISHING (the final state made durable) -> DONE. A
 failure in any state becomes a `Failure` that `decide` (control/policy.py) turns into
-`Recovering(failure)`, `Resyncing(reason, bound)` or `Failed(error, step)`: the states that carry
-their data. A stop signal turns the next step boundary into STOPPING -> STOPPED. Everything
-the run reports goes through callbacks (control/callbacks.py).
+`Recovering`, `Resyncing` or `Failed`, states that carry their data. A stop signal turns the next
+step boundary into STOPPING -> STOPPED. Everything the run reports goes through callbacks
+(control/callbacks.py).
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ class Parts(Protocol):
 
 
 class Controller:
-    """Drives one run through its states. It holds no Ray type (its shadow client and trainer group come
-    from `parts`), so the unit tests drive every row of the failure table without Ray."""
+    """Drives one run through its states, holding no Ray type (`parts` brings them), so the unit tests drive every
+    row of the failure table without Ray."""
 
     def __init__(self, job: JobConfig, task, parts: Parts, callbacks: Iterable[RunCallback] = (),
                  stop: StopRequest | None = None, writer: str | None = None):
@@ -312,8 +312,8 @@ class Controller:
         return State.DONE
 
     def _make_durable(self) -> tuple[list[tuple[int, str]], ShadowMetrics] | Failure:
-        """Every rank's final (step, state_hash) and the shadow's metrics once that state is durable.
-        Records the shadow still lacks after delivery are held by no process (`records_lost`)."""
+        """Every rank's final (step, state_hash) and the shadow's metrics once that state is durable; records the
+        shadow still lacks after delivery are lost (`records_lost`)."""
         for _ in range(DRAIN_ATTEMPTS):
             incarnation = self._status().incarnation  # waits while Ray restarts the shadow
             try:

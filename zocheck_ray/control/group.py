@@ -2,9 +2,8 @@
 
 A single trainer is a group of one; data parallel is k ranks in one gloo process group.
 `run` returns a lost rank as a `Failure` value, so the controller decides what to do.
-`recover` replaces a lost rank by the ready standby (the restarted process becomes the next
-one) or by Ray's restart, and rejoins every rank at the shadow's step. An elastic group
-(`control/elastic_group.py`) re-forms mid-step without a lost rank instead.
+`recover` replaces a lost rank by the ready standby or Ray's restart, and rejoins every rank
+at the shadow's step.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ HYPERPARAMETERS = ("lr", "eps", "weight_decay")
 NOT_TRAINED_ON = ("data_path", "data_format", "split", "eval_path", "eval_split", "eval_size", "eval_interval",
                   "eval_batch_size", "num_eval", "eval_generations", "max_new_tokens", "micro_batch_size")
 """`task.` fields that change no training step: where the rows are read from (their fingerprint is checked),
-evaluation, and micro-batches (they add up to the same sums in float64)."""
+evaluation, and micro-batches."""
 
 
 class HyperparameterChange(BaseModel):
@@ -44,8 +44,8 @@ class RunIdentity(BaseModel):
 
     model: str
     weights: str
-    """How the initial weights were made: a model directory's weight files (SHA-256 of their headers and sizes),
-    a built-in's seed, or a `model_init`'s parameter layout."""
+    """How the initial weights were made: a model directory's weight files (hashed headers and sizes), a built-in's
+    seed, or a `model_init`'s parameter layout."""
     dtype: str
     task: dict[str, Any]
     data: str

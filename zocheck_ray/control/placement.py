@@ -37,8 +37,8 @@ PLACEMENT_NOTICE_SECONDS = 2.0
 
 
 def scales_up(job: JobConfig, pg: PlacementGroup | None = None) -> bool:
-    """Whether the run starts with `min` ranks or more and grows to `max` as the cluster has room: an elastic
-    run under `spread`, each other rank in a placement group of its own."""
+    """Whether an elastic run under `spread` starts with `min` ranks and grows to `max` as the cluster has room,
+    each other rank in a placement group of its own."""
     s = job.scaling
     return pg is None and s.placement == "spread" and s.min_trainers is not None and s.min_trainers < s.trainers
 
@@ -218,8 +218,7 @@ class Placement:
                                + "; ".join(filter(None, [ray_reason(exc), token_mode_mismatch()])))
 
     def _wait_started(self, shadow, trainers: list, slots: list[int]) -> None:
-        """Wait for every constructor (the shadow's without a retry, a rank's through Ray's restarts): an error of
-        the run's own is raised as it is, Ray's as `ActorStartError`."""
+        """Wait for every constructor, raising the run's own error as it is and Ray's as `ActorStartError`."""
         run_id = self.job.run_id
         started = [(shadow_name(run_id), shadow.ready.options(max_task_retries=0).remote())] + \
             [(trainer_name(run_id, slot), trainer.readiness.remote()) for slot, trainer in zip(slots, trainers)]

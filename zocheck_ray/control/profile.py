@@ -26,8 +26,8 @@ def profile_steps(job: JobConfig) -> int:
 
 def startup_profile(job: JobConfig, shadow, train_to: Callable[[int], TrainerProgress],
                     first_step: int = 0) -> ProfileReport:
-    """Measure the trainer step, the replay per thread count, the snapshot copy and persistence in the
-    first training steps, and choose N and the threads. `train_to(step)` trains every rank to `step`."""
+    """Measure the costs of the cost model in the first training steps and choose N and the replay threads;
+    `train_to(step)` trains every rank to `step`."""
     settings = profile_settings(job, job.steps - first_step)
     reached = [first_step]
 
