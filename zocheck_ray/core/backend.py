@@ -1,7 +1,7 @@
 """Backend selection: which implementation computes z and the steps on a device.
 
-Every implementation gives the oracle's bits; "auto" takes the GPU kernels on CUDA once they have
-passed the start-up guard, eager torch elsewhere. The core's layers, each importing only from those
+Every implementation gives the oracle's bits; "auto" takes the GPU kernels on CUDA once they
+pass the start-up guard, eager torch elsewhere. The core's layers, each importing only from those
 before it: specification (config, errors, layout, record, scalars, seeds, hashing, cpus) <-
 reference (generator, update, reference, validation) <- kernels <- guard <- backend and optimizer.
 """

@@ -14,8 +14,7 @@ multiply and an add into an FMA. A step of q perturbations, seeds s_j, projected
     zo-sgd-sign: zo-sgd with G_j = f32(sgn(g_j) / q)  (ZO-Bench's sign(g) z)
     zo-signsgd:  u = sgn(a) = (a > 0) - (a < 0)  (exact: -1, 0 or 1);  [u = r(u + r(p * wd))];  p = r(p - r(u * lr))
     zo-sgd-mmt:  m = m*mu + a;  u = m;  [u = u + p*wd]   (float32);  p = r(p - r(u * lr))
-    zo-sgd-cons: for each move c of the record's decision (lr, -2 lr, then lr to go back to the start,
-                 2 lr to the descent step, or none to stay at the ascent step):
+    zo-sgd-cons: for each move c of the record's decision (a multiple of lr, or none):
                  u = r(a);  [u = r(u + r(p * wd))];  p = r(p - r(u * c))
 
 zd_j = r(z_j); bracketed decay terms apply to decayed tensors when wd > 0.
@@ -162,8 +161,8 @@ def perturb_all(p: torch.Tensor, zds: list[torch.Tensor], s: StepScalars, dtype,
 
 def update_chunk(state: dict[str, torch.Tensor], name: str, a: int, b: int, p: torch.Tensor, zds: list[torch.Tensor],
                  s: StepScalars, decay: bool, dtype: torch.dtype, optimizer: str, mask=None) -> torch.Tensor:
-    """The update of elements a..b of `name` from their perturbed float32 values `p`; buffers in `state` are
-    updated in place. Returns the new p."""
+    """The new p of elements a..b of `name` from their perturbed float32 values `p`, `state`'s buffers updated in
+    place."""
     est = estimate(zds, s)
     if optimizer == "zo-adam":
         m = state[EXP_AVG_PREFIX + name].view(-1)[a:b]
@@ -185,8 +184,8 @@ def update_chunk(state: dict[str, torch.Tensor], name: str, a: int, b: int, p: t
 
 def step_tensor(p: torch.Tensor, buffers: list[torch.Tensor], zds: list[torch.Tensor], s: StepScalars, decay: bool,
                 optimizer: str, threshold: float | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One whole step on one stored tensor and its float32 `buffers`: (new p, new buffers). The oracle the
-    kernels' tests and the start-up guard compare with."""
+    """One whole step on one stored tensor and its float32 `buffers`: (new p, new buffers), the oracle the kernels
+    are compared with."""
     dtype = p.dtype
     x = p.reshape(-1).float()
     mask = sparse_mask(x, threshold) if optimizer == "sparse-mezo" else None

@@ -16,10 +16,8 @@ from zocheck_ray.core.scalars import StepScalars
 
 def check_replay(state: dict[str, torch.Tensor], records: Sequence[StepRecord], config: ZOConfig,
                  start_step: int | None = None) -> tuple[Layout, list[StepScalars]]:
-    """Validate a replay's inputs; returns the state's layout and each step's scalars.
-
-    `start_step`, when given, is the step the state is at: the first record must have it.
-    """
+    """Validate a replay's inputs (the first record must be at `start_step`, when given); returns the state's
+    layout and each step's scalars."""
     if not isinstance(config, ZOConfig):
         raise TypeError(f"config must be a ZOConfig, got {type(config).__name__}")
     layout = Layout.from_state(state, config)

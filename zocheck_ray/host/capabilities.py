@@ -1,7 +1,7 @@
 """What this host offers the Linux speed-ups, probed once per process; each has a plain path.
 
-`ZOCHECK_HOST_PLAIN=1` (handed to the actors through the runtime environment) turns every probe
-off, so the plain paths are tested on the machine that has the fast ones.
+`ZOCHECK_HOST_PLAIN=1` turns every probe off, here and in the actors, so the plain paths are
+tested on the machine that has the fast ones.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict
 
 
 class ImageHandle(BaseModel):
-    """An image (or an intake buffer) as another process reaches it: the typed message for the hand-over."""
+    """An image (or an intake buffer) as another process reaches it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

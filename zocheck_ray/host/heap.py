@@ -15,8 +15,8 @@ from zocheck_ray.host.capabilities import capabilities
 
 @contextmanager
 def settling_heap():
-    """Run the block with the cyclic collector paused; then collect, freeze the survivors and resume it. The plain
-    path (`heap_freeze` off) runs the block as it is."""
+    """Run the block with the cyclic collector paused; then collect, freeze the survivors and resume it (plain path:
+    the block as it is)."""
     if not capabilities().heap_freeze:
         yield
         return

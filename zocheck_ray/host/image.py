@@ -1,7 +1,7 @@
 """State images: a state as one flat buffer, kept in memory that the shadow owns.
 
-`ImageLayout` places each tensor at a 64-byte-aligned offset of one buffer, so an image is one
-object to copy, hand over and persist. Where the host offers it (`capabilities.shared_images`), an
+An image is one aligned buffer (`ImageLayout`), so it is one object to copy, hand over and
+persist. Where the host offers it (`capabilities.shared_images`), an
 image is a memfd, freed when its last holder closes it, not an object in Ray's store, which frees
 asynchronously and would break the shadow's budget of two copies of the state. A trainer on the same
 node reads it through `/proc/<pid>/fd/<n>` a window at a time; elsewhere the image is private memory
@@ -218,8 +218,7 @@ class ImageGoneError(RuntimeError):
 
 
 def open_image(handle: ImageHandle, write: bool = False) -> int | None:
-    """Open the owner's memfd on this node; None where it cannot be opened here (private memory, another pid
-    namespace, a policy that forbids it, or the buffer is gone): the reader then goes through Ray."""
+    """Open the owner's memfd on this node; None where it cannot be opened here, so the reader goes through Ray."""
     if handle.memfd is None:
         return None
     try:

@@ -24,8 +24,8 @@ def aligned_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
 
 
 def anonymous_mapping(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
-    """A private anonymous mapping of `nbytes` (> 0) as a uint8 tensor, nothing faulted yet. Returns the tensor and
-    the mapping (its views keep it alive)."""
+    """A private anonymous mapping of `nbytes` (> 0) as a uint8 tensor, nothing faulted yet, and the mapping, which
+    its views keep alive."""
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return frombuffer(region), region
 
