@@ -7,7 +7,7 @@
     store = SnapshotStore("s3://bucket/run", storage_options={"endpoint_url": url}, lease=lease)
     log = StepLog("s3://bucket/run", {"endpoint_url": url}, lease=lease)
     log.append(record); log.flush()                     # every step, buffered
-    store.save(step, state, {"zo_config": config})      # every N steps, from a frozen copy
+    store.save(step, state, {"zo_config": config})      # every N steps
     log.collect_garbage(store.committed()[-1].step)     # after a save
     state, step = recover_state("s3://bucket/run")      # after a host failure
 

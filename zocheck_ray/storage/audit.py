@@ -141,8 +141,8 @@ def _log_after(store: SnapshotStore, after_step: int, mismatches: list[str]) -> 
 
 
 def _check_promises(store: SnapshotStore, infos: list[SnapshotInfo], mismatches: list[str]) -> list[tuple[int, int]]:
-    """A mismatch for each manifest whose promised log steps (from the oldest snapshot kept on: retention collects
-    the log below it) the log does not hold; returns the steps not held."""
+    """A mismatch for each manifest, from the oldest kept on, whose promised log steps the log does not hold;
+    returns the steps not held."""
     oldest = infos[0].step
     read: dict[int, list] = {}
     unproven = []

@@ -195,7 +195,7 @@ class FsspecStorage:
     @contextmanager
     def open_write(self, rel: str, durable: bool = True, written: list[Written] | None = None) -> Iterator[BinaryIO]:
         """A file or object to write: whole and durable on a clean exit, discarded on an error (`durable=False`:
-        locally not yet fsync'd, for `make_durable` to fsync many at once). `written`: gets the file's `Written`."""
+        left for `make_durable` to fsync many at once)."""
         path = self._path(rel)
         with self.guard("write", rel):
             f = open_local_write(path) if self.local else self.fs.open(path, "wb")
@@ -277,8 +277,8 @@ class FsspecStorage:
         return Written(rel, len(data), (stat.st_dev, stat.st_ino))
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
-        """Create `rel` holding `data`, durably, unless it exists; False when it does. Of two racers exactly one
-        gets True, where the store creates atomically (a hard link locally, `If-None-Match: *` on S3)."""
+        """Create `rel` holding `data`, durably, unless it exists (False); of two racers exactly one gets True where
+        the store creates atomically."""
         path = self._path(rel)
         with self.guard("write", rel):
             if self.local:
@@ -584,8 +584,8 @@ _DESCRIPTIONS: dict[str | None, object] = {}
 
 
 def _with_shared_descriptions(s3fs, options: dict) -> dict:
-    """`options` with a botocore session of its own that takes the service descriptions from one loader per
-    process (parsing them per store costs a start-up)."""
+    """`options` with a botocore session whose service descriptions come from one loader per process, since
+    parsing them per store is slow."""
     from aiobotocore.session import AioSession
 
     if "session" in options or not set(options) <= _filesystem_parameters(s3fs.S3FileSystem):
@@ -634,9 +634,8 @@ def _probe_write(storage: FsspecStorage) -> None:
 
 
 def probe_write(storage: FsspecStorage, directory: str) -> None:
-    """Write and remove a tiny object in `directory` (relative; "" for the root): `StorageRefusedError` where the
-    store refuses it (read-only, denied, immutable), `StorageFullError` where it has no room, `StorageError`
-    otherwise."""
+    """Write and remove a tiny object in `directory` (relative; "" for the root); raises the `StorageError` that
+    says why it was not taken."""
     name = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
     rel = f"{directory.rstrip('/')}/{name}" if directory else name
     where = storage.url_of(directory)

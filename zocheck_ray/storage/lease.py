@@ -1,8 +1,8 @@
 """`Lease`: one writer per run's storage.
 
     lease = Lease("s3://bucket/run", storage_options, owner="shadow:run-1")
-    lease.acquire()                     # LeaseHeldError names the holder when another writer is live
-    lease.start_heartbeat()             # renews every lease_seconds / 3 on a thread of its own
+    lease.acquire()                     # LeaseHeldError names a live holder
+    lease.start_heartbeat()             # renews every lease_seconds / 3
     store = SnapshotStore("s3://bucket/run", storage_options, lease=lease)
     ...
     lease.release()
@@ -149,8 +149,8 @@ def check_no_live_writer(url: str, storage_options: dict | None = None) -> Lease
 
 def release_dead_holder(url: str, storage_options: dict | None = None, *, owner: str,
                         lease_seconds: float = DEFAULT_LEASE_SECONDS) -> bool:
-    """Release the lease `owner` holds on the run at `url`, for a holder known to be dead, so that the next writer
-    need not wait for it to go stale; returns whether it released one."""
+    """Release the lease `owner` holds on the run at `url` for a holder known dead, so the next writer need not
+    wait; returns whether it released one."""
     storage = open_storage(url, storage_options, create=False)
     current = read_lease(storage)
     if current is None or current.owner != owner or current.stale():
@@ -324,8 +324,8 @@ class Lease:
         return fresh
 
     def release(self) -> bool:
-        """Stop the heartbeat and mark the lease released so that the next writer takes it at once; returns whether
-        the stored lease says so (else it goes stale by itself)."""
+        """Stop the heartbeat and mark the lease released so the next writer takes it at once; returns whether the
+        stored lease says so."""
         self.stop_heartbeat()
         with self._lock:
             info, self._info = self._info, None

@@ -525,8 +525,8 @@ class SnapshotStore:
         return self.storage.url_of(target)
 
     def set_aside_newer(self, step: int, keep: frozenset[int] = frozenset()) -> list[str]:
-        """`set_aside` every committed snapshot newer than `step`, the one a recovery used, but those at `keep` (saved
-        since): each was skipped as damaged (`recover` takes the newest sound one)."""
+        """`set_aside` every committed snapshot newer than `step` (the one a recovery used), except those at `keep`:
+        each was skipped as damaged."""
         return [self.set_aside(s) for s, directory in self._steps()
                 if s > step and s not in keep and MANIFEST_FILE in self.storage.list_dir(directory)]
 

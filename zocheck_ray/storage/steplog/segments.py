@@ -60,7 +60,7 @@ def first_logged_step(storage: Storage) -> int | None:
 
 def parse_segment(data: bytes, segment: Segment, url: str, torn_tail_ok: bool) -> tuple[list[StepRecord], int]:
     """The records of one segment and the length of its valid part; with `torn_tail_ok` a record cut short at
-    the end is dropped silently, otherwise it raises `CorruptLogError` like any damage."""
+    the end is dropped, else it raises `CorruptLogError`."""
     records: list[StepRecord] = []
     if data[: len(SEGMENT_MAGIC)] != SEGMENT_MAGIC[: len(data)] or (len(data) < len(SEGMENT_MAGIC) and not torn_tail_ok):
         raise CorruptLogError(f"{url} is not a step-log segment (bad magic)", url, step=segment.first_step, offset=0)
