@@ -2,10 +2,10 @@
 
     from zocheck_ray.workload import TaskConfig, build_model, build_task, trainable_parameters
 
-    task = build_task(TaskConfig(), "tiny-opt")      # shipped SST-2 style data; all input checks
+    task = build_task(TaskConfig(), "tiny-opt")      # the shipped data, every input checked
     model = build_model("tiny-opt", "fp32", seed=0)
     loss = task.loss(model, task.batch(step))        # the batch is a pure function of (data_seed, step)
-    task.evaluate(model)                             # {"accuracy": ..., "loss": ...} on held-out rows
+    task.evaluate(model)                             # {"accuracy": ..., "loss": ...}
 
     task = build_task(TaskConfig(kind="sft"), "tiny-chat", rows=dataset)   # TRL's SFT formats (docs/sft.md)
 """

@@ -30,8 +30,8 @@ class BaseModelMismatchError(WorkloadError):
 
 
 def check_adapter(settings: PeftSettings, name: str) -> None:
-    """Raise `WorkloadError` where `settings` names a LoRA target module that model `name` lacks, or asks for
-    prefix tuning of a model whose forward takes no past key values (peft's own test, made before any actor)."""
+    """Raise `WorkloadError`, before any actor starts, where `settings` names a LoRA target module that model `name`
+    lacks, or asks for prefix tuning of a model without past key values."""
     if settings.method == "qzo" or settings.method == "lora" and not settings.target_modules:
         return  # QZO: checked on the quantized base (`workload.quantized.probe`)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -123,9 +123,8 @@ class TrainableModel:
 def build_trainable(name: str, dtype: str, seed: int, peft: PeftSettings | None = None,
                     device: str | torch.device = "cpu", weights: str = "load",
                     quantization: QuantizationSettings | None = None) -> TrainableModel:
-    """The model a trainer trains: `build_model(...)`'s, or with `peft` the loaded base wrapped with the adapter
-    (`quantization`: the base loaded quantized). `weights="none"`: a skeleton whose trained parameters an image
-    fills."""
+    """The model a trainer trains: `build_model(...)`'s, or with `peft` the base wrapped with the adapter;
+    `weights="none"`: a skeleton an image fills."""
     from zocheck_ray.workload.models import build_model, model_kind, trainable_parameters
     from zocheck_ray.workload.names import model_directory
 

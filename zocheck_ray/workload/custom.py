@@ -244,8 +244,8 @@ class Workload:
         return self.data_collator is not None or self.compute_loss_func is not None
 
     def build(self, config: TaskConfig, model: str) -> Task:
-        """The task: kind `sft` on TRL's rows handed over; `CollatorTask` with the user's collator or loss, or on
-        rows that are the model's inputs already (`Trainer`'s default collator and the model's own loss)."""
+        """The task: kind `sft` on TRL's rows, else a `CollatorTask` with the user's collator and loss (or
+        `Trainer`'s defaults)."""
         from zocheck_ray.workload.builder import build_task
         from zocheck_ray.workload.tokenization import HFTokenizer
 

@@ -3,7 +3,7 @@ file and line.
 
     rows = read_rows("train.jsonl", text_field="sentence", label_field="label")
     records = read_records("rte_saved/", split="train")  # every field; a `save_to_disk` folder
-    records = memory_records(dataset)                     # kind sft: a datasets.Dataset handed over in Python
+    records = memory_records(dataset)                     # a datasets.Dataset handed over
 
 Nothing is coerced silently: a float, boolean or null label is an error (CSV's text "1" matches key 1).
 """

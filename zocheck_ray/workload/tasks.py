@@ -1,15 +1,15 @@
 """Tasks: the batches, loss and held-out metrics a ZO trainer needs, built before any model.
 
-    task = build_task(TaskConfig(), "tiny-opt")            # checks data, labels, model fit (builder.py)
+    task = build_task(TaskConfig(), "tiny-opt")            # every input checked (builder.py)
     model = build_model("tiny-opt")
     opt = ZOOptimizer(trainable_parameters(model), ZOConfig(lr=1e-3))
     for t in range(steps):
         batch = task.batch(t)                              # a pure function of (data_seed, t)
         opt.step(lambda: task.loss(model, batch), seed=step_seed(run_seed, t))
-    task.evaluate(model)                                   # {"accuracy": ..., "loss": ...}
+    task.evaluate(model)
 
-Prompt classification (`sst2`, MeZO's SuperGLUE tasks) scores each candidate by the mean log-probability
-of its tokens (MeZO's `train_as_classification`); COPA trains on its gold candidate's tokens.
+Prompt classification scores each candidate by the mean log-probability of its tokens (MeZO's
+`train_as_classification`).
 """
 
 from __future__ import annotations

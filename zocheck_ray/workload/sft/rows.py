@@ -4,7 +4,7 @@
 
 | format | columns |
 | --- | --- |
-| `language_modeling` | `text` (TRL's `dataset_text_field`, our `task.text_field`): a string |
+| `language_modeling` | `text` (`task.text_field`): a string |
 | `conversational_language_modeling` | `messages`: a list of `{"role", "content"}` |
 | `prompt_completion` | `prompt` and `completion`: strings |
 | `conversational_prompt_completion` | `prompt` and `completion`: lists of messages |
