@@ -40,6 +40,5 @@ __getattr__, __dir__ = on_first_use(globals(), {
     "control": ("run", "RunSummary", "RunFailedError", "RunCallback", "RunStopped", "FaultPlan"),
     "zotrainer": ("ZOTrainer", "ZOTrainerCallback"),
 })
-"""The public surface (`__all__`), loaded on first use: `zocheck_ray.core` runs where Ray is absent, and a process
-that imports one module of the package (a Ray worker loading `TrainerActor`'s) loads neither torch nor Ray's control
-code until it uses them. Everything else is reached through its module (`zocheck_ray.testing`, `.storage`, ...)."""
+"""The public surface (`__all__`), loaded on first use, so a process that imports one module of the package (a Ray
+worker loading `TrainerActor`'s) loads neither torch nor Ray's control code until it uses them."""

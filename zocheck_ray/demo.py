@@ -3,10 +3,9 @@
     zocheck-ray train                     # or: zocheck-ray demo, make demo
     zocheck-ray train --steps 60 --storage /tmp/runs
 
-It needs no download (a local Ray, `tiny-opt` built from its config, the shipped sentences). It
-fine-tunes with MeZO on language modelling, kills the trainer once at 60% of the steps, recovers,
-checks every step's state against the durable log, and prints a table. Language modelling, since
-a model this small learns no sentiment from random weights.
+It needs no download. It fine-tunes `tiny-opt` with MeZO on language modelling (a model this small
+learns no sentiment from random weights), kills the trainer once at 60% of the steps, recovers,
+checks every step's state against the durable log, and prints a table.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""Plots are optional: matplotlib comes with the `bench` extra (and the test extra).
-
-    pip install 'zocheck-ray[bench]'      # or, in a checkout: pip install -e '.[bench]'
+"""Plots are optional: matplotlib comes with the `bench` extra (`pip install 'zocheck-ray[bench]'`).
 
 Benchmarks print tables and write JSON without it; a command asked for a figure says so before it starts.
 """

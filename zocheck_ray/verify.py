@@ -1,7 +1,7 @@
 """Check a finished run against its durable storage: is what was logged what was trained?
 
     summary = zocheck_ray.run(job, fail_at=[120])
-    result = verify_run(job, summary)      # `zocheck-ray train --verify` does this
+    result = verify_run(job, summary)      # as `zocheck-ray train --verify`
     assert result.verified
     print(result.audit)                    # steps 150..300 proven: 2 snapshots, 150 records, 0 mismatches
 

@@ -5,9 +5,9 @@
 
     trainer = ZOTrainer(model="tiny-chat", args={"steps": 100, "peft": {"method": "lora"}},
                         train_dataset=Dataset.from_list(chats))
-    trainer.train()                  # a run as `zocheck-ray train` runs a job file: Ray restarts, the durable log
+    trainer.train()                  # a run as `zocheck-ray train` runs a job file
     trainer.evaluate()               # {"eval_loss": ..., "eval_perplexity": ...} of the final state
-    trainer.save_model("out/")       # a Hugging Face directory (a peft adapter's, with LoRA) of the final state
+    trainer.save_model("out/")       # a Hugging Face directory of the final state
 
 `args` is the job (`JobConfig`, a dict of its fields, or a YAML file). `data_collator` and `compute_loss_func`
 have `transformers.Trainer`'s meaning and signature; `callbacks` get the run's events as read-only values.
@@ -134,7 +134,7 @@ class _Events(RunCallback):
 
 
 def job_of(args: JobConfig | Mapping | str | Path | None, model: str | None = None, **fields: Any) -> JobConfig:
-    """The job `args` names (a `JobConfig`, a dict of its fields or a YAML file), with `model` and `fields` set."""
+    """The job `args` names, with `model` and `fields` set."""
     if isinstance(args, JobConfig):
         base = args.model_dump(mode="json")
         path = None
@@ -156,9 +156,8 @@ class ZOTrainer:
                  processing_class: Any = None, data_collator: Callable | None = None,
                  compute_loss_func: Callable | None = None, callbacks: Sequence[ZOTrainerCallback] | None = None,
                  model_init: Callable | None = None):
-        """`model`: a job's `model` (None: `args`'s), or a `model_init` function each trainer process calls (here
-        once too, to learn the layout), torch seeded from `run_seed`. Rows handed over make the task kind `sft`
-        unless `args` names another."""
+        """`model`: a job's `model` (None: `args`'s), or a `model_init` function each trainer process calls, torch
+        seeded from `run_seed`; rows handed over make the task kind `sft` unless `args` names another."""
         if model_init is not None:
             if model is not None:
                 raise JobConfigError("give model or model_init, not both")

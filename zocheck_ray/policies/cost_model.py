@@ -232,7 +232,7 @@ def lag_interval(timings: Timings, window_seconds: float) -> int:
 
 
 def lag_window_seconds(timings: Timings, failures: FailureModel, lag_bound_steps: float) -> float:
-    """The window W = M C_copy / (L T_rec) to put in `lag_interval` when resyncs cap the lag at L steps."""
+    """The window W = M C_copy / (L T_rec) for `lag_interval` when resyncs cap the lag at L steps."""
     lag_bound_steps = _check_positive(lag_bound_steps, "lag_bound_steps")
     return failures.mtbf_seconds * timings.state_copy / (lag_bound_steps * timings.recovery_replay_step)
 
@@ -240,8 +240,8 @@ def lag_window_seconds(timings: Timings, failures: FailureModel, lag_bound_steps
 def snapshot_interval(
     timings: Timings, failures: FailureModel | None = None, lag_bound_steps: float | None = None
 ) -> int:
-    """The policy's N in closed form (lag with a failure model: the fixed point of N = lag_interval(W(L)));
-    `waste.configure` then polishes it on the exact waste."""
+    """The policy's N in closed form (in lag with a failure model, the fixed point of N = lag_interval(W(L)));
+    `waste.configure` polishes it."""
     if regime(timings) == "keep-pace":
         return keep_pace_interval(timings)
     if lag_bound_steps is not None:

@@ -90,8 +90,8 @@ def configure(
     lag_bound_steps: float | None = None,
     checkpoint_interval_steps: int | None = None,
 ) -> StrategyConfig:
-    """Fill in a strategy's parameters by policy where not given (N, L* and Young-Daly's K); in the lag regime N
-    is then polished on the exact waste."""
+    """Fill in a strategy's parameters (N, L*, Young-Daly's K) by policy where not given; in the lag regime N is
+    polished on the exact waste."""
     check_failure_model(timings, failures)
     if lag_bound_steps is not None:
         _check_positive(lag_bound_steps, "lag_bound_steps")

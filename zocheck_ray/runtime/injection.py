@@ -27,17 +27,15 @@ class FaultInjection(BaseModel):
     die_at: dict[int, list[int]] = {}
     """Rank -> steps at which the process serving that rank exits, once each."""
     die_at_exchange: dict[int, list[tuple[int, int]]] = {}
-    """Rank -> (step, exchange) before which the process serving that rank exits, once each (0: at +eps,
-    1: at -eps): a rank lost mid-step."""
+    """Rank -> (step, exchange: 0 at +eps, 1 at -eps) before which the process serving that rank exits, once each."""
     stall_at_exchange: dict[int, list[tuple[int, int]]] = {}
     """Rank -> (step, exchange) before which that rank waits, alive, until another's exchange failed (timed out)."""
     die_at_regroup: dict[int, list[int]] = {}
-    """Rank -> group generations before whose rendezvous the process serving that rank exits, once each: a
-    survivor lost while the group re-forms."""
+    """Rank -> group generations before whose rendezvous the process serving that rank exits, once each."""
     marker_dir: str | None = None
     """Where each exit leaves a marker, so the restarted process does not exit there again."""
     build_error: str | None = None
-    """A message a rank's first build raises as a `WorkloadError`: a trainer that refuses in its constructor."""
+    """A message a rank's first build raises as a `WorkloadError`."""
     standby_builds_after: str | None = None
     """A path: a standby builds its model only once the file exists, so a loss meets a standby not yet ready."""
 

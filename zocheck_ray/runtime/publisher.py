@@ -23,8 +23,8 @@ from zocheck_ray.core import StepRecord
 logger = logging.getLogger(__name__)
 
 FLUSH_SECONDS = 0.1
-"""Records go in batches at most this often (a push costs both processes CPU); a trainer that dies loses at
-most this long of unsent steps, which it trains again."""
+"""Records go in batches at most this often, since a push costs both processes CPU; a dying trainer loses at most
+this long of unsent steps."""
 PING_SECONDS = 0.25
 """With no reply for this long and records not yet durable (or a new step to report), ask."""
 
@@ -33,8 +33,8 @@ class ShadowLink(Protocol):
     """How the trainer reaches its shadow (a Ray actor, or an in-process one in tests)."""
 
     def borrow_image(self, fresh: bool = False, held: str | None = None):
-        """The shadow's newest image opened for reading, or None when it has none. `fresh`: a snapshot of the
-        replica where the shadow can take one now; `held`: the token of the image the caller holds."""
+        """The shadow's newest image opened for reading, or None; `fresh`: a snapshot of the replica where it can take
+        one now; `held`: the token of the image the caller holds."""
     def initialize(self, state: dict[str, torch.Tensor], step: int, adapter=None, model_config=None) -> None:
         """Hand the shadow the initial state and the adapter's identity or the model's config."""
     def write_state(self, state: dict[str, torch.Tensor]) -> None:

@@ -4,10 +4,9 @@
 
     WAITING -> RESTORING -> RANK -> TORN -> RESTORING -> RANK
 
-A rank restores when built (`restore.py`); a standby or a restarted process waits for `rejoin`
-(a CPU standby holding the newest image, `standby.py`); a rank whose gather fails is TORN,
-mid-perturbation (its place among the ranks: `rank_group.py`). Evaluation runs between steps on
-unperturbed weights: no record changes.
+A rank restores when built; a standby or a restarted process waits for `rejoin`; a rank whose
+gather fails mid-perturbation is TORN. Evaluation runs between steps on unperturbed weights, so
+no record changes.
 """
 
 from __future__ import annotations
@@ -50,8 +49,8 @@ TRANSITIONS: dict[Role, frozenset[Role]] = {
 class Trainer:
     def __init__(self, job: JobConfig, shadow: ShadowLink, device: str = "cpu", hooks: TrainerHooks = NO_HOOKS,
                  rank: int = 0, waits: bool = False, incarnation: str = "", task=None):
-        """`waits`: build a skeleton and wait for `rejoin`, so that every rank restores to one step. `task`: the
-        job's task as the start-up check built it (None: built here)."""
+        """`waits`: build a skeleton and wait for `rejoin`, so that every rank restores to one step; `task`: the
+        start-up check's (None: built here)."""
         self.job, self.shadow, self.hooks, self.incarnation = job, shadow, hooks, incarnation
         self.ranks = RankGroup(job, rank, hooks, take_over=lambda: self.publisher.take_over())
         self.log = SegmentLog()

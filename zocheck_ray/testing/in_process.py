@@ -25,8 +25,8 @@ class InjectedDeath(RuntimeError):
 
 
 class DieBefore:
-    """`TrainerHooks`: raise `InjectedDeath` before each of `steps`, once each (a restarted trainer that
-    is handed the same hooks trains the step)."""
+    """`TrainerHooks`: raise `InjectedDeath` before each of `steps`, once each, so a restarted trainer handed the
+    same hooks trains the step."""
 
     steps_hooked = True
 

@@ -55,8 +55,8 @@ def uninterrupted_hashes(job: JobConfig, task=None) -> dict[int, str]:
 
 @_computed_once
 def uninterrupted_data_parallel_hashes(job: JobConfig, task=None) -> dict[int, str]:
-    """The one-trainer S-shard run every data-parallel run must equal, whatever its ranks: each step evaluates
-    the S shards of its batch and adds their (sum, count) pairs in shard order in float64."""
+    """The one-trainer S-shard run every data-parallel run must equal, whatever its ranks: shard sums added in shard
+    order in float64."""
     shards = shard_count(job)
     if shards == 1:
         return uninterrupted_hashes(job, task)

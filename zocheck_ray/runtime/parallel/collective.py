@@ -111,8 +111,8 @@ class LossGroup:
 
     def join(self, address: str, port: int, timeout: float | None = None,
              store: dist.TCPStore | None = None, abandon: Callable[[], bool] | None = None) -> float:
-        """Join (or re-join) the group at rank 0's address:port (`store`: rank 0's, opened by
-        `open_rendezvous`); returns the seconds. `abandon()` True ends the wait for the others (`RankLostError`)."""
+        """Join (or re-join) the group at rank 0's address:port; returns the seconds. `abandon()` True ends the wait
+        (`RankLostError`)."""
         began, timeout = time.perf_counter(), timeout or self.timeout
         store, self._store = store or self._store, None
         self.leave()
@@ -148,8 +148,8 @@ class LossGroup:
             time.sleep(ARRIVAL_POLL_SECONDS)
 
     def lost_peers(self, timeout: float = PROBE_SECONDS) -> list[int]:
-        """The other ranks whose process is gone (or node silent), looked for until `timeout`: a dying
-        process's socket may accept for a moment after its gloo sockets closed."""
+        """The other ranks whose process is gone (or node silent), looked for until `timeout`, since a dying
+        process's socket may still accept for a moment."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
