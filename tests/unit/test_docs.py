@@ -42,7 +42,7 @@ PATH_TOKEN = re.compile(r"`([A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*\.(?:py|md|yaml|
 ROOTS = ("", "zocheck_ray/", "benchmarks/", "benchmarks/results/", "tests/")
 """Where a path a document names may start (`core/fused.py` is `zocheck_ray/core/fused.py`)."""
 NOT_OURS = {"manifest.json", "model.safetensors.index.json", "model.safetensors", "config.json",
-            "adapter_config.json", "setup_worker.py", "zocheck_pointer.json", "retention.json"}
+            "adapter_config.json", "setup_worker.py", "zocheck_pointer.json", "retention.json", "identity.json"}
 """File names the documents use for files the product writes, or another project holds."""
 
 
