@@ -13,7 +13,7 @@ WARM_BYTECODE := $(PY) -c "import torch, numba, ray, peft, datasets, s3fs, moto,
 	from transformers import OPTForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM, BertForSequenceClassification, AutoTokenizer"
 
 $(STAMP): export PIP_COMPILE = false
-.PHONY: demo test test-ray-oldest test-quick check-slow-marks module-seconds bench venv clean reference
+.PHONY: demo test test-docs test-ray-oldest test-quick check-slow-marks module-seconds bench venv clean reference
 
 $(STAMP): pyproject.toml scripts/install_torch.sh scripts/install_package.sh scripts/installer.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,12 @@ PREPARE := $(MAKE) --no-print-directory $(BYTECODE) & $(COMPILE_KERNELS); compil
 test: $(STAMP)
 	$(PREPARE)
 	$(PYTEST) tests
+
+# Every command of README.md and docs/, run as written from a clone of this checkout (tests/journey/): CI runs it
+# after `make test`, which set up the environment it uses; in `make test` only its table's checks run.
+test-docs: $(STAMP)
+	$(PREPARE)
+	ZOCHECK_JOURNEY=1 $(PY) -m pytest -q --durations=0 tests/journey
 
 # The cluster subset (the tests marked `ray_range`: job submit, a software and a host recovery, a data-parallel
 # rank loss, a Tune trial, `status`) and the exactness tests of the core, peft and the recovery matrix at the lower
