@@ -51,7 +51,8 @@ class Clone:
         home = root.parent / "home"
         (home / ".ray").mkdir(parents=True)
         (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))  # as after a local ray.init()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_", "PYTEST", "VIRTUAL_ENV"))}
+        env = {k: v for k, v in os.environ.items()  # not make test-docs's make variables either
+               if not k.startswith(("RAY_", "AWS_", "PYTEST", "VIRTUAL_ENV", "MAKE", "MFLAGS"))}
         venv = root / ".venv"
         self.env = {**env, "PATH": os.pathsep.join([str(venv / "bin"), "/usr/local/bin", "/usr/bin", "/bin"]),
                     "VIRTUAL_ENV": str(venv), "HOME": str(home), "PYTHONPATH": "",
