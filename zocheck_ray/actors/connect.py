@@ -25,6 +25,18 @@ GCS_FIRST_REQUEST = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 """The request `ray.init` sends a cluster's GCS first, by its gRPC name (its message is empty)."""
 
 
+TOKEN_AUTH_SINCE = (2, 52)
+"""The Ray release that brought token authentication: before it Ray ignores RAY_AUTH_MODE."""
+
+
+def ray_has_token_auth() -> bool:
+    """Whether the installed Ray knows token authentication; read from its metadata, since importing Ray would fix
+    its mode."""
+    from importlib.metadata import version
+
+    return tuple(int(part) for part in version("ray").split(".")[:2]) >= TOKEN_AUTH_SINCE
+
+
 class RayConnectionError(ConnectionError):
     """The Ray cluster cannot be found or reached, or refuses this process; the message says what to do."""
 
@@ -112,7 +124,8 @@ def use_token_at_hand(address: str | None) -> None:
         joined, _ = cluster_to_join(address)
     except RayConnectionError:
         return  # `connect_ray` says so
-    if joined is None or joined.startswith("ray://") or "RAY_AUTH_MODE" in os.environ or _auth_token()[0] is None:
+    if joined is None or joined.startswith("ray://") or "RAY_AUTH_MODE" in os.environ or _auth_token()[0] is None \
+            or not ray_has_token_auth():
         return
     os.environ["RAY_AUTH_MODE"] = "disabled" if cluster_wants_token(joined) is False else "token"
 
@@ -162,7 +175,7 @@ def token_mode_mismatch() -> str | None:
     """The fix where this process is in token mode and the cluster it joined is not (a script joined it so)."""
     import ray
 
-    if os.environ.get("RAY_AUTH_MODE") != "token" or not ray.is_initialized() or \
+    if os.environ.get("RAY_AUTH_MODE") != "token" or not ray_has_token_auth() or not ray.is_initialized() or \
             cluster_wants_token(gcs := ray.get_runtime_context().gcs_address) is not False:
         return None
     return (f"RAY_AUTH_MODE=token, but the Ray cluster at {gcs} does not use token authentication: {_CALLS_REFUSED}; "
@@ -221,7 +234,7 @@ def connect_ray(address: str | None = None, say: Callable[[str], None] | None = 
     joined, why = cluster_to_join(address)
     if joined is not None:
         check_reachable(joined, why)
-        if not joined.startswith("ray://"):
+        if not joined.startswith("ray://") and ray_has_token_auth():
             _check_token(joined)
             _check_mode(joined, found=why == RAY_START_WHY)
     # None and "auto" go as given, so Ray presents a token at hand as it does for a cluster it finds
@@ -239,7 +252,8 @@ def connect_ray(address: str | None = None, say: Callable[[str], None] | None = 
         record_local_instance(run_id, gcs)
     if say is not None:
         if joined is None:
-            auth = "on; RAY_AUTH_MODE=disabled turns it off" if os.environ.get("RAY_AUTH_MODE") == "token" else "off"
+            auth = "on; RAY_AUTH_MODE=disabled turns it off" if os.environ.get("RAY_AUTH_MODE") == "token" and \
+                ray_has_token_auth() else "off"
             say(f"  ray: a local instance for this run at {gcs} (token authentication {auth})")
         else:
             say(f"  ray: joined the cluster at {gcs} ({why})")
