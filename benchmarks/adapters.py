@@ -31,7 +31,7 @@ import json
 import os
 import tempfile
 
-from benchmarks.common import machine, print_table, write_json
+from benchmarks.common import machine, report_exact_targets
 
 METHODS = ("full", "lora", "prefix")
 BUDGET = 2
@@ -123,11 +123,7 @@ COLUMNS = [("method", "method", "s"), ("state_bytes", "state B", ",d"), ("peak_h
 def run_cli(args) -> int:
     doc = run(args)
     print(f"OPT {args.size} ({doc['results'][0]['params']:,} parameters, {args.dtype}), ZO-SGD, {args.steps} steps")
-    print_table(doc["results"], COLUMNS)
-    for t in doc["targets"]:
-        print(f"  {'met' if t['met'] else 'NOT met'}: {t['target']} ({t['measured']})")
-    write_json(args.json, doc)
-    return 0 if all(t["met"] for t in doc["targets"]) and all(r["exact"] for r in doc["results"]) else 1
+    return report_exact_targets(doc, COLUMNS, args.json)
 
 
 def register(bench) -> None:

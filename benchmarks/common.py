@@ -95,6 +95,16 @@ def write_json(path: str | os.PathLike | None, doc: dict) -> None:
     print(f"wrote {path}")
 
 
+def report_exact_targets(doc: dict, columns: Sequence[tuple[str, str, str]], json_path) -> int:
+    """Print `doc`'s rows and targets and write its JSON; the exit code: 0 when every target is met and every row
+    is exact."""
+    print_table(doc["results"], columns)
+    for t in doc["targets"]:
+        print(f"  {'met' if t['met'] else 'NOT met'}: {t['target']} ({t['measured']})")
+    write_json(json_path, doc)
+    return 0 if all(t["met"] for t in doc["targets"]) and all(r["exact"] for r in doc["results"]) else 1
+
+
 BENCH_TASK = {"batch_size": 4, "max_length": 24, "eval_interval": 10**9, "eval_size": 4, "eval_batch_size": 4}
 """The benchmarks' task: small batches, and no held-out evaluation beyond the one before the
 first step (evaluation reads the state, it is not part of what the benchmarks measure)."""

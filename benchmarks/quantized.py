@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.common import machine, print_table, write_json
+from benchmarks.common import machine, report_exact_targets
 
 CONFIGS = {
     "fp32-lora": ("fp32", None, "lora"),
@@ -231,11 +231,7 @@ def run_cli(args) -> int:
     doc = run(args)
     print(f"Llama {doc['params']:,} parameters (hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab}), "
           f"ZO-SGD, {args.steps} steps of {args.tokens} tokens; peaks over a baseline of {doc['baseline_bytes']:,} B")
-    print_table(doc["results"], COLUMNS)
-    for t in doc["targets"]:
-        print(f"  {'met' if t['met'] else 'NOT met'}: {t['target']} ({t['measured']})")
-    write_json(args.json, doc)
-    return 0 if all(t["met"] for t in doc["targets"]) and all(r["exact"] for r in doc["results"]) else 1
+    return report_exact_targets(doc, COLUMNS, args.json)
 
 
 def register(bench) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -23,3 +24,17 @@ def test_the_shadow_and_the_snapshot_scale_with_the_adapter():
         assert row["state_bytes"] < row["snapshot_bytes"] < row["state_bytes"] + (16 << 10)  # + config, manifest
     ((target),) = doc["targets"]
     assert target["target"].startswith("lora: shadow peak within 10% of 2x the adapter's bytes")
+
+
+def test_a_report_exits_1_unless_every_target_is_met_and_every_row_exact(tmp_path, capsys):
+    from benchmarks.common import report_exact_targets
+
+    columns = [("name", "name", ""), ("exact", "exact", "")]
+    target = {"target": "shadow <= 2.1x", "measured": "2.000x", "met": True}
+    good = {"results": [{"name": "lora", "exact": True}], "targets": [target]}
+    assert report_exact_targets(good, columns, tmp_path / "a.json") == 0
+    assert json.loads((tmp_path / "a.json").read_text()) == good
+    assert "  met: shadow <= 2.1x (2.000x)" in capsys.readouterr().out
+    assert report_exact_targets({**good, "targets": [{**target, "met": False}]}, columns, None) == 1
+    assert "  NOT met: shadow <= 2.1x (2.000x)" in capsys.readouterr().out
+    assert report_exact_targets({**good, "results": [{"name": "lora", "exact": False}]}, columns, None) == 1
