@@ -9,6 +9,7 @@ compared with are in `reference_runs.py`.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +35,17 @@ def wait_until(predicate, timeout: float = 120.0) -> bool:
             return False
         time.sleep(next(waits))
     return True
+
+
+def stop_driver(driver: subprocess.Popen) -> None:
+    """SIGINT a driver process still running (its clean stop), then kill it if it has not ended in 120 s."""
+    if driver.poll() is None:
+        driver.send_signal(signal.SIGINT)
+        try:
+            driver.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            driver.kill()
+            driver.wait()
 
 
 def encode(records) -> bytes:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CLUSTER_ENV, free_ports, processes_naming, stop_processes_naming
-from support import REPO, wait_until
+from support import REPO, stop_driver, wait_until
 
 pytestmark = pytest.mark.slow  # a `ray start --head` node, train drivers and their local instances
 
@@ -180,16 +180,6 @@ def start_train(env: dict, args: list[str]) -> tuple[subprocess.Popen, DriverOut
     driver = subprocess.Popen([sys.executable, "-m", "zocheck_ray", *args], env=env, cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return driver, DriverOutput(driver)
-
-
-def stop_driver(driver: subprocess.Popen) -> None:
-    if driver.poll() is None:
-        driver.send_signal(signal.SIGINT)
-        try:
-            driver.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            driver.kill()
-            driver.wait()
 
 
 class LocalTrain:

@@ -22,7 +22,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import tempfile
 import textwrap
@@ -34,7 +33,7 @@ import pytest
 
 from conftest import CLUSTER_ENV, free_ports, stop_processes_naming
 from documented import INLINE, block, command
-from support import REPO
+from support import REPO, stop_driver
 
 BOUND_SECONDS = 900  # a ceiling for a loaded machine, not a timing
 
@@ -84,13 +83,7 @@ class Clone:
 
     def close(self) -> None:
         for process in self.started:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop_driver(process)
         stop_processes_naming(self.ray_tmp)
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
