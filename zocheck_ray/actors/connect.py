@@ -9,6 +9,7 @@ of the cluster (`cluster_wants_token`).
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import socket
@@ -29,6 +30,7 @@ TOKEN_AUTH_SINCE = (2, 52)
 """The Ray release that brought token authentication: before it Ray ignores RAY_AUTH_MODE."""
 
 
+@functools.cache
 def ray_has_token_auth() -> bool:
     """Whether the installed Ray knows token authentication; read from its metadata, since importing Ray would fix
     its mode."""
